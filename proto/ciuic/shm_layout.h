@@ -1,0 +1,205 @@
+// The shared-memory contract between a trainer (the SDK) and ciuicd.
+//
+// A session is opened on the daemon's session socket (SOCK_SEQPACKET, path
+// "<control socket>.session"). The daemon learns the trainer's uid and pid
+// from the kernel (SO_PEERCRED), creates a sealed memfd for the session and
+// passes it back with SCM_RIGHTS, together with an eventfd (the submission
+// doorbell). The socket stays open for the life of the session: its hang-up
+// is how each side learns that the other is gone.
+//
+// The memfd holds, at fixed offsets described by SessionHeader:
+//   [0, 4 KiB)          SessionHeader
+//   [sq_offset, ...)    submission ring: SubmissionEntry[sq_capacity]
+//   [cq_offset, ...)    completion ring: CompletionEntry[cq_capacity]
+//   [data_offset, end)  the arena in which the trainer allocates tensors
+//
+// Both rings are single-producer single-consumer with free-running 32-bit
+// indices (index & (capacity - 1) is the slot). The trainer produces
+// submissions and consumes completions; the daemon the reverse.
+//
+// Doorbells. Submission: after publishing sq_tail the trainer rings the
+// eventfd only if the daemon armed it (daemon_armed, exchanged to 0), so a
+// busy daemon costs the trainer no syscall. Completion: cq_tail is a futex
+// word; the daemon calls FUTEX_WAKE after publishing when trainer_waiters is
+// non-zero. Nobody spins while nothing is pending.
+//
+// Trust. Everything the trainer can write here is untrusted by the daemon:
+// it copies an entry out of the ring before looking at it, validates every
+// field, and keeps its own copy of the ring indices.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace ciuic::wire {
+
+inline constexpr uint64_t kSessionMagic = 0x31765f6369756963ULL;  // "ciuic_v1"
+inline constexpr uint32_t kLayoutVersion = 1;
+
+enum class Collective : uint32_t {
+  kAllreduce = 1,
+  kReduceScatter = 2,
+  kAllgather = 3,
+  kBroadcast = 4,
+  kBarrier = 5,
+};
+
+enum class DataType : uint32_t {
+  kFloat32 = 1,
+  kFloat64 = 2,
+  kFloat16 = 3,
+  kBFloat16 = 4,
+  kInt8 = 5,
+  kUInt8 = 6,
+  kInt32 = 7,
+  kInt64 = 8,
+};
+
+enum class ReduceOp : uint32_t {
+  kSum = 1,
+  kAvg = 2,
+  kMin = 3,
+  kMax = 4,
+  kProd = 5,
+};
+
+// Size in bytes of one element, or 0 for a value that is no DataType.
+inline constexpr size_t DataTypeSize(uint32_t dtype) {
+  switch (static_cast<DataType>(dtype)) {
+    case DataType::kFloat32: return 4;
+    case DataType::kFloat64: return 8;
+    case DataType::kFloat16: return 2;
+    case DataType::kBFloat16: return 2;
+    case DataType::kInt8: return 1;
+    case DataType::kUInt8: return 1;
+    case DataType::kInt32: return 4;
+    case DataType::kInt64: return 8;
+  }
+  return 0;
+}
+
+// Names used in messages, tables and command-line flags; nullptr if unknown.
+inline constexpr const char* DataTypeName(uint32_t dtype) {
+  switch (static_cast<DataType>(dtype)) {
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kInt8: return "int8";
+    case DataType::kUInt8: return "uint8";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+  }
+  return nullptr;
+}
+
+inline constexpr const char* ReduceOpName(uint32_t op) {
+  switch (static_cast<ReduceOp>(op)) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kProd: return "prod";
+  }
+  return nullptr;
+}
+
+inline constexpr const char* CollectiveName(uint32_t c) {
+  switch (static_cast<Collective>(c)) {
+    case Collective::kAllreduce: return "allreduce";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kAllgather: return "allgather";
+    case Collective::kBroadcast: return "broadcast";
+    case Collective::kBarrier: return "barrier";
+  }
+  return nullptr;
+}
+
+inline constexpr size_t kMaxOpName = 112;
+inline constexpr size_t kMaxMessage = 232;
+
+// Buffers per collective (count is in elements; W is the job's world size):
+//   allreduce       send: count        recv: count (may be the send buffer)
+//   reduce_scatter  send: count * W    recv: count (rank r gets block r)
+//   allgather       send: count        recv: count * W (block r from rank r)
+//   broadcast       send: count (read on root only)  recv: count
+//   barrier         no buffers; count must be 0
+struct SubmissionEntry {
+  uint64_t op_id;        // chosen by the SDK, echoed in the completion
+  uint32_t collective;   // Collective
+  uint32_t dtype;        // DataType
+  uint32_t reduce_op;    // ReduceOp (reductions only)
+  int32_t root;          // broadcast only
+  uint64_t count;
+  uint64_t send_offset;  // byte offsets into the session memfd
+  uint64_t recv_offset;
+  uint32_t timeout_ms;   // 0: the daemon's op_timeout_ms
+  int32_t priority;      // higher goes first among ready operations
+  uint32_t flags;        // reserved, must be 0
+  uint32_t name_len;     // bytes of name used, <= kMaxOpName
+  char name[kMaxOpName]; // matches the operation across ranks
+};
+static_assert(sizeof(SubmissionEntry) == 176);
+
+struct CompletionEntry {
+  uint64_t op_id;
+  int32_t status_code;   // absl::StatusCode / ciuic::StatusCode values
+  uint32_t message_len;  // bytes of message used, <= kMaxMessage
+  uint64_t reserved;
+  char message[kMaxMessage];
+};
+static_assert(sizeof(CompletionEntry) == 256);
+
+struct alignas(64) SessionHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t reserved0;
+  uint64_t memfd_bytes;
+  uint64_t sq_offset;
+  uint64_t cq_offset;
+  uint64_t data_offset;
+  uint64_t data_bytes;
+  uint32_t sq_capacity;  // power of two
+  uint32_t cq_capacity;  // power of two, >= sq_capacity
+
+  alignas(64) std::atomic<uint32_t> sq_tail;          // trainer writes
+  alignas(64) std::atomic<uint32_t> sq_head;          // daemon writes
+  alignas(64) std::atomic<uint32_t> daemon_armed;     // daemon sets, trainer clears
+  alignas(64) std::atomic<uint32_t> cq_tail;          // daemon writes; futex word
+  alignas(64) std::atomic<uint32_t> cq_head;          // trainer writes
+  alignas(64) std::atomic<uint32_t> trainer_waiters;  // trainer writes
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(sizeof(SessionHeader) <= 4096);
+
+inline constexpr uint32_t kRingCapacity = 1024;
+inline constexpr uint64_t kHeaderBytes = 4096;
+inline constexpr uint64_t kSqOffset = kHeaderBytes;
+inline constexpr uint64_t kCqOffset = kSqOffset + kRingCapacity * sizeof(SubmissionEntry);
+inline constexpr uint64_t kDataOffset = 1 << 20;  // data starts 1 MiB in
+static_assert(kCqOffset + kRingCapacity * sizeof(CompletionEntry) <= kDataOffset);
+
+// Session socket messages (one datagram each on SOCK_SEQPACKET).
+struct HelloRequest {
+  uint64_t magic;         // kSessionMagic
+  uint32_t version;       // kLayoutVersion
+  uint32_t reserved;
+  uint64_t arena_bytes;   // data bytes the trainer asks for
+};
+
+inline constexpr size_t kTokenBytes = 16;
+
+// Sent with two fds (SCM_RIGHTS): the memfd and the submission eventfd,
+// unless status_code is not 0.
+struct HelloReply {
+  uint64_t magic;
+  int32_t status_code;
+  uint32_t message_len;
+  uint64_t session_id;
+  uint64_t memfd_bytes;
+  uint8_t token[kTokenBytes];  // proves the session to the Control service
+  char message[kMaxMessage];
+};
+
+}  // namespace ciuic::wire
