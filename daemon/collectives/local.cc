@@ -1,0 +1,103 @@
+#include "collectives/local.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "reduce/reduce.h"
+
+namespace ciuic::daemon {
+
+namespace {
+// Block that stays in L2 between the reduction and its copies.
+constexpr uint64_t kCacheBlockBytes = 64 * 1024;
+}  // namespace
+
+LocalCollective::LocalCollective(const OpSignature& sig, std::vector<const uint8_t*> send,
+                                 std::vector<uint8_t*> recv, uint64_t chunk_bytes)
+    : sig_(sig), send_(std::move(send)), recv_(std::move(recv)),
+      ranks_(static_cast<int>(recv_.size())) {
+  const auto c = static_cast<wire::Collective>(sig_.collective);
+  if (c == wire::Collective::kBarrier || sig_.count == 0) {
+    num_chunks_ = 0;
+    return;
+  }
+  const uint64_t es = sig_.element_bytes();
+  chunk_elems_ = std::max<uint64_t>(1, chunk_bytes / es);
+  chunks_per_block_ = (sig_.count + chunk_elems_ - 1) / chunk_elems_;
+  switch (c) {
+    case wire::Collective::kAllreduce:
+    case wire::Collective::kBroadcast:
+      num_chunks_ = chunks_per_block_;
+      break;
+    case wire::Collective::kReduceScatter:
+    case wire::Collective::kAllgather:
+      num_chunks_ = chunks_per_block_ * static_cast<size_t>(ranks_);
+      break;
+    case wire::Collective::kBarrier:
+      break;
+  }
+}
+
+uint64_t LocalCollective::payload_bytes() const {
+  const uint64_t block = sig_.count * sig_.element_bytes();
+  switch (static_cast<wire::Collective>(sig_.collective)) {
+    case wire::Collective::kReduceScatter:
+    case wire::Collective::kAllgather:
+      return block * static_cast<uint64_t>(ranks_);
+    default:
+      return block;
+  }
+}
+
+void LocalCollective::RunChunk(size_t index) const {
+  const auto c = static_cast<wire::Collective>(sig_.collective);
+  const uint64_t es = sig_.element_bytes();
+  const uint64_t block_bytes = sig_.count * es;
+  // Which rank block (for reduce_scatter / allgather) and which element range.
+  const size_t owner = index / chunks_per_block_;
+  const uint64_t first = (index % chunks_per_block_) * chunk_elems_;
+  const uint64_t elems = std::min(chunk_elems_, sig_.count - first);
+  const uint64_t step = std::max<uint64_t>(1, kCacheBlockBytes / es);
+
+  std::vector<const void*> inputs(static_cast<size_t>(ranks_));
+  for (uint64_t done = 0; done < elems; done += step) {
+    const uint64_t n = std::min(step, elems - done);
+    const uint64_t off = (first + done) * es;
+    switch (c) {
+      case wire::Collective::kAllreduce: {
+        for (int r = 0; r < ranks_; ++r) inputs[r] = send_[r] + off;
+        uint8_t* out = recv_[0] + off;
+        Reduce(static_cast<wire::DataType>(sig_.dtype), static_cast<wire::ReduceOp>(sig_.reduce_op),
+               inputs.data(), ranks_, out, n);
+        for (int r = 1; r < ranks_; ++r) std::memcpy(recv_[r] + off, out, n * es);
+        break;
+      }
+      case wire::Collective::kReduceScatter: {
+        const uint64_t src = owner * block_bytes + off;
+        for (int r = 0; r < ranks_; ++r) inputs[r] = send_[r] + src;
+        Reduce(static_cast<wire::DataType>(sig_.dtype), static_cast<wire::ReduceOp>(sig_.reduce_op),
+               inputs.data(), ranks_, recv_[owner] + off, n);
+        break;
+      }
+      case wire::Collective::kAllgather: {
+        const uint8_t* src = send_[owner] + off;
+        const uint64_t dst = owner * block_bytes + off;
+        for (int r = 0; r < ranks_; ++r) {
+          if (recv_[r] + dst != src) std::memcpy(recv_[r] + dst, src, n * es);
+        }
+        break;
+      }
+      case wire::Collective::kBroadcast: {
+        const uint8_t* src = send_[sig_.root] + off;
+        for (int r = 0; r < ranks_; ++r) {
+          if (recv_[r] + off != src) std::memcpy(recv_[r] + off, src, n * es);
+        }
+        break;
+      }
+      case wire::Collective::kBarrier:
+        break;
+    }
+  }
+}
+
+}  // namespace ciuic::daemon

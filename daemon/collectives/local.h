@@ -1,0 +1,50 @@
+// The local phase of a collective: all ranks' buffers are on this node and
+// mapped in the daemon, so the daemon reads every input straight from the
+// ranks' shared memory and writes every output there (zero copy).
+//
+// An operation is cut into independent chunks of about chunk_bytes so that
+// several worker threads can share it and a small high-priority operation
+// waits for at most one chunk of a large one. Within a chunk, work goes in
+// cache-sized blocks: the reduction of a block lands in rank 0's output and
+// is copied to the other ranks' outputs while it is still in cache.
+//
+// Bytes moved per rank for an operation of S bytes per rank and W ranks:
+//   allreduce       reads W*S, writes W*S         (algbw S/t, busbw 2(W-1)/W)
+//   reduce_scatter  reads W*S, writes S           (S = full send buffer)
+//   allgather       reads S,   writes W*S         (S = full recv buffer)
+//   broadcast       reads S,   writes (W-1)*S
+//
+// Thread-safety: RunChunk may be called concurrently for different chunks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "collectives/op.h"
+
+namespace ciuic::daemon {
+
+class LocalCollective {
+ public:
+  // send[r] / recv[r] are rank r's buffers (nullptr where ValidatedOp has
+  // none); they stay valid until the last chunk has run.
+  LocalCollective(const OpSignature& sig, std::vector<const uint8_t*> send,
+                  std::vector<uint8_t*> recv, uint64_t chunk_bytes);
+
+  size_t num_chunks() const { return num_chunks_; }
+  void RunChunk(size_t index) const;
+  // Payload bytes per rank, as nccl-tests counts them for algbw.
+  uint64_t payload_bytes() const;
+
+ private:
+  OpSignature sig_;
+  std::vector<const uint8_t*> send_;
+  std::vector<uint8_t*> recv_;
+  int ranks_;
+  uint64_t chunk_elems_ = 1;
+  size_t chunks_per_block_ = 1;  // chunks per rank block (reduce_scatter, allgather)
+  size_t num_chunks_ = 0;
+};
+
+}  // namespace ciuic::daemon

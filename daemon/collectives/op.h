@@ -1,0 +1,50 @@
+// An operation as the daemon understands it once a submission has passed
+// validation: trusted fields only, buffers resolved to daemon addresses.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "ciuic/shm_layout.h"
+
+namespace ciuic::daemon {
+
+class SessionMemory;
+
+// What every rank must agree on for the same operation name.
+struct OpSignature {
+  uint32_t collective = 0;
+  uint32_t dtype = 0;
+  uint32_t reduce_op = 0;  // 0 for collectives that do not reduce
+  int32_t root = 0;        // broadcast only, else 0
+  uint64_t count = 0;
+
+  bool operator==(const OpSignature&) const = default;
+  // "allreduce float32 count=100 op=sum" style, for error messages.
+  std::string ToString() const;
+  size_t element_bytes() const { return wire::DataTypeSize(dtype); }
+};
+
+struct ValidatedOp {
+  uint64_t op_id = 0;
+  std::string name;
+  OpSignature sig;
+  uint8_t* send = nullptr;  // nullptr when the rank sends nothing
+  uint8_t* recv = nullptr;  // nullptr when the rank receives nothing
+  uint64_t send_bytes = 0;
+  uint64_t recv_bytes = 0;
+  uint32_t timeout_ms = 0;  // 0: the daemon's default
+  int32_t priority = 0;
+};
+
+// Checks one submission copied out of a session's ring against everything
+// a correct SDK guarantees: known collective, dtype and reduce op, a name,
+// no reserved flags, sizes that do not overflow, both buffers inside the
+// session's data region, buffers that alias only the ways the collective
+// allows (in place), a root within the job. The error names the field.
+absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& entry,
+                                               const SessionMemory& memory, int world_size,
+                                               int rank);
+
+}  // namespace ciuic::daemon

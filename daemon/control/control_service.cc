@@ -1,0 +1,138 @@
+#include "control/control_service.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "spdlog/spdlog.h"
+
+namespace ciuic::daemon {
+
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+void FillEntry(const TuningEntry& e, proto::TuneEntry* out) {
+  out->set_key(e.key);
+  out->set_value(e.value);
+  out->set_description(e.description);
+}
+
+bool SocketIsLive(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  bool live = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return live;
+}
+
+}  // namespace
+
+grpc::Status ControlService::JoinJob(grpc::ServerContext*, const proto::JoinJobRequest* req,
+                                     proto::JoinJobReply* reply) {
+  JoinRequest r;
+  r.session_token = req->session_token();
+  r.job_id = req->job_id();
+  r.rank = req->rank();
+  r.world_size = req->world_size();
+  r.local_rank = req->local_rank();
+  r.local_size = req->local_size();
+  absl::Status s = engine_->Join(r);
+  if (s.ok()) reply->set_node_name(node_name_);
+  return ToGrpc(s);
+}
+
+grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::StatusRequest*,
+                                       proto::StatusReply* reply) {
+  EngineStatus st = engine_->Status();
+  reply->set_version(CIUIC_VERSION);
+  reply->set_node_name(node_name_);
+  reply->set_socket_path(socket_path_);
+  reply->set_uptime_seconds(st.uptime_seconds);
+  reply->set_worker_threads(st.worker_threads);
+  reply->set_ops_completed(st.ops_completed);
+  reply->set_ops_failed(st.ops_failed);
+  reply->set_bytes_reduced(st.bytes);
+  for (const auto& s : st.sessions) {
+    auto* out = reply->add_sessions();
+    out->set_session_id(s.id);
+    out->set_uid(s.uid);
+    out->set_pid(s.pid);
+    out->set_job_id(s.job_id);
+    out->set_rank(s.rank);
+    out->set_arena_bytes(s.arena_bytes);
+  }
+  for (const auto& j : st.jobs) {
+    auto* out = reply->add_jobs();
+    out->set_job_id(j.id);
+    out->set_uid(j.uid);
+    out->set_world_size(j.world_size);
+    out->set_local_size(j.local_size);
+    for (int r : j.ranks) out->add_ranks(r);
+    out->set_state(j.state);
+    out->set_ops_completed(j.ops_completed);
+    out->set_ops_failed(j.ops_failed);
+    out->set_bytes_reduced(j.bytes);
+    for (const auto& p : j.pending) {
+      auto* po = out->add_pending();
+      po->set_name(p.name);
+      po->set_collective(p.collective);
+      po->set_bytes(p.bytes);
+      for (int r : p.submitted) po->add_submitted_ranks(r);
+      for (int r : p.waiting) po->add_waiting_for_ranks(r);
+      po->set_age_seconds(p.age_seconds);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::TuneGet(grpc::ServerContext*, const proto::TuneGetRequest* req,
+                                     proto::TuneGetReply* reply) {
+  auto entries = tuning_->Get(req->key());
+  if (!entries.ok()) return ToGrpc(entries.status());
+  for (const auto& e : *entries) FillEntry(e, reply->add_entries());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::TuneSet(grpc::ServerContext*, const proto::TuneSetRequest* req,
+                                     proto::TuneSetReply* reply) {
+  absl::Status s = tuning_->Set(req->key(), req->value());
+  if (!s.ok()) return ToGrpc(s);
+  auto entries = tuning_->Get(req->key());
+  if (!entries.ok()) return ToGrpc(entries.status());
+  if (!entries->empty()) FillEntry(entries->front(), reply->mutable_entry());
+  spdlog::info("tuning: {} = {}", req->key(), reply->entry().value());
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& socket_path,
+                                                                 grpc::Service* service) {
+  if (SocketIsLive(socket_path)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("another ciuicd is already listening on ", socket_path));
+  }
+  unlink(socket_path.c_str());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
+  }
+  chmod(socket_path.c_str(), 0666);
+  return server;
+}
+
+}  // namespace ciuic::daemon

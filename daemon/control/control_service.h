@@ -1,0 +1,44 @@
+// The gRPC face of the daemon (service ciuic.proto.Control). Thin: every
+// call is translated to the Engine or the TuningRegistry, which know
+// nothing of gRPC. Called on gRPC's threads.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "ciuic/control.grpc.pb.h"
+#include "config/tuning.h"
+#include "engine/engine.h"
+
+namespace ciuic::daemon {
+
+class ControlService final : public proto::Control::Service {
+ public:
+  ControlService(Engine* engine, TuningRegistry* tuning, std::string node_name,
+                 std::string socket_path)
+      : engine_(engine), tuning_(tuning), node_name_(std::move(node_name)),
+        socket_path_(std::move(socket_path)) {}
+
+  grpc::Status JoinJob(grpc::ServerContext*, const proto::JoinJobRequest*,
+                       proto::JoinJobReply*) override;
+  grpc::Status GetStatus(grpc::ServerContext*, const proto::StatusRequest*,
+                         proto::StatusReply*) override;
+  grpc::Status TuneGet(grpc::ServerContext*, const proto::TuneGetRequest*,
+                       proto::TuneGetReply*) override;
+  grpc::Status TuneSet(grpc::ServerContext*, const proto::TuneSetRequest*,
+                       proto::TuneSetReply*) override;
+
+ private:
+  Engine* engine_;
+  TuningRegistry* tuning_;
+  std::string node_name_;
+  std::string socket_path_;
+};
+
+// Serves `service` on unix:`socket_path` (mode 0666; stale file replaced,
+// a live daemon there is an error).
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& socket_path,
+                                                                 grpc::Service* service);
+
+}  // namespace ciuic::daemon

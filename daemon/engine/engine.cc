@@ -1,0 +1,755 @@
+#include "engine/engine.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <future>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "collectives/local.h"
+#include "collectives/op.h"
+#include "engine/worker_pool.h"
+#include "shm/rings.h"
+#include "shm/session_memory.h"
+#include "shm/session_socket.h"
+#include "spdlog/spdlog.h"
+
+namespace ciuic::daemon {
+
+using Clock = std::chrono::steady_clock;
+
+// One trainer's data-plane session. Owned by the loop (sessions_); running
+// operations keep a reference so that the memory they read and write stays
+// mapped if the trainer dies under them.
+struct Session {
+  uint64_t id = 0;
+  PeerCredentials peer;
+  int sock_fd = -1;
+  int doorbell_fd = -1;
+  std::string token;
+  std::shared_ptr<SessionMemory> memory;
+  std::optional<SubmissionReader> sq;
+  std::optional<CompletionWriter> cq;
+  bool closed = false;
+  std::string job_key;  // empty until joined
+  int rank = -1;
+  uint32_t outstanding = 0;  // submitted, not yet completed
+
+  ~Session() {
+    if (sock_fd >= 0) close(sock_fd);
+    if (doorbell_fd >= 0) close(doorbell_fd);
+  }
+};
+
+// One rank's part in an operation.
+struct RankPart {
+  std::shared_ptr<Session> session;
+  ValidatedOp op;
+};
+
+struct PendingOp {
+  std::string name;
+  OpSignature sig;
+  int32_t priority = 0;
+  uint64_t seq = 0;
+  Clock::time_point first_submit;
+  Clock::time_point deadline;
+  std::vector<std::optional<RankPart>> parts;  // by rank
+  std::vector<bool> seen;                      // ranks that submitted this name
+  int submitted = 0;
+  absl::Status failure;  // set: poisoned, later submitters get it at once
+  // While running:
+  std::unique_ptr<LocalCollective> collective;
+  std::atomic<size_t> chunks_left{0};
+};
+
+struct Job {
+  std::string key;
+  std::string id;
+  uid_t uid = 0;
+  int world_size = 0;
+  int local_size = 0;
+  std::map<int, std::shared_ptr<Session>> ranks;
+  absl::Status failure;  // sticky once set
+  std::map<std::string, std::shared_ptr<PendingOp>> pending;
+  uint64_t ops_completed = 0;
+  uint64_t ops_failed = 0;
+  uint64_t bytes = 0;
+};
+
+namespace {
+
+std::string JobKey(uid_t uid, const std::string& id) { return absl::StrCat(uid, "/", id); }
+
+std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+
+absl::Status Errno(absl::string_view what) {
+  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// epoll data: low 2 bits say which fd of which session woke us.
+enum : uint64_t { kWake = 0, kSock = 1, kBell = 2 };
+uint64_t Tag(uint64_t session_id, uint64_t kind) { return session_id << 2 | kind; }
+
+}  // namespace
+
+Engine::Engine(const Options& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Start(const Options& options) {
+  if (options.tuning == nullptr) return absl::InvalidArgumentError("Engine needs a TuningRegistry");
+  std::unique_ptr<Engine> e(new Engine(options));
+  auto listen_fd = ListenSeqpacket(options.session_socket_path);
+  if (!listen_fd.ok()) return listen_fd.status();
+  e->listen_fd_ = *listen_fd;
+  e->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (e->epoll_fd_ < 0) return Errno("epoll_create1");
+  e->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (e->wake_fd_ < 0) return Errno("eventfd");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = Tag(0, kWake);
+  epoll_ctl(e->epoll_fd_, EPOLL_CTL_ADD, e->wake_fd_, &ev);
+  e->workers_ = std::make_unique<WorkerPool>(std::max(1, options.worker_threads));
+  e->loop_ = std::thread([p = e.get()] { p->Loop(); });
+  pthread_setname_np(e->loop_.native_handle(), "ciuic-loop");
+  e->acceptor_ = std::thread([p = e.get()] { p->AcceptLoop(); });
+  pthread_setname_np(e->acceptor_.native_handle(), "ciuic-accept");
+  return e;
+}
+
+Engine::~Engine() {
+  Shutdown();
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void Engine::Post(std::function<void()> fn) {
+  {
+    absl::MutexLock lock(&post_mu_);
+    posted_.push_back(std::move(fn));
+  }
+  uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
+}
+
+template <typename T>
+T Engine::RunOnLoop(std::function<T()> fn) {
+  auto promise = std::make_shared<std::promise<T>>();
+  std::future<T> result = promise->get_future();
+  Post([promise, fn = std::move(fn)] { promise->set_value(fn()); });
+  return result.get();
+}
+
+// ---------------------------------------------------------------- sessions
+
+void Engine::AcceptLoop() {
+  while (true) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (shutdown_started_.load()) return;
+      if (errno == EMFILE || errno == ENFILE) {
+        spdlog::error("accept on session socket: {}; retrying", std::strerror(errno));
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      return;
+    }
+    HandshakeOnAcceptor(fd);
+  }
+}
+
+void Engine::HandshakeOnAcceptor(int fd) {
+  wire::HelloReply reply{};
+  reply.magic = wire::kSessionMagic;
+  auto refuse = [&](absl::Status s) {
+    spdlog::warn("session refused: {}", s.ToString());
+    reply.status_code = static_cast<int>(s.code());
+    const size_t n = std::min(s.message().size(), wire::kMaxMessage);
+    std::memcpy(reply.message, s.message().data(), n);
+    reply.message_len = static_cast<uint32_t>(n);
+    (void)SendWithFds(fd, &reply, sizeof(reply), nullptr, 0);
+    close(fd);
+  };
+
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  auto peer = GetPeerCredentials(fd);
+  if (!peer.ok()) return refuse(peer.status());
+  wire::HelloRequest hello{};
+  // Plain recv: any fds a client attaches are dropped by the kernel.
+  ssize_t n = recv(fd, &hello, sizeof(hello), 0);
+  if (n != static_cast<ssize_t>(sizeof(hello)) || hello.magic != wire::kSessionMagic) {
+    return refuse(absl::InvalidArgumentError("bad session hello (not a ciuic SDK?)"));
+  }
+  if (hello.version != wire::kLayoutVersion) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "SDK speaks shared-memory layout ", hello.version, ", this ciuicd speaks ",
+        wire::kLayoutVersion)));
+  }
+  if (hello.arena_bytes == 0 || hello.arena_bytes > options_.max_arena_bytes) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(
+        "session arena of ", hello.arena_bytes, " bytes asked; this ciuicd allows 1 to ",
+        options_.max_arena_bytes, " bytes per session (max_arena_bytes)")));
+  }
+  auto memory = SessionMemory::Create(hello.arena_bytes);
+  if (!memory.ok()) return refuse(memory.status());
+  int bell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (bell < 0) return refuse(Errno("eventfd"));
+
+  auto session = std::make_shared<Session>();
+  session->peer = *peer;
+  session->sock_fd = fd;
+  session->doorbell_fd = bell;
+  session->memory = std::move(*memory);
+  wire::SessionHeader* h = session->memory->header();
+  session->sq.emplace(h, session->memory->submissions(), h->sq_capacity);
+  session->cq.emplace(h, session->memory->completions(), h->cq_capacity);
+  session->token.resize(wire::kTokenBytes);
+  if (getrandom(session->token.data(), session->token.size(), 0) !=
+      static_cast<ssize_t>(session->token.size())) {
+    session->sock_fd = -1;  // refuse() closes it
+    return refuse(Errno("getrandom"));
+  }
+  std::memcpy(reply.token, session->token.data(), wire::kTokenBytes);
+  reply.memfd_bytes = session->memory->size();
+
+  // Register before replying, so a Join that follows the reply finds it.
+  auto registered = std::make_shared<std::promise<uint64_t>>();
+  std::future<uint64_t> id = registered->get_future();
+  Post([this, session, registered] {
+    if (stopping_) {
+      registered->set_value(0);
+      return;
+    }
+    session->id = next_session_id_++;
+    sessions_[session->id] = session;
+    sessions_by_token_[session->token] = session;
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.u64 = Tag(session->id, kSock);
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, session->sock_fd, &ev);
+    ev.events = EPOLLIN;
+    ev.data.u64 = Tag(session->id, kBell);
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, session->doorbell_fd, &ev);
+    registered->set_value(session->id);
+  });
+  reply.session_id = id.get();
+  if (reply.session_id == 0) {
+    session->sock_fd = -1;
+    return refuse(absl::UnavailableError("ciuicd is shutting down"));
+  }
+  int fds[2] = {session->memory->fd(), bell};
+  absl::Status sent = SendWithFds(fd, &reply, sizeof(reply), fds, 2);
+  if (!sent.ok()) {
+    Post([this, session, sent] { CloseSessionOnLoop(session, sent.ToString()); });
+    return;
+  }
+  spdlog::info("session {} opened: uid {} pid {}, arena {} bytes", reply.session_id,
+               peer->uid, peer->pid, session->memory->data_bytes());
+}
+
+void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const std::string& why) {
+  if (session->closed) return;
+  session->closed = true;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->sock_fd, nullptr);
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->doorbell_fd, nullptr);
+  sessions_.erase(session->id);
+  sessions_by_token_.erase(session->token);
+  spdlog::info("session {} (pid {}) closed: {}", session->id, session->peer.pid, why);
+  if (!session->job_key.empty()) {
+    auto it = jobs_.find(session->job_key);
+    if (it != jobs_.end()) {
+      Job& job = *it->second;
+      job.ranks.erase(session->rank);
+      FailJobOnLoop(job, absl::AbortedError(absl::StrCat(
+                             "rank ", session->rank, " (pid ", session->peer.pid, ") of job '",
+                             job.id, "' left: ", why)));
+      if (job.ranks.empty()) jobs_.erase(it);
+    }
+  }
+  // The fds close with the last reference (running operations may hold one).
+}
+
+// -------------------------------------------------------------------- join
+
+absl::Status Engine::Join(const JoinRequest& request) {
+  uid_t uid = 0;
+  absl::Status s = RunOnLoop<absl::Status>([&] { return JoinOnLoop(request, &uid); });
+  if (s.ok()) {
+    spdlog::info("rank {}/{} (local {}/{}) of job '{}' (uid {}) joined", request.rank,
+                 request.world_size, request.local_rank, request.local_size, request.job_id,
+                 uid);
+  }
+  return s;
+}
+
+absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
+  if (stopping_) return absl::UnavailableError("ciuicd is shutting down");
+  auto sit = sessions_by_token_.find(r.session_token);
+  if (sit == sessions_by_token_.end()) {
+    return absl::UnauthenticatedError(
+        "unknown session token: open a session on the session socket first");
+  }
+  Session& session = *sit->second;
+  *uid_out = session.peer.uid;
+  if (!session.job_key.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this session already joined a job as rank ", session.rank));
+  }
+  if (r.job_id.empty() || r.job_id.size() > 256) {
+    return absl::InvalidArgumentError("job id must be 1 to 256 bytes");
+  }
+  if (r.world_size < 1 || r.rank < 0 || r.rank >= r.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", r.rank, " is not in a world of size ", r.world_size));
+  }
+  if (r.local_size < 1 || r.local_size > r.world_size || r.local_rank < 0 ||
+      r.local_rank >= r.local_size) {
+    return absl::InvalidArgumentError(absl::StrCat("local rank ", r.local_rank, " of local size ",
+                                                   r.local_size, " does not fit world size ",
+                                                   r.world_size));
+  }
+  if (r.local_size != r.world_size) {
+    return absl::UnimplementedError(absl::StrCat(
+        "job '", r.job_id, "' spans several nodes (world size ", r.world_size, ", local size ",
+        r.local_size, "): this ciuicd runs single-node jobs only"));
+  }
+  const std::string key = JobKey(session.peer.uid, r.job_id);
+  auto& slot = jobs_[key];
+  if (!slot) {
+    slot = std::make_unique<Job>();
+    slot->key = key;
+    slot->id = r.job_id;
+    slot->uid = session.peer.uid;
+    slot->world_size = r.world_size;
+    slot->local_size = r.local_size;
+  }
+  Job& job = *slot;
+  auto drop_if_empty = [&] {
+    if (job.ranks.empty()) jobs_.erase(key);
+  };
+  if (job.world_size != r.world_size || job.local_size != r.local_size) {
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "job '", r.job_id, "' has world size ", job.world_size, " and local size ",
+        job.local_size, "; rank ", r.rank, " says ", r.world_size, " and ", r.local_size));
+    drop_if_empty();
+    return s;
+  }
+  if (!job.failure.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", r.job_id, "' failed (", job.failure.message(),
+        "); start it again once all its ranks have exited"));
+  }
+  if (auto it = job.ranks.find(r.rank); it != job.ranks.end()) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", r.rank, " of job '", r.job_id,
+                                                 "' is already joined by pid ",
+                                                 it->second->peer.pid));
+  }
+  job.ranks[r.rank] = sit->second;
+  session.job_key = key;
+  session.rank = r.rank;
+  return absl::OkStatus();
+}
+
+// -------------------------------------------------------------------- loop
+
+bool Engine::RunPostedOnLoop() {
+  std::vector<std::function<void()>> batch;
+  {
+    absl::MutexLock lock(&post_mu_);
+    batch.swap(posted_);
+  }
+  for (auto& fn : batch) fn();
+  return !batch.empty();
+}
+
+bool Engine::AnySubmissionPendingOnLoop() {
+  for (auto& [id, s] : sessions_) {
+    if (s->sq->HasPending()) return true;
+  }
+  return false;
+}
+
+void Engine::ArmDoorbellsOnLoop(bool armed) {
+  for (auto& [id, s] : sessions_) {
+    s->memory->header()->daemon_armed.store(armed ? 1 : 0, std::memory_order_seq_cst);
+  }
+}
+
+bool Engine::PollSubmissionsOnLoop() {
+  bool worked = false;
+  // Copy: handling a submission may close sessions.
+  std::vector<std::shared_ptr<Session>> ready;
+  for (auto& [id, s] : sessions_) {
+    if (s->sq->HasPending()) ready.push_back(s);
+  }
+  for (auto& s : ready) {
+    wire::SubmissionEntry entry;
+    while (!s->closed) {
+      auto got = s->sq->Pop(&entry);
+      if (!got.ok()) {
+        CloseSessionOnLoop(s, got.status().ToString());
+        break;
+      }
+      if (!*got) break;
+      worked = true;
+      if (s->outstanding >= s->memory->header()->cq_capacity) {
+        CloseSessionOnLoop(s, "more operations in flight than the completion ring holds");
+        break;
+      }
+      ++s->outstanding;
+      SubmitOnLoop(s, entry);
+    }
+  }
+  return worked;
+}
+
+void Engine::Loop() {
+  std::vector<epoll_event> events(64);
+  Clock::time_point last_work = Clock::now();
+  bool armed = false;
+  while (true) {
+    const Tuning tuning = options_.tuning->Snapshot();
+    int timeout_ms = 0;
+    const bool spinning =
+        Clock::now() - last_work < std::chrono::microseconds(tuning.spin_us);
+    if (!spinning) {
+      ArmDoorbellsOnLoop(true);
+      armed = true;
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (AnySubmissionPendingOnLoop()) {
+        timeout_ms = 0;
+      } else {
+        bool any_pending = false;
+        for (auto& [key, job] : jobs_) any_pending |= !job->pending.empty();
+        timeout_ms = any_pending ? 100 : -1;
+      }
+    }
+    int n = epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
+    if (armed) {
+      ArmDoorbellsOnLoop(false);
+      armed = false;
+    }
+    if (n == 0 && spinning) sched_yield();
+    for (int i = 0; i < n; ++i) {
+      const uint64_t tag = events[i].data.u64;
+      const uint64_t kind = tag & 3;
+      if (kind == kWake) {
+        uint64_t v;
+        (void)!read(wake_fd_, &v, sizeof(v));
+        continue;
+      }
+      auto it = sessions_.find(tag >> 2);
+      if (it == sessions_.end()) continue;
+      std::shared_ptr<Session> s = it->second;
+      if (kind == kBell) {
+        uint64_t v;
+        (void)!read(s->doorbell_fd, &v, sizeof(v));
+      } else {
+        char byte;
+        ssize_t got = recv(s->sock_fd, &byte, 1, MSG_DONTWAIT);
+        if (got == 0 || (events[i].events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR))) {
+          CloseSessionOnLoop(s, "trainer disconnected");
+        } else if (got > 0) {
+          CloseSessionOnLoop(s, "unexpected data on the session socket");
+        }
+      }
+    }
+    bool worked = RunPostedOnLoop();
+    worked |= PollSubmissionsOnLoop();
+    CheckDeadlinesOnLoop();
+    if (worked) last_work = Clock::now();
+    if (stopping_ && running_ops_ == 0) break;
+  }
+  // Drained: close what is left.
+  std::vector<std::shared_ptr<Session>> left;
+  for (auto& [id, s] : sessions_) left.push_back(s);
+  for (auto& s : left) CloseSessionOnLoop(s, "ciuicd is shutting down");
+}
+
+// ------------------------------------------------------------- operations
+
+void Engine::CompleteOnLoop(Session& session, uint64_t op_id, const absl::Status& status) {
+  if (session.closed) return;
+  if (session.outstanding > 0) --session.outstanding;
+  absl::Status pushed =
+      session.cq->Push(op_id, static_cast<int>(status.code()), status.message());
+  if (!pushed.ok()) {
+    auto it = sessions_.find(session.id);
+    if (it != sessions_.end()) CloseSessionOnLoop(it->second, pushed.ToString());
+  }
+}
+
+void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::SubmissionEntry& entry) {
+  auto job_it = jobs_.find(s->job_key);
+  if (s->job_key.empty() || job_it == jobs_.end()) {
+    ++ops_failed_;
+    return CompleteOnLoop(*s, entry.op_id,
+                          absl::FailedPreconditionError("the session has not joined a job"));
+  }
+  Job& job = *job_it->second;
+  if (!job.failure.ok()) {
+    ++ops_failed_;
+    ++job.ops_failed;
+    return CompleteOnLoop(*s, entry.op_id, job.failure);
+  }
+  auto valid = ValidateSubmission(entry, *s->memory, job.world_size, s->rank);
+  if (!valid.ok()) {
+    ++ops_failed_;
+    ++job.ops_failed;
+    spdlog::warn("job '{}' rank {}: rejected submission: {}", job.id, s->rank,
+                 valid.status().message());
+    return CompleteOnLoop(*s, entry.op_id, valid.status());
+  }
+  ValidatedOp& v = *valid;
+  const Clock::time_point now = Clock::now();
+  const uint32_t timeout_ms =
+      v.timeout_ms != 0 ? v.timeout_ms : options_.tuning->Snapshot().op_timeout_ms;
+
+  std::shared_ptr<PendingOp>& slot = job.pending[v.name];
+  if (!slot) {
+    slot = std::make_shared<PendingOp>();
+    slot->name = v.name;
+    slot->sig = v.sig;
+    slot->priority = v.priority;
+    slot->seq = next_op_seq_++;
+    slot->first_submit = now;
+    slot->deadline = now + std::chrono::milliseconds(timeout_ms);
+    slot->parts.resize(job.world_size);
+    slot->seen.assign(job.world_size, false);
+  }
+  std::shared_ptr<PendingOp> op = slot;
+  auto forget_if_all_seen = [&] {
+    if (std::all_of(op->seen.begin(), op->seen.end(), [](bool b) { return b; })) {
+      job.pending.erase(op->name);
+    }
+  };
+  if (op->seen[s->rank]) {
+    ++ops_failed_;
+    ++job.ops_failed;
+    return CompleteOnLoop(*s, v.op_id, absl::FailedPreconditionError(absl::StrCat(
+                                           "operation '", v.name, "' submitted twice by rank ",
+                                           s->rank, " while the first is pending")));
+  }
+  op->seen[s->rank] = true;
+  if (!op->failure.ok()) {  // poisoned by a mismatch or a timeout
+    ++ops_failed_;
+    ++job.ops_failed;
+    CompleteOnLoop(*s, v.op_id, op->failure);
+    return forget_if_all_seen();
+  }
+  if (!(v.sig == op->sig)) {
+    int other = -1;
+    for (int r = 0; r < job.world_size; ++r) {
+      if (op->parts[r]) {
+        other = r;
+        break;
+      }
+    }
+    absl::Status mismatch = absl::InvalidArgumentError(
+        absl::StrCat("operation '", v.name, "' mismatched across ranks: rank ", other,
+                     " submitted ", op->sig.ToString(), ", rank ", s->rank, " submitted ",
+                     v.sig.ToString()));
+    spdlog::warn("job '{}': {}", job.id, mismatch.message());
+    ++ops_failed_;
+    ++job.ops_failed;
+    CompleteOnLoop(*s, v.op_id, mismatch);
+    FailPendingOnLoop(job, *op, mismatch);
+    return forget_if_all_seen();
+  }
+  op->priority = std::max(op->priority, v.priority);
+  op->deadline = std::min(op->deadline, now + std::chrono::milliseconds(timeout_ms));
+  op->parts[s->rank] = RankPart{s, std::move(v)};
+  if (++op->submitted == job.local_size) {
+    job.pending.erase(op->name);
+    LaunchOnLoop(job, std::move(op));
+  }
+}
+
+void Engine::FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& status) {
+  op.failure = status;
+  if (op.submitted > 0) {
+    ++ops_failed_;
+    ++job.ops_failed;
+  }
+  for (auto& part : op.parts) {
+    if (!part) continue;
+    CompleteOnLoop(*part->session, part->op.op_id, status);
+    part.reset();
+  }
+  op.submitted = 0;
+}
+
+void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
+  if (job.failure.ok()) {
+    job.failure = status;
+    spdlog::warn("job '{}' failed: {}", job.id, status.message());
+  }
+  for (auto& [name, op] : job.pending) FailPendingOnLoop(job, *op, status);
+  job.pending.clear();
+}
+
+void Engine::CheckDeadlinesOnLoop() {
+  const Clock::time_point now = Clock::now();
+  for (auto& [key, job] : jobs_) {
+    for (auto& [name, op] : job->pending) {
+      if (!op->failure.ok() || now < op->deadline) continue;
+      std::vector<int> waiting;
+      for (int r = 0; r < job->world_size; ++r) {
+        if (!op->seen[r]) waiting.push_back(r);
+      }
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->first_submit);
+      absl::Status s = absl::DeadlineExceededError(absl::StrCat(
+          "operation '", name, "' of job '", job->id, "' timed out after ", ms.count(),
+          " ms waiting for rank(s) ", RankList(waiting)));
+      spdlog::warn("{}", s.message());
+      FailPendingOnLoop(*job, *op, s);
+    }
+  }
+}
+
+void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
+  const Tuning tuning = options_.tuning->Snapshot();  // fixed for this operation
+  std::vector<const uint8_t*> send(job.world_size);
+  std::vector<uint8_t*> recv(job.world_size);
+  for (int r = 0; r < job.world_size; ++r) {
+    send[r] = op->parts[r]->op.send;
+    recv[r] = op->parts[r]->op.recv;
+  }
+  op->collective = std::make_unique<LocalCollective>(op->sig, std::move(send), std::move(recv),
+                                                     tuning.chunk_bytes);
+  const size_t chunks = op->collective->num_chunks();
+  const uint64_t bytes = op->collective->payload_bytes();
+  if (chunks <= 1 || bytes <= tuning.small_op_bytes || workers_->size() == 0) {
+    for (size_t i = 0; i < chunks; ++i) op->collective->RunChunk(i);
+    return FinishOnLoop(job.key, *op, absl::OkStatus());
+  }
+  ++running_ops_;
+  op->chunks_left.store(chunks);
+  for (size_t i = 0; i < chunks; ++i) {
+    workers_->Submit(op->priority, [this, op, i, key = job.key] {
+      op->collective->RunChunk(i);
+      if (op->chunks_left.fetch_sub(1) == 1) {
+        Post([this, op, key] {
+          --running_ops_;
+          FinishOnLoop(key, *op, absl::OkStatus());
+        });
+      }
+    });
+  }
+}
+
+void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status) {
+  auto it = jobs_.find(job_key);
+  Job* job = it == jobs_.end() ? nullptr : it->second.get();
+  const uint64_t bytes = op.collective ? op.collective->payload_bytes() : 0;
+  if (status.ok()) {
+    ++ops_completed_;
+    bytes_ += bytes;
+    if (job) {
+      ++job->ops_completed;
+      job->bytes += bytes;
+    }
+  } else {
+    ++ops_failed_;
+    if (job) ++job->ops_failed;
+  }
+  for (auto& part : op.parts) {
+    if (part) CompleteOnLoop(*part->session, part->op.op_id, status);
+  }
+  op.parts.clear();
+  op.collective.reset();
+}
+
+// ------------------------------------------------------------ status, stop
+
+EngineStatus Engine::Status() {
+  if (shutdown_started_.load()) return EngineStatus{};
+  return RunOnLoop<EngineStatus>([this] { return StatusOnLoop(); });
+}
+
+EngineStatus Engine::StatusOnLoop() {
+  EngineStatus st;
+  const Clock::time_point now = Clock::now();
+  st.uptime_seconds = std::chrono::duration<double>(now - started_).count();
+  st.worker_threads = workers_->size();
+  st.ops_completed = ops_completed_;
+  st.ops_failed = ops_failed_;
+  st.bytes = bytes_;
+  for (auto& [id, s] : sessions_) {
+    EngineStatus::SessionRow row;
+    row.id = id;
+    row.uid = s->peer.uid;
+    row.pid = s->peer.pid;
+    if (auto it = jobs_.find(s->job_key); it != jobs_.end()) row.job_id = it->second->id;
+    row.rank = s->rank;
+    row.arena_bytes = s->memory->data_bytes();
+    st.sessions.push_back(std::move(row));
+  }
+  for (auto& [key, job] : jobs_) {
+    EngineStatus::JobRow row;
+    row.id = job->id;
+    row.uid = job->uid;
+    row.world_size = job->world_size;
+    row.local_size = job->local_size;
+    for (auto& [rank, s] : job->ranks) row.ranks.push_back(rank);
+    if (!job->failure.ok()) {
+      row.state = absl::StrCat("failed: ", job->failure.message());
+    } else if (static_cast<int>(job->ranks.size()) < job->local_size) {
+      row.state = "forming";
+    } else {
+      row.state = "running";
+    }
+    row.ops_completed = job->ops_completed;
+    row.ops_failed = job->ops_failed;
+    row.bytes = job->bytes;
+    std::vector<std::shared_ptr<PendingOp>> ops;
+    for (auto& [name, op] : job->pending) ops.push_back(op);
+    std::sort(ops.begin(), ops.end(), [](auto& a, auto& b) { return a->seq < b->seq; });
+    for (auto& op : ops) {
+      EngineStatus::PendingRow p;
+      p.name = op->name;
+      const char* c = wire::CollectiveName(op->sig.collective);
+      p.collective = c ? c : "?";
+      p.bytes = op->sig.count * op->sig.element_bytes();
+      for (int r = 0; r < job->world_size; ++r) {
+        (op->seen[r] ? p.submitted : p.waiting).push_back(r);
+      }
+      p.age_seconds = std::chrono::duration<double>(now - op->first_submit).count();
+      row.pending.push_back(std::move(p));
+    }
+    st.jobs.push_back(std::move(row));
+  }
+  return st;
+}
+
+void Engine::Shutdown() {
+  if (shutdown_started_.exchange(true)) return;
+  spdlog::info("engine draining");
+  shutdown(listen_fd_, SHUT_RDWR);
+  if (acceptor_.joinable()) acceptor_.join();
+  close(listen_fd_);
+  unlink(options_.session_socket_path.c_str());
+  Post([this] {
+    stopping_ = true;
+    for (auto& [key, job] : jobs_) {
+      FailJobOnLoop(*job, absl::UnavailableError("ciuicd is shutting down"));
+    }
+  });
+  if (loop_.joinable()) loop_.join();
+  workers_.reset();
+}
+
+}  // namespace ciuic::daemon

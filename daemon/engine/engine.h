@@ -1,0 +1,166 @@
+// The engine: everything between a trainer's submission and its completion
+// on one node.
+//
+// Threads. One event-loop thread owns every session, job and pending
+// operation: it accepts nothing from other threads except closures posted
+// with Post()/RunOnLoop() (the way TensorPipe's loop and Envoy's dispatcher
+// work), so none of that state needs a lock. Methods and members that
+// belong to the loop end in `OnLoop` or say so. An acceptor thread performs
+// session handshakes (they may block on a slow trainer) and posts the new
+// session to the loop. Worker threads (WorkerPool) run chunks of large
+// operations and post their completion back.
+//
+// The loop polls the submission rings while there is work, keeps polling
+// for spin_us after the last work, then arms the doorbells and sleeps in
+// epoll: an idle daemon uses no CPU.
+//
+// Callers: the control layer (gRPC) calls Join/Status from its threads;
+// main() calls Start and Shutdown.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "ciuic/shm_layout.h"
+#include "config/tuning.h"
+
+namespace ciuic::daemon {
+
+struct Session;
+struct Job;
+struct PendingOp;
+class WorkerPool;
+
+struct JoinRequest {
+  std::string session_token;
+  std::string job_id;
+  int rank = 0;
+  int world_size = 0;
+  int local_rank = 0;
+  int local_size = 0;
+};
+
+struct EngineStatus {
+  struct SessionRow {
+    uint64_t id = 0;
+    uint32_t uid = 0;
+    int32_t pid = 0;
+    std::string job_id;
+    int rank = -1;
+    uint64_t arena_bytes = 0;
+  };
+  struct PendingRow {
+    std::string name;
+    std::string collective;
+    uint64_t bytes = 0;
+    std::vector<int> submitted;
+    std::vector<int> waiting;
+    double age_seconds = 0;
+  };
+  struct JobRow {
+    std::string id;
+    uint32_t uid = 0;
+    int world_size = 0;
+    int local_size = 0;
+    std::vector<int> ranks;
+    std::string state;
+    uint64_t ops_completed = 0;
+    uint64_t ops_failed = 0;
+    uint64_t bytes = 0;
+    std::vector<PendingRow> pending;
+  };
+  double uptime_seconds = 0;
+  int worker_threads = 0;
+  uint64_t ops_completed = 0;
+  uint64_t ops_failed = 0;
+  uint64_t bytes = 0;
+  std::vector<SessionRow> sessions;
+  std::vector<JobRow> jobs;
+};
+
+class Engine {
+ public:
+  struct Options {
+    std::string session_socket_path;
+    int worker_threads = 2;
+    uint64_t max_arena_bytes = 8ull << 30;
+    TuningRegistry* tuning = nullptr;  // not owned; outlives the engine
+  };
+
+  // Listens on the session socket and starts the loop, acceptor and workers.
+  static absl::StatusOr<std::unique_ptr<Engine>> Start(const Options& options);
+  ~Engine();  // Shutdown() if not done
+
+  // Binds a session (by its token) to a rank of a job. Any thread.
+  absl::Status Join(const JoinRequest& request);
+  EngineStatus Status();
+
+  // Drains: refuses new sessions, ends pending operations with UNAVAILABLE,
+  // lets running ones finish, closes every session. Any thread but the loop.
+  void Shutdown();
+
+ private:
+  explicit Engine(const Options& options);
+
+  void Post(std::function<void()> fn);
+  template <typename T>
+  T RunOnLoop(std::function<T()> fn);
+
+  void AcceptLoop();
+  void HandshakeOnAcceptor(int fd);
+  void Loop();
+  bool RunPostedOnLoop();
+  bool PollSubmissionsOnLoop();
+  bool AnySubmissionPendingOnLoop();
+  void ArmDoorbellsOnLoop(bool armed);
+  void SubmitOnLoop(const std::shared_ptr<Session>& session, const wire::SubmissionEntry& entry);
+  void LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op);
+  void FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status);
+  void FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& status);
+  void FailJobOnLoop(Job& job, const absl::Status& status);
+  void CheckDeadlinesOnLoop();
+  void CompleteOnLoop(Session& session, uint64_t op_id, const absl::Status& status);
+  void CloseSessionOnLoop(const std::shared_ptr<Session>& session, const std::string& why);
+  absl::Status JoinOnLoop(const JoinRequest& request, uid_t* uid_out);
+  EngineStatus StatusOnLoop();
+
+  const Options options_;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  int listen_fd_ = -1;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;
+  std::unique_ptr<WorkerPool> workers_;
+  std::thread acceptor_;
+  std::thread loop_;
+  std::atomic<bool> shutdown_started_{false};
+
+  absl::Mutex post_mu_;
+  std::vector<std::function<void()>> posted_ ABSL_GUARDED_BY(post_mu_);
+
+  // Loop-thread state.
+  uint64_t next_session_id_ = 1;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_;
+  std::map<std::string, std::shared_ptr<Session>> sessions_by_token_;
+  std::map<std::string, std::unique_ptr<Job>> jobs_;  // key: uid + '/' + job id
+  uint64_t next_op_seq_ = 0;
+  int running_ops_ = 0;
+  bool stopping_ = false;
+  uint64_t ops_completed_ = 0;
+  uint64_t ops_failed_ = 0;
+  uint64_t bytes_ = 0;
+};
+
+}  // namespace ciuic::daemon

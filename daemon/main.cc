@@ -1,0 +1,199 @@
+// ciuicd: the per-node ciuic daemon.
+//
+//   ciuicd [--config FILE] [--socket PATH] [--node-name NAME] [--log-level LEVEL]
+//          [--worker-threads N]
+//
+// Flags override the config file. Trainers open sessions on PATH.session and
+// join jobs over gRPC on PATH. SIGTERM or SIGINT drains and exits 0. Under
+// systemd (Type=notify) readiness is signalled once both sockets listen.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "config/config.h"
+#include "config/tuning.h"
+#include "control/control_service.h"
+#include "engine/engine.h"
+#include "grpcpp/grpcpp.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+namespace ciuic::daemon {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: ciuicd [--config FILE] [--socket PATH] [--node-name NAME] [--log-level LEVEL]\n"
+    "              [--worker-threads N] [--version]\n"
+    "Flags override the config file; see deploy/ciuicd.example.yaml for every key.\n";
+
+// The systemd notify protocol: one datagram to $NOTIFY_SOCKET.
+void NotifySystemd(const char* state) {
+  const char* path = getenv("NOTIFY_SOCKET");
+  if (path == nullptr || path[0] == '\0') return;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  size_t len = strlen(path);
+  if (len >= sizeof(addr.sun_path)) return;
+  memcpy(addr.sun_path, path, len);
+  if (addr.sun_path[0] == '@') addr.sun_path[0] = '\0';  // abstract namespace
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  sendto(fd, state, strlen(state), MSG_NOSIGNAL, reinterpret_cast<sockaddr*>(&addr),
+         static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + len));
+  close(fd);
+}
+
+int MakeParentDir(const std::string& path) {
+  auto slash = path.rfind('/');
+  if (slash == std::string::npos || slash == 0) return 0;
+  std::string dir = path.substr(0, slash);
+  std::string partial;
+  for (size_t i = 1; i <= dir.size(); ++i) {
+    if (i == dir.size() || dir[i] == '/') {
+      partial = dir.substr(0, i);
+      if (mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) return -1;
+    }
+  }
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  std::string config_path, socket_flag, node_flag, log_flag, workers_flag;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](std::string* out) {
+      auto eq = a.find('=');
+      if (eq != std::string::npos) {
+        *out = a.substr(eq + 1);
+        return true;
+      }
+      if (i + 1 >= argc) return false;
+      *out = argv[++i];
+      return true;
+    };
+    auto is = [&](const char* flag) {
+      return a == flag || a.rfind(std::string(flag) + "=", 0) == 0;
+    };
+    bool ok = true;
+    if (a == "--help" || a == "-h") {
+      fputs(kUsage, stdout);
+      return 0;
+    } else if (a == "--version") {
+      printf("ciuicd %s\n", CIUIC_VERSION);
+      return 0;
+    } else if (is("--config")) {
+      ok = value(&config_path);
+    } else if (is("--socket")) {
+      ok = value(&socket_flag);
+    } else if (is("--node-name")) {
+      ok = value(&node_flag);
+    } else if (is("--log-level")) {
+      ok = value(&log_flag);
+    } else if (is("--worker-threads")) {
+      ok = value(&workers_flag);
+    } else {
+      fprintf(stderr, "ciuicd: unknown argument '%s'\n%s", a.c_str(), kUsage);
+      return 64;
+    }
+    if (!ok) {
+      fprintf(stderr, "ciuicd: %s needs a value\n%s", a.c_str(), kUsage);
+      return 64;
+    }
+  }
+
+  absl::StatusOr<DaemonConfig> loaded =
+      config_path.empty() ? ParseConfigYaml("", "defaults") : LoadConfigFile(config_path);
+  if (!loaded.ok()) {
+    fprintf(stderr, "ciuicd: %s\n", std::string(loaded.status().message()).c_str());
+    return 78;  // EX_CONFIG
+  }
+  DaemonConfig config = *loaded;
+  // Flags override the file; validate them with the file's rules.
+  std::string overrides;
+  if (!socket_flag.empty()) absl::StrAppend(&overrides, "socket: \"", socket_flag, "\"\n");
+  if (!node_flag.empty()) absl::StrAppend(&overrides, "node_name: \"", node_flag, "\"\n");
+  if (!log_flag.empty()) absl::StrAppend(&overrides, "log_level: \"", log_flag, "\"\n");
+  if (!workers_flag.empty()) absl::StrAppend(&overrides, "worker_threads: ", workers_flag, "\n");
+  if (!overrides.empty()) {
+    auto flags = ParseConfigYaml(overrides, "command line");
+    if (!flags.ok()) {
+      fprintf(stderr, "ciuicd: %s\n", std::string(flags.status().message()).c_str());
+      return 64;
+    }
+    if (!socket_flag.empty()) config.socket_path = flags->socket_path;
+    if (!node_flag.empty()) config.node_name = flags->node_name;
+    if (!log_flag.empty()) config.log_level = flags->log_level;
+    if (!workers_flag.empty()) config.worker_threads = flags->worker_threads;
+  }
+
+  auto logger = spdlog::stderr_color_mt("ciuicd");
+  spdlog::set_default_logger(logger);
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
+
+  // Signals are taken synchronously by the main thread below; every thread
+  // started from here on inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  if (MakeParentDir(config.socket_path) != 0) {
+    spdlog::critical("cannot create the directory of {}: {}", config.socket_path,
+                     strerror(errno));
+    return 1;
+  }
+  int workers = config.worker_threads > 0
+                    ? config.worker_threads
+                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  TuningRegistry tuning(config.tuning);
+  Engine::Options options;
+  options.session_socket_path = config.socket_path + ".session";
+  options.worker_threads = workers;
+  options.max_arena_bytes = config.max_arena_bytes;
+  options.tuning = &tuning;
+  auto engine = Engine::Start(options);
+  if (!engine.ok()) {
+    spdlog::critical("{}", engine.status().message());
+    return 1;
+  }
+  ControlService service(engine->get(), &tuning, config.node_name, config.socket_path);
+  auto server = StartControlServer(config.socket_path, &service);
+  if (!server.ok()) {
+    spdlog::critical("{}", server.status().message());
+    (*engine)->Shutdown();
+    return 1;
+  }
+  spdlog::info("ciuicd {} ready on {} (node {}, {} worker threads)", CIUIC_VERSION,
+               config.socket_path, config.node_name, workers);
+  NotifySystemd("READY=1");
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("{} received: draining", strsignal(sig));
+  NotifySystemd("STOPPING=1");
+  (*engine)->Shutdown();
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  unlink(config.socket_path.c_str());
+  spdlog::info("ciuicd stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace ciuic::daemon
+
+int main(int argc, char** argv) { return ciuic::daemon::Main(argc, argv); }

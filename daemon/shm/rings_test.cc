@@ -1,0 +1,95 @@
+#include "shm/rings.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+#include "shm/session_memory.h"
+
+namespace ciuic::daemon {
+namespace {
+
+class RingsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto mem = SessionMemory::Create(1 << 16);
+    ASSERT_TRUE(mem.ok()) << mem.status();
+    mem_ = std::move(*mem);
+    h_ = mem_->header();
+  }
+  // What a trainer does to submit.
+  void TrainerSubmit(uint64_t op_id) {
+    uint32_t tail = h_->sq_tail.load();
+    wire::SubmissionEntry& e = mem_->submissions()[tail & (h_->sq_capacity - 1)];
+    std::memset(&e, 0, sizeof(e));
+    e.op_id = op_id;
+    h_->sq_tail.store(tail + 1);
+  }
+  std::unique_ptr<SessionMemory> mem_;
+  wire::SessionHeader* h_;
+};
+
+TEST_F(RingsTest, SubmissionsComeOutInOrderAcrossWraparound) {
+  SubmissionReader reader(h_, mem_->submissions(), h_->sq_capacity);
+  EXPECT_FALSE(reader.HasPending());
+  uint64_t next_expected = 0;
+  uint64_t next_submit = 0;
+  // 3.5 laps of the ring in uneven batches.
+  for (int round = 0; round < 100; ++round) {
+    int batch = (round * 37) % 90 + 1;
+    for (int i = 0; i < batch; ++i) TrainerSubmit(next_submit++);
+    EXPECT_TRUE(reader.HasPending());
+    wire::SubmissionEntry e;
+    while (true) {
+      auto got = reader.Pop(&e);
+      ASSERT_TRUE(got.ok()) << got.status();
+      if (!*got) break;
+      EXPECT_EQ(e.op_id, next_expected++);
+    }
+    EXPECT_EQ(h_->sq_head.load(), static_cast<uint32_t>(next_submit));
+  }
+  EXPECT_EQ(next_expected, next_submit);
+  EXPECT_GT(next_submit, 3u * h_->sq_capacity);
+}
+
+TEST_F(RingsTest, ImpossibleTailIsDataLoss) {
+  SubmissionReader reader(h_, mem_->submissions(), h_->sq_capacity);
+  h_->sq_tail.store(h_->sq_capacity + 1);
+  wire::SubmissionEntry e;
+  auto got = reader.Pop(&e);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
+  // A tail "behind" the head (wrapped negative) is just as impossible.
+  h_->sq_tail.store(0xffffffffu);
+  EXPECT_EQ(reader.Pop(&e).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(RingsTest, CompletionsCarryStatusAndTruncatedMessage) {
+  CompletionWriter writer(h_, mem_->completions(), h_->cq_capacity);
+  ASSERT_TRUE(writer.Push(7, 0, "").ok());
+  std::string long_message(1000, 'x');
+  ASSERT_TRUE(writer.Push(8, 3, long_message).ok());
+  EXPECT_EQ(h_->cq_tail.load(), 2u);
+  const wire::CompletionEntry& a = mem_->completions()[0];
+  const wire::CompletionEntry& b = mem_->completions()[1];
+  EXPECT_EQ(a.op_id, 7u);
+  EXPECT_EQ(a.status_code, 0);
+  EXPECT_EQ(a.message_len, 0u);
+  EXPECT_EQ(b.op_id, 8u);
+  EXPECT_EQ(b.status_code, 3);
+  EXPECT_EQ(b.message_len, wire::kMaxMessage);
+}
+
+TEST_F(RingsTest, FullCompletionRingIsAnErrorNotAnOverwrite) {
+  CompletionWriter writer(h_, mem_->completions(), h_->cq_capacity);
+  for (uint32_t i = 0; i < h_->cq_capacity; ++i) ASSERT_TRUE(writer.Push(i, 0, "").ok());
+  EXPECT_EQ(writer.Push(99, 0, "").code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(mem_->completions()[0].op_id, 0u);
+  h_->cq_head.store(1);  // trainer reaps one
+  EXPECT_TRUE(writer.Push(100, 0, "").ok());
+  h_->cq_head.store(h_->cq_capacity + 50);  // head ahead of tail: garbage
+  EXPECT_EQ(writer.Push(101, 0, "").code(), absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace ciuic::daemon

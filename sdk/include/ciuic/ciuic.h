@@ -1,0 +1,182 @@
+// The ciuic C++ SDK: hand tensors to the node's ciuicd and get collective
+// results back.
+//
+//   ciuic::JobOptions opts;            // job id, rank, world size, ...
+//   std::unique_ptr<ciuic::Communicator> comm;
+//   ciuic::Status s = ciuic::Communicator::Create(opts, &comm);
+//   ciuic::Buffer buf;
+//   s = comm->Allocate(n * sizeof(float), &buf);   // zero copy
+//   ciuic::Handle h = comm->Allreduce(buf.data(), buf.data(), n,
+//                                     ciuic::DataType::kFloat32, ciuic::ReduceOp::kSum);
+//   s = h.Wait();
+//
+// Every collective returns a Handle at once; the daemon works while the
+// caller computes. Buffers from Allocate() live in memory shared with the
+// daemon and are used in place; any other pointer works too, and is copied
+// into shared memory at submission and out of it at completion. A buffer
+// belongs to its operation until the handle completes.
+//
+// Operations are matched across ranks by name (OpOptions::name). Unnamed
+// operations are named by their order of submission on the communicator, so
+// ranks must then submit them in the same order; named ones may be submitted
+// in any order. The same name with a different collective, dtype, count,
+// reduce op or root on different ranks fails on every rank with an error
+// naming the operation and the mismatch.
+//
+// Threads: a Communicator may be used from several threads; Handles may be
+// waited on from any thread. No call spins while nothing is pending.
+//
+// This header includes only the standard library and itself.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ciuic/status.h"
+
+namespace ciuic {
+
+enum class DataType : uint32_t {
+  kFloat32 = 1,
+  kFloat64 = 2,
+  kFloat16 = 3,
+  kBFloat16 = 4,
+  kInt8 = 5,
+  kUInt8 = 6,
+  kInt32 = 7,
+  kInt64 = 8,
+};
+
+enum class ReduceOp : uint32_t {
+  kSum = 1,
+  kAvg = 2,
+  kMin = 3,
+  kMax = 4,
+  kProd = 5,
+};
+
+size_t DataTypeSize(DataType dtype);
+const char* DataTypeName(DataType dtype);  // "float32", ...
+const char* ReduceOpName(ReduceOp op);     // "sum", ...
+// Parse the names above; false if unknown.
+bool ParseDataType(const std::string& name, DataType* out);
+bool ParseReduceOp(const std::string& name, ReduceOp* out);
+
+// The default control socket: $CIUIC_SOCKET, else /run/ciuic/ciuicd.sock.
+std::string DefaultSocketPath();
+
+struct JobOptions {
+  std::string socket_path;  // empty: DefaultSocketPath()
+  std::string job_id;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = -1;  // -1: same as rank
+  int local_size = -1;  // -1: same as world_size
+  // Bytes of shared memory for this communicator's buffers and for staging
+  // buffers that are not zero copy. 0: $CIUIC_ARENA_BYTES, else 512 MiB.
+  uint64_t arena_bytes = 0;
+};
+
+struct OpOptions {
+  std::string name;          // empty: named by submission order
+  int32_t priority = 0;      // higher runs first among ready operations
+  uint32_t timeout_ms = 0;   // 0: the daemon's op_timeout_ms
+};
+
+// A region of the communicator's shared memory. Move-only; freed when
+// destroyed (it must not outlive its Communicator or an operation using it).
+class Buffer {
+ public:
+  Buffer() = default;
+  ~Buffer();
+  Buffer(Buffer&& other) noexcept;
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+
+ private:
+  friend struct BufferAccess;  // the SDK's internals
+  struct Arena;
+  std::shared_ptr<Arena> arena_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// The result of an asynchronous operation. Copyable; all copies share the
+// operation. A default-constructed Handle is invalid.
+class Handle {
+ public:
+  Handle() = default;
+
+  // Blocks until the operation completes; returns its status.
+  Status Wait();
+  // Like Wait, but gives up after `timeout` with DEADLINE_EXCEEDED (the
+  // operation goes on; wait again later).
+  Status WaitFor(std::chrono::milliseconds timeout);
+  // True once the operation has completed; never blocks.
+  bool Test();
+  bool valid() const { return state_ != nullptr; }
+
+  struct State;
+  explicit Handle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class Communicator {
+ public:
+  // Opens a session with the daemon at options.socket_path and joins the
+  // job. Blocks until the daemon has accepted the rank (not until all ranks
+  // have joined: operations wait for them).
+  static Status Create(const JobOptions& options, std::unique_ptr<Communicator>* out);
+  ~Communicator();  // ends the session; pending operations fail
+
+  int rank() const;
+  int world_size() const;
+  int local_rank() const;
+  int local_size() const;
+  const std::string& job_id() const;
+  const std::string& node_name() const;
+
+  // Zero-copy shared memory of at least `bytes` bytes (64-byte aligned).
+  Status Allocate(size_t bytes, Buffer* out);
+  // True if [ptr, ptr + bytes) lies in this communicator's shared memory.
+  bool IsShared(const void* ptr, size_t bytes) const;
+
+  // send and recv hold `count` elements; recv may equal send (in place).
+  Handle Allreduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                   const OpOptions& options = {});
+  // send holds recv_count * world_size elements; rank r receives the
+  // reduction of block r. recv may be this rank's block of send.
+  Handle ReduceScatter(const void* send, void* recv, size_t recv_count, DataType dtype,
+                       ReduceOp op, const OpOptions& options = {});
+  // recv holds send_count * world_size elements; block r comes from rank r.
+  // send may be this rank's block of recv.
+  Handle Allgather(const void* send, void* recv, size_t send_count, DataType dtype,
+                   const OpOptions& options = {});
+  // Every rank's recv receives root's send (read on root only).
+  Handle Broadcast(const void* send, void* recv, size_t count, DataType dtype, int root,
+                   const OpOptions& options = {});
+  Handle Broadcast(void* buffer, size_t count, DataType dtype, int root,
+                   const OpOptions& options = {}) {
+    return Broadcast(buffer, buffer, count, dtype, root, options);
+  }
+  Handle Barrier(const OpOptions& options = {});
+
+  class Impl;
+
+ private:
+  explicit Communicator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ciuic

@@ -1,0 +1,541 @@
+// The SDK's session with ciuicd: handshake on the session socket, join over
+// gRPC, then submissions and completions through the shared-memory rings.
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "arena.h"
+#include "ciuic/ciuic.h"
+#include "ciuic/control.grpc.pb.h"
+#include "ciuic/shm_layout.h"
+#include "grpcpp/grpcpp.h"
+
+namespace ciuic {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status ErrnoStatus(StatusCode code, const std::string& what) {
+  return Status(code, what + ": " + std::strerror(errno));
+}
+
+uint64_t ArenaBytesFromEnv() {
+  const char* env = std::getenv("CIUIC_ARENA_BYTES");
+  if (env == nullptr || env[0] == '\0') return 512ull << 20;
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(env, &end, 10);
+  uint64_t mult = 1;
+  if (end && (*end == 'K' || *end == 'k')) mult = 1ull << 10;
+  if (end && (*end == 'M' || *end == 'm')) mult = 1ull << 20;
+  if (end && (*end == 'G' || *end == 'g')) mult = 1ull << 30;
+  return v == 0 ? (512ull << 20) : v * mult;
+}
+
+uint32_t SpinMicrosFromEnv() {
+  const char* env = std::getenv("CIUIC_SPIN_US");
+  if (env == nullptr || env[0] == '\0') return 50;
+  return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
+}
+
+}  // namespace
+
+// Shared by the communicator and its handles.
+struct Core;
+
+struct Handle::State {
+  std::shared_ptr<Core> core;
+  uint64_t op_id = 0;
+  std::atomic<bool> done{false};
+  Status status;  // written before done is set
+  // Staging for buffers outside shared memory: copied out at completion.
+  Buffer staging;
+  const uint8_t* staging_recv = nullptr;
+  void* user_recv = nullptr;
+  size_t recv_bytes = 0;
+};
+
+struct Core {
+  std::shared_ptr<Buffer::Arena> arena;
+  int sock_fd = -1;
+  int doorbell_fd = -1;
+  uint32_t spin_us = 50;
+  wire::SessionHeader* header = nullptr;
+  wire::SubmissionEntry* sq = nullptr;
+  wire::CompletionEntry* cq = nullptr;
+
+  std::mutex submit_mu;  // the submission ring's producer side
+  uint32_t sq_tail = 0;
+  std::atomic<uint64_t> next_op_id{1};
+
+  std::mutex reap_mu;  // the completion ring's consumer side and `inflight`
+  uint32_t cq_head = 0;
+  std::unordered_map<uint64_t, std::shared_ptr<Handle::State>> inflight;
+  std::atomic<uint32_t> inflight_count{0};
+  Status dead;  // set once the session is gone; guarded by reap_mu
+
+  ~Core() {
+    if (sock_fd >= 0) close(sock_fd);
+    if (doorbell_fd >= 0) close(doorbell_fd);
+  }
+
+  static void Finish(Handle::State& st, Status status) {
+    if (status.ok() && st.user_recv != nullptr && st.recv_bytes > 0) {
+      std::memcpy(st.user_recv, st.staging_recv, st.recv_bytes);
+    }
+    st.staging = Buffer();
+    st.status = std::move(status);
+    st.done.store(true, std::memory_order_release);
+  }
+
+  // Drains the completion ring. Returns true if anything completed.
+  bool Reap() {
+    std::lock_guard<std::mutex> lock(reap_mu);
+    bool any = false;
+    const uint32_t tail = header->cq_tail.load(std::memory_order_acquire);
+    while (cq_head != tail) {
+      const wire::CompletionEntry& e = cq[cq_head & (header->cq_capacity - 1)];
+      auto it = inflight.find(e.op_id);
+      if (it != inflight.end()) {
+        const uint32_t n = std::min<uint32_t>(e.message_len, wire::kMaxMessage);
+        Finish(*it->second, Status(static_cast<StatusCode>(e.status_code),
+                                   std::string(e.message, n)));
+        inflight.erase(it);
+        inflight_count.fetch_sub(1, std::memory_order_relaxed);
+      }
+      ++cq_head;
+      header->cq_head.store(cq_head, std::memory_order_release);
+      any = true;
+    }
+    return any;
+  }
+
+  // Ends every operation in flight with `why` (daemon gone or session closed).
+  void MarkDead(const Status& why) {
+    std::lock_guard<std::mutex> lock(reap_mu);
+    if (dead.ok()) dead = why;
+    for (auto& [id, st] : inflight) Finish(*st, dead);
+    inflight.clear();
+    inflight_count.store(0);
+  }
+
+  Status DeadStatus() {
+    std::lock_guard<std::mutex> lock(reap_mu);
+    return dead;
+  }
+
+  // A hang-up on the session socket means the daemon is gone.
+  void CheckDaemon() {
+    pollfd p{sock_fd, POLLIN, 0};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR | POLLIN))) {
+      MarkDead(Status(StatusCode::kUnavailable,
+                      "ciuicd closed the session (daemon stopped or restarted?)"));
+    }
+  }
+
+  // Sleeps until the completion ring moves past `seen`, or `until`.
+  void SleepForCompletion(uint32_t seen, Clock::time_point until) {
+    auto left = until - Clock::now();
+    if (left <= Clock::duration::zero()) return;
+    auto slice = std::min<Clock::duration>(left, std::chrono::milliseconds(100));
+    timespec ts{};
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
+    ts.tv_sec = ns / 1000000000;
+    ts.tv_nsec = ns % 1000000000;
+    header->trainer_waiters.fetch_add(1, std::memory_order_seq_cst);
+    if (header->cq_tail.load(std::memory_order_seq_cst) == seen) {
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header->cq_tail), FUTEX_WAIT, seen, &ts,
+              nullptr, 0);
+    }
+    header->trainer_waiters.fetch_sub(1, std::memory_order_seq_cst);
+    CheckDaemon();
+  }
+
+  // Waits until `pred()` or `until`; spins briefly first, then sleeps.
+  template <typename Pred>
+  bool WaitUntil(Pred pred, Clock::time_point until) {
+    const Clock::time_point spin_end = Clock::now() + std::chrono::microseconds(spin_us);
+    while (true) {
+      Reap();
+      if (pred()) return true;
+      const Clock::time_point now = Clock::now();
+      if (now >= until) return false;
+      if (now < spin_end) {
+        sched_yield();
+        continue;
+      }
+      uint32_t seen = header->cq_tail.load(std::memory_order_acquire);
+      {
+        std::lock_guard<std::mutex> lock(reap_mu);
+        if (seen != cq_head || !dead.ok()) continue;
+      }
+      SleepForCompletion(seen, until);
+    }
+  }
+};
+
+// ------------------------------------------------------------------ Handle
+
+static Status WaitState(Handle::State* st, Clock::time_point until) {
+  if (st == nullptr) return Status(StatusCode::kFailedPrecondition, "invalid (empty) handle");
+  if (!st->done.load(std::memory_order_acquire)) {
+    bool done = st->core->WaitUntil([st] { return st->done.load(std::memory_order_acquire); },
+                                    until);
+    if (!done) {
+      return Status(StatusCode::kDeadlineExceeded, "operation still in progress");
+    }
+  }
+  return st->status;
+}
+
+Status Handle::Wait() { return WaitState(state_.get(), Clock::time_point::max()); }
+
+Status Handle::WaitFor(std::chrono::milliseconds timeout) {
+  return WaitState(state_.get(), Clock::now() + timeout);
+}
+
+bool Handle::Test() {
+  if (!state_) return false;
+  if (state_->done.load(std::memory_order_acquire)) return true;
+  state_->core->Reap();
+  return state_->done.load(std::memory_order_acquire);
+}
+
+// ------------------------------------------------------------ Communicator
+
+class Communicator::Impl {
+ public:
+  JobOptions options;
+  std::string node_name;
+  std::shared_ptr<Core> core;
+  std::atomic<uint64_t> unnamed_seq{0};
+
+  Handle Failed(Status s) {
+    auto st = std::make_shared<Handle::State>();
+    st->core = core;
+    st->status = std::move(s);
+    st->done.store(true);
+    return Handle(st);
+  }
+
+  struct Span {
+    const void* ptr;
+    size_t bytes;
+  };
+
+  Handle Submit(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
+                size_t count, Span send, Span recv, void* user_recv, const OpOptions& opts);
+};
+
+Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Communicator::~Communicator() {
+  if (impl_ && impl_->core) {
+    // Closing the socket tells the daemon; our own pending handles fail.
+    shutdown(impl_->core->sock_fd, SHUT_RDWR);
+    impl_->core->MarkDead(Status(StatusCode::kCancelled, "the communicator was destroyed"));
+  }
+}
+
+int Communicator::rank() const { return impl_->options.rank; }
+int Communicator::world_size() const { return impl_->options.world_size; }
+int Communicator::local_rank() const { return impl_->options.local_rank; }
+int Communicator::local_size() const { return impl_->options.local_size; }
+const std::string& Communicator::job_id() const { return impl_->options.job_id; }
+const std::string& Communicator::node_name() const { return impl_->node_name; }
+
+static Status OpenSession(const std::string& path, uint64_t arena_bytes, Core* core,
+                          std::string* token) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return Status(StatusCode::kInvalidArgument, "socket path too long: " + path);
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus(StatusCode::kInternal, "socket");
+  core->sock_fd = fd;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ErrnoStatus(StatusCode::kUnavailable,
+                       "cannot reach ciuicd at " + path + " (is it running?)");
+  }
+  timeval tv{30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  wire::HelloRequest hello{};
+  hello.magic = wire::kSessionMagic;
+  hello.version = wire::kLayoutVersion;
+  hello.arena_bytes = arena_bytes;
+  if (send(fd, &hello, sizeof(hello), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(hello))) {
+    return ErrnoStatus(StatusCode::kUnavailable, "session hello to " + path);
+  }
+  wire::HelloReply reply{};
+  iovec iov{&reply, sizeof(reply)};
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+  if (n <= 0) return ErrnoStatus(StatusCode::kUnavailable, "no session reply from " + path);
+  int fds[2] = {-1, -1};
+  int nfds = 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      nfds = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      std::memcpy(fds, CMSG_DATA(c), sizeof(int) * std::min(nfds, 2));
+    }
+  }
+  if (n != static_cast<ssize_t>(sizeof(reply)) || reply.magic != wire::kSessionMagic) {
+    for (int f : fds) if (f >= 0) close(f);
+    return Status(StatusCode::kInternal, "malformed session reply from " + path);
+  }
+  if (reply.status_code != 0) {
+    for (int f : fds) if (f >= 0) close(f);
+    return Status(static_cast<StatusCode>(reply.status_code),
+                  std::string(reply.message, std::min<size_t>(reply.message_len,
+                                                              wire::kMaxMessage)));
+  }
+  if (nfds != 2) {
+    for (int f : fds) if (f >= 0) close(f);
+    return Status(StatusCode::kInternal, "session reply without its descriptors");
+  }
+  core->doorbell_fd = fds[1];
+  void* base = mmap(nullptr, reply.memfd_bytes, PROT_READ | PROT_WRITE,
+                    MAP_SHARED | MAP_POPULATE, fds[0], 0);
+  if (base == MAP_FAILED) {
+    close(fds[0]);
+    return ErrnoStatus(StatusCode::kResourceExhausted, "mapping the session's shared memory");
+  }
+  core->arena = std::make_shared<Buffer::Arena>(fds[0], static_cast<uint8_t*>(base),
+                                                reply.memfd_bytes);
+  core->header = core->arena->header();
+  if (core->header->magic != wire::kSessionMagic ||
+      core->header->sq_capacity != wire::kRingCapacity ||
+      core->header->cq_capacity != wire::kRingCapacity) {
+    return Status(StatusCode::kInternal, "unexpected session memory layout");
+  }
+  core->sq = reinterpret_cast<wire::SubmissionEntry*>(core->arena->base + wire::kSqOffset);
+  core->cq = reinterpret_cast<wire::CompletionEntry*>(core->arena->base + wire::kCqOffset);
+  token->assign(reinterpret_cast<const char*>(reply.token), wire::kTokenBytes);
+  return Status::Ok();
+}
+
+Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>* out) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = in;
+  JobOptions& o = impl->options;
+  if (o.socket_path.empty()) o.socket_path = DefaultSocketPath();
+  if (o.local_rank < 0) o.local_rank = o.rank;
+  if (o.local_size < 0) o.local_size = o.world_size;
+  if (o.arena_bytes == 0) o.arena_bytes = ArenaBytesFromEnv();
+  if (o.job_id.empty()) return Status(StatusCode::kInvalidArgument, "job_id is empty");
+  if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {
+    return Status(StatusCode::kInvalidArgument, "rank " + std::to_string(o.rank) +
+                                                    " is not in a world of size " +
+                                                    std::to_string(o.world_size));
+  }
+  impl->core = std::make_shared<Core>();
+  impl->core->spin_us = SpinMicrosFromEnv();
+  std::string token;
+  Status s = OpenSession(o.socket_path + ".session", o.arena_bytes, impl->core.get(), &token);
+  if (!s.ok()) return s;
+
+  auto channel = grpc::CreateChannel("unix:" + o.socket_path, grpc::InsecureChannelCredentials());
+  auto stub = proto::Control::NewStub(channel);
+  proto::JoinJobRequest req;
+  req.set_session_token(token);
+  req.set_job_id(o.job_id);
+  req.set_rank(o.rank);
+  req.set_world_size(o.world_size);
+  req.set_local_rank(o.local_rank);
+  req.set_local_size(o.local_size);
+  proto::JoinJobReply reply;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::Status gs = stub->JoinJob(&ctx, req, &reply);
+  if (!gs.ok()) {
+    std::string msg = gs.error_message();
+    if (gs.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      msg = "cannot reach ciuicd at " + o.socket_path + ": " + msg;
+    }
+    return Status(static_cast<StatusCode>(gs.error_code()), msg);
+  }
+  impl->node_name = reply.node_name();
+  out->reset(new Communicator(std::move(impl)));
+  return Status::Ok();
+}
+
+Status Communicator::Allocate(size_t bytes, Buffer* out) {
+  uint64_t offset = 0;
+  Status s = impl_->core->arena->Allocate(bytes, &offset);
+  if (!s.ok()) return s;
+  *out = BufferAccess::Make(impl_->core->arena, offset, bytes);
+  return Status::Ok();
+}
+
+bool Communicator::IsShared(const void* ptr, size_t bytes) const {
+  return impl_->core->arena->Contains(ptr, bytes);
+}
+
+Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
+                                  uint32_t reduce_op, int root, size_t count, Span send,
+                                  Span recv, void* user_recv, const OpOptions& opts) {
+  Core& c = *core;
+  std::string name = opts.name;
+  if (name.empty()) {
+    name = "#" + std::to_string(unnamed_seq.fetch_add(1));
+  } else if (name[0] == '#') {
+    return Failed(Status(StatusCode::kInvalidArgument,
+                         "operation name '" + name + "' may not start with '#' (reserved)"));
+  }
+  if (name.size() > wire::kMaxOpName) {
+    return Failed(Status(StatusCode::kInvalidArgument,
+                         "operation name longer than " + std::to_string(wire::kMaxOpName) +
+                             " bytes: " + name));
+  }
+  if ((send.bytes > 0 && send.ptr == nullptr) || (recv.bytes > 0 && recv.ptr == nullptr)) {
+    return Failed(Status(StatusCode::kInvalidArgument, "operation '" + name +
+                                                           "': null buffer"));
+  }
+
+  auto st = std::make_shared<Handle::State>();
+  st->core = core;
+  wire::SubmissionEntry e{};
+  e.collective = static_cast<uint32_t>(collective);
+  e.dtype = static_cast<uint32_t>(dtype);
+  e.reduce_op = reduce_op;
+  e.root = root;
+  e.count = count;
+  e.timeout_ms = opts.timeout_ms;
+  e.priority = opts.priority;
+  e.name_len = static_cast<uint32_t>(name.size());
+  std::memcpy(e.name, name.data(), name.size());
+
+  // Buffers outside shared memory go through one staging region that
+  // covers both (so in-place layouts stay in place).
+  const bool send_shared = send.bytes == 0 || c.arena->Contains(send.ptr, send.bytes);
+  const bool recv_shared = recv.bytes == 0 || c.arena->Contains(recv.ptr, recv.bytes);
+  if (send_shared && recv_shared) {
+    if (send.bytes > 0) e.send_offset = c.arena->OffsetOf(send.ptr);
+    if (recv.bytes > 0) e.recv_offset = c.arena->OffsetOf(recv.ptr);
+  } else {
+    auto* sp = static_cast<const uint8_t*>(send.ptr);
+    auto* rp = static_cast<const uint8_t*>(recv.ptr);
+    const uint8_t* lo = nullptr;
+    const uint8_t* hi = nullptr;
+    auto cover = [&](const uint8_t* p, size_t n) {
+      if (n == 0) return;
+      lo = lo ? std::min(lo, p) : p;
+      hi = hi ? std::max(hi, p + n) : p + n;
+    };
+    const bool overlap = send.bytes > 0 && recv.bytes > 0 && sp < rp + recv.bytes &&
+                         rp < sp + send.bytes;
+    if (!send_shared) cover(sp, send.bytes);
+    if (!recv_shared) cover(rp, recv.bytes);
+    if (overlap) {
+      cover(sp, send.bytes);
+      cover(rp, recv.bytes);
+    }
+    uint64_t off = 0;
+    Status s = c.arena->Allocate(hi - lo, &off);
+    if (!s.ok()) return Failed(Status(s.code(), "operation '" + name + "': " + s.message()));
+    st->staging = BufferAccess::Make(c.arena, off, hi - lo);
+    uint8_t* stage = c.arena->base + off;
+    if (!send_shared || overlap) {
+      std::memcpy(stage + (sp - lo), sp, send.bytes);
+      e.send_offset = off + (sp - lo);
+    } else if (send.bytes > 0) {
+      e.send_offset = c.arena->OffsetOf(send.ptr);
+    }
+    if (!recv_shared || overlap) {
+      e.recv_offset = off + (rp - lo);
+      st->staging_recv = stage + (rp - lo);
+      st->user_recv = user_recv;
+      st->recv_bytes = recv.bytes;
+    } else if (recv.bytes > 0) {
+      e.recv_offset = c.arena->OffsetOf(recv.ptr);
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(c.submit_mu);
+  // At most a ring's worth in flight, so the daemon never meets a full
+  // completion ring.
+  if (c.inflight_count.load() >= c.header->sq_capacity) {
+    c.WaitUntil([&c] { return c.inflight_count.load() < c.header->sq_capacity; },
+                Clock::time_point::max());
+  }
+  {
+    std::lock_guard<std::mutex> reap_lock(c.reap_mu);
+    if (!c.dead.ok()) {
+      st->staging = Buffer();
+      st->status = c.dead;
+      st->done.store(true);
+      return Handle(st);
+    }
+    st->op_id = c.next_op_id.fetch_add(1);
+    e.op_id = st->op_id;
+    c.inflight.emplace(st->op_id, st);
+    c.inflight_count.fetch_add(1);
+  }
+  std::memcpy(&c.sq[c.sq_tail & (c.header->sq_capacity - 1)], &e, sizeof(e));
+  ++c.sq_tail;
+  c.header->sq_tail.store(c.sq_tail, std::memory_order_seq_cst);
+  if (c.header->daemon_armed.exchange(0, std::memory_order_seq_cst) != 0) {
+    uint64_t one = 1;
+    (void)!write(c.doorbell_fd, &one, sizeof(one));
+  }
+  return Handle(st);
+}
+
+Handle Communicator::Allreduce(const void* send, void* recv, size_t count, DataType dtype,
+                               ReduceOp op, const OpOptions& options) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  return impl_->Submit(wire::Collective::kAllreduce, dtype, static_cast<uint32_t>(op), 0, count,
+                       {send, bytes}, {recv, bytes}, recv, options);
+}
+
+Handle Communicator::ReduceScatter(const void* send, void* recv, size_t recv_count,
+                                   DataType dtype, ReduceOp op, const OpOptions& options) {
+  const size_t block = recv_count * DataTypeSize(dtype);
+  return impl_->Submit(wire::Collective::kReduceScatter, dtype, static_cast<uint32_t>(op), 0,
+                       recv_count, {send, block * world_size()}, {recv, block}, recv, options);
+}
+
+Handle Communicator::Allgather(const void* send, void* recv, size_t send_count, DataType dtype,
+                               const OpOptions& options) {
+  const size_t block = send_count * DataTypeSize(dtype);
+  return impl_->Submit(wire::Collective::kAllgather, dtype, 0, 0, send_count, {send, block},
+                       {recv, block * world_size()}, recv, options);
+}
+
+Handle Communicator::Broadcast(const void* send, void* recv, size_t count, DataType dtype,
+                               int root, const OpOptions& options) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  const size_t send_bytes = root == rank() ? bytes : 0;
+  return impl_->Submit(wire::Collective::kBroadcast, dtype, 0, root, count,
+                       {send, send_bytes}, {recv, bytes}, recv, options);
+}
+
+Handle Communicator::Barrier(const OpOptions& options) {
+  return impl_->Submit(wire::Collective::kBarrier, DataType::kFloat32, 0, 0, 0, {nullptr, 0},
+                       {nullptr, 0}, nullptr, options);
+}
+
+}  // namespace ciuic
