@@ -1,0 +1,308 @@
+#include "config/config.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "config/values.h"
+#include "yaml-cpp/yaml.h"
+
+namespace ciuic::config {
+namespace {
+
+constexpr absl::string_view kLogLevels[] = {"trace", "debug",    "info", "warn",
+                                            "error", "critical", "off"};
+constexpr int kMaxWorkerThreads = 256;
+constexpr uint64_t kMinArenaBytes = kMiB;
+constexpr uint64_t kMaxArenaBytes = kTiB;
+// sizeof(sockaddr_un::sun_path) is 108, including the terminating NUL.
+constexpr size_t kMaxSocketPathLength = 107;
+
+// Parses one YAML document into a DaemonConfig, turning each problem into a
+// status prefixed with "source:line: ".
+class Parser {
+ public:
+  explicit Parser(absl::string_view source_name) : source_(source_name) {}
+
+  absl::StatusOr<DaemonConfig> Parse(const YAML::Node& root) {
+    DaemonConfig config;
+    if (!root.IsDefined() || root.IsNull()) return config;
+    if (!root.IsMap()) {
+      return Error(root, "the config must be a map of 'key: value' lines");
+    }
+    using Setter = std::function<absl::Status(const YAML::Node& key, const YAML::Node& value)>;
+    const std::vector<std::pair<std::string, Setter>> keys = {
+        {"socket", Scalar([&](const auto& key, const auto& value) { return SetSocket(key, value, config); })},
+        {"node_name",
+         Scalar([&](const auto& key, const auto& value) { return SetNodeName(key, value, config); })},
+        {"log_level",
+         Scalar([&](const auto& key, const auto& value) { return SetLogLevel(key, value, config); })},
+        {"worker_threads",
+         Scalar([&](const auto& key, const auto& value) { return SetWorkerThreads(key, value, config); })},
+        {"max_arena_bytes",
+         Scalar([&](const auto& key, const auto& value) { return SetArenaBytes(key, value, config); })},
+        {"listen", Scalar([&](const auto& key, const auto& value) { return SetListen(key, value, config); })},
+        {"cluster_token_file", Scalar([&](const auto& key, const auto& value) {
+           config.cluster_token_file = value;
+           return absl::OkStatus();
+         })},
+        {"tuning", [&](const YAML::Node& key, const YAML::Node& value) {
+           return ParseTuning(key, value, config.tuning);
+         }},
+    };
+    std::vector<std::string> names;
+    for (const auto& [name, setter] : keys) names.push_back(name);
+
+    std::set<std::string> seen;
+    for (const auto& item : root) {
+      absl::StatusOr<std::string> name = KeyName(item.first, seen);
+      if (!name.ok()) return name.status();
+      auto it = std::find_if(keys.begin(), keys.end(),
+                             [&](const auto& entry) { return entry.first == *name; });
+      if (it == keys.end()) {
+        return Error(item.first,
+                     absl::StrCat("unknown key '", *name, "'", DidYouMean(*name, names)));
+      }
+      if (absl::Status status = it->second(item.first, item.second); !status.ok()) {
+        return status;
+      }
+    }
+    return config;
+  }
+
+ private:
+  using ScalarSetter = std::function<absl::Status(const YAML::Node& key, const std::string& value)>;
+
+  // Wraps a setter that takes the scalar text, rejecting maps, lists and
+  // missing values first.
+  std::function<absl::Status(const YAML::Node&, const YAML::Node&)> Scalar(ScalarSetter setter) {
+    return [this, setter](const YAML::Node& key, const YAML::Node& value) -> absl::Status {
+      std::string name = key.Scalar();
+      if (value.IsNull()) return Error(key, absl::StrCat("key '", name, "' has no value"));
+      if (!value.IsScalar()) {
+        return Error(value, absl::StrCat("key '", name, "' must be a single value, not a ",
+                                         value.IsMap() ? "map" : "list"));
+      }
+      return setter(key, value.Scalar());
+    };
+  }
+
+  absl::Status ParseTuning(const YAML::Node& key, const YAML::Node& map, Tuning& tuning) {
+    if (map.IsNull()) return absl::OkStatus();
+    if (!map.IsMap()) {
+      return Error(map, "'tuning' must be a map of 'key: value' lines");
+    }
+    std::set<std::string> seen;
+    for (const auto& item : map) {
+      absl::StatusOr<std::string> name = KeyName(item.first, seen);
+      if (!name.ok()) return name.status();
+      if (!IsTuningKey(*name)) {
+        return Error(item.first, absl::StrCat("unknown key '", *name, "' in 'tuning'",
+                                              DidYouMean(*name, TuningKeys())));
+      }
+      const YAML::Node& value = item.second;
+      if (value.IsNull()) return Error(item.first, absl::StrCat("key '", *name, "' has no value"));
+      if (!value.IsScalar()) {
+        return Error(value, absl::StrCat("key '", *name, "' must be a single value, not a ",
+                                         value.IsMap() ? "map" : "list"));
+      }
+      if (absl::Status status = SetTuningValue(tuning, *name, value.Scalar()); !status.ok()) {
+        return Error(value, status.message());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SetSocket(const YAML::Node& key, const std::string& value, DaemonConfig& config) {
+    if (value.empty()) return Error(key, "invalid value '' for 'socket': expected a path");
+    if (value.size() > kMaxSocketPathLength) {
+      return Error(key, absl::StrCat("invalid value '", value, "' for 'socket': longer than ",
+                                     kMaxSocketPathLength, " bytes (the unix socket limit)"));
+    }
+    config.socket_path = value;
+    return absl::OkStatus();
+  }
+
+  absl::Status SetNodeName(const YAML::Node& key, const std::string& value,
+                           DaemonConfig& config) {
+    bool valid = !value.empty() && value.size() <= 255;
+    for (char c : value) {
+      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' &&
+          c != '_') {
+        valid = false;
+      }
+    }
+    if (!valid) {
+      return Error(key, absl::StrCat("invalid value '", value,
+                                     "' for 'node_name': expected 1..255 characters from "
+                                     "letters, digits, '-', '.', '_'"));
+    }
+    config.node_name = value;
+    return absl::OkStatus();
+  }
+
+  absl::Status SetLogLevel(const YAML::Node& key, const std::string& value,
+                           DaemonConfig& config) {
+    std::string level = absl::AsciiStrToLower(value);
+    if (level == "warning") level = "warn";
+    for (absl::string_view known : kLogLevels) {
+      if (level == known) {
+        config.log_level = level;
+        return absl::OkStatus();
+      }
+    }
+    return Error(key, absl::StrCat("invalid value '", value,
+                                   "' for 'log_level': expected one of ",
+                                   absl::StrJoin(kLogLevels, ", ")));
+  }
+
+  absl::Status SetWorkerThreads(const YAML::Node& key, const std::string& value,
+                                DaemonConfig& config) {
+    absl::StatusOr<uint64_t> number = ParseUnsigned(value);
+    if (!number.ok() || *number > kMaxWorkerThreads) {
+      return Error(key, absl::StrCat("invalid value '", value,
+                                     "' for 'worker_threads': expected an integer in 0..",
+                                     kMaxWorkerThreads, " (0 = number of cores)"));
+    }
+    config.worker_threads = static_cast<int>(*number);
+    return absl::OkStatus();
+  }
+
+  absl::Status SetArenaBytes(const YAML::Node& key, const std::string& value,
+                             DaemonConfig& config) {
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
+    std::string range =
+        absl::StrCat(FormatByteSize(kMinArenaBytes), "..", FormatByteSize(kMaxArenaBytes));
+    if (!bytes.ok()) {
+      return Error(key, absl::StrCat("invalid value '", value, "' for 'max_arena_bytes': ",
+                                     bytes.status().message(), "; expected a size in ", range));
+    }
+    if (*bytes < kMinArenaBytes || *bytes > kMaxArenaBytes) {
+      return Error(key, absl::StrCat("invalid value '", value,
+                                     "' for 'max_arena_bytes': out of range; expected a size in ",
+                                     range));
+    }
+    config.max_arena_bytes = *bytes;
+    return absl::OkStatus();
+  }
+
+  absl::Status SetListen(const YAML::Node& key, const std::string& value, DaemonConfig& config) {
+    auto bad = [&](absl::string_view why) {
+      return Error(key, absl::StrCat("invalid value '", value, "' for 'listen': ", why,
+                                     "; expected host:port, e.g. 0.0.0.0:7361 or [::]:7361"));
+    };
+    size_t colon = value.rfind(':');
+    if (colon == std::string::npos) return bad("no port");
+    std::string host = value.substr(0, colon);
+    std::string port = value.substr(colon + 1);
+    if (host.empty()) return bad("no host");
+    if (host.front() == '[') {
+      if (host.size() < 3 || host.back() != ']') return bad("unbalanced brackets");
+      for (char c : host.substr(1, host.size() - 2)) {
+        if (!absl::ascii_isxdigit(static_cast<unsigned char>(c)) && c != ':' && c != '.') {
+          return bad("not an IPv6 address in brackets");
+        }
+      }
+    } else {
+      for (char c : host) {
+        if (c == ':') return bad("IPv6 addresses must be in brackets");
+        if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' &&
+            c != '_') {
+          return bad("bad character in host");
+        }
+      }
+    }
+    absl::StatusOr<uint64_t> number = ParseUnsigned(port);
+    if (!number.ok() || *number > 65535) return bad("port must be an integer in 0..65535");
+    config.listen = value;
+    return absl::OkStatus();
+  }
+
+  // The text of a map key, which must be a scalar and appear once.
+  absl::StatusOr<std::string> KeyName(const YAML::Node& key, std::set<std::string>& seen) {
+    if (!key.IsScalar()) return Error(key, "keys must be plain names");
+    std::string name = key.Scalar();
+    if (!seen.insert(name).second) {
+      return Error(key, absl::StrCat("key '", name, "' appears more than once"));
+    }
+    return name;
+  }
+
+  absl::Status Error(const YAML::Node& node, absl::string_view message) const {
+    YAML::Mark mark = node.Mark();
+    if (mark.is_null()) {
+      return absl::InvalidArgumentError(absl::StrCat(source_, ": ", message));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(source_, ":", mark.line + 1, ": ", message));
+  }
+
+  std::string source_;
+};
+
+}  // namespace
+
+std::string DefaultNodeName() {
+  char name[HOST_NAME_MAX + 1] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
+  return name;
+}
+
+absl::StatusOr<DaemonConfig> ParseConfigYaml(absl::string_view text,
+                                             absl::string_view source_name) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(text));
+  } catch (const YAML::Exception& e) {
+    if (e.mark.is_null()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source_name, ": YAML syntax error: ", e.msg));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(source_name, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg));
+  }
+  try {
+    return Parser(source_name).Parse(root);
+  } catch (const std::exception& e) {
+    // yaml-cpp reports misuse by exception; none should reach here, but a
+    // config file must never crash the daemon.
+    return absl::InvalidArgumentError(absl::StrCat(source_name, ": ", e.what()));
+  }
+}
+
+absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path) {
+  struct stat info;
+  if (stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read config file '", path, "': it is a directory"));
+  }
+  std::ifstream file(path, std::ios::in | std::ios::binary);
+  if (!file) {
+    int error = errno;
+    std::string message =
+        absl::StrCat("cannot read config file '", path, "': ", std::strerror(error));
+    if (error == EACCES) return absl::PermissionDeniedError(message);
+    return absl::NotFoundError(message);
+  }
+  std::ostringstream text;
+  text << file.rdbuf();
+  if (file.bad()) {
+    return absl::DataLossError(absl::StrCat("error reading config file '", path, "'"));
+  }
+  return ParseConfigYaml(text.str(), path);
+}
+
+}  // namespace ciuic::config

@@ -1,0 +1,50 @@
+#pragma once
+
+// ciuicd's startup configuration, read once from a YAML file (by default
+// /etc/ciuic/ciuicd.yaml) before any thread starts. Every mistake in the file
+// — unknown key, bad value, wrong node type, YAML syntax — is returned as an
+// INVALID_ARGUMENT status whose message starts with "FILE:LINE: ", so that
+// ciuicd can print it and refuse to start. ciuicd.example.yaml beside this
+// header documents every key.
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "config/tuning.h"
+
+namespace ciuic::config {
+
+// This host's name (gethostname()), or "localhost" if that fails.
+std::string DefaultNodeName();
+
+struct DaemonConfig {
+  // Unix socket of the local control service (YAML key `socket`).
+  std::string socket_path = "/run/ciuic/ciuicd.sock";
+  // Name of this node in the cluster.
+  std::string node_name = DefaultNodeName();
+  // trace|debug|info|warn|error|critical|off (spdlog level names).
+  std::string log_level = "info";
+  // Worker pool size; 0 = number of cores. 0..256.
+  int worker_threads = 0;
+  // Largest shared-memory arena a session may map. 1M..1T.
+  uint64_t max_arena_bytes = uint64_t{8} << 30;
+  // host:port of the peer service (TCP, for the other daemons).
+  std::string listen = "0.0.0.0:7361";
+  // File holding the secret shared by the cluster's daemons; "" = none.
+  std::string cluster_token_file;
+  // Initial live-tunable settings (YAML map `tuning`).
+  Tuning tuning;
+};
+
+// Parses a config document. `source_name` (usually the file path) prefixes
+// error messages. An empty document gives the defaults.
+absl::StatusOr<DaemonConfig> ParseConfigYaml(absl::string_view text,
+                                             absl::string_view source_name);
+
+// Reads and parses `path`. An unreadable file is NOT_FOUND or
+// PERMISSION_DENIED (naming the path and the OS error).
+absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path);
+
+}  // namespace ciuic::config

@@ -1,0 +1,230 @@
+#include "config/config.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ciuic::config {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+absl::StatusOr<DaemonConfig> Parse(absl::string_view text) {
+  return ParseConfigYaml(text, "config.yaml");
+}
+
+// The error message of parsing `text`, which must fail.
+std::string ErrorOf(absl::string_view text) {
+  absl::StatusOr<DaemonConfig> config = Parse(text);
+  EXPECT_FALSE(config.ok()) << text;
+  if (config.ok()) return "";
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(config.status().message());
+}
+
+TEST(ConfigTest, EmptyDocumentGivesDefaults) {
+  for (const char* text : {"", "\n", "# only a comment\n", "~\n", "---\n"}) {
+    absl::StatusOr<DaemonConfig> config = Parse(text);
+    ASSERT_TRUE(config.ok()) << config.status().ToString();
+    EXPECT_EQ(config->socket_path, "/run/ciuic/ciuicd.sock");
+    EXPECT_EQ(config->node_name, DefaultNodeName());
+    EXPECT_FALSE(config->node_name.empty());
+    EXPECT_EQ(config->log_level, "info");
+    EXPECT_EQ(config->worker_threads, 0);
+    EXPECT_EQ(config->max_arena_bytes, uint64_t{8} << 30);
+    EXPECT_EQ(config->listen, "0.0.0.0:7361");
+    EXPECT_EQ(config->cluster_token_file, "");
+    EXPECT_EQ(config->tuning, Tuning{});
+  }
+}
+
+TEST(ConfigTest, EveryKeySet) {
+  absl::StatusOr<DaemonConfig> config = Parse(R"(
+socket: /tmp/ciuic-test/d.sock
+node_name: gpu-node-07
+log_level: debug
+worker_threads: 12
+max_arena_bytes: 16G
+listen: "[::1]:9000"
+cluster_token_file: /etc/ciuic/token
+tuning:
+  chunk_bytes: 8M
+  small_op_bytes: 64K
+  spin_us: 0
+  op_timeout_ms: 5000
+  channels: 4
+  algorithm: ring
+)");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->socket_path, "/tmp/ciuic-test/d.sock");
+  EXPECT_EQ(config->node_name, "gpu-node-07");
+  EXPECT_EQ(config->log_level, "debug");
+  EXPECT_EQ(config->worker_threads, 12);
+  EXPECT_EQ(config->max_arena_bytes, uint64_t{16} << 30);
+  EXPECT_EQ(config->listen, "[::1]:9000");
+  EXPECT_EQ(config->cluster_token_file, "/etc/ciuic/token");
+  EXPECT_EQ(config->tuning.chunk_bytes, 8u << 20);
+  EXPECT_EQ(config->tuning.small_op_bytes, 64u << 10);
+  EXPECT_EQ(config->tuning.spin_us, 0u);
+  EXPECT_EQ(config->tuning.op_timeout_ms, 5000u);
+  EXPECT_EQ(config->tuning.channels, 4u);
+  EXPECT_EQ(config->tuning.algorithm, Algorithm::kRing);
+}
+
+TEST(ConfigTest, ExampleFileParses) {
+  absl::StatusOr<DaemonConfig> config = LoadConfigFile(CIUIC_EXAMPLE_CONFIG);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  // The example documents the defaults.
+  DaemonConfig defaults;
+  EXPECT_EQ(config->socket_path, defaults.socket_path);
+  EXPECT_EQ(config->log_level, defaults.log_level);
+  EXPECT_EQ(config->worker_threads, defaults.worker_threads);
+  EXPECT_EQ(config->max_arena_bytes, defaults.max_arena_bytes);
+  EXPECT_EQ(config->listen, defaults.listen);
+  EXPECT_EQ(config->cluster_token_file, defaults.cluster_token_file);
+  EXPECT_EQ(config->tuning, defaults.tuning);
+}
+
+TEST(ConfigTest, ExampleMentionsEveryKey) {
+  std::ifstream file(CIUIC_EXAMPLE_CONFIG);
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  for (const char* key : {"socket:", "node_name:", "log_level:", "worker_threads:",
+                          "max_arena_bytes:", "listen:", "cluster_token_file:", "tuning:"}) {
+    EXPECT_THAT(text, HasSubstr(key));
+  }
+  for (const std::string& key : TuningKeys()) EXPECT_THAT(text, HasSubstr(key + ":"));
+}
+
+TEST(ConfigTest, UnknownTopLevelKeyNamesLineAndSuggests) {
+  EXPECT_EQ(ErrorOf("log_level: info\nworker_thread: 4\n"),
+            "config.yaml:2: unknown key 'worker_thread' (did you mean 'worker_threads'?)");
+  EXPECT_EQ(ErrorOf("bogus: 1\n"), "config.yaml:1: unknown key 'bogus'");
+}
+
+TEST(ConfigTest, UnknownTuningKeyNamesLineAndSuggests) {
+  EXPECT_EQ(ErrorOf("# comment\n\nsocket: /x.sock\nlog_level: info\n\n"
+                    "tuning:\n  chunk_byts: 4M\n"),
+            "config.yaml:7: unknown key 'chunk_byts' in 'tuning' (did you mean 'chunk_bytes'?)");
+}
+
+TEST(ConfigTest, BadValuesNameKeyValueAndRange) {
+  EXPECT_EQ(ErrorOf("tuning:\n  chunk_bytes: 2G\n"),
+            "config.yaml:2: invalid value '2G' for 'chunk_bytes': out of range; expected a size "
+            "in 4K..1G");
+  EXPECT_THAT(ErrorOf("tuning:\n  chunk_bytes: 99999999999G\n"), HasSubstr("too large"));
+  EXPECT_THAT(ErrorOf("tuning:\n  channels: 0\n"), HasSubstr("'channels'"));
+  EXPECT_THAT(ErrorOf("tuning:\n  algorithm: fastest\n"),
+              HasSubstr("expected one of auto, ring, halving_doubling, tree"));
+  EXPECT_EQ(ErrorOf("log_level: loud\n"),
+            "config.yaml:1: invalid value 'loud' for 'log_level': expected one of trace, debug, "
+            "info, warn, error, critical, off");
+  EXPECT_THAT(ErrorOf("worker_threads: 257\n"), HasSubstr("0..256"));
+  EXPECT_THAT(ErrorOf("worker_threads: -1\n"), HasSubstr("'worker_threads'"));
+  EXPECT_THAT(ErrorOf("worker_threads: many\n"), HasSubstr("'many'"));
+  EXPECT_THAT(ErrorOf("max_arena_bytes: 512K\n"), HasSubstr("expected a size in 1M..1T"));
+  EXPECT_THAT(ErrorOf("max_arena_bytes: 2T\n"), HasSubstr("out of range"));
+  EXPECT_THAT(ErrorOf("max_arena_bytes: 99999999999G\n"), HasSubstr("too large"));
+  EXPECT_THAT(ErrorOf("node_name: \"two words\"\n"), HasSubstr("'node_name'"));
+  EXPECT_THAT(ErrorOf("socket: \"\"\n"), HasSubstr("'socket'"));
+  EXPECT_THAT(ErrorOf("socket: /" + std::string(200, 'a') + "\n"), HasSubstr("107"));
+}
+
+TEST(ConfigTest, ValidValues) {
+  EXPECT_EQ(Parse("log_level: WARNING\n")->log_level, "warn");
+  EXPECT_EQ(Parse("log_level: off\n")->log_level, "off");
+  EXPECT_EQ(Parse("worker_threads: 256\n")->worker_threads, 256);
+  EXPECT_EQ(Parse("max_arena_bytes: 1M\n")->max_arena_bytes, 1u << 20);
+  EXPECT_EQ(Parse("max_arena_bytes: 1T\n")->max_arena_bytes, uint64_t{1} << 40);
+  EXPECT_EQ(Parse("max_arena_bytes: 1048576\n")->max_arena_bytes, 1u << 20);
+  EXPECT_EQ(Parse("tuning:\n")->tuning, Tuning{});
+  EXPECT_EQ(Parse("cluster_token_file: \"\"\n")->cluster_token_file, "");
+}
+
+TEST(ConfigTest, Listen) {
+  for (const char* good : {"0.0.0.0:7361", "node-1.example.com:80", "[::]:7361",
+                           "127.0.0.1:0", "localhost:65535"}) {
+    absl::StatusOr<DaemonConfig> config = Parse(std::string("listen: \"") + good + "\"\n");
+    ASSERT_TRUE(config.ok()) << good << ": " << config.status().ToString();
+    EXPECT_EQ(config->listen, good);
+  }
+  for (const char* bad : {"7361", ":7361", "host:", "host:65536", "host:http", "::1:7361",
+                          "[::1:7361", "ho st:1", "[zz]:1"}) {
+    EXPECT_THAT(ErrorOf(std::string("listen: \"") + bad + "\"\n"),
+                StartsWith("config.yaml:1: invalid value"))
+        << bad;
+  }
+}
+
+TEST(ConfigTest, WrongNodeTypesAreErrors) {
+  EXPECT_EQ(ErrorOf("log_level:\n  level: info\n"),
+            "config.yaml:2: key 'log_level' must be a single value, not a map");
+  EXPECT_EQ(ErrorOf("socket: [a, b]\n"),
+            "config.yaml:1: key 'socket' must be a single value, not a list");
+  EXPECT_EQ(ErrorOf("tuning: 5\n"), "config.yaml:1: 'tuning' must be a map of 'key: value' lines");
+  EXPECT_EQ(ErrorOf("tuning:\n  - chunk_bytes\n"),
+            "config.yaml:2: 'tuning' must be a map of 'key: value' lines");
+  EXPECT_EQ(ErrorOf("tuning:\n  chunk_bytes:\n    a: 1\n"),
+            "config.yaml:3: key 'chunk_bytes' must be a single value, not a map");
+  EXPECT_EQ(ErrorOf("tuning:\n  chunk_bytes:\n"), "config.yaml:2: key 'chunk_bytes' has no value");
+  EXPECT_EQ(ErrorOf("worker_threads:\n"), "config.yaml:1: key 'worker_threads' has no value");
+  EXPECT_THAT(ErrorOf("- a\n- b\n"), HasSubstr("must be a map"));
+  EXPECT_THAT(ErrorOf("just a string\n"), HasSubstr("must be a map"));
+  EXPECT_THAT(ErrorOf("? [a, b]\n: c\n"), HasSubstr("keys must be plain names"));
+}
+
+TEST(ConfigTest, DuplicateKeysAreErrors) {
+  EXPECT_EQ(ErrorOf("log_level: info\nlog_level: debug\n"),
+            "config.yaml:2: key 'log_level' appears more than once");
+  EXPECT_EQ(ErrorOf("tuning:\n  channels: 2\n  channels: 3\n"),
+            "config.yaml:3: key 'channels' appears more than once");
+}
+
+TEST(ConfigTest, SyntaxErrorsNameFileAndLine) {
+  EXPECT_THAT(ErrorOf("log_level: info\ntuning:\n  chunk_bytes: [4M\n"),
+              StartsWith("config.yaml:"));
+  std::string message = ErrorOf("socket: /x\n  bad indent: 1\n");
+  EXPECT_THAT(message, StartsWith("config.yaml:2: YAML syntax error"));
+  EXPECT_THAT(ErrorOf("log_level: info\nsocket: a: b\n"),
+              StartsWith("config.yaml:2: YAML syntax error"));
+}
+
+TEST(ConfigTest, LoadConfigFile) {
+  char dir_template[] = "/tmp/ciuic_config_test.XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  std::string dir = dir_template;
+  std::string path = dir + "/ciuicd.yaml";
+  {
+    std::ofstream out(path);
+    out << "worker_threads: 3\ntuning:\n  channels: 5\n  chunk_bytse: 1M\n";
+  }
+  absl::StatusOr<DaemonConfig> config = LoadConfigFile(path);
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().message(),
+            path + ":4: unknown key 'chunk_bytse' in 'tuning' (did you mean 'chunk_bytes'?)");
+  {
+    std::ofstream out(path);
+    out << "worker_threads: 3\ntuning:\n  channels: 5\n";
+  }
+  config = LoadConfigFile(path);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->worker_threads, 3);
+  EXPECT_EQ(config->tuning.channels, 5u);
+
+  absl::StatusOr<DaemonConfig> missing = LoadConfigFile(dir + "/nope.yaml");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.status().message(), HasSubstr("nope.yaml"));
+  EXPECT_THAT(missing.status().message(), HasSubstr("No such file"));
+  EXPECT_FALSE(LoadConfigFile(dir).ok());
+
+  std::remove(path.c_str());
+  rmdir(dir.c_str());
+}
+
+}  // namespace
+}  // namespace ciuic::config

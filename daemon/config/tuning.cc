@@ -1,0 +1,202 @@
+#include "config/tuning.h"
+
+#include <functional>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "config/values.h"
+
+namespace ciuic::config {
+namespace {
+
+constexpr std::pair<Algorithm, absl::string_view> kAlgorithmNames[] = {
+    {Algorithm::kAuto, "auto"},
+    {Algorithm::kRing, "ring"},
+    {Algorithm::kHalvingDoubling, "halving_doubling"},
+    {Algorithm::kTree, "tree"},
+};
+
+// One row of the key table: everything needed to parse, validate and show a
+// key. Adding a tunable is adding one row in Table().
+struct Field {
+  std::string key;
+  std::string description;
+  // Parses and validates `value` into `tuning`; on error returns the
+  // explanation of what is allowed (the caller adds key and value).
+  std::function<absl::Status(absl::string_view value, Tuning& tuning)> parse;
+  std::function<std::string(const Tuning&)> format;
+};
+
+absl::Status BadValue(absl::string_view key, absl::string_view value, absl::string_view why) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("invalid value '", value, "' for '", key, "': ", why));
+}
+
+Field SizeField(std::string key, absl::string_view what, uint64_t Tuning::*member, uint64_t min,
+                uint64_t max) {
+  std::string range = absl::StrCat(FormatByteSize(min), "..", FormatByteSize(max));
+  Field field;
+  field.description = absl::StrCat(what, " [bytes, suffix K/M/G; ", range,
+                                    "; default ", FormatByteSize(Tuning{}.*member), "]");
+  field.parse = [key, member, min, max, range](absl::string_view value, Tuning& tuning) {
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
+    if (!bytes.ok()) {
+      return BadValue(key, value,
+                      absl::StrCat(bytes.status().message(), "; expected a size in ", range));
+    }
+    if (*bytes < min || *bytes > max) {
+      return BadValue(key, value, absl::StrCat("out of range; expected a size in ", range));
+    }
+    tuning.*member = *bytes;
+    return absl::OkStatus();
+  };
+  field.format = [member](const Tuning& tuning) { return FormatByteSize(tuning.*member); };
+  field.key = std::move(key);
+  return field;
+}
+
+Field IntegerField(std::string key, absl::string_view what, absl::string_view unit,
+                   uint32_t Tuning::*member, uint32_t min, uint32_t max) {
+  std::string range = absl::StrCat(min, "..", max);
+  Field field;
+  field.description = absl::StrCat(what, " [", unit, unit.empty() ? "" : "; ", range,
+                                   "; default ", Tuning{}.*member, "]");
+  field.parse = [key, member, min, max, range](absl::string_view value, Tuning& tuning) {
+    absl::StatusOr<uint64_t> number = ParseUnsigned(value);
+    if (!number.ok()) {
+      return BadValue(key, value,
+                      absl::StrCat(number.status().message(), "; expected an integer in ", range));
+    }
+    if (*number < min || *number > max) {
+      return BadValue(key, value, absl::StrCat("out of range; expected an integer in ", range));
+    }
+    tuning.*member = static_cast<uint32_t>(*number);
+    return absl::OkStatus();
+  };
+  field.format = [member](const Tuning& tuning) { return absl::StrCat(tuning.*member); };
+  field.key = std::move(key);
+  return field;
+}
+
+Field AlgorithmField(std::string key, absl::string_view what) {
+  std::vector<absl::string_view> names;
+  for (const auto& [algorithm, name] : kAlgorithmNames) names.push_back(name);
+  std::string allowed = absl::StrJoin(names, ", ");
+  Field field;
+  field.description = absl::StrCat(what, " [", absl::StrJoin(names, "|"), "; default ",
+                                   AlgorithmName(Tuning{}.algorithm), "]");
+  field.parse = [key, allowed](absl::string_view value, Tuning& tuning) {
+    std::string normalized = absl::AsciiStrToLower(
+        absl::StrReplaceAll(absl::StripAsciiWhitespace(value), {{"-", "_"}}));
+    for (const auto& [algorithm, name] : kAlgorithmNames) {
+      if (normalized == name) {
+        tuning.algorithm = algorithm;
+        return absl::OkStatus();
+      }
+    }
+    return BadValue(key, value, absl::StrCat("expected one of ", allowed));
+  };
+  field.format = [](const Tuning& tuning) { return std::string(AlgorithmName(tuning.algorithm)); };
+  field.key = std::move(key);
+  return field;
+}
+
+// The key table, in listing order.
+const std::vector<Field>& Table() {
+  static const std::vector<Field>* const table = new std::vector<Field>{
+      SizeField("chunk_bytes", "Unit of work the engine splits large operations into",
+                &Tuning::chunk_bytes, 4 * kKiB, kGiB),
+      SizeField("small_op_bytes",
+                "Operations at most this big run inline on the engine thread instead of the "
+                "worker pool",
+                &Tuning::small_op_bytes, 0, kGiB),
+      IntegerField("spin_us", "How long the engine polls for more work before sleeping",
+                   "microseconds", &Tuning::spin_us, 0, 100000),
+      IntegerField("op_timeout_ms", "How long an operation waits for all ranks", "milliseconds",
+                   &Tuning::op_timeout_ms, 100, 86400000),
+      IntegerField("channels", "UCX workers for the inter-node phase", "", &Tuning::channels, 1,
+                   64),
+      AlgorithmField("algorithm", "Inter-node collective algorithm"),
+  };
+  return *table;
+}
+
+const Field* FindField(absl::string_view key) {
+  for (const Field& field : Table()) {
+    if (field.key == key) return &field;
+  }
+  return nullptr;
+}
+
+absl::Status UnknownKey(absl::string_view key) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown tuning key '", key, "'", DidYouMean(key, TuningKeys())));
+}
+
+}  // namespace
+
+absl::string_view AlgorithmName(Algorithm algorithm) {
+  for (const auto& [value, name] : kAlgorithmNames) {
+    if (value == algorithm) return name;
+  }
+  return "unknown";
+}
+
+const std::vector<std::string>& TuningKeys() {
+  static const std::vector<std::string>* const keys = [] {
+    auto* keys = new std::vector<std::string>;
+    for (const Field& field : Table()) keys->push_back(field.key);
+    return keys;
+  }();
+  return *keys;
+}
+
+bool IsTuningKey(absl::string_view key) { return FindField(key) != nullptr; }
+
+absl::Status SetTuningValue(Tuning& tuning, absl::string_view key, absl::string_view value) {
+  const Field* field = FindField(key);
+  if (field == nullptr) return UnknownKey(key);
+  Tuning updated = tuning;
+  absl::Status status = field->parse(value, updated);
+  if (status.ok()) tuning = updated;
+  return status;
+}
+
+absl::StatusOr<std::vector<TuningEntry>> GetTuningEntries(const Tuning& tuning,
+                                                         absl::string_view key) {
+  std::vector<TuningEntry> entries;
+  for (const Field& field : Table()) {
+    if (key.empty() || field.key == key) {
+      entries.push_back({field.key, field.format(tuning), field.description});
+    }
+  }
+  if (entries.empty()) return UnknownKey(key);
+  return entries;
+}
+
+TuningRegistry::TuningRegistry(const Tuning& initial) : tuning_(initial) {}
+
+Tuning TuningRegistry::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  return tuning_;
+}
+
+void TuningRegistry::Replace(const Tuning& tuning) {
+  absl::MutexLock lock(&mu_);
+  tuning_ = tuning;
+}
+
+absl::Status TuningRegistry::Set(absl::string_view key, absl::string_view value) {
+  absl::MutexLock lock(&mu_);
+  return SetTuningValue(tuning_, key, value);
+}
+
+absl::StatusOr<std::vector<TuningEntry>> TuningRegistry::Get(absl::string_view key) const {
+  Tuning snapshot = Snapshot();
+  return GetTuningEntries(snapshot, key);
+}
+
+}  // namespace ciuic::config

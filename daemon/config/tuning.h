@@ -1,0 +1,98 @@
+#pragma once
+
+// Live-tunable settings of ciuicd.
+//
+// `Tuning` is a plain value: the engine takes a Snapshot() when it starts an
+// operation and uses it for that whole operation, so a change made through
+// `ciuicctl tune set` (control thread) applies from the next operation and
+// never corrupts one in flight. The same key table parses the `tuning:`
+// section of the config file, so the file and the live interface accept
+// exactly the same keys and values.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace ciuic::config {
+
+// Inter-node collective algorithm; kAuto lets the engine pick per operation.
+enum class Algorithm { kAuto, kRing, kHalvingDoubling, kTree };
+
+// "auto", "ring", "halving_doubling", "tree".
+absl::string_view AlgorithmName(Algorithm algorithm);
+
+struct Tuning {
+  // Unit of work the engine splits large operations into. 4K..1G.
+  uint64_t chunk_bytes = uint64_t{4} << 20;
+  // Operations at most this big run inline on the engine thread instead of
+  // the worker pool. 0..1G.
+  uint64_t small_op_bytes = uint64_t{256} << 10;
+  // How long the engine polls for more work before sleeping. 0..100000.
+  uint32_t spin_us = 50;
+  // How long an operation waits for all ranks. 100..86400000.
+  uint32_t op_timeout_ms = 60000;
+  // UCX workers for the inter-node phase. 1..64.
+  uint32_t channels = 2;
+  Algorithm algorithm = Algorithm::kAuto;
+
+  friend bool operator==(const Tuning&, const Tuning&) = default;
+};
+
+// One key as shown to operators.
+struct TuningEntry {
+  std::string key;
+  std::string value;        // canonical form, e.g. "4M", "60000", "ring"
+  std::string description;  // what it does, its range and default
+};
+
+// Every tuning key, in the stable order used by listings.
+const std::vector<std::string>& TuningKeys();
+
+bool IsTuningKey(absl::string_view key);
+
+// Sets one key of `tuning` from its text form. Unknown key or invalid value:
+// INVALID_ARGUMENT with a message naming the key, the value and what is
+// allowed (plus a "did you mean" for a near-miss key); `tuning` is then left
+// unchanged.
+absl::Status SetTuningValue(Tuning& tuning, absl::string_view key, absl::string_view value);
+
+// The entry for `key`, or every key in TuningKeys() order when `key` is
+// empty. Unknown key: INVALID_ARGUMENT.
+absl::StatusOr<std::vector<TuningEntry>> GetTuningEntries(const Tuning& tuning,
+                                                         absl::string_view key);
+
+// The daemon's current Tuning, shared between the control service (Set/Get,
+// from gRPC threads) and the engine (Snapshot, per operation). All methods
+// are thread-safe; each Set is atomic.
+class TuningRegistry {
+ public:
+  TuningRegistry() = default;
+  explicit TuningRegistry(const Tuning& initial);
+
+  TuningRegistry(const TuningRegistry&) = delete;
+  TuningRegistry& operator=(const TuningRegistry&) = delete;
+
+  // A copy of the settings in force now.
+  Tuning Snapshot() const;
+
+  // Replaces every setting at once (e.g. after a config reload).
+  void Replace(const Tuning& tuning);
+
+  // See SetTuningValue(). On error nothing changes.
+  absl::Status Set(absl::string_view key, absl::string_view value);
+
+  // See GetTuningEntries().
+  absl::StatusOr<std::vector<TuningEntry>> Get(absl::string_view key) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  Tuning tuning_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ciuic::config
