@@ -112,13 +112,13 @@ int Main(int argc, char** argv) {
     }
   }
 
-  absl::StatusOr<DaemonConfig> loaded =
-      config_path.empty() ? ParseConfigYaml("", "defaults") : LoadConfigFile(config_path);
+  absl::StatusOr<config::DaemonConfig> loaded =
+      config_path.empty() ? config::ParseConfigYaml("", "defaults") : config::LoadConfigFile(config_path);
   if (!loaded.ok()) {
     fprintf(stderr, "ciuicd: %s\n", std::string(loaded.status().message()).c_str());
     return 78;  // EX_CONFIG
   }
-  DaemonConfig config = *loaded;
+  config::DaemonConfig cfg = *loaded;
   // Flags override the file; validate them with the file's rules.
   std::string overrides;
   if (!socket_flag.empty()) absl::StrAppend(&overrides, "socket: \"", socket_flag, "\"\n");
@@ -126,20 +126,20 @@ int Main(int argc, char** argv) {
   if (!log_flag.empty()) absl::StrAppend(&overrides, "log_level: \"", log_flag, "\"\n");
   if (!workers_flag.empty()) absl::StrAppend(&overrides, "worker_threads: ", workers_flag, "\n");
   if (!overrides.empty()) {
-    auto flags = ParseConfigYaml(overrides, "command line");
+    auto flags = config::ParseConfigYaml(overrides, "command line");
     if (!flags.ok()) {
       fprintf(stderr, "ciuicd: %s\n", std::string(flags.status().message()).c_str());
       return 64;
     }
-    if (!socket_flag.empty()) config.socket_path = flags->socket_path;
-    if (!node_flag.empty()) config.node_name = flags->node_name;
-    if (!log_flag.empty()) config.log_level = flags->log_level;
-    if (!workers_flag.empty()) config.worker_threads = flags->worker_threads;
+    if (!socket_flag.empty()) cfg.socket_path = flags->socket_path;
+    if (!node_flag.empty()) cfg.node_name = flags->node_name;
+    if (!log_flag.empty()) cfg.log_level = flags->log_level;
+    if (!workers_flag.empty()) cfg.worker_threads = flags->worker_threads;
   }
 
   auto logger = spdlog::stderr_color_mt("ciuicd");
   spdlog::set_default_logger(logger);
-  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  spdlog::set_level(spdlog::level::from_str(cfg.log_level));
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
 
   // Signals are taken synchronously by the main thread below; every thread
@@ -151,35 +151,35 @@ int Main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  if (MakeParentDir(config.socket_path) != 0) {
-    spdlog::critical("cannot create the directory of {}: {}", config.socket_path,
+  if (MakeParentDir(cfg.socket_path) != 0) {
+    spdlog::critical("cannot create the directory of {}: {}", cfg.socket_path,
                      strerror(errno));
     return 1;
   }
-  int workers = config.worker_threads > 0
-                    ? config.worker_threads
+  int workers = cfg.worker_threads > 0
+                    ? cfg.worker_threads
                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
-  TuningRegistry tuning(config.tuning);
+  config::TuningRegistry tuning(cfg.tuning);
   Engine::Options options;
-  options.session_socket_path = config.socket_path + ".session";
+  options.session_socket_path = cfg.socket_path + ".session";
   options.worker_threads = workers;
-  options.max_arena_bytes = config.max_arena_bytes;
+  options.max_arena_bytes = cfg.max_arena_bytes;
   options.tuning = &tuning;
   auto engine = Engine::Start(options);
   if (!engine.ok()) {
-    spdlog::critical("{}", engine.status().message());
+    spdlog::critical("{}", std::string(engine.status().message()));
     return 1;
   }
-  ControlService service(engine->get(), &tuning, config.node_name, config.socket_path);
-  auto server = StartControlServer(config.socket_path, &service);
+  ControlService service(engine->get(), &tuning, cfg.node_name, cfg.socket_path);
+  auto server = StartControlServer(cfg.socket_path, &service);
   if (!server.ok()) {
-    spdlog::critical("{}", server.status().message());
+    spdlog::critical("{}", std::string(server.status().message()));
     (*engine)->Shutdown();
     return 1;
   }
   spdlog::info("ciuicd {} ready on {} (node {}, {} worker threads)", CIUIC_VERSION,
-               config.socket_path, config.node_name, workers);
+               cfg.socket_path, cfg.node_name, workers);
   NotifySystemd("READY=1");
 
   int sig = 0;
@@ -188,7 +188,7 @@ int Main(int argc, char** argv) {
   NotifySystemd("STOPPING=1");
   (*engine)->Shutdown();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  unlink(config.socket_path.c_str());
+  unlink(cfg.socket_path.c_str());
   spdlog::info("ciuicd stopped");
   return 0;
 }

@@ -20,7 +20,7 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-void FillEntry(const TuningEntry& e, proto::TuneEntry* out) {
+void FillEntry(const config::TuningEntry& e, proto::TuneEntry* out) {
   out->set_key(e.key);
   out->set_value(e.value);
   out->set_description(e.description);

@@ -1,5 +1,5 @@
 // The gRPC face of the daemon (service ciuic.proto.Control). Thin: every
-// call is translated to the Engine or the TuningRegistry, which know
+// call is translated to the Engine or the config::TuningRegistry, which know
 // nothing of gRPC. Called on gRPC's threads.
 #pragma once
 
@@ -15,7 +15,7 @@ namespace ciuic::daemon {
 
 class ControlService final : public proto::Control::Service {
  public:
-  ControlService(Engine* engine, TuningRegistry* tuning, std::string node_name,
+  ControlService(Engine* engine, config::TuningRegistry* tuning, std::string node_name,
                  std::string socket_path)
       : engine_(engine), tuning_(tuning), node_name_(std::move(node_name)),
         socket_path_(std::move(socket_path)) {}
@@ -31,7 +31,7 @@ class ControlService final : public proto::Control::Service {
 
  private:
   Engine* engine_;
-  TuningRegistry* tuning_;
+  config::TuningRegistry* tuning_;
   std::string node_name_;
   std::string socket_path_;
 };

@@ -106,7 +106,7 @@ uint64_t Tag(uint64_t session_id, uint64_t kind) { return session_id << 2 | kind
 Engine::Engine(const Options& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Start(const Options& options) {
-  if (options.tuning == nullptr) return absl::InvalidArgumentError("Engine needs a TuningRegistry");
+  if (options.tuning == nullptr) return absl::InvalidArgumentError("Engine needs a config::TuningRegistry");
   std::unique_ptr<Engine> e(new Engine(options));
   auto listen_fd = ListenSeqpacket(options.session_socket_path);
   if (!listen_fd.ok()) return listen_fd.status();
@@ -421,7 +421,7 @@ void Engine::Loop() {
   Clock::time_point last_work = Clock::now();
   bool armed = false;
   while (true) {
-    const Tuning tuning = options_.tuning->Snapshot();
+    const config::Tuning tuning = options_.tuning->Snapshot();
     int timeout_ms = 0;
     const bool spinning =
         Clock::now() - last_work < std::chrono::microseconds(tuning.spin_us);
@@ -510,7 +510,7 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
     ++ops_failed_;
     ++job.ops_failed;
     spdlog::warn("job '{}' rank {}: rejected submission: {}", job.id, s->rank,
-                 valid.status().message());
+                 std::string(valid.status().message()));
     return CompleteOnLoop(*s, entry.op_id, valid.status());
   }
   ValidatedOp& v = *valid;
@@ -562,7 +562,7 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
         absl::StrCat("operation '", v.name, "' mismatched across ranks: rank ", other,
                      " submitted ", op->sig.ToString(), ", rank ", s->rank, " submitted ",
                      v.sig.ToString()));
-    spdlog::warn("job '{}': {}", job.id, mismatch.message());
+    spdlog::warn("job '{}': {}", job.id, std::string(mismatch.message()));
     ++ops_failed_;
     ++job.ops_failed;
     CompleteOnLoop(*s, v.op_id, mismatch);
@@ -595,7 +595,7 @@ void Engine::FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& stat
 void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
   if (job.failure.ok()) {
     job.failure = status;
-    spdlog::warn("job '{}' failed: {}", job.id, status.message());
+    spdlog::warn("job '{}' failed: {}", job.id, std::string(status.message()));
   }
   for (auto& [name, op] : job.pending) FailPendingOnLoop(job, *op, status);
   job.pending.clear();
@@ -614,14 +614,14 @@ void Engine::CheckDeadlinesOnLoop() {
       absl::Status s = absl::DeadlineExceededError(absl::StrCat(
           "operation '", name, "' of job '", job->id, "' timed out after ", ms.count(),
           " ms waiting for rank(s) ", RankList(waiting)));
-      spdlog::warn("{}", s.message());
+      spdlog::warn("{}", std::string(s.message()));
       FailPendingOnLoop(*job, *op, s);
     }
   }
 }
 
 void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
-  const Tuning tuning = options_.tuning->Snapshot();  // fixed for this operation
+  const config::Tuning tuning = options_.tuning->Snapshot();  // fixed for this operation
   std::vector<const uint8_t*> send(job.world_size);
   std::vector<uint8_t*> recv(job.world_size);
   for (int r = 0; r < job.world_size; ++r) {

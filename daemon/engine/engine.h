@@ -97,7 +97,7 @@ class Engine {
     std::string session_socket_path;
     int worker_threads = 2;
     uint64_t max_arena_bytes = 8ull << 30;
-    TuningRegistry* tuning = nullptr;  // not owned; outlives the engine
+    config::TuningRegistry* tuning = nullptr;  // not owned; outlives the engine
   };
 
   // Listens on the session socket and starts the loop, acceptor and workers.

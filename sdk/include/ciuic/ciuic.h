@@ -102,9 +102,10 @@ class Buffer {
   template <typename T>
   T* as() const { return static_cast<T*>(data_); }
 
+  struct Arena;  // the SDK's shared-memory mapping; opaque
+
  private:
   friend struct BufferAccess;  // the SDK's internals
-  struct Arena;
   std::shared_ptr<Arena> arena_;
   void* data_ = nullptr;
   size_t size_ = 0;
