@@ -46,23 +46,28 @@ class Parser {
     }
     using Setter = std::function<absl::Status(const YAML::Node& key, const YAML::Node& value)>;
     const std::vector<std::pair<std::string, Setter>> keys = {
-        {"socket", Scalar([&](const auto& key, const auto& value) { return SetSocket(key, value, config); })},
-        {"node_name",
-         Scalar([&](const auto& key, const auto& value) { return SetNodeName(key, value, config); })},
-        {"log_level",
-         Scalar([&](const auto& key, const auto& value) { return SetLogLevel(key, value, config); })},
-        {"worker_threads",
-         Scalar([&](const auto& key, const auto& value) { return SetWorkerThreads(key, value, config); })},
-        {"max_arena_bytes",
-         Scalar([&](const auto& key, const auto& value) { return SetArenaBytes(key, value, config); })},
-        {"listen", Scalar([&](const auto& key, const auto& value) { return SetListen(key, value, config); })},
+        {"socket",
+         Scalar([&](const auto& key, const auto& value) { return SetSocket(key, value, config); })},
+        {"node_name", Scalar([&](const auto& key, const auto& value) {
+           return SetNodeName(key, value, config);
+         })},
+        {"log_level", Scalar([&](const auto& key, const auto& value) {
+           return SetLogLevel(key, value, config);
+         })},
+        {"worker_threads", Scalar([&](const auto& key, const auto& value) {
+           return SetWorkerThreads(key, value, config);
+         })},
+        {"max_arena_bytes", Scalar([&](const auto& key, const auto& value) {
+           return SetArenaBytes(key, value, config);
+         })},
+        {"listen",
+         Scalar([&](const auto& key, const auto& value) { return SetListen(key, value, config); })},
         {"cluster_token_file", Scalar([&](const auto& key, const auto& value) {
            config.cluster_token_file = value;
            return absl::OkStatus();
          })},
-        {"tuning", [&](const YAML::Node& key, const YAML::Node& value) {
-           return ParseTuning(key, value, config.tuning);
-         }},
+        {"tuning", [&](const YAML::Node& key,
+                       const YAML::Node& value) { return ParseTuning(key, value, config.tuning); }},
     };
     std::vector<std::string> names;
     for (const auto& [name, setter] : keys) names.push_back(name);
@@ -137,12 +142,10 @@ class Parser {
     return absl::OkStatus();
   }
 
-  absl::Status SetNodeName(const YAML::Node& key, const std::string& value,
-                           DaemonConfig& config) {
+  absl::Status SetNodeName(const YAML::Node& key, const std::string& value, DaemonConfig& config) {
     bool valid = !value.empty() && value.size() <= 255;
     for (char c : value) {
-      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' &&
-          c != '_') {
+      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' && c != '_') {
         valid = false;
       }
     }
@@ -155,8 +158,7 @@ class Parser {
     return absl::OkStatus();
   }
 
-  absl::Status SetLogLevel(const YAML::Node& key, const std::string& value,
-                           DaemonConfig& config) {
+  absl::Status SetLogLevel(const YAML::Node& key, const std::string& value, DaemonConfig& config) {
     std::string level = absl::AsciiStrToLower(value);
     if (level == "warning") level = "warn";
     for (absl::string_view known : kLogLevels) {
@@ -165,8 +167,7 @@ class Parser {
         return absl::OkStatus();
       }
     }
-    return Error(key, absl::StrCat("invalid value '", value,
-                                   "' for 'log_level': expected one of ",
+    return Error(key, absl::StrCat("invalid value '", value, "' for 'log_level': expected one of ",
                                    absl::StrJoin(kLogLevels, ", ")));
   }
 
@@ -192,9 +193,9 @@ class Parser {
                                      bytes.status().message(), "; expected a size in ", range));
     }
     if (*bytes < kMinArenaBytes || *bytes > kMaxArenaBytes) {
-      return Error(key, absl::StrCat("invalid value '", value,
-                                     "' for 'max_arena_bytes': out of range; expected a size in ",
-                                     range));
+      return Error(
+          key, absl::StrCat("invalid value '", value,
+                            "' for 'max_arena_bytes': out of range; expected a size in ", range));
     }
     config.max_arena_bytes = *bytes;
     return absl::OkStatus();
@@ -268,8 +269,7 @@ absl::StatusOr<DaemonConfig> ParseConfigYaml(absl::string_view text,
     root = YAML::Load(std::string(text));
   } catch (const YAML::Exception& e) {
     if (e.mark.is_null()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(source_name, ": YAML syntax error: ", e.msg));
+      return absl::InvalidArgumentError(absl::StrCat(source_name, ": YAML syntax error: ", e.msg));
     }
     return absl::InvalidArgumentError(
         absl::StrCat(source_name, ":", e.mark.line + 1, ": YAML syntax error: ", e.msg));

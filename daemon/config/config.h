@@ -40,8 +40,7 @@ struct DaemonConfig {
 
 // Parses a config document. `source_name` (usually the file path) prefixes
 // error messages. An empty document gives the defaults.
-absl::StatusOr<DaemonConfig> ParseConfigYaml(absl::string_view text,
-                                             absl::string_view source_name);
+absl::StatusOr<DaemonConfig> ParseConfigYaml(absl::string_view text, absl::string_view source_name);
 
 // Reads and parses `path`. An unreadable file is NOT_FOUND or
 // PERMISSION_DENIED (naming the path and the OS error).

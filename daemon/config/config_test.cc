@@ -147,8 +147,8 @@ TEST(ConfigTest, ValidValues) {
 }
 
 TEST(ConfigTest, Listen) {
-  for (const char* good : {"0.0.0.0:7361", "node-1.example.com:80", "[::]:7361",
-                           "127.0.0.1:0", "localhost:65535"}) {
+  for (const char* good :
+       {"0.0.0.0:7361", "node-1.example.com:80", "[::]:7361", "127.0.0.1:0", "localhost:65535"}) {
     absl::StatusOr<DaemonConfig> config = Parse(std::string("listen: \"") + good + "\"\n");
     ASSERT_TRUE(config.ok()) << good << ": " << config.status().ToString();
     EXPECT_EQ(config->listen, good);

@@ -39,8 +39,8 @@ Field SizeField(std::string key, absl::string_view what, uint64_t Tuning::*membe
                 uint64_t max) {
   std::string range = absl::StrCat(FormatByteSize(min), "..", FormatByteSize(max));
   Field field;
-  field.description = absl::StrCat(what, " [bytes, suffix K/M/G; ", range,
-                                    "; default ", FormatByteSize(Tuning{}.*member), "]");
+  field.description = absl::StrCat(what, " [bytes, suffix K/M/G; ", range, "; default ",
+                                   FormatByteSize(Tuning{}.*member), "]");
   field.parse = [key, member, min, max, range](absl::string_view value, Tuning& tuning) {
     absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
     if (!bytes.ok()) {
@@ -62,8 +62,8 @@ Field IntegerField(std::string key, absl::string_view what, absl::string_view un
                    uint32_t Tuning::*member, uint32_t min, uint32_t max) {
   std::string range = absl::StrCat(min, "..", max);
   Field field;
-  field.description = absl::StrCat(what, " [", unit, unit.empty() ? "" : "; ", range,
-                                   "; default ", Tuning{}.*member, "]");
+  field.description = absl::StrCat(what, " [", unit, unit.empty() ? "" : "; ", range, "; default ",
+                                   Tuning{}.*member, "]");
   field.parse = [key, member, min, max, range](absl::string_view value, Tuning& tuning) {
     absl::StatusOr<uint64_t> number = ParseUnsigned(value);
     if (!number.ok()) {
@@ -89,8 +89,8 @@ Field AlgorithmField(std::string key, absl::string_view what) {
   field.description = absl::StrCat(what, " [", absl::StrJoin(names, "|"), "; default ",
                                    AlgorithmName(Tuning{}.algorithm), "]");
   field.parse = [key, allowed](absl::string_view value, Tuning& tuning) {
-    std::string normalized = absl::AsciiStrToLower(
-        absl::StrReplaceAll(absl::StripAsciiWhitespace(value), {{"-", "_"}}));
+    std::string normalized =
+        absl::AsciiStrToLower(absl::StrReplaceAll(absl::StripAsciiWhitespace(value), {{"-", "_"}}));
     for (const auto& [algorithm, name] : kAlgorithmNames) {
       if (normalized == name) {
         tuning.algorithm = algorithm;
@@ -166,7 +166,7 @@ absl::Status SetTuningValue(Tuning& tuning, absl::string_view key, absl::string_
 }
 
 absl::StatusOr<std::vector<TuningEntry>> GetTuningEntries(const Tuning& tuning,
-                                                         absl::string_view key) {
+                                                          absl::string_view key) {
   std::vector<TuningEntry> entries;
   for (const Field& field : Table()) {
     if (key.empty() || field.key == key) {

@@ -65,7 +65,7 @@ absl::Status SetTuningValue(Tuning& tuning, absl::string_view key, absl::string_
 // The entry for `key`, or every key in TuningKeys() order when `key` is
 // empty. Unknown key: INVALID_ARGUMENT.
 absl::StatusOr<std::vector<TuningEntry>> GetTuningEntries(const Tuning& tuning,
-                                                         absl::string_view key);
+                                                          absl::string_view key);
 
 // The daemon's current Tuning, shared between the control service (Set/Get,
 // from gRPC threads) and the engine (Snapshot, per operation). All methods

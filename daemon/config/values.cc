@@ -47,10 +47,18 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   uint64_t factor = 1;
   if (!suffix.empty()) {
     switch (absl::ascii_toupper(static_cast<unsigned char>(suffix[0]))) {
-      case 'K': factor = kKiB; break;
-      case 'M': factor = kMiB; break;
-      case 'G': factor = kGiB; break;
-      case 'T': factor = kTiB; break;
+      case 'K':
+        factor = kKiB;
+        break;
+      case 'M':
+        factor = kMiB;
+        break;
+      case 'G':
+        factor = kGiB;
+        break;
+      case 'T':
+        factor = kTiB;
+        break;
       default:
         return absl::InvalidArgumentError(
             absl::StrCat("unknown size suffix '", suffix, "' (use K, M, G or T)"));

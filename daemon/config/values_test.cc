@@ -20,8 +20,8 @@ TEST(ParseByteSizeTest, AcceptsPlainAndSuffixed) {
 }
 
 TEST(ParseByteSizeTest, RejectsGarbageAndOverflow) {
-  for (const char* bad : {"", "M", "-1", "4X", "4MB", "4 M", "1.5M", "0x10", "abc",
-                          "99999999999G", "18446744073709551616", "16777216T"}) {
+  for (const char* bad : {"", "M", "-1", "4X", "4MB", "4 M", "1.5M", "0x10", "abc", "99999999999G",
+                          "18446744073709551616", "16777216T"}) {
     EXPECT_FALSE(ParseByteSize(bad).ok()) << bad;
   }
   EXPECT_EQ(*ParseByteSize("18446744073709551615"), UINT64_MAX);

@@ -1,0 +1,188 @@
+#include "format.h"
+
+#include <cmath>
+#include <limits>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ciuic::ctl {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+google::protobuf::RepeatedField<int32_t> Ranks(std::initializer_list<int32_t> ranks) {
+  return google::protobuf::RepeatedField<int32_t>(ranks.begin(), ranks.end());
+}
+
+proto::StatusReply SampleStatus() {
+  proto::StatusReply status;
+  status.set_version("0.1.0");
+  status.set_node_name("gpu-01");
+  status.set_uptime_seconds(3 * 3600 + 5 * 60 + 7);
+  status.set_socket_path("/run/ciuic/ciuicd.sock");
+  status.set_worker_threads(8);
+  status.set_ops_completed(1234);
+  status.set_ops_failed(2);
+  status.set_bytes_reduced(uint64_t{3} << 30);
+  proto::SessionInfo* session = status.add_sessions();
+  session->set_session_id(17);
+  session->set_uid(1000);
+  session->set_pid(4242);
+  session->set_job_id("resnet");
+  session->set_rank(3);
+  session->set_arena_bytes(uint64_t{2} << 30);
+  proto::SessionInfo* idle = status.add_sessions();
+  idle->set_session_id(18);
+  idle->set_uid(1001);
+  idle->set_pid(99);
+  idle->set_arena_bytes(64 << 20);
+  proto::JobInfo* job = status.add_jobs();
+  job->set_job_id("resnet");
+  job->set_uid(1000);
+  job->set_world_size(16);
+  job->set_local_size(4);
+  for (int rank : {2, 0, 1, 3}) job->add_ranks(rank);
+  job->set_state("running");
+  job->set_ops_completed(1200);
+  job->set_ops_failed(1);
+  job->set_bytes_reduced(1536 << 20);
+  proto::PendingOp* op = job->add_pending();
+  op->set_name("grad.layer4");
+  op->set_collective("ALLREDUCE");
+  op->set_bytes(4 << 20);
+  op->set_age_seconds(2.25);
+  for (int rank : {0, 1, 2}) op->add_submitted_ranks(rank);
+  op->add_waiting_for_ranks(3);
+  return status;
+}
+
+TEST(HumanBytesTest, BinaryUnits) {
+  EXPECT_EQ(HumanBytes(0), "0 B");
+  EXPECT_EQ(HumanBytes(1023), "1023 B");
+  EXPECT_EQ(HumanBytes(1024), "1.0 KiB");
+  EXPECT_EQ(HumanBytes(1536), "1.5 KiB");
+  EXPECT_EQ(HumanBytes(4 << 20), "4.0 MiB");
+  EXPECT_EQ(HumanBytes((1 << 20) - 1), "1.0 MiB");
+  EXPECT_EQ(HumanBytes(uint64_t{3} << 30), "3.0 GiB");
+  EXPECT_EQ(HumanBytes(uint64_t{5} << 40), "5.0 TiB");
+  EXPECT_EQ(HumanBytes(std::numeric_limits<uint64_t>::max()), "16.0 EiB");
+}
+
+TEST(HumanDurationTest, Readable) {
+  EXPECT_EQ(HumanDuration(0), "0.0s");
+  EXPECT_EQ(HumanDuration(2.25), "2.2s");
+  EXPECT_EQ(HumanDuration(59.99), "59.9s");
+  EXPECT_EQ(HumanDuration(303), "5m 03s");
+  EXPECT_EQ(HumanDuration(2 * 3600 + 5 * 60 + 59), "2h 05m");
+  EXPECT_EQ(HumanDuration(3 * 86400 + 4 * 3600), "3d 04h");
+  EXPECT_EQ(HumanDuration(-1), "-");
+  EXPECT_EQ(HumanDuration(std::nan("")), "-");
+  EXPECT_EQ(HumanDuration(std::numeric_limits<double>::infinity()), "-");
+}
+
+TEST(FormatRanksTest, Ranges) {
+  EXPECT_EQ(FormatRanks(Ranks({})), "-");
+  EXPECT_EQ(FormatRanks(Ranks({5})), "5");
+  EXPECT_EQ(FormatRanks(Ranks({3, 0, 1, 2, 7})), "0-3,7");
+  EXPECT_EQ(FormatRanks(Ranks({1, 3, 5, 6, 6})), "1,3,5-6");
+}
+
+TEST(TableTest, AlignsColumns) {
+  Table table({"NAME", "N"});
+  table.SetAlign(1, Table::Align::kRight);
+  table.AddRow({"a", "1"});
+  table.AddRow({"longer", "100"});
+  table.AddRow({"short"});
+  EXPECT_EQ(table.Render(),
+            "NAME      N\n"
+            "a         1\n"
+            "longer  100\n"
+            "short\n");
+}
+
+TEST(TableTest, SanitizesControlCharacters) {
+  Table table({"JOB"});
+  table.AddRow({"evil\n\x1b[31mjob"});
+  EXPECT_EQ(table.Render(), "JOB\nevil??[31mjob\n");
+}
+
+TEST(FormatStatusTest, ShowsSummarySessionsAndJobs) {
+  std::string text = FormatStatus(SampleStatus());
+  EXPECT_THAT(text, HasSubstr("ciuicd 0.1.0 on node gpu-01\n"));
+  EXPECT_THAT(text, HasSubstr("  uptime          3h 05m\n"));
+  EXPECT_THAT(text, HasSubstr("  socket          /run/ciuic/ciuicd.sock\n"));
+  EXPECT_THAT(text, HasSubstr("  worker threads  8\n"));
+  EXPECT_THAT(text, HasSubstr("  operations      1234 completed, 2 failed\n"));
+  EXPECT_THAT(text, HasSubstr("  bytes reduced   3.0 GiB\n"));
+  EXPECT_THAT(text, HasSubstr("SESSIONS (2)\n"
+                              "ID   UID   PID  JOB     RANK     ARENA\n"
+                              "17  1000  4242  resnet     3   2.0 GiB\n"
+                              "18  1001    99  -          -  64.0 MiB\n"));
+  EXPECT_THAT(text, HasSubstr("JOBS (1)\n"
+                              "JOB      UID  WORLD  LOCAL RANKS  STATE    PENDING\n"
+                              "resnet  1000     16  0-3          running        1\n"));
+}
+
+TEST(FormatStatusTest, EmptyDaemon) {
+  proto::StatusReply status;
+  status.set_version("0.1.0");
+  status.set_node_name("n");
+  std::string text = FormatStatus(status);
+  EXPECT_THAT(text, HasSubstr("SESSIONS (0)\n  (none)\n"));
+  EXPECT_THAT(text, HasSubstr("JOBS (0)\n  (none)\n"));
+  EXPECT_THAT(text, HasSubstr("bytes reduced   0 B"));
+}
+
+TEST(FormatJobsTest, ShowsJobsAndPendingOperations) {
+  std::string text = FormatJobs(SampleStatus());
+  EXPECT_THAT(text, HasSubstr("JOB      UID  WORLD  LOCAL RANKS      STATE    COMPLETED  "
+                              "FAILED    BYTES\n"
+                              "resnet  1000     16  0-3 (4 on node)  running       1200       "
+                              "1  1.5 GiB\n"));
+  EXPECT_THAT(text, HasSubstr("PENDING OPERATIONS\n"
+                              "JOB     OPERATION    COLLECTIVE    BYTES   AGE  SUBMITTED  "
+                              "WAITING FOR\n"
+                              "resnet  grad.layer4  allreduce   4.0 MiB  2.2s  0-2        3\n"));
+}
+
+TEST(FormatJobsTest, NoJobsOrNothingPending) {
+  EXPECT_EQ(FormatJobs(proto::StatusReply()), "no jobs\n");
+  proto::StatusReply status = SampleStatus();
+  status.mutable_jobs(0)->clear_pending();
+  EXPECT_THAT(FormatJobs(status), HasSubstr("PENDING OPERATIONS\n  (none)\n"));
+}
+
+TEST(FormatTuneTest, EntriesAndSet) {
+  proto::TuneGetReply reply;
+  proto::TuneEntry* entry = reply.add_entries();
+  entry->set_key("chunk_bytes");
+  entry->set_value("4M");
+  entry->set_description("Unit of work");
+  entry = reply.add_entries();
+  entry->set_key("channels");
+  entry->set_value("2");
+  entry->set_description("UCX workers");
+  EXPECT_EQ(FormatTuneEntries(reply),
+            "KEY          VALUE  DESCRIPTION\n"
+            "chunk_bytes  4M     Unit of work\n"
+            "channels     2      UCX workers\n");
+  EXPECT_EQ(FormatTuneEntry(reply.entries(0)), "chunk_bytes = 4M\n");
+}
+
+TEST(ToJsonTest, OneObjectWithEveryField) {
+  proto::StatusReply status;
+  status.set_node_name("n1");
+  absl::StatusOr<std::string> json = ToJson(status);
+  ASSERT_TRUE(json.ok());
+  EXPECT_EQ(json->front(), '{');
+  EXPECT_EQ(json->back(), '\n');
+  EXPECT_THAT(*json, HasSubstr("\"nodeName\":\"n1\""));
+  EXPECT_THAT(*json, HasSubstr("\"opsFailed\":\"0\""));  // printed although default
+  EXPECT_THAT(*json, HasSubstr("\"workerThreads\":0"));
+  EXPECT_THAT(json->substr(0, json->size() - 1), Not(HasSubstr("\n")));
+}
+
+}  // namespace
+}  // namespace ciuic::ctl
