@@ -382,7 +382,7 @@ static void PrintRow(const Options* o, const Shape* s, double time_us, double co
     else
       snprintf(err, sizeof(err), "%lld", errors);
     printf("{\"op\": \"%s\", \"dtype\": \"%s\", \"bytes\": %zu, \"ranks\": %d, "
-           "\"time_us\": %.3f, \"algbw_gbps\": %.4f, \"busbw_gbps\": %.4f, "
+           "\"time_us\": %.3f, \"algbw_gbps\": %.6g, \"busbw_gbps\": %.6g, "
            "\"errors\": %s, \"cold_us\": %.3f}\n",
            kOpNames[o->op], kDtypeNames[o->dtype], s->bytes, g_nranks, time_us, algbw, busbw,
            err, cold_us);
