@@ -33,8 +33,16 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("ciuic", "mpi", "gloo")
-LABEL = {"ciuic": "ciuic", "mpi": "OpenMPI", "gloo": "gloo"}
+SYSTEMS = ("ciuic", "mpi", "mpi_tuned", "gloo")
+LABEL = {"ciuic": "ciuic", "mpi": "OpenMPI", "mpi_tuned": "OpenMPI+malloc", "gloo": "gloo"}
+
+# OpenMPI's allreduce mallocs a temporary buffer (half the message for 2 ranks)
+# on every call. Above 32 MiB glibc maps it fresh, and with only the mmap
+# threshold raised the heap top is trimmed back on free(): either way every op
+# pays first-touch page faults (~8200 per op at 64 MiB, measured). Raising
+# both thresholds keeps the buffer in the heap; "mpi_tuned" is OpenMPI so.
+MPI_TUNED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                 "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
 def log(msg):
@@ -91,13 +99,40 @@ def machine_info(memcpy_mib=256, memcpy_reps=5):
     return info
 
 
+def cpu_pressure():
+    """Share of the last 10 s in which some runnable task waited for a CPU (PSI), or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some"):
+                    return float(line.split()[1].split("=")[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def busy_note(when, warn):
+    """A line on how busy the machine is: other jobs on few cores skew results.
+
+    At the end the pressure includes our own ranks, so only `warn` at start.
+    """
+    load = os.getloadavg()[0]
+    psi = cpu_pressure()
+    line = "load average %.2f, cpu pressure (some, avg10) %s %s" % (
+        load, "?" if psi is None else "%.0f%%" % psi, when)
+    busy = psi > 20 if psi is not None else load > os.cpu_count() / 2
+    if warn and busy:
+        line += "\nWARNING: the machine is busy before we start; expect slow, noisy numbers"
+    return line
+
+
 def print_machine(info, versions):
     print("machine: %s, %d cores (nproc), %s GiB memory, CPU %s, kernel %s"
           % (info["host"], info["nproc"], info["mem_total_gib"], info["cpu_model"],
              info["kernel"]))
     print("memcpy %s (numpy copy into a preallocated array, median of 5): %s GB/s"
           % (human_bytes(info.get("memcpy_bytes", 0)), info["memcpy_gbps"]))
-    print("load average at start: %.2f %.2f %.2f" % tuple(info["loadavg"]))
+    print(busy_note("at start", warn=True))
     for k, v in versions.items():
         print("%s: %s" % (k, v))
 
@@ -176,15 +211,18 @@ def bench_flags(args):
 
 
 def env_for(args, system):
-    """(extra environment, mpirun -x flags) from --env [SYSTEM:]KEY=VALUE."""
-    extra = {}
+    """Extra environment of `system` from --env [SYSTEM:]KEY=VALUE.
+
+    "mpi:" applies to mpi_tuned as well; mpi_tuned starts from MPI_TUNED_ENV.
+    """
+    extra = dict(MPI_TUNED_ENV) if system == "mpi_tuned" else {}
     for item in args.env:
         target, sep, kv = item.partition(":")
         if not sep or "=" in target:
             target, kv = None, item
         if target is not None and target not in SYSTEMS:
             sys.exit("compare.py: --env %s: unknown system %s" % (item, target))
-        if target in (None, system):
+        if target in (None, system) or (target == "mpi" and system == "mpi_tuned"):
             key, _, value = kv.partition("=")
             extra[key] = value
     return extra
@@ -201,7 +239,7 @@ def command_for(system, args, scenario):
         if args.socket:
             cmd += ["--socket", args.socket]
         return cmd, None
-    if system == "mpi":
+    if system in ("mpi", "mpi_tuned"):
         path = args.mpi_bench
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             return None, ("ciuic-mpi-bench not found at %s (cmake --build build --target "
@@ -215,7 +253,7 @@ def command_for(system, args, scenario):
         # Few cores here: allow more ranks than cores, and do not pin ranks.
         cmd += ["--oversubscribe", "--bind-to", "none", "-np", str(scenario.world)]
         cmd += scenario.mpirun_transport_flags()
-        for key, value in env_for(args, "mpi").items():
+        for key, value in env_for(args, system).items():
             cmd += ["-x", "%s=%s" % (key, value)]
         return cmd + [path] + common, None
     if system == "gloo":
@@ -300,9 +338,13 @@ def ratio(stats, a, b, nbytes):
 def print_table(stats, systems):
     sizes = sorted({k[1] for k in stats})
     print()
-    print("%10s  %-8s %10s %-21s %9s %-19s %6s" % (
-        "bytes", "system", "time_us", "  (min..max)", "busbw", "  (min..max)", "errors"))
-    print("%10s  %-8s %10s %-21s %9s %-19s %6s" % ("", "", "median", "", "GB/s", "", ""))
+    if "mpi_tuned" in systems:
+        print("OpenMPI+malloc: OpenMPI with " +
+              " ".join("%s=%s" % kv for kv in MPI_TUNED_ENV.items()))
+    print("%10s  %-14s %10s   %-19s %9s   %-17s %6s" % (
+        "bytes", "system", "time_us", "(min..max)", "busbw", "(min..max)", "errors"))
+    print("%10s  %-14s %10s   %-19s %9s   %-17s %6s" % ("", "", "median", "", "GB/s", "",
+                                                          ""))
     notes = set()
     for n in sizes:
         for s in systems:
@@ -313,7 +355,7 @@ def print_table(stats, systems):
             if st["impl"]:
                 mark = " *"
                 notes.add("* %s: %s (emulated)" % (LABEL[s], st["impl"]))
-            print("%10s  %-8s %10.2f  (%8.2f..%8.2f) %9.3f  (%7.3f..%7.3f) %6s%s" % (
+            print("%10s  %-14s %10.2f  (%8.2f..%8.2f) %9.3f  (%7.3f..%7.3f) %6s%s" % (
                 human_bytes(n), LABEL[s], st["time_us"], st["time_us_min"],
                 st["time_us_max"], st["busbw_gbps"], st["busbw_gbps_min"],
                 st["busbw_gbps_max"], "-" if st["errors"] is None else st["errors"], mark))
@@ -321,12 +363,13 @@ def print_table(stats, systems):
         others = [s for s in systems if s != "ciuic"]
         print()
         print("busbw ratio (median; > 1 means ciuic is faster)")
-        print("%10s  " % "bytes" + "  ".join("%12s" % ("ciuic/" + LABEL[o]) for o in others))
+        heads = ["ciuic/" + LABEL[o] for o in others]
+        print("%10s  " % "bytes" + "  ".join("%13s" % h for h in heads))
         for n in sizes:
             cells = []
-            for o in others:
+            for o, h in zip(others, heads):
                 r = ratio(stats, "ciuic", o, n)
-                cells.append("%12s" % ("-" if r is None else "%.2fx" % r))
+                cells.append("%*s" % (max(13, len(h)), "-" if r is None else "%.2fx" % r))
             print("%10s  " % human_bytes(n) + "  ".join(cells))
     for note in sorted(notes):
         print(note)
@@ -432,6 +475,7 @@ def main(argv):
     scenario = make_scenario(args)
     log("measuring the machine (memcpy of 256 MiB)")
     info = machine_info()
+    info["cpu_pressure_start"] = cpu_pressure()
     vers = versions()
     print_machine(info, vers)
     print("scenario %s" % scenario.describe())
@@ -468,6 +512,9 @@ def main(argv):
         log("rep %d/%d finished, %.0f s elapsed" % (rep, args.reps,
                                                     time.monotonic() - t_start))
 
+    info["cpu_pressure_end"] = cpu_pressure()
+    info["loadavg_end"] = os.getloadavg()
+    print(busy_note("at end", warn=False))
     ran = [s for s in args.system_list if s in commands]
     stats = summarize(rows, ran)
     print_table(stats, ran)
