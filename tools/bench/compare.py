@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -267,15 +268,25 @@ def run_one(system, cmd, args, rep):
     env = dict(os.environ)
     env.update(env_for(args, system))
     t0 = time.monotonic()
+    # Own process group, so that a timeout also ends the ranks mpirun or
+    # gloo_bench.py started, not only the launcher.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, timeout=args.timeout + 30, env=env)
+        stdout, stderr = proc.communicate(timeout=args.timeout + 30)
     except subprocess.TimeoutExpired:
-        return [], {"system": system, "rep": rep, "reason": "timed out after %d s"
-                    % args.timeout}
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        log("rep %d/%d %-5s TIMED OUT after %d s" % (rep, args.reps, system,
+                                                      args.timeout + 30))
+        return [], {"system": system, "rep": rep, "returncode": None,
+                    "reason": "timed out after %d s" % (args.timeout + 30)}
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     elapsed = time.monotonic() - t0
     rows = []
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         line = line.strip()
         if not line.startswith("{"):
             continue
@@ -287,7 +298,7 @@ def run_one(system, cmd, args, rep):
         rows.append(row)
     failure = None
     if proc.returncode != 0 or not rows:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        tail = "\n".join(stderr.strip().splitlines()[-15:])
         failure = {"system": system, "rep": rep, "returncode": proc.returncode,
                    "reason": "exit code %d, %d rows" % (proc.returncode, len(rows)),
                    "stderr_tail": tail}
