@@ -1,0 +1,565 @@
+#!/usr/bin/python3
+"""compare.py: one command that benchmarks a collective on ciuic, OpenMPI and gloo.
+
+It runs ciuic-bench, ciuic-mpi-bench (under mpirun) and gloo_bench.py with the
+same --op/--sizes/--dtype/--iters/--warmup, interleaved per repetition
+(rep 1: ciuic, mpi, gloo; rep 2: ciuic, mpi, gloo; ...) so that drift of the
+machine (other jobs, thermal, page cache) hits all systems alike. It reports,
+per size and system, the median and the spread (min..max over reps) of
+time_us and busbw_gbps, and the busbw ratios ciuic/OpenMPI and ciuic/gloo.
+
+Each benchmark already reports the median over --iters of the max over ranks;
+the reps here measure how stable that median is across process launches.
+
+Scenarios (how ranks are placed and which transport the baselines use):
+  local     one node, --ranks R processes. OpenMPI keeps its defaults
+            (ob1 + vader shared memory); gloo uses TCP on loopback (it has
+            no shared-memory transport); ciuic-bench gets --nodes 1.
+  loopback  --nodes N x --ranks-per-node R processes on this machine acting as
+            N nodes. OpenMPI is forced onto TCP over lo (--mca pml ob1
+            --mca btl tcp,self); gloo is the same as local; ciuic-bench gets
+            --nodes N --ranks-per-node R and arranges its daemons itself.
+A new scenario is one more Scenario subclass (see below).
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SYSTEMS = ("ciuic", "mpi", "mpi_tuned", "gloo")
+LABEL = {"ciuic": "ciuic", "mpi": "OpenMPI", "mpi_tuned": "OpenMPI+malloc", "gloo": "gloo"}
+
+# OpenMPI's allreduce mallocs a temporary buffer (half the message for 2 ranks)
+# on every call. Above 32 MiB glibc maps it fresh, and with only the mmap
+# threshold raised the heap top is trimmed back on free(): either way every op
+# pays first-touch page faults (~8200 per op at 64 MiB, measured). Raising
+# both thresholds keeps the buffer in the heap; "mpi_tuned" is OpenMPI so.
+MPI_TUNED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                 "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+
+
+def log(msg):
+    print("[compare] " + msg, file=sys.stderr, flush=True)
+
+
+def human_bytes(n):
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= (1 << shift) and n % (1 << shift) == 0:
+            return "%d%s" % (n >> shift, unit)
+    return str(n)
+
+
+# ----------------------------------------------------------------- machine
+
+def machine_info(memcpy_mib=256, memcpy_reps=5):
+    """Cores, memory, CPU model and a memcpy bandwidth measured now."""
+    info = {
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_model": "?",
+        "mem_total_gib": None,
+        "loadavg": os.getloadavg(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["mem_total_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    try:
+        import numpy as np
+        n = memcpy_mib << 20
+        src = np.ones(n, dtype=np.uint8)        # written: pages faulted in
+        dst = np.empty(n, dtype=np.uint8)
+        dst.fill(0)                             # pre-fault the destination too
+        times = []
+        for _ in range(memcpy_reps):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t0)
+        info["memcpy_bytes"] = n
+        info["memcpy_gbps"] = round(n / statistics.median(times) / 1e9, 2)
+        del src, dst
+    except ImportError:
+        info["memcpy_gbps"] = None
+    return info
+
+
+def cpu_pressure():
+    """Share of the last 10 s in which some runnable task waited for a CPU (PSI), or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some"):
+                    return float(line.split()[1].split("=")[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def busy_note(when, warn):
+    """A line on how busy the machine is: other jobs on few cores skew results.
+
+    At the end the pressure includes our own ranks, so only `warn` at start.
+    """
+    load = os.getloadavg()[0]
+    psi = cpu_pressure()
+    line = "load average %.2f, cpu pressure (some, avg10) %s %s" % (
+        load, "?" if psi is None else "%.0f%%" % psi, when)
+    busy = psi > 20 if psi is not None else load > os.cpu_count() / 2
+    if warn and busy:
+        line += "\nWARNING: the machine is busy before we start; expect slow, noisy numbers"
+    return line
+
+
+def print_machine(info, versions):
+    print("machine: %s, %d cores (nproc), %s GiB memory, CPU %s, kernel %s"
+          % (info["host"], info["nproc"], info["mem_total_gib"], info["cpu_model"],
+             info["kernel"]))
+    print("memcpy %s (numpy copy into a preallocated array, median of 5): %s GB/s"
+          % (human_bytes(info.get("memcpy_bytes", 0)), info["memcpy_gbps"]))
+    print(busy_note("at start", warn=True))
+    for k, v in versions.items():
+        print("%s: %s" % (k, v))
+
+
+# ---------------------------------------------------------------- scenarios
+
+class Scenario:
+    """Where the ranks run and how each system is told so.
+
+    nodes x ranks_per_node ranks in all. Subclasses choose the extra mpirun
+    flags; the benchmark flags are common to every system.
+    """
+    name = "?"
+
+    def __init__(self, nodes, ranks_per_node):
+        self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
+
+    @property
+    def world(self):
+        return self.nodes * self.ranks_per_node
+
+    def placement_flags(self):
+        return ["--nodes", str(self.nodes), "--ranks-per-node", str(self.ranks_per_node)]
+
+    def mpirun_transport_flags(self):
+        raise NotImplementedError
+
+    def describe(self):
+        raise NotImplementedError
+
+
+class LocalScenario(Scenario):
+    name = "local"
+
+    def mpirun_transport_flags(self):
+        return []  # OpenMPI's defaults: ob1 + vader shared memory
+
+    def describe(self):
+        return ("local: 1 node, %d ranks; OpenMPI default transports (vader shared "
+                "memory), gloo TCP over lo" % self.world)
+
+
+class LoopbackScenario(Scenario):
+    name = "loopback"
+
+    def mpirun_transport_flags(self):
+        return ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
+
+    def describe(self):
+        return ("loopback: %d nodes x %d ranks on this machine; OpenMPI forced onto "
+                "TCP over lo (ob1, btl tcp,self), gloo TCP over lo"
+                % (self.nodes, self.ranks_per_node))
+
+
+def make_scenario(args):
+    if args.scenario == "local":
+        if args.nodes not in (None, 1):
+            sys.exit("compare.py: --scenario local is one node; use --scenario loopback "
+                     "for --nodes %d" % args.nodes)
+        return LocalScenario(1, args.ranks or args.ranks_per_node or 2)
+    if args.scenario == "loopback":
+        return LoopbackScenario(args.nodes or 2, args.ranks_per_node or args.ranks or 1)
+    sys.exit("compare.py: unknown scenario %s" % args.scenario)
+
+
+# ------------------------------------------------------------------ systems
+
+def bench_flags(args):
+    flags = ["--op", args.op, "--sizes", args.sizes, "--dtype", args.dtype,
+             "--iters", str(args.iters), "--warmup", str(args.warmup), "--json"]
+    if not args.no_check:
+        flags.append("--check")
+    return flags
+
+
+def env_for(args, system):
+    """Extra environment of `system` from --env [SYSTEM:]KEY=VALUE.
+
+    "mpi:" applies to mpi_tuned as well; mpi_tuned starts from MPI_TUNED_ENV.
+    """
+    extra = dict(MPI_TUNED_ENV) if system == "mpi_tuned" else {}
+    for item in args.env:
+        target, sep, kv = item.partition(":")
+        if not sep or "=" in target:
+            target, kv = None, item
+        if target is not None and target not in SYSTEMS:
+            sys.exit("compare.py: --env %s: unknown system %s" % (item, target))
+        if target in (None, system) or (target == "mpi" and system == "mpi_tuned"):
+            key, _, value = kv.partition("=")
+            extra[key] = value
+    return extra
+
+
+def command_for(system, args, scenario):
+    """The argv for one run of `system`, or (None, reason) if it cannot run."""
+    common = bench_flags(args) + scenario.placement_flags()
+    if system == "ciuic":
+        path = args.ciuic_bench
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            return None, "ciuic-bench not found at %s (build it, or pass --ciuic-bench)" % path
+        cmd = [path] + common
+        if args.socket:
+            cmd += ["--socket", args.socket]
+        return cmd, None
+    if system in ("mpi", "mpi_tuned"):
+        path = args.mpi_bench
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            return None, ("ciuic-mpi-bench not found at %s (cmake --build build --target "
+                          "ciuic-mpi-bench, or pass --mpi-bench)" % path)
+        mpirun = shutil.which(args.mpirun)
+        if mpirun is None:
+            return None, "mpirun not found (%s)" % args.mpirun
+        cmd = [mpirun]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        # Few cores here: allow more ranks than cores, and do not pin ranks.
+        cmd += ["--oversubscribe", "--bind-to", "none", "-np", str(scenario.world)]
+        cmd += scenario.mpirun_transport_flags()
+        for key, value in env_for(args, system).items():
+            cmd += ["-x", "%s=%s" % (key, value)]
+        return cmd + [path] + common, None
+    if system == "gloo":
+        script = os.path.join(HERE, "gloo_bench.py")
+        return [args.python, script] + common + ["--timeout", str(args.timeout)], None
+    raise ValueError(system)
+
+
+def run_one(system, cmd, args, rep):
+    """Runs one benchmark; returns (rows, failure or None)."""
+    env = dict(os.environ)
+    env.update(env_for(args, system))
+    t0 = time.monotonic()
+    # Own process group, so that a timeout also ends the ranks mpirun or
+    # gloo_bench.py started, not only the launcher.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.timeout + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        log("rep %d/%d %-5s TIMED OUT after %d s" % (rep, args.reps, system,
+                                                      args.timeout + 30))
+        return [], {"system": system, "rep": rep, "returncode": None,
+                    "reason": "timed out after %d s" % (args.timeout + 30)}
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    elapsed = time.monotonic() - t0
+    rows = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        row.update({"system": system, "rep": rep})
+        rows.append(row)
+    failure = None
+    if proc.returncode != 0 or not rows:
+        tail = "\n".join(stderr.strip().splitlines()[-15:])
+        failure = {"system": system, "rep": rep, "returncode": proc.returncode,
+                   "reason": "exit code %d, %d rows" % (proc.returncode, len(rows)),
+                   "stderr_tail": tail}
+    log("rep %d/%d %-5s done in %5.1f s: %d rows%s" % (
+        rep, args.reps, system, elapsed, len(rows),
+        "" if failure is None else "  FAILED (" + failure["reason"] + ")"))
+    if failure is not None and failure.get("stderr_tail"):
+        for line in failure["stderr_tail"].splitlines():
+            log("  %s| %s" % (system, line))
+    return rows, failure
+
+
+# ----------------------------------------------------------------- summary
+
+def summarize(rows, systems):
+    """{(system, bytes): stats} over reps."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["bytes"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        t = [r["time_us"] for r in rs]
+        b = [r["busbw_gbps"] for r in rs]
+        errs = [r["errors"] for r in rs if r.get("errors") is not None]
+        out[key] = {
+            "system": key[0], "bytes": key[1], "reps": len(rs),
+            "time_us": statistics.median(t), "time_us_min": min(t), "time_us_max": max(t),
+            "busbw_gbps": statistics.median(b), "busbw_gbps_min": min(b),
+            "busbw_gbps_max": max(b),
+            "errors": sum(errs) if errs else None,
+            "impl": rs[0].get("impl"),
+        }
+    return out
+
+
+def ratio(stats, a, b, nbytes):
+    """busbw of a / busbw of b (> 1: a is faster); time ratio for 0-byte ops."""
+    sa, sb = stats.get((a, nbytes)), stats.get((b, nbytes))
+    if not sa or not sb:
+        return None
+    if sa["busbw_gbps"] > 0 and sb["busbw_gbps"] > 0:
+        return sa["busbw_gbps"] / sb["busbw_gbps"]
+    if sa["time_us"] > 0:
+        return sb["time_us"] / sa["time_us"]
+    return None
+
+
+def print_table(stats, systems):
+    sizes = sorted({k[1] for k in stats})
+    print()
+    if "mpi_tuned" in systems:
+        print("OpenMPI+malloc: OpenMPI with " +
+              " ".join("%s=%s" % kv for kv in MPI_TUNED_ENV.items()))
+    print("%10s  %-14s %10s   %-19s %9s   %-17s %6s" % (
+        "bytes", "system", "time_us", "(min..max)", "busbw", "(min..max)", "errors"))
+    print("%10s  %-14s %10s   %-19s %9s   %-17s %6s" % ("", "", "median", "", "GB/s", "",
+                                                          ""))
+    notes = set()
+    for n in sizes:
+        for s in systems:
+            st = stats.get((s, n))
+            if st is None:
+                continue
+            mark = ""
+            if st["impl"]:
+                mark = " *"
+                notes.add("* %s: %s (emulated)" % (LABEL[s], st["impl"]))
+            print("%10s  %-14s %10.2f  (%8.2f..%8.2f) %9.3f  (%7.3f..%7.3f) %6s%s" % (
+                human_bytes(n), LABEL[s], st["time_us"], st["time_us_min"],
+                st["time_us_max"], st["busbw_gbps"], st["busbw_gbps_min"],
+                st["busbw_gbps_max"], "-" if st["errors"] is None else st["errors"], mark))
+    if "ciuic" in systems and any(k[0] == "ciuic" for k in stats):
+        others = [s for s in systems if s != "ciuic"]
+        print()
+        print("busbw ratio (median; > 1 means ciuic is faster)")
+        heads = ["ciuic/" + LABEL[o] for o in others]
+        print("%10s  " % "bytes" + "  ".join("%13s" % h for h in heads))
+        for n in sizes:
+            cells = []
+            for o, h in zip(others, heads):
+                r = ratio(stats, "ciuic", o, n)
+                cells.append("%*s" % (max(13, len(h)), "-" if r is None else "%.2fx" % r))
+            print("%10s  " % human_bytes(n) + "  ".join(cells))
+    for note in sorted(notes):
+        print(note)
+
+
+def plot(stats, systems, path, title, memcpy_gbps):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    for s in systems:
+        pts = sorted((k[1], v) for k, v in stats.items() if k[0] == s and k[1] > 0)
+        if not pts:
+            continue
+        x = [p[0] for p in pts]
+        for ax, key in ((ax_bw, "busbw_gbps"), (ax_t, "time_us")):
+            y = [p[1][key] for p in pts]
+            lo = [p[1][key] - p[1][key + "_min"] for p in pts]
+            hi = [p[1][key + "_max"] - p[1][key] for p in pts]
+            ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=LABEL[s])
+    if memcpy_gbps:
+        ax_bw.axhline(memcpy_gbps, color="grey", linestyle=":",
+                      label="memcpy 256 MiB (%.1f GB/s)" % memcpy_gbps)
+    for ax in (ax_bw, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per rank")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    ax_bw.set_ylabel("busbw (GB/s, median over reps; bars: min..max)")
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("time per op (us)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------- main
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="Benchmark one collective on ciuic, OpenMPI and gloo, interleaved.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--op", default="allreduce",
+                   choices=("allreduce", "reduce_scatter", "allgather", "broadcast",
+                            "barrier"))
+    p.add_argument("--sizes", default="8,1K,64K,1M,16M,64M,256M",
+                   help="bytes per rank, K/M/G = powers of 1024 (nccl-tests definition)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "int32"))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    p.add_argument("--systems", default="ciuic,mpi,gloo")
+    p.add_argument("--scenario", default="local", choices=("local", "loopback"))
+    p.add_argument("--ranks", type=int, help="ranks of the local scenario (default 2)")
+    p.add_argument("--nodes", type=int, help="nodes of the loopback scenario (default 2)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks per node (default 1)")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not verify results (--check is on by default; it runs "
+                        "outside the timing)")
+    build = os.path.join(os.getcwd(), "build", "tools", "bench")
+    p.add_argument("--ciuic-bench", default=os.path.join(build, "ciuic-bench"))
+    p.add_argument("--socket", help="passed to ciuic-bench as --socket")
+    p.add_argument("--mpi-bench", default=os.path.join(build, "ciuic-mpi-bench"))
+    p.add_argument("--mpirun", default="mpirun")
+    p.add_argument("--python", default="/usr/bin/python3",
+                   help="interpreter with torch for gloo_bench.py")
+    p.add_argument("--env", action="append", default=[], metavar="[SYSTEM:]KEY=VALUE",
+                   help="environment for every system, or one (e.g. "
+                        "mpi:MALLOC_MMAP_THRESHOLD_=1073741824); repeatable")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per benchmark run")
+    p.add_argument("--json-out", help="write machine, config, raw rows and summary here")
+    p.add_argument("--plot", help="write a PNG of busbw and time against size here")
+    args = p.parse_args(argv)
+    args.system_list = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in args.system_list:
+        if s not in SYSTEMS:
+            p.error("unknown system %s (choose from %s)" % (s, ",".join(SYSTEMS)))
+    if args.reps < 1 or args.iters < 1 or args.warmup < 0:
+        p.error("--reps and --iters must be >= 1, --warmup >= 0")
+    return args
+
+
+def versions():
+    out = {}
+    try:
+        v = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
+                           timeout=20).stdout.splitlines()
+        out["OpenMPI"] = v[0] if v else "?"
+    except (OSError, subprocess.TimeoutExpired):
+        out["OpenMPI"] = "not found"
+    try:
+        from importlib.metadata import version
+        out["torch"] = version("torch")
+    except Exception:  # Debian may ship torch without dist-info
+        out["torch"] = "?"
+    return out
+
+
+def main(argv):
+    args = parse_args(argv)
+    scenario = make_scenario(args)
+    log("measuring the machine (memcpy of 256 MiB)")
+    info = machine_info()
+    info["cpu_pressure_start"] = cpu_pressure()
+    vers = versions()
+    print_machine(info, vers)
+    print("scenario %s" % scenario.describe())
+    print("op %s, dtype %s, sizes %s, iters %d, warmup %d, reps %d (interleaved)%s"
+          % (args.op, args.dtype, args.sizes, args.iters, args.warmup, args.reps,
+             "" if not args.env else ", env " + " ".join(args.env)))
+    sys.stdout.flush()
+
+    commands = {}
+    skipped = {}
+    for s in args.system_list:
+        cmd, why = command_for(s, args, scenario)
+        if cmd is None:
+            skipped[s] = why
+            print("NOTE: skipping %s: %s" % (LABEL[s], why))
+            log("skipping %s: %s" % (s, why))
+        else:
+            commands[s] = cmd
+    if not commands:
+        print("nothing to run", file=sys.stderr)
+        return 2
+
+    rows, failures = [], []
+    t_start = time.monotonic()
+    for rep in range(1, args.reps + 1):
+        for s in args.system_list:
+            if s not in commands:
+                continue
+            log("rep %d/%d %-5s: %s" % (rep, args.reps, s, " ".join(commands[s])))
+            r, f = run_one(s, commands[s], args, rep)
+            rows.extend(r)
+            if f:
+                failures.append(f)
+        log("rep %d/%d finished, %.0f s elapsed" % (rep, args.reps,
+                                                    time.monotonic() - t_start))
+
+    info["cpu_pressure_end"] = cpu_pressure()
+    info["loadavg_end"] = os.getloadavg()
+    print(busy_note("at end", warn=False))
+    ran = [s for s in args.system_list if s in commands]
+    stats = summarize(rows, ran)
+    print_table(stats, ran)
+    bad = [r for r in rows if r.get("errors")]
+    for s, why in skipped.items():
+        print("NOTE: %s was not run: %s" % (LABEL[s], why))
+    for f in failures:
+        print("FAILED: %s rep %d: %s" % (LABEL[f["system"]], f["rep"], f["reason"]))
+    if bad:
+        print("ERRORS: %d rows with mismatching elements" % len(bad))
+
+    if args.json_out:
+        doc = {
+            "machine": info, "versions": vers,
+            "config": {k: v for k, v in vars(args).items() if k != "system_list"},
+            "scenario": {"name": scenario.name, "nodes": scenario.nodes,
+                         "ranks_per_node": scenario.ranks_per_node,
+                         "description": scenario.describe()},
+            "commands": {s: c for s, c in commands.items()},
+            "skipped": skipped,
+            "failures": failures,
+            "rows": rows,
+            "summary": sorted(stats.values(), key=lambda x: (x["bytes"], x["system"])),
+        }
+        with open(args.json_out, "w") as f:
+            json.dump(doc, f, indent=1)
+        log("wrote %s" % args.json_out)
+    if args.plot:
+        title = "%s %s, %s, %d ranks (%s)" % (args.op, args.dtype, scenario.name,
+                                              scenario.world, info["cpu_model"])
+        plot(stats, ran, args.plot, title, info.get("memcpy_gbps"))
+        log("wrote %s" % args.plot)
+    return 1 if failures or bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,54 @@
+#!/bin/bash
+# Smoke test of compare.py: OpenMPI and gloo, 2 ranks, two tiny sizes, one rep.
+# Usage: compare_smoke_test.sh PATH/TO/ciuic-mpi-bench
+# Passes when compare.py exits 0 and its JSON has rows with errors == 0 for
+# both systems. Runs as root too (compare.py adds --allow-run-as-root) and on
+# few cores (--oversubscribe).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+mpi_bench="${1:?usage: $0 PATH/TO/ciuic-mpi-bench}"
+python=/usr/bin/python3
+
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+# Belt and braces for mpirun as root, should a caller drop the flag.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+rc=0
+"$python" "$here/compare.py" --systems mpi,gloo --ranks 2 --sizes 8,4K \
+    --reps 1 --iters 2 --warmup 1 --mpi-bench "$mpi_bench" --timeout 120 \
+    --json-out "$tmp/out.json" >"$tmp/stdout" 2>"$tmp/stderr" || rc=$?
+if [[ $rc -ne 0 ]]; then
+  echo "FAIL: compare.py exited with $rc" >&2
+  cat "$tmp/stdout" "$tmp/stderr" >&2
+  exit 1
+fi
+
+"$python" - "$tmp/out.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+rows = doc["rows"]
+ok = True
+for system in ("mpi", "gloo"):
+    mine = [r for r in rows if r["system"] == system]
+    sizes = sorted(r["bytes"] for r in mine)
+    if sizes != [8, 4096]:
+        print("FAIL: %s rows for sizes %s, want [8, 4096]" % (system, sizes))
+        ok = False
+    for r in mine:
+        if r.get("errors") != 0 or not r["time_us"] > 0:
+            print("FAIL: bad %s row %s" % (system, r))
+            ok = False
+        for key in ("op", "dtype", "bytes", "ranks", "time_us", "algbw_gbps",
+                    "busbw_gbps", "errors"):
+            if key not in r:
+                print("FAIL: %s row lacks %s: %s" % (system, key, r))
+                ok = False
+        if r.get("ranks") != 2:
+            print("FAIL: %s row with %s ranks" % (system, r.get("ranks")))
+            ok = False
+sys.exit(0 if ok else 1)
+PY
+cat "$tmp/stdout"
+echo "PASS"

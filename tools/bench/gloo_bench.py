@@ -1,0 +1,343 @@
+#!/usr/bin/python3
+"""gloo_bench.py: the torch.distributed/gloo baseline for ciuic-bench.
+
+Same flags and JSON keys as ciuic-bench and ciuic-mpi-bench. Run it directly
+(with Debian's /usr/bin/python3, which has torch 1.13): it starts its own
+--nodes x --ranks-per-node rank processes on this machine, all meeting at
+MASTER_ADDR=127.0.0.1 on a free port, and gloo carries every byte over TCP
+on the loopback interface (gloo has no shared-memory transport).
+
+Method, per size (the same as ciuic-mpi-bench):
+  - tensors are allocated once per size and written before timing, so no
+    timed op pays first-touch page faults;
+  - one cold op timed alone (cold_us), --warmup untimed ops, one barrier,
+    then --iters ops each timed with time.perf_counter(), no barrier between;
+  - time_us = median over iterations of the max over ranks;
+  - algbw = bytes / time; busbw = algbw * 2(n-1)/n (allreduce),
+    (n-1)/n (reduce_scatter, allgather), 1 (broadcast); GB/s = 1e9 B/s;
+  - --check refills, runs one more op and counts output elements that differ
+    from an expectation computed from the fill rule (errors, summed over
+    ranks; null without --check).
+
+torch 1.13's gloo has no reduce_scatter: it is emulated as an in-place
+allreduce of the full buffer plus a copy of this rank's block, which is what
+a gloo user has to do; those rows carry "impl": "allreduce+copy".
+allreduce and broadcast are in place (gloo's only form); allgather gathers
+into views of one preallocated buffer.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+DTYPES = ("float32", "float64", "int32")
+ELEMENT_SIZE = {"float32": 4, "float64": 8, "int32": 4}
+CHUNK = 1 << 22  # elements per step when filling/checking big buffers
+
+
+def parse_size(text):
+    """'64K' -> 65536; suffixes K, M, G are powers of 1024, a trailing B is allowed."""
+    text = text.strip().upper()
+    if len(text) > 1 and text.endswith("B"):
+        text = text[:-1]
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    if mult != 1:
+        text = text[:-1]
+    return int(text) * mult
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", required=True, choices=OPS)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--sizes", default="8,64K,16M,256M")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--socket", help="ciuic-bench only; accepted and ignored")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds before the ranks are killed (default 600)")
+    args = p.parse_args(argv)
+    try:
+        args.size_list = [parse_size(s) for s in args.sizes.split(",") if s]
+    except ValueError:
+        p.error("bad --sizes %s" % args.sizes)
+    if args.iters < 1 or args.warmup < 0 or args.nodes < 1 or args.ranks_per_node < 1:
+        p.error("--iters, --nodes, --ranks-per-node must be >= 1, --warmup >= 0")
+    return args
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- launcher
+
+def launch(args, argv):
+    """Starts the ranks, relays rank 0's stdout, returns the exit code."""
+    world = args.nodes * args.ranks_per_node
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update({
+            "GLOO_BENCH_RANK": str(rank),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank % args.ranks_per_node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+            # One compute thread per rank: ranks already share few cores.
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        })
+        out = None if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv,
+                                      env=env, stdout=out))
+    deadline = time.monotonic() + args.timeout
+    rc = 0
+    try:
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                code = p.poll()
+                if code is None:
+                    continue
+                pending.remove(p)
+                if code != 0 and rc == 0:
+                    rc = code if code > 0 else 1
+                    print("gloo_bench: a rank exited with %d; stopping the others" % code,
+                          file=sys.stderr)
+                    for q in pending:
+                        q.terminate()
+            if pending and time.monotonic() > deadline:
+                print("gloo_bench: timed out after %.0f s" % args.timeout, file=sys.stderr)
+                for q in pending:
+                    q.kill()
+                rc = 124
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return rc
+
+
+# ------------------------------------------------------------------ worker
+
+def fill_value(torch, rank, start, count):
+    """FillValue(rank, i) of ciuic-mpi-bench for i in [start, start+count)."""
+    idx = torch.arange(start, start + count, dtype=torch.int64)
+    return (idx * 3 + rank * 5) % 17 - 8
+
+
+def shape_for(op, dtype, nbytes, n):
+    """(send elements, recv elements, bytes reported), nccl-tests style."""
+    es = ELEMENT_SIZE[dtype]
+    if op in ("allreduce", "broadcast"):
+        count = max(1, nbytes // es)
+        return count, count, count * es
+    if op == "reduce_scatter":
+        count = max(1, nbytes // es // n)
+        return count * n, count, count * n * es
+    if op == "allgather":
+        count = max(1, nbytes // es // n)
+        return count, count * n, count * n * es
+    return 0, 0, 0
+
+
+BUS_FACTOR = {
+    "allreduce": lambda n: 2.0 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+class SizeRun:
+    """The buffers and the op of one size on one rank."""
+
+    def __init__(self, torch, dist, args, rank, world, nbytes):
+        self.torch, self.dist, self.args = torch, dist, args
+        self.rank, self.world = rank, world
+        self.dtype = getattr(torch, args.dtype)
+        self.send_count, self.recv_count, self.bytes = shape_for(args.op, args.dtype,
+                                                                 nbytes, world)
+        op = args.op
+        # torch.empty + fill writes every page now, outside the timing.
+        if op == "allreduce" or op == "broadcast":
+            self.buf = torch.empty(self.send_count, dtype=self.dtype)
+        elif op == "reduce_scatter":
+            self.buf = torch.empty(self.send_count, dtype=self.dtype)
+            self.out = torch.empty(self.recv_count, dtype=self.dtype)
+        elif op == "allgather":
+            self.buf = torch.empty(self.send_count, dtype=self.dtype)
+            self.out = torch.empty(self.recv_count, dtype=self.dtype)
+            self.out_views = list(self.out.split(self.send_count))
+        self.fill()
+
+    def fill(self):
+        t = self.torch
+        op = self.args.op
+        if op == "barrier":
+            return
+        src_rank = 0 if op == "broadcast" else self.rank
+        for start in range(0, self.send_count, CHUNK):
+            n = min(CHUNK, self.send_count - start)
+            if op == "broadcast" and self.rank != 0:
+                self.buf[start:start + n].fill_(-1000)
+            else:
+                self.buf[start:start + n].copy_(fill_value(t, src_rank, start, n))
+        if op in ("reduce_scatter", "allgather"):
+            self.out.fill_(-1000)
+
+    def run(self):
+        d = self.dist
+        op = self.args.op
+        if op == "allreduce":
+            d.all_reduce(self.buf)
+        elif op == "reduce_scatter":
+            d.all_reduce(self.buf)
+            lo = self.rank * self.recv_count
+            self.out.copy_(self.buf[lo:lo + self.recv_count])
+        elif op == "allgather":
+            d.all_gather(self.out_views, self.buf)
+        elif op == "broadcast":
+            d.broadcast(self.buf, src=0)
+        else:
+            d.barrier()
+
+    def count_errors(self):
+        t = self.torch
+        op = self.args.op
+        if op == "barrier":
+            return 0
+        result = self.out if op in ("reduce_scatter", "allgather") else self.buf
+        base = self.rank * self.recv_count if op == "reduce_scatter" else 0
+        errors = 0
+        for start in range(0, self.recv_count, CHUNK):
+            n = min(CHUNK, self.recv_count - start)
+            if op in ("allreduce", "reduce_scatter"):
+                want = sum(fill_value(t, r, base + start, n) for r in range(self.world))
+            elif op == "broadcast":
+                want = fill_value(t, 0, start, n)
+            else:  # allgather: element i came from rank i // block, index i % block
+                idx = t.arange(start, start + n, dtype=t.int64)
+                src = idx // self.send_count
+                want = ((idx % self.send_count) * 3 + src * 5) % 17 - 8
+            errors += int((result[start:start + n] != want.to(self.dtype)).sum())
+        return errors
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method="tcp://%s:%s" % (os.environ["MASTER_ADDR"],
+                                                         os.environ["MASTER_PORT"]),
+                            timeout=timedelta(seconds=args.timeout))
+    if rank == 0:
+        print_header(args, world)
+    sizes = [0] if args.op == "barrier" else args.size_list
+    for nbytes in sizes:
+        s = SizeRun(torch, dist, args, rank, world, nbytes)
+        dist.barrier()
+        t0 = time.perf_counter()
+        s.run()
+        cold = time.perf_counter() - t0
+        for _ in range(args.warmup):
+            s.run()
+        dist.barrier()
+        times = torch.empty(args.iters + 1, dtype=torch.float64)
+        for i in range(args.iters):
+            t0 = time.perf_counter()
+            s.run()
+            times[i] = time.perf_counter() - t0
+        times[args.iters] = cold
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        errors = None
+        if args.check:
+            s.fill()
+            dist.barrier()
+            s.run()
+            err = torch.tensor([s.count_errors()], dtype=torch.int64)
+            dist.all_reduce(err)
+            errors = int(err[0])
+        if rank == 0:
+            med_us = statistics.median(times[:args.iters].tolist()) * 1e6
+            print_row(args, world, s, med_us, float(times[args.iters]) * 1e6, errors)
+        del s
+    dist.destroy_process_group()
+
+
+def print_header(args, world):
+    if args.json:
+        return
+    print("# gloo_bench: op %s, dtype %s, %d ranks, iters %d, warmup %d, check %s"
+          % (args.op, args.dtype, world, args.iters, args.warmup,
+             "on" if args.check else "off"))
+    print("# time: median over iters of the max over ranks; cold: first op of the size")
+    print("#")
+    print("# %10s %12s %8s %6s %5s %10s %10s %8s %8s %7s"
+          % ("size", "count", "type", "redop", "root", "time", "cold", "algbw", "busbw",
+             "#wrong"))
+    print("# %10s %12s %8s %6s %5s %10s %10s %8s %8s %7s"
+          % ("(B)", "(elements)", "", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)", ""))
+    sys.stdout.flush()
+
+
+def print_row(args, world, s, time_us, cold_us, errors):
+    algbw = s.bytes / (time_us * 1e3) if time_us > 0 else 0.0
+    busbw = algbw * BUS_FACTOR[args.op](world)
+    if args.json:
+        row = {"op": args.op, "dtype": args.dtype, "bytes": s.bytes, "ranks": world,
+               "time_us": round(time_us, 3), "algbw_gbps": float("%.6g" % algbw),
+               "busbw_gbps": float("%.6g" % busbw), "errors": errors,
+               "cold_us": round(cold_us, 3)}
+        if args.op == "reduce_scatter":
+            row["impl"] = "allreduce+copy"
+        print(json.dumps(row))
+    else:
+        count = s.recv_count if args.op == "allgather" else s.send_count
+        redop = "sum" if args.op in ("allreduce", "reduce_scatter") else "none"
+        root = 0 if args.op == "broadcast" else -1
+        print("  %10d %12d %8s %6s %5d %10.2f %10.2f %8.3f %8.3f %7s"
+              % (s.bytes, count, args.dtype, redop, root, time_us, cold_us, algbw, busbw,
+                 "N/A" if errors is None else errors))
+    sys.stdout.flush()
+
+
+def main():
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if "GLOO_BENCH_RANK" in os.environ:
+        worker(args)
+        return 0
+    if args.op == "reduce_scatter":
+        print("gloo_bench: torch 1.13's gloo has no reduce_scatter; emulating it as "
+              "allreduce + copy", file=sys.stderr)
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sys.exit(main())
