@@ -1,0 +1,569 @@
+// ciuic-bench: measured bandwidth and latency of ciuic collectives, in the
+// nccl-tests format.
+//
+//   ciuic-bench --op allreduce --nodes 1 --ranks-per-node 2 --sizes 8,64K,16M,256M
+//               --dtype float32 --iters 20 --warmup 5 --check [--json] [--socket PATH]
+//
+// Without --socket it starts a ciuicd of its own (in a temporary directory)
+// and stops it at the end. Ranks are processes forked from this one; each
+// allocates its buffers once, in shared memory (zero copy), before timing.
+// Per size: the median over iterations of the slowest rank's time per
+// operation, algbw = bytes / time, busbw = algbw * the nccl-tests factor
+// (allreduce 2(n-1)/n, reduce_scatter and allgather (n-1)/n, broadcast 1).
+// The first (cold) iteration is reported apart. With --check every rank
+// compares its result, element by element, with an expectation computed
+// here by plain loops (never by ciuic code).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ciuic/ciuic.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Flags {
+  std::string op = "allreduce";
+  int nodes = 1;
+  int ranks_per_node = 2;
+  std::vector<uint64_t> sizes = {8, 64 << 10, 16 << 20, 256 << 20};
+  ciuic::DataType dtype = ciuic::DataType::kFloat32;
+  ciuic::ReduceOp reduce_op = ciuic::ReduceOp::kSum;
+  int iters = 20;
+  int warmup = 5;
+  bool check = false;
+  bool json = false;
+  std::string socket;
+  std::string ciuicd;
+};
+
+[[noreturn]] void Usage(const std::string& error) {
+  if (!error.empty()) fprintf(stderr, "ciuic-bench: %s\n", error.c_str());
+  fprintf(stderr,
+          "usage: ciuic-bench [--op allreduce|reduce_scatter|allgather|broadcast|barrier]\n"
+          "                   [--nodes 1] [--ranks-per-node R] [--sizes 8,64K,16M,256M]\n"
+          "                   [--dtype float32|float64|float16|bfloat16|int8|uint8|int32|int64]\n"
+          "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
+          "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n");
+  exit(error.empty() ? 0 : 64);
+}
+
+bool ParseSize(const std::string& s, uint64_t* out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long v = strtoull(s.c_str(), &end, 10);
+  if (errno != 0 || end == s.c_str()) return false;
+  uint64_t mult = 1;
+  std::string suffix(end);
+  if (suffix == "K" || suffix == "k") mult = 1ull << 10;
+  else if (suffix == "M" || suffix == "m") mult = 1ull << 20;
+  else if (suffix == "G" || suffix == "g") mult = 1ull << 30;
+  else if (!suffix.empty()) return false;
+  if (v > std::numeric_limits<uint64_t>::max() / mult) return false;
+  *out = v * mult;
+  return true;
+}
+
+Flags ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    std::string v;
+    auto eq = a.find('=');
+    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      v = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    }
+    auto value = [&]() -> std::string {
+      if (!v.empty()) return v;
+      if (i + 1 >= argc) Usage(a + " needs a value");
+      return argv[++i];
+    };
+    auto integer = [&](int lo, int hi) {
+      std::string s = value();
+      char* end = nullptr;
+      long n = strtol(s.c_str(), &end, 10);
+      if (s.empty() || *end != '\0' || n < lo || n > hi) {
+        Usage(a + " must be an integer in " + std::to_string(lo) + ".." + std::to_string(hi) +
+              ", not '" + s + "'");
+      }
+      return static_cast<int>(n);
+    };
+    if (a == "--help" || a == "-h") Usage("");
+    else if (a == "--op") f.op = value();
+    else if (a == "--nodes") f.nodes = integer(1, 1024);
+    else if (a == "--ranks-per-node") f.ranks_per_node = integer(1, 256);
+    else if (a == "--iters") f.iters = integer(1, 1000000);
+    else if (a == "--warmup") f.warmup = integer(0, 1000000);
+    else if (a == "--check") f.check = true;
+    else if (a == "--json") f.json = true;
+    else if (a == "--socket") f.socket = value();
+    else if (a == "--ciuicd") f.ciuicd = value();
+    else if (a == "--dtype") {
+      std::string s = value();
+      if (!ciuic::ParseDataType(s, &f.dtype)) Usage("unknown dtype '" + s + "'");
+    } else if (a == "--reduce-op") {
+      std::string s = value();
+      if (!ciuic::ParseReduceOp(s, &f.reduce_op)) Usage("unknown reduce op '" + s + "'");
+    } else if (a == "--sizes") {
+      f.sizes.clear();
+      std::string s = value();
+      size_t pos = 0;
+      while (pos <= s.size()) {
+        size_t comma = s.find(',', pos);
+        std::string item = s.substr(pos, comma == std::string::npos ? std::string::npos
+                                                                    : comma - pos);
+        uint64_t n;
+        if (!ParseSize(item, &n)) Usage("bad size '" + item + "' in --sizes");
+        f.sizes.push_back(n);
+        if (comma == std::string::npos) break;
+        pos = comma + 1;
+      }
+    } else {
+      Usage("unknown argument '" + a + "'");
+    }
+  }
+  static const char* kOps[] = {"allreduce", "reduce_scatter", "allgather", "broadcast",
+                               "barrier"};
+  if (std::find_if(std::begin(kOps), std::end(kOps),
+                   [&](const char* o) { return f.op == o; }) == std::end(kOps)) {
+    Usage("unknown op '" + f.op + "'");
+  }
+  if (f.nodes != 1) {
+    Usage("--nodes " + std::to_string(f.nodes) +
+          ": multi-node runs are not supported by this build yet (single node only)");
+  }
+  return f;
+}
+
+// ------------------------------------------------------------ reference
+
+// Small integers: exact in every dtype, and their sums over up to 256 ranks
+// stay exact in float16/bfloat16 too.
+int64_t Pattern(int rank, uint64_t i) {
+  return static_cast<int64_t>((i * 2654435761u + static_cast<uint64_t>(rank) * 40503u) % 9) - 4;
+}
+int64_t PositivePattern(int rank, uint64_t i) {  // for prod: 1 or 2, products stay small
+  return ((i + static_cast<uint64_t>(rank)) % 5 == 0) ? 2 : 1;
+}
+
+// float16 / bfloat16 encodings of small integers, built by hand.
+uint16_t HalfOfSmallInt(int64_t v) {
+  if (v == 0) return 0;
+  uint16_t sign = v < 0 ? 0x8000 : 0;
+  uint64_t m = static_cast<uint64_t>(v < 0 ? -v : v);
+  int e = 63 - __builtin_clzll(m);  // m = 1.f * 2^e, exact for |v| < 2048
+  uint16_t frac = static_cast<uint16_t>((m << (10 - e)) & 0x3ff);
+  return sign | static_cast<uint16_t>((e + 15) << 10) | frac;
+}
+uint16_t BFloatOfSmallInt(int64_t v) {
+  float f = static_cast<float>(v);
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>(bits >> 16);  // exact for |v| < 256
+}
+double HalfToDouble(uint16_t h) {
+  int e = (h >> 10) & 0x1f;
+  int f = h & 0x3ff;
+  double v = e == 0 ? std::ldexp(f, -24) : std::ldexp(1024 + f, e - 25);
+  return (h & 0x8000) ? -v : v;
+}
+double BFloatToDouble(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+void Store(ciuic::DataType t, void* base, uint64_t i, int64_t v) {
+  switch (t) {
+    case ciuic::DataType::kFloat32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
+    case ciuic::DataType::kFloat64: static_cast<double*>(base)[i] = static_cast<double>(v); break;
+    case ciuic::DataType::kFloat16: static_cast<uint16_t*>(base)[i] = HalfOfSmallInt(v); break;
+    case ciuic::DataType::kBFloat16: static_cast<uint16_t*>(base)[i] = BFloatOfSmallInt(v); break;
+    case ciuic::DataType::kInt8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); break;
+    case ciuic::DataType::kUInt8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); break;
+    case ciuic::DataType::kInt32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); break;
+    case ciuic::DataType::kInt64: static_cast<int64_t*>(base)[i] = v; break;
+  }
+}
+
+double Load(ciuic::DataType t, const void* base, uint64_t i) {
+  switch (t) {
+    case ciuic::DataType::kFloat32: return static_cast<const float*>(base)[i];
+    case ciuic::DataType::kFloat64: return static_cast<const double*>(base)[i];
+    case ciuic::DataType::kFloat16: return HalfToDouble(static_cast<const uint16_t*>(base)[i]);
+    case ciuic::DataType::kBFloat16: return BFloatToDouble(static_cast<const uint16_t*>(base)[i]);
+    case ciuic::DataType::kInt8: return static_cast<const int8_t*>(base)[i];
+    case ciuic::DataType::kUInt8: return static_cast<const uint8_t*>(base)[i];
+    case ciuic::DataType::kInt32: return static_cast<const int32_t*>(base)[i];
+    case ciuic::DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
+  }
+  return 0;
+}
+
+bool Unsigned(ciuic::DataType t) { return t == ciuic::DataType::kUInt8; }
+bool IsFloat(ciuic::DataType t) {
+  return t == ciuic::DataType::kFloat32 || t == ciuic::DataType::kFloat64 ||
+         t == ciuic::DataType::kFloat16 || t == ciuic::DataType::kBFloat16;
+}
+
+int64_t Input(const Flags& f, int rank, uint64_t i) {
+  int64_t v = f.reduce_op == ciuic::ReduceOp::kProd ? PositivePattern(rank, i) : Pattern(rank, i);
+  if (Unsigned(f.dtype) && v < 0) v = -v;
+  return v;
+}
+
+// The expected reduction of element i over all ranks, computed in double.
+double Expected(const Flags& f, int ranks, uint64_t i) {
+  double acc = static_cast<double>(Input(f, 0, i));
+  for (int r = 1; r < ranks; ++r) {
+    double v = static_cast<double>(Input(f, r, i));
+    switch (f.reduce_op) {
+      case ciuic::ReduceOp::kSum:
+      case ciuic::ReduceOp::kAvg: acc += v; break;
+      case ciuic::ReduceOp::kMin: acc = std::min(acc, v); break;
+      case ciuic::ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ciuic::ReduceOp::kProd: acc *= v; break;
+    }
+  }
+  if (f.reduce_op == ciuic::ReduceOp::kAvg) {
+    acc = IsFloat(f.dtype) ? acc / ranks : std::trunc(acc / ranks);
+  }
+  return acc;
+}
+
+bool Matches(const Flags& f, double got, double want) {
+  if (f.reduce_op != ciuic::ReduceOp::kAvg || !IsFloat(f.dtype)) return got == want;
+  // avg divides: allow the dtype's rounding.
+  double eps = f.dtype == ciuic::DataType::kFloat16 ? 1e-3
+               : f.dtype == ciuic::DataType::kBFloat16 ? 8e-3
+               : f.dtype == ciuic::DataType::kFloat32 ? 1e-6 : 1e-12;
+  return std::fabs(got - want) <= eps * std::max(1.0, std::fabs(want));
+}
+
+// ---------------------------------------------------------------- ranks
+
+struct SizeResult {
+  double times_us[1];  // variable length: iters entries follow in the pipe
+};
+
+uint64_t CountFor(const Flags& f, uint64_t bytes, int world) {
+  const uint64_t es = ciuic::DataTypeSize(f.dtype);
+  uint64_t count = bytes / es;
+  if (f.op == "reduce_scatter" || f.op == "allgather") count /= static_cast<uint64_t>(world);
+  return count;
+}
+
+ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send,
+                     const ciuic::Buffer& recv, uint64_t count) {
+  if (f.op == "allreduce") {
+    return c.Allreduce(send.data(), recv.data(), count, f.dtype, f.reduce_op);
+  } else if (f.op == "reduce_scatter") {
+    return c.ReduceScatter(send.data(), recv.data(), count, f.dtype, f.reduce_op);
+  } else if (f.op == "allgather") {
+    return c.Allgather(send.data(), recv.data(), count, f.dtype);
+  } else if (f.op == "broadcast") {
+    return c.Broadcast(send.data(), recv.data(), count, f.dtype, 0);
+  }
+  return c.Barrier();
+}
+
+// Fills send with the pattern, runs once, counts wrong elements in recv.
+uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send,
+                   const ciuic::Buffer& recv, uint64_t count, std::string* error) {
+  const int world = c.world_size();
+  const int rank = c.rank();
+  const uint64_t send_elems = f.op == "reduce_scatter" ? count * world : count;
+  const uint64_t recv_elems = f.op == "allgather" ? count * world : count;
+  for (uint64_t i = 0; i < send_elems; ++i) Store(f.dtype, send.data(), i, Input(f, rank, i));
+  for (uint64_t i = 0; i < recv_elems; ++i) Store(f.dtype, recv.data(), i, 99);
+  ciuic::Status s = Launch(c, f, send, recv, count).Wait();
+  if (!s.ok()) {
+    *error = s.ToString();
+    return recv_elems;
+  }
+  uint64_t wrong = 0;
+  for (uint64_t i = 0; i < recv_elems; ++i) {
+    double want;
+    if (f.op == "allreduce") want = Expected(f, world, i);
+    else if (f.op == "reduce_scatter") want = Expected(f, world, rank * count + i);
+    else if (f.op == "allgather") want = static_cast<double>(Input(f, static_cast<int>(i / count), i % count));
+    else if (f.op == "broadcast") want = static_cast<double>(Input(f, 0, i));
+    else break;
+    if (!Matches(f, Load(f.dtype, recv.data(), i), want)) ++wrong;
+  }
+  return wrong;
+}
+
+// One rank: a child process. Writes, per size, iters+1 doubles (cold time
+// first) and one count of wrong elements to `out_fd`.
+int RunRank(const Flags& f, const std::string& socket, const std::string& job, int rank,
+            int world, int out_fd) {
+  const uint64_t es = ciuic::DataTypeSize(f.dtype);
+  uint64_t max_bytes = 0;
+  for (uint64_t s : f.sizes) max_bytes = std::max(max_bytes, s);
+  max_bytes = max_bytes / es * es + 64;
+  ciuic::JobOptions o;
+  o.socket_path = socket;
+  o.job_id = job;
+  o.rank = rank;
+  o.world_size = world;
+  o.arena_bytes = 2 * max_bytes + (4 << 20);
+  std::unique_ptr<ciuic::Communicator> comm;
+  ciuic::Status s = ciuic::Communicator::Create(o, &comm);
+  if (!s.ok()) {
+    fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
+    return 1;
+  }
+  ciuic::Buffer send, recv;
+  if (!(s = comm->Allocate(max_bytes, &send)).ok() ||
+      !(s = comm->Allocate(max_bytes, &recv)).ok()) {
+    fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
+    return 1;
+  }
+  memset(send.data(), 0, max_bytes);
+  memset(recv.data(), 0, max_bytes);
+  for (uint64_t bytes : f.sizes) {
+    const uint64_t count = f.op == "barrier" ? 0 : CountFor(f, bytes, world);
+    std::vector<double> times;
+    times.reserve(f.iters + 1);
+    for (int it = 0; it < f.warmup + f.iters + 1; ++it) {
+      Clock::time_point t0 = Clock::now();
+      s = Launch(*comm, f, send, recv, count).Wait();
+      double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      if (!s.ok()) {
+        fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
+        return 1;
+      }
+      if (it == 0 || it > f.warmup) times.push_back(us);  // cold, then timed
+    }
+    double wrong = 0;
+    if (f.check) {
+      std::string error;
+      wrong = static_cast<double>(CheckOnce(*comm, f, send, recv, count, &error));
+      if (!error.empty()) fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, error.c_str());
+    }
+    times.push_back(wrong);
+    const size_t n = times.size() * sizeof(double);
+    if (write(out_fd, times.data(), n) != static_cast<ssize_t>(n)) return 1;
+  }
+  return 0;
+}
+
+bool ReadFull(int fd, void* p, size_t n) {
+  auto* b = static_cast<uint8_t*>(p);
+  while (n > 0) {
+    ssize_t got = read(fd, b, n);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    b += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+// --------------------------------------------------------------- daemon
+
+std::string SelfDir() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  buf[n] = '\0';
+  std::string p(buf);
+  return p.substr(0, p.rfind('/'));
+}
+
+std::string FindCiuicd(const Flags& f) {
+  if (!f.ciuicd.empty()) return f.ciuicd;
+  if (const char* env = getenv("CIUICD"); env && env[0]) return env;
+  const std::string dir = SelfDir();
+  for (const std::string& c : {dir + "/../../daemon/ciuicd", dir + "/ciuicd"}) {
+    if (access(c.c_str(), X_OK) == 0) return c;
+  }
+  return "ciuicd";  // from PATH
+}
+
+struct OwnDaemon {
+  pid_t pid = -1;
+  std::string dir;
+  std::string socket;
+
+  bool Start(const std::string& binary) {
+    char tmpl[] = "/tmp/ciuic-bench-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) return false;
+    dir = tmpl;
+    socket = dir + "/ciuicd.sock";
+    pid = fork();
+    if (pid == 0) {
+      execlp(binary.c_str(), binary.c_str(), "--socket", socket.c_str(), "--node-name",
+             "bench", "--log-level", "warn", static_cast<char*>(nullptr));
+      fprintf(stderr, "ciuic-bench: cannot run %s: %s\n", binary.c_str(), strerror(errno));
+      _exit(127);
+    }
+    // Ready once both sockets exist.
+    for (int i = 0; i < 200; ++i) {
+      struct stat st;
+      if (stat(socket.c_str(), &st) == 0 && stat((socket + ".session").c_str(), &st) == 0) {
+        return true;
+      }
+      int status;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  ~OwnDaemon() {
+    if (pid > 0) {
+      kill(pid, SIGTERM);
+      int status;
+      waitpid(pid, &status, 0);
+    }
+    if (!dir.empty()) rmdir(dir.c_str());
+  }
+};
+
+double BusFactor(const std::string& op, int n) {
+  if (op == "allreduce") return 2.0 * (n - 1) / n;
+  if (op == "reduce_scatter" || op == "allgather") return static_cast<double>(n - 1) / n;
+  if (op == "broadcast") return 1.0;
+  return 0.0;
+}
+
+std::string HumanSize(uint64_t b) {
+  char buf[32];
+  if (b >= (1ull << 30) && b % (1ull << 30) == 0) snprintf(buf, sizeof(buf), "%lluG", (unsigned long long)(b >> 30));
+  else if (b >= (1ull << 20) && b % (1ull << 20) == 0) snprintf(buf, sizeof(buf), "%lluM", (unsigned long long)(b >> 20));
+  else if (b >= (1ull << 10) && b % (1ull << 10) == 0) snprintf(buf, sizeof(buf), "%lluK", (unsigned long long)(b >> 10));
+  else snprintf(buf, sizeof(buf), "%llu", (unsigned long long)b);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f = ParseFlags(argc, argv);
+  const int world = f.nodes * f.ranks_per_node;
+  signal(SIGPIPE, SIG_IGN);
+
+  OwnDaemon own;
+  std::string socket = f.socket;
+  if (socket.empty()) {
+    std::string binary = FindCiuicd(f);
+    if (!own.Start(binary)) {
+      fprintf(stderr, "ciuic-bench: could not start %s (use --ciuicd PATH or --socket PATH)\n",
+              binary.c_str());
+      return 1;
+    }
+    socket = own.socket;
+    fprintf(stderr, "ciuic-bench: started %s on %s\n", binary.c_str(), socket.c_str());
+  }
+  const std::string job = "ciuic-bench-" + std::to_string(getpid()) + "-" +
+                          std::to_string(Clock::now().time_since_epoch().count());
+
+  std::vector<pid_t> pids;
+  std::vector<int> fds;
+  for (int r = 0; r < world; ++r) {
+    int p[2];
+    if (pipe(p) != 0) return 1;
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(p[0]);
+      _exit(RunRank(f, socket, job, r, world, p[1]));
+    }
+    close(p[1]);
+    pids.push_back(pid);
+    fds.push_back(p[0]);
+  }
+
+  if (!f.json) {
+    printf("# ciuic-bench: op %s, %d node(s) x %d rank(s), dtype %s, reduce op %s, "
+           "%d iters after %d warmup\n",
+           f.op.c_str(), f.nodes, f.ranks_per_node, ciuic::DataTypeName(f.dtype),
+           ciuic::ReduceOpName(f.reduce_op), f.iters, f.warmup);
+    printf("# %12s %12s %9s %7s %12s %12s %11s %11s %8s\n", "size(B)", "count", "type",
+           "redop", "time(us)", "cold(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+  }
+  int failures = 0;
+  bool ok = true;
+  for (uint64_t bytes : f.sizes) {
+    const size_t per_rank = static_cast<size_t>(f.iters) + 2;
+    std::vector<double> slowest(f.iters, 0.0);
+    double cold = 0;
+    uint64_t wrong = 0;
+    for (int r = 0; r < world && ok; ++r) {
+      std::vector<double> v(per_rank);
+      if (!ReadFull(fds[r], v.data(), v.size() * sizeof(double))) {
+        ok = false;
+        break;
+      }
+      cold = std::max(cold, v[0]);
+      for (int i = 0; i < f.iters; ++i) slowest[i] = std::max(slowest[i], v[1 + i]);
+      wrong += static_cast<uint64_t>(v[per_rank - 1]);
+    }
+    if (!ok) break;
+    std::vector<double> sorted = slowest;
+    std::sort(sorted.begin(), sorted.end());
+    const double med = sorted.size() % 2 ? sorted[sorted.size() / 2]
+                                         : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
+    const uint64_t count = f.op == "barrier" ? 0 : CountFor(f, bytes, world);
+    const uint64_t es = ciuic::DataTypeSize(f.dtype);
+    const uint64_t moved = f.op == "barrier" ? 0
+                           : (f.op == "reduce_scatter" || f.op == "allgather")
+                               ? count * es * world
+                               : count * es;
+    const double algbw = med > 0 ? moved / (med * 1e3) : 0;  // bytes/us /1e3 = GB/s
+    const double busbw = algbw * BusFactor(f.op, world);
+    if (f.check && wrong > 0) ++failures;
+    if (f.json) {
+      printf("{\"op\":\"%s\",\"dtype\":\"%s\",\"reduce_op\":\"%s\",\"bytes\":%llu,\"count\":%llu,"
+             "\"ranks\":%d,\"nodes\":%d,\"time_us\":%.3f,\"cold_us\":%.3f,\"algbw_gbps\":%.4f,"
+             "\"busbw_gbps\":%.4f,\"errors\":%s}\n",
+             f.op.c_str(), ciuic::DataTypeName(f.dtype), ciuic::ReduceOpName(f.reduce_op),
+             (unsigned long long)moved, (unsigned long long)count, world, f.nodes, med, cold,
+             algbw, busbw, f.check ? std::to_string(wrong).c_str() : "null");
+    } else {
+      printf("  %12llu %12llu %9s %7s %12.2f %12.2f %11.3f %11.3f %8s\n",
+             (unsigned long long)moved, (unsigned long long)count, ciuic::DataTypeName(f.dtype),
+             ciuic::ReduceOpName(f.reduce_op), med, cold, algbw, busbw,
+             f.check ? std::to_string(wrong).c_str() : "n/a");
+    }
+    fflush(stdout);
+    fprintf(stderr, "ciuic-bench: %s done\n", HumanSize(bytes).c_str());
+  }
+  int rank_failures = 0;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++rank_failures;
+  }
+  for (int fd : fds) close(fd);
+  if (!ok || rank_failures > 0) {
+    fprintf(stderr, "ciuic-bench: %d rank(s) failed\n", rank_failures);
+    return 1;
+  }
+  if (failures > 0) {
+    fprintf(stderr, "ciuic-bench: %d size(s) with wrong results\n", failures);
+    return 2;
+  }
+  return 0;
+}
