@@ -1,0 +1,170 @@
+#include "harness.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace ciuic::testing {
+
+using Clock = std::chrono::steady_clock;
+
+std::unique_ptr<DaemonProcess> DaemonProcess::Start(const std::string& config_yaml,
+                                                    const std::vector<std::string>& extra_args) {
+  auto d = std::unique_ptr<DaemonProcess>(new DaemonProcess());
+  char tmpl[] = "/tmp/ciuic-test-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return nullptr;
+  d->dir_ = tmpl;
+  chmod(d->dir_.c_str(), 0755);
+  d->socket_ = d->dir_ + "/ciuicd.sock";
+  std::vector<std::string> args = {CIUICD_PATH, "--socket", d->socket_, "--node-name",
+                                   "testnode", "--log-level", "info"};
+  if (!config_yaml.empty()) {
+    std::string path = d->dir_ + "/ciuicd.yaml";
+    std::ofstream(path) << config_yaml;
+    args.push_back("--config");
+    args.push_back(path);
+  }
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
+  std::string log = d->dir_ + "/ciuicd.log";
+  d->pid_ = fork();
+  if (d->pid_ == 0) {
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 2);
+      dup2(fd, 1);
+    }
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  const Clock::time_point until = Clock::now() + std::chrono::seconds(20);
+  while (Clock::now() < until) {
+    struct stat st;
+    if (stat(d->socket_.c_str(), &st) == 0 && stat((d->socket_ + ".session").c_str(), &st) == 0) {
+      return d;
+    }
+    if (!d->Alive()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  fprintf(stderr, "ciuicd did not start; its log:\n%s\n", ss.str().c_str());
+  return nullptr;
+}
+
+bool DaemonProcess::Alive() const {
+  if (pid_ <= 0) return false;
+  int status;
+  return waitpid(pid_, &status, WNOHANG) == 0;
+}
+
+int DaemonProcess::Stop(std::chrono::seconds timeout) {
+  if (pid_ <= 0) return -1;
+  kill(pid_, SIGTERM);
+  int code = WaitChild(pid_, timeout);
+  pid_ = -1;
+  return code;
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    int status;
+    waitpid(pid_, &status, 0);
+  }
+  if (!dir_.empty()) {
+    std::string cmd = "rm -rf '" + dir_ + "'";
+    (void)!system(cmd.c_str());
+  }
+}
+
+std::vector<pid_t> SpawnRanks(int n, const std::function<int(int)>& fn) {
+  fflush(stdout);
+  fflush(stderr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      int code = fn(r);
+      fflush(stdout);
+      fflush(stderr);
+      _exit(code);
+    }
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+int WaitChild(pid_t pid, std::chrono::seconds timeout) {
+  const Clock::time_point until = Clock::now() + timeout;
+  while (true) {
+    int status = 0;
+    pid_t got = waitpid(pid, &status, WNOHANG);
+    if (got == pid) {
+      if (WIFEXITED(status)) return WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+      return -1;
+    }
+    if (got < 0) return -1;
+    if (Clock::now() > until) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+std::vector<int> RunRanks(int n, const std::function<int(int)>& fn, std::chrono::seconds timeout) {
+  std::vector<pid_t> pids = SpawnRanks(n, fn);
+  std::vector<int> codes;
+  for (pid_t p : pids) codes.push_back(WaitChild(p, timeout));
+  return codes;
+}
+
+int RunCommand(const std::string& command, std::string* output) {
+  output->clear();
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
+  int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string UniqueJobId(const std::string& what) {
+  static std::atomic<int> seq{0};
+  return what + "-" + std::to_string(getpid()) + "-" + std::to_string(seq++);
+}
+
+double ProcessCpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(in, line);
+  auto close_paren = line.rfind(')');
+  if (close_paren == std::string::npos) return -1;
+  std::istringstream rest(line.substr(close_paren + 2));
+  std::string field;
+  // Fields after the name: state(3) ... utime(14) stime(15).
+  std::vector<std::string> fields;
+  while (rest >> field) fields.push_back(field);
+  if (fields.size() < 13) return -1;
+  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  return (std::stod(fields[11]) + std::stod(fields[12])) / ticks;
+}
+
+}  // namespace ciuic::testing

@@ -1,0 +1,74 @@
+// What the integration tests share: a real ciuicd process of their own, and
+// trainer ranks as real forked processes.
+//
+// The test process itself never opens a communicator or a gRPC channel, so
+// forking it is safe: each child starts with one thread.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ciuic::testing {
+
+class DaemonProcess {
+ public:
+  // Starts CIUICD_PATH with its sockets in a fresh temporary directory
+  // (mode 0755, so a child dropped to another uid can reach them), the
+  // given YAML as its config file (if not empty) and extra arguments; waits
+  // until both sockets exist. Returns nullptr (and prints why) on failure.
+  static std::unique_ptr<DaemonProcess> Start(const std::string& config_yaml = "",
+                                              const std::vector<std::string>& extra_args = {});
+  ~DaemonProcess();  // SIGKILL if still running; removes the directory
+
+  const std::string& socket() const { return socket_; }
+  const std::string& dir() const { return dir_; }
+  pid_t pid() const { return pid_; }
+  bool Alive() const;
+  // SIGTERM and wait (bounded); the exit code, or 128 + signal, or -1 on
+  // timeout (then killed).
+  int Stop(std::chrono::seconds timeout = std::chrono::seconds(20));
+
+ private:
+  pid_t pid_ = -1;
+  std::string dir_;
+  std::string socket_;
+};
+
+// Runs fn(rank) for rank 0..n-1, each in its own forked process; returns
+// each child's exit code (fn's return value; 128 + signal if it died; -1 if
+// it outlived `timeout`, after which it is killed).
+std::vector<int> RunRanks(int n, const std::function<int(int rank)>& fn,
+                          std::chrono::seconds timeout = std::chrono::seconds(180));
+
+// Starts fn(rank) children and returns their pids without waiting.
+std::vector<pid_t> SpawnRanks(int n, const std::function<int(int rank)>& fn);
+// Waits for one child, bounded; exit code as in RunRanks.
+int WaitChild(pid_t pid, std::chrono::seconds timeout);
+
+// Runs a command line and returns its exit code and output (stdout+stderr).
+int RunCommand(const std::string& command, std::string* output);
+
+// A job id no other test in any concurrent run uses.
+std::string UniqueJobId(const std::string& what);
+
+// CPU time (user + system) of a process so far, in seconds.
+double ProcessCpuSeconds(pid_t pid);
+
+}  // namespace ciuic::testing
+
+// In a child: report and fail the rank.
+#define CHILD_CHECK(cond, ...)                                                   \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      fprintf(stderr, "%s:%d: rank check failed: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                              \
+      fprintf(stderr, "\n");                                                     \
+      return 1;                                                                  \
+    }                                                                            \
+  } while (0)
