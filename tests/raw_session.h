@@ -1,0 +1,40 @@
+// A hostile client for the integration tests: opens a session the way the
+// SDK does, then writes whatever it likes into the rings.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ciuic/shm_layout.h"
+
+namespace ciuic::testing {
+
+struct RawSession {
+  int sock = -1;
+  int doorbell = -1;
+  int memfd = -1;
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+  std::string token;
+
+  // Handshake on `socket`.session; false (and a message on stderr) on failure.
+  bool Open(const std::string& socket, uint64_t arena_bytes);
+  // JoinJob over gRPC; returns the gRPC status code (0 = OK) and message.
+  int Join(const std::string& socket, const std::string& job, int rank, int world,
+           std::string* message);
+  ~RawSession();
+
+  wire::SessionHeader* header() const { return reinterpret_cast<wire::SessionHeader*>(base); }
+  // Publishes `e` at the next submission slot and rings the doorbell.
+  void Submit(const wire::SubmissionEntry& e);
+  // Waits up to `ms` for a completion; false on timeout.
+  bool NextCompletion(wire::CompletionEntry* out, int ms);
+  // True once the daemon has hung up on this session.
+  bool HungUp(int ms);
+
+ private:
+  uint32_t sq_tail_ = 0;
+  uint32_t cq_head_ = 0;
+};
+
+}  // namespace ciuic::testing
