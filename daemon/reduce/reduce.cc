@@ -1,0 +1,261 @@
+#include "daemon/reduce/reduce.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/reduce/half.h"
+
+namespace ciuic::daemon {
+namespace {
+
+using wire::DataType;
+using wire::ReduceOp;
+
+// Elements per block when more than two inputs are folded: the running
+// results of one block (at most 16 KiB) stay in L1 while each input streams
+// past once, so memory sees one read per input and one write of `out`, and
+// `out` is written only after every input of the block has been read (which
+// makes out == inputs[k] safe for any k). reduce_test.cc uses counts that
+// are not multiples of it.
+constexpr size_t kBlock = 2048;
+
+// Element formats: how a stored element widens to the accumulator type and
+// narrows back.
+template <typename T>
+struct Plain {
+  using Storage = T;
+  using Acc = T;
+  static Acc Load(T x) { return x; }
+  static T Store(Acc a) { return a; }
+};
+
+struct Half {
+  using Storage = uint16_t;
+  using Acc = float;
+  static Acc Load(uint16_t x) { return HalfToFloat(x); }
+  static uint16_t Store(Acc a) { return FloatToHalf(a); }
+};
+
+struct BFloat16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  static Acc Load(uint16_t x) { return BFloat16ToFloat(x); }
+  static uint16_t Store(Acc a) { return FloatToBFloat16(a); }
+};
+
+// Integer arithmetic is done on the unsigned type of the same width, which
+// wraps instead of overflowing (converting back to the signed type is modular
+// since C++20).
+template <typename A>
+A WrapAdd(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
+  }
+}
+
+template <typename A>
+A WrapMul(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    // For 8-bit types the operands promote to int; 255 * 255 still fits.
+    return static_cast<A>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+  } else {
+    return a * b;
+  }
+}
+
+// Ops: Combine folds the next input into the running value; Finish turns the
+// running value into the stored result.
+struct SumOp {
+  template <typename A>
+  static A Combine(A acc, A x) { return WrapAdd(acc, x); }
+  template <typename F, typename A>
+  static typename F::Storage Finish(A acc, int /*n*/) { return F::Store(acc); }
+};
+
+struct ProdOp {
+  template <typename A>
+  static A Combine(A acc, A x) { return WrapMul(acc, x); }
+  template <typename F, typename A>
+  static typename F::Storage Finish(A acc, int /*n*/) { return F::Store(acc); }
+};
+
+struct AvgOp {
+  template <typename A>
+  static A Combine(A acc, A x) { return WrapAdd(acc, x); }
+  template <typename F, typename A>
+  static typename F::Storage Finish(A acc, int n) {
+    if constexpr (std::is_integral_v<A> && sizeof(A) <= 4) {
+      // Same result as the int64 division below, but SIMD has no integer
+      // division and has a double one. Exact: for |s| < 2^31 and n >= 1 the
+      // quotient s/n is either an integer (exact in double) or at least 1/n
+      // away from one, while the rounding error of s/n in double is below
+      // 2^31/n * 2^-53; so truncating the rounded quotient gives s/n
+      // truncated. (For n == 2 GCC turns the division below into shifts
+      // anyway, but the block loop does not know n.)
+      return F::Store(static_cast<A>(static_cast<int32_t>(
+          static_cast<double>(acc) / static_cast<double>(n))));
+    } else if constexpr (std::is_integral_v<A>) {
+      // The wrapped sum, widened; C++ division truncates toward zero. The
+      // quotient's magnitude is at most the sum's, so it fits in A.
+      using W = std::conditional_t<std::is_signed_v<A>, int64_t, uint64_t>;
+      return F::Store(static_cast<A>(static_cast<W>(acc) / static_cast<W>(n)));
+    } else {
+      return F::Store(acc / static_cast<A>(n));
+    }
+  }
+};
+
+// Floating min/max: a NaN input makes the result NaN (the accumulator keeps a
+// NaN because every comparison with it is false; a NaN x is taken
+// explicitly). On a tie the earlier value stays.
+struct MinOp {
+  template <typename A>
+  static A Combine(A acc, A x) {
+    if constexpr (std::is_integral_v<A>) {
+      return x < acc ? x : acc;
+    } else {
+      return (x < acc || x != x) ? x : acc;
+    }
+  }
+  template <typename F, typename A>
+  static typename F::Storage Finish(A acc, int /*n*/) { return F::Store(acc); }
+};
+
+struct MaxOp {
+  template <typename A>
+  static A Combine(A acc, A x) {
+    if constexpr (std::is_integral_v<A>) {
+      return x > acc ? x : acc;
+    } else {
+      return (x > acc || x != x) ? x : acc;
+    }
+  }
+  template <typename F, typename A>
+  static typename F::Storage Finish(A acc, int /*n*/) { return F::Store(acc); }
+};
+
+// The loops below are element-wise: iteration i reads inputs[k][i] and then
+// writes out[i], and out is either disjoint from an input or exactly equal to
+// it. So there is no dependence between iterations even in place, which
+// `#pragma GCC ivdep` tells the vectoriser (saving its runtime overlap
+// checks, which would send the in-place case to the scalar loop).
+template <typename F, typename Op>
+void Kernel(const void* const* inputs, int n, void* out_void, size_t count) {
+  using T = typename F::Storage;
+  using A = typename F::Acc;
+  T* const out = static_cast<T*>(out_void);
+  const auto input = [inputs](int k) { return static_cast<const T*>(inputs[k]); };
+
+  if (n == 1) {
+    const T* a = input(0);
+#pragma GCC ivdep
+    for (size_t i = 0; i < count; ++i) {
+      out[i] = Op::template Finish<F>(F::Load(a[i]), n);
+    }
+    return;
+  }
+  if (n == 2) {  // The common case, in one pass without a block buffer.
+    const T* a = input(0);
+    const T* b = input(1);
+#pragma GCC ivdep
+    for (size_t i = 0; i < count; ++i) {
+      out[i] = Op::template Finish<F>(Op::Combine(F::Load(a[i]), F::Load(b[i])), n);
+    }
+    return;
+  }
+
+  alignas(64) A acc[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t len = std::min(kBlock, count - base);
+    {
+      const T* a = input(0) + base;
+      const T* b = input(1) + base;
+      for (size_t j = 0; j < len; ++j) {
+        acc[j] = Op::Combine(F::Load(a[j]), F::Load(b[j]));
+      }
+    }
+    for (int k = 2; k < n - 1; ++k) {
+      const T* c = input(k) + base;
+      for (size_t j = 0; j < len; ++j) {
+        acc[j] = Op::Combine(acc[j], F::Load(c[j]));
+      }
+    }
+    const T* c = input(n - 1) + base;
+    T* o = out + base;
+#pragma GCC ivdep
+    for (size_t j = 0; j < len; ++j) {
+      o[j] = Op::template Finish<F>(Op::Combine(acc[j], F::Load(c[j])), n);
+    }
+  }
+}
+
+template <typename F>
+void DispatchOp(ReduceOp op, const void* const* inputs, int n, void* out,
+                size_t count) {
+  switch (op) {
+    case ReduceOp::kSum: return Kernel<F, SumOp>(inputs, n, out, count);
+    case ReduceOp::kAvg: return Kernel<F, AvgOp>(inputs, n, out, count);
+    case ReduceOp::kMin: return Kernel<F, MinOp>(inputs, n, out, count);
+    case ReduceOp::kMax: return Kernel<F, MaxOp>(inputs, n, out, count);
+    case ReduceOp::kProd: return Kernel<F, ProdOp>(inputs, n, out, count);
+  }
+}
+
+[[noreturn]] void Die(const std::string& message) {
+  std::fprintf(stderr, "ciuic::daemon::Reduce: %s\n", message.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+}  // namespace
+
+absl::Status CheckReducible(uint32_t dtype, uint32_t op) {
+  if (wire::DataTypeName(dtype) == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown data type ", dtype, " for a reduction"));
+  }
+  if (wire::ReduceOpName(op) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown reduce op ", op));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckReducible(DataType dtype, ReduceOp op) {
+  return CheckReducible(static_cast<uint32_t>(dtype), static_cast<uint32_t>(op));
+}
+
+void Reduce(DataType dtype, ReduceOp op, const void* const* inputs,
+            int num_inputs, void* out, size_t count) {
+  if (absl::Status status = CheckReducible(dtype, op); !status.ok()) {
+    Die(std::string(status.message()));
+  }
+  if (num_inputs < 1) Die(absl::StrCat("num_inputs is ", num_inputs));
+  if (count == 0) return;
+  if (num_inputs == 1 && op != ReduceOp::kAvg) {
+    if (out != inputs[0]) {
+      std::memcpy(out, inputs[0], count * wire::DataTypeSize(static_cast<uint32_t>(dtype)));
+    }
+    return;
+  }
+  switch (dtype) {
+    case DataType::kFloat32: return DispatchOp<Plain<float>>(op, inputs, num_inputs, out, count);
+    case DataType::kFloat64: return DispatchOp<Plain<double>>(op, inputs, num_inputs, out, count);
+    case DataType::kFloat16: return DispatchOp<Half>(op, inputs, num_inputs, out, count);
+    case DataType::kBFloat16: return DispatchOp<BFloat16>(op, inputs, num_inputs, out, count);
+    case DataType::kInt8: return DispatchOp<Plain<int8_t>>(op, inputs, num_inputs, out, count);
+    case DataType::kUInt8: return DispatchOp<Plain<uint8_t>>(op, inputs, num_inputs, out, count);
+    case DataType::kInt32: return DispatchOp<Plain<int32_t>>(op, inputs, num_inputs, out, count);
+    case DataType::kInt64: return DispatchOp<Plain<int64_t>>(op, inputs, num_inputs, out, count);
+  }
+}
+
+}  // namespace ciuic::daemon

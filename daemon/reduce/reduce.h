@@ -1,0 +1,49 @@
+// Element-wise reduction of several equally typed buffers: the arithmetic
+// step of every reducing collective (allreduce, reduce_scatter).
+//
+// The collectives call Reduce from their I/O or worker threads on buffers they
+// own for the duration of the call; the functions keep no state and are safe
+// to call concurrently on disjoint outputs. The dtype and op of an operation
+// come from untrusted shared memory: the daemon validates them once with
+// CheckReducible when it accepts a submission, and Reduce treats an invalid
+// value as a broken invariant (it stops the process).
+//
+// Semantics (pinned down by reduce_test.cc, summarised in README.md):
+//   out[i] = in[0][i] op in[1][i] op ... op in[n-1][i], folded left to right.
+//   * float32, float64: accumulate in their own type. avg = sum / n.
+//   * float16, bfloat16: widen to float32, accumulate in float32 left to right,
+//     round once at the end (avg: the float32 sum / n, then round), to nearest
+//     even, overflowing to Inf.
+//   * Floating sum/prod/avg follow IEEE (NaN and Inf propagate). min/max give
+//     NaN if any input is NaN, else the ordinary min/max (on a tie, such as -0
+//     and +0, the earlier input wins).
+//   * Integers: sum and prod wrap modulo 2^bits; avg is the wrapped sum
+//     widened to int64/uint64 and divided by n, truncating toward zero;
+//     min/max are ordinary.
+//   * n == 1 copies, except avg, which divides by 1 (a signalling NaN then
+//     becomes quiet).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "ciuic/shm_layout.h"
+
+namespace ciuic::daemon {
+
+// OK if Reduce supports `op` on `dtype` (every DataType x ReduceOp pair
+// defined in shm_layout.h); INVALID_ARGUMENT naming the offending raw value
+// otherwise.
+absl::Status CheckReducible(wire::DataType dtype, wire::ReduceOp op);
+// The same for raw values as read from shared memory.
+absl::Status CheckReducible(uint32_t dtype, uint32_t op);
+
+// Reduces `num_inputs` (>= 1) buffers of `count` elements of `dtype` into
+// `out`. `out` may be exactly equal to any of the inputs (in place) but must
+// not partially overlap any of them; inputs may alias each other. With count
+// == 0 no pointer is dereferenced. Requires CheckReducible(dtype, op).ok().
+void Reduce(wire::DataType dtype, wire::ReduceOp op, const void* const* inputs,
+            int num_inputs, void* out, size_t count);
+
+}  // namespace ciuic::daemon
