@@ -37,7 +37,6 @@ constexpr uint32_t Select(bool c, uint32_t a, uint32_t b) {
   return (a & mask) | (b & ~mask);
 }
 
-
 // binary16 -> float, leaving a signalling NaN signalling. The reduction
 // kernels widen with this: arithmetic quiets a NaN anyway and the narrowing
 // conversions always produce a quiet NaN, so the result is the same and each
