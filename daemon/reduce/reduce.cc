@@ -1,4 +1,4 @@
-#include "daemon/reduce/reduce.h"
+#include "reduce/reduce.h"
 
 #include <algorithm>
 #include <bit>
@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/reduce/half.h"
+#include "reduce/half.h"
 
 namespace ciuic::daemon {
 namespace {

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "daemon/reduce/reduce.h"
+#include "reduce/reduce.h"
 
 namespace ciuic::daemon {
 namespace {

@@ -1,4 +1,4 @@
-#include "daemon/reduce/reduce.h"
+#include "reduce/reduce.h"
 
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "daemon/reduce/half.h"
+#include "reduce/half.h"
 
 namespace ciuic::daemon {
 namespace {

@@ -1,0 +1,220 @@
+// What an operator sees and does: ciuicctl against a real daemon (status,
+// jobs with pending operations, live tuning), config errors at start, and
+// an idle daemon and idle trainer that use no CPU.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "harness.h"
+
+namespace ciuic::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string Ctl(const DaemonProcess& d, const std::string& args, int* code) {
+  std::string out;
+  *code = RunCommand(std::string(CIUICCTL_PATH) + " --socket " + d.socket() + " " + args, &out);
+  return out;
+}
+
+TEST(OperabilityTest, StatusJobsAndPendingOperations) {
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("ctl");
+  int ready[2], release[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(release), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(1024, 1.0f);
+    OpOptions o;
+    o.name = "warmup";
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    o.name = "stuck.grad";
+    Handle h;
+    if (rank == 0) h = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o);
+    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+    char c;
+    CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+    if (rank == 1) h = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o);
+    s = h.Wait();
+    CHILD_CHECK(s.ok() && v[0] == 4.0f, "%s", s.ToString().c_str());
+    return 0;
+  });
+  char c;
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+
+  int code = 0;
+  std::string out = Ctl(*daemon, "status", &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "testnode")) << out;
+  EXPECT_TRUE(Contains(out, job)) << out;
+
+  out = Ctl(*daemon, "jobs", &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "stuck.grad")) << out;
+
+  out = Ctl(*daemon, "--json jobs", &code);
+  EXPECT_EQ(code, 0) << out;
+  // rank 0 submitted, rank 1 is awaited; one op completed so far.
+  EXPECT_TRUE(Contains(out, "\"name\":\"stuck.grad\"")) << out;
+  EXPECT_TRUE(Contains(out, "\"submittedRanks\":[0]")) << out;
+  EXPECT_TRUE(Contains(out, "\"waitingForRanks\":[1]")) << out;
+  EXPECT_TRUE(Contains(out, "\"opsCompleted\":\"1\"")) << out;
+
+  ASSERT_EQ(write(release[1], "gg", 2), 2);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
+
+  out = Ctl(*daemon, "--json status", &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_TRUE(Contains(out, "\"opsCompleted\":\"2\"")) << out;
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// A tuning change applies from the next operation: operations keep
+// producing the right answer while chunk_bytes changes under them.
+TEST(OperabilityTest, LiveTuningAppliesAndIsValidated) {
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  int code = 0;
+  std::string out = Ctl(*daemon, "tune set chunk_bytes=64K small_op_bytes=0", &code);
+  EXPECT_EQ(code, 0) << out;
+  out = Ctl(*daemon, "tune get chunk_bytes", &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_TRUE(Contains(out, "64K")) << out;
+
+  out = Ctl(*daemon, "tune set chunk_byte=1M", &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_TRUE(Contains(out, "unknown tuning key 'chunk_byte'")) << out;
+  EXPECT_TRUE(Contains(out, "chunk_bytes")) << out;
+  out = Ctl(*daemon, "tune set chunk_bytes=banana", &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_TRUE(Contains(out, "chunk_bytes")) << out;
+
+  const std::string job = UniqueJobId("tune");
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2, 64 << 20);
+    CHILD_CHECK(comm != nullptr, "join");
+    Buffer b;
+    const size_t n = (4 << 20) + 3;
+    CHILD_CHECK(comm->Allocate(n * 4, &b).ok(), "alloc");
+    for (int step = 0; step < 40; ++step) {
+      for (size_t i = 0; i < n; i += 4099) b.as<int32_t>()[i] = rank + step;
+      Status s = comm->Allreduce(b.data(), b.data(), n, DataType::kInt32, ReduceOp::kSum).Wait();
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+      for (size_t i = 0; i < n; i += 4099) {
+        CHILD_CHECK(b.as<int32_t>()[i] == 1 + 2 * step, "step %d element %zu", step, i);
+      }
+    }
+    return 0;
+  });
+  for (const char* v : {"1M", "4K", "16M", "256K", "4M"}) {
+    out = Ctl(*daemon, std::string("tune set chunk_bytes=") + v, &code);
+    EXPECT_EQ(code, 0) << out;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(120)), 0);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(120)), 0);
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+TEST(OperabilityTest, CiuicctlWithoutADaemonSaysSo) {
+  std::string out;
+  int code = RunCommand(std::string(CIUICCTL_PATH) + " --socket /tmp/ciuic-no-such-dir/x.sock status", &out);
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_TRUE(Contains(out, "cannot reach ciuicd at /tmp/ciuic-no-such-dir/x.sock")) << out;
+}
+
+TEST(OperabilityTest, ConfigErrorsStopTheDaemonWithTheKeyNamed) {
+  char tmpl[] = "/tmp/ciuic-config-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  struct Case {
+    const char* yaml;
+    const char* words;
+  } cases[] = {
+      {"tuning:\n  chunk_byts: 4M\n", "chunk_byts"},
+      {"tuning:\n  chunk_bytes: lots\n", "chunk_bytes"},
+      {"worker_threads: -3\n", "worker_threads"},
+      {"socket_path: /tmp/x\n", "socket_path"},
+      {"log_level: loud\n", "log_level"},
+      {"tuning: [1, 2\n", "ciuicd.yaml"},
+  };
+  for (const Case& c : cases) {
+    const std::string path = dir + "/ciuicd.yaml";
+    FILE* f = fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    fputs(c.yaml, f);
+    fclose(f);
+    std::string out;
+    int code = RunCommand(std::string(CIUICD_PATH) + " --config " + path + " --socket " + dir +
+                              "/d.sock",
+                          &out);
+    EXPECT_EQ(code, 78) << c.yaml << out;
+    EXPECT_TRUE(Contains(out, c.words)) << c.yaml << " -> " << out;
+  }
+  std::string out;
+  EXPECT_EQ(RunCommand(std::string(CIUICD_PATH) + " --log-level=shouty --socket " + dir + "/d.sock", &out), 64) << out;
+  EXPECT_TRUE(Contains(out, "log_level")) << out;
+  EXPECT_EQ(RunCommand(std::string(CIUICD_PATH) + " --frobnicate", &out), 64) << out;
+  EXPECT_TRUE(Contains(out, "--frobnicate")) << out;
+  (void)!system(("rm -rf " + dir).c_str());
+}
+
+// Nobody spins while nothing is pending: an idle daemon with an idle
+// session, and a trainer blocked in Wait() on an operation its partner has
+// not submitted, each use well under 5% of a core over a second.
+TEST(OperabilityTest, IdleDaemonAndWaitingTrainerUseNoCpu) {
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("idle");
+  int ready[2], release[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(release), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(16, 1.0f);
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    Handle h;
+    if (rank == 0) h = comm->Barrier();
+    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+    char c;
+    if (rank == 1) {
+      CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+      h = comm->Barrier();
+    }
+    s = h.Wait();  // rank 0 waits here through the measurement
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    return 0;
+  });
+  char c;
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // past every spin window
+  const double d0 = ProcessCpuSeconds(daemon->pid());
+  const double t0 = ProcessCpuSeconds(pids[0]);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double daemon_cpu = ProcessCpuSeconds(daemon->pid()) - d0;
+  const double trainer_cpu = ProcessCpuSeconds(pids[0]) - t0;
+  EXPECT_LT(daemon_cpu, 0.05) << "idle ciuicd burned CPU";
+  EXPECT_LT(trainer_cpu, 0.05) << "a waiting trainer burned CPU";
+  ASSERT_EQ(write(release[1], "g", 1), 1);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+}  // namespace
+}  // namespace ciuic::testing
