@@ -35,7 +35,7 @@ namespace {
 constexpr char kUsage[] =
     "usage: ciuicd [--config FILE] [--socket PATH] [--node-name NAME] [--log-level LEVEL]\n"
     "              [--worker-threads N] [--version]\n"
-    "Flags override the config file; see deploy/ciuicd.example.yaml for every key.\n";
+    "Flags override the config file; see deploy/ciuicd.yaml for every key.\n";
 
 // The systemd notify protocol: one datagram to $NOTIFY_SOCKET.
 void NotifySystemd(const char* state) {

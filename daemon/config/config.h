@@ -4,7 +4,7 @@
 // /etc/ciuic/ciuicd.yaml) before any thread starts. Every mistake in the file
 // — unknown key, bad value, wrong node type, YAML syntax — is returned as an
 // INVALID_ARGUMENT status whose message starts with "FILE:LINE: ", so that
-// ciuicd can print it and refuse to start. ciuicd.example.yaml beside this
+// ciuicd can print it and refuse to start. deploy/ciuicd.yaml at the root of the repository
 // header documents every key.
 
 #include <cstdint>

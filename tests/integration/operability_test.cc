@@ -2,7 +2,14 @@
 // jobs with pending operations, live tuning), config errors at start, and
 // an idle daemon and idle trainer that use no CPU.
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <cstring>
+
+#include <signal.h>
 
 #include <chrono>
 #include <thread>
@@ -214,6 +221,36 @@ TEST(OperabilityTest, IdleDaemonAndWaitingTrainerUseNoCpu) {
   EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
   for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
   EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// Under systemd (Type=notify) the daemon says READY=1 once it serves, and
+// STOPPING=1 when it drains.
+TEST(OperabilityTest, SignalsReadinessToSystemd) {
+  char tmpl[] = "/tmp/ciuic-notify-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string path = std::string(tmpl) + "/notify";
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  setenv("NOTIFY_SOCKET", path.c_str(), 1);
+  auto daemon = DaemonProcess::Start();
+  unsetenv("NOTIFY_SOCKET");
+  ASSERT_NE(daemon, nullptr);
+  auto next = [&]() -> std::string {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 10000) <= 0) return "(nothing)";
+    char buf[256];
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    return n > 0 ? std::string(buf, n) : "(error)";
+  };
+  EXPECT_EQ(next(), "READY=1");
+  kill(daemon->pid(), SIGTERM);
+  EXPECT_EQ(next(), "STOPPING=1");
+  EXPECT_EQ(daemon->Stop(), 0);
+  close(fd);
+  (void)!system((std::string("rm -rf ") + tmpl).c_str());
 }
 
 }  // namespace
