@@ -97,6 +97,17 @@ absl::Status Errno(absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
+// Ring polls per spinning round before the loop looks at its sockets.
+constexpr int kFastPolls = 512;
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 // epoll data: low 2 bits say which fd of which session woke us.
 enum : uint64_t { kWake = 0, kSock = 1, kBell = 2 };
 uint64_t Tag(uint64_t session_id, uint64_t kind) { return session_id << 2 | kind; }
@@ -136,7 +147,12 @@ Engine::~Engine() {
 void Engine::Post(std::function<void()> fn) {
   {
     absl::MutexLock lock(&post_mu_);
+    if (loop_exited_) {
+      fn();
+      return;
+    }
     posted_.push_back(std::move(fn));
+    posted_count_.fetch_add(1, std::memory_order_release);
   }
   uint64_t one = 1;
   (void)!write(wake_fd_, &one, sizeof(one));
@@ -366,10 +382,12 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
 // -------------------------------------------------------------------- loop
 
 bool Engine::RunPostedOnLoop() {
+  if (posted_count_.load(std::memory_order_acquire) == 0) return false;
   std::vector<std::function<void()>> batch;
   {
     absl::MutexLock lock(&post_mu_);
     batch.swap(posted_);
+    posted_count_.store(0, std::memory_order_relaxed);
   }
   for (auto& fn : batch) fn();
   return !batch.empty();
@@ -391,10 +409,12 @@ void Engine::ArmDoorbellsOnLoop(bool armed) {
 bool Engine::PollSubmissionsOnLoop() {
   bool worked = false;
   // Copy: handling a submission may close sessions.
-  std::vector<std::shared_ptr<Session>> ready;
+  std::vector<std::shared_ptr<Session>>& ready = ready_scratch_;
+  ready.clear();
   for (auto& [id, s] : sessions_) {
     if (s->sq->HasPending()) ready.push_back(s);
   }
+  if (ready.empty()) return false;
   for (auto& s : ready) {
     wire::SubmissionEntry entry;
     while (!s->closed) {
@@ -413,6 +433,7 @@ bool Engine::PollSubmissionsOnLoop() {
       SubmitOnLoop(s, entry);
     }
   }
+  ready.clear();
   return worked;
 }
 
@@ -425,7 +446,20 @@ void Engine::Loop() {
     int timeout_ms = 0;
     const bool spinning =
         Clock::now() - last_work < std::chrono::microseconds(tuning.spin_us);
-    if (!spinning) {
+    if (spinning) {
+      // The latency path: poll the rings alone for a while; socket events,
+      // posted closures and deadlines are looked at between rounds.
+      for (int i = 0; i < kFastPolls; ++i) {
+        if (PollSubmissionsOnLoop()) {
+          last_work = Clock::now();
+          i = 0;
+          continue;
+        }
+        if (posted_count_.load(std::memory_order_relaxed) != 0) break;
+        CpuRelax();
+        if ((i & 31) == 31) sched_yield();  // let a trainer on this core run
+      }
+    } else {
       ArmDoorbellsOnLoop(true);
       armed = true;
       std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -442,7 +476,6 @@ void Engine::Loop() {
       ArmDoorbellsOnLoop(false);
       armed = false;
     }
-    if (n == 0 && spinning) sched_yield();
     for (int i = 0; i < n; ++i) {
       const uint64_t tag = events[i].data.u64;
       const uint64_t kind = tag & 3;
@@ -473,10 +506,14 @@ void Engine::Loop() {
     if (worked) last_work = Clock::now();
     if (stopping_ && running_ops_ == 0) break;
   }
-  // Drained: close what is left.
+  // Drained: close what is left, answer what was posted meanwhile.
   std::vector<std::shared_ptr<Session>> left;
   for (auto& [id, s] : sessions_) left.push_back(s);
   for (auto& s : left) CloseSessionOnLoop(s, "ciuicd is shutting down");
+  absl::MutexLock lock(&post_mu_);
+  loop_exited_ = true;
+  for (auto& fn : posted_) fn();
+  posted_.clear();
 }
 
 // ------------------------------------------------------------- operations
@@ -595,7 +632,12 @@ void Engine::FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& stat
 void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
   if (job.failure.ok()) {
     job.failure = status;
-    spdlog::warn("job '{}' failed: {}", job.id, std::string(status.message()));
+    if (job.pending.empty()) {
+      spdlog::info("job '{}' ends: {}", job.id, std::string(status.message()));
+    } else {
+      spdlog::warn("job '{}' failed with {} operation(s) pending: {}", job.id,
+                   job.pending.size(), std::string(status.message()));
+    }
   }
   for (auto& [name, op] : job.pending) FailPendingOnLoop(job, *op, status);
   job.pending.clear();

@@ -149,10 +149,15 @@ class Engine {
 
   absl::Mutex post_mu_;
   std::vector<std::function<void()>> posted_ ABSL_GUARDED_BY(post_mu_);
+  // Set when the loop has exited: Post() then runs closures itself, under
+  // post_mu_, so a late gRPC call gets its (UNAVAILABLE) answer.
+  bool loop_exited_ ABSL_GUARDED_BY(post_mu_) = false;
+  std::atomic<int> posted_count_{0};  // lets the spinning loop skip the mutex
 
   // Loop-thread state.
   uint64_t next_session_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;
+  std::vector<std::shared_ptr<Session>> ready_scratch_;
   std::map<std::string, std::shared_ptr<Session>> sessions_by_token_;
   std::map<std::string, std::unique_ptr<Job>> jobs_;  // key: uid + '/' + job id
   uint64_t next_op_seq_ = 0;

@@ -48,6 +48,14 @@ uint64_t ArenaBytesFromEnv() {
   return v == 0 ? (512ull << 20) : v * mult;
 }
 
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 uint32_t SpinMicrosFromEnv() {
   const char* env = std::getenv("CIUIC_SPIN_US");
   if (env == nullptr || env[0] == '\0') return 50;
@@ -171,13 +179,23 @@ struct Core {
   template <typename Pred>
   bool WaitUntil(Pred pred, Clock::time_point until) {
     const Clock::time_point spin_end = Clock::now() + std::chrono::microseconds(spin_us);
+    int rounds = 0;
     while (true) {
       Reap();
       if (pred()) return true;
       const Clock::time_point now = Clock::now();
       if (now >= until) return false;
       if (now < spin_end) {
-        sched_yield();
+        // Watch the ring without locks or syscalls; yield now and then so
+        // the daemon gets a core when cores are few.
+        for (int i = 0; i < 64; ++i) {
+          if (header->cq_tail.load(std::memory_order_acquire) !=
+              header->cq_head.load(std::memory_order_relaxed)) {
+            break;
+          }
+          CpuRelax();
+        }
+        if ((++rounds & 3) == 0) sched_yield();
         continue;
       }
       uint32_t seen = header->cq_tail.load(std::memory_order_acquire);

@@ -1,0 +1,58 @@
+// Moving bytes between the daemons of a job's nodes.
+//
+// A Transport connects this daemon to the other members of a membership
+// table (peers are numbered 0..num_peers-1 in table order; this daemon is
+// one of them) over `num_channels` independent channels. On UCX each
+// channel is one ucp worker progressed by its own thread; several channels
+// let the chunks of one operation travel in parallel.
+//
+// Messages are matched by (source peer, channel, tag), never by arrival
+// order: a Recv for (peer, channel, tag) completes with the Send from that
+// peer on that channel with that tag, whichever was posted first. Tags are
+// the caller's business (the inter-node algorithms build them from the
+// operation, step and chunk); only their low kTagBits bits are carried.
+//
+// Completion callbacks run on a channel's progress thread; they must be
+// short and must not call back into the transport synchronously with a
+// blocking wait. Every Send/Recv gets exactly one callback: OK, or an error
+// naming the peer (the peer is gone, the transport is shutting down, sizes
+// disagree). A peer that failed stays failed: later operations with it fail
+// at once with the same error.
+//
+// Thread-safety: Send and Recv may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace ciuic::daemon {
+
+using TransferDone = std::function<void(absl::Status)>;
+
+class Transport {
+ public:
+  static constexpr int kTagBits = 48;
+
+  virtual ~Transport() = default;
+
+  virtual int self() const = 0;       // this daemon's peer index
+  virtual int num_peers() const = 0;
+  virtual int num_channels() const = 0;
+
+  // `data` must stay valid (and unchanged, for Send) until `done` runs.
+  // A Recv's size must equal the matching Send's size.
+  virtual void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+                    TransferDone done) = 0;
+  virtual void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+                    TransferDone done) = 0;
+
+  // Fails every pending and future transfer with `peer` (used when the
+  // control plane learns first that a node is gone).
+  virtual void FailPeer(int peer, const absl::Status& why) = 0;
+};
+
+}  // namespace ciuic::daemon
