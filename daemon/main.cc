@@ -17,13 +17,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "config/config.h"
 #include "config/tuning.h"
+#include "cluster/coordinator.h"
+#include "cluster/ucx_transports.h"
 #include "control/control_service.h"
+#include "control/peer_service.h"
 #include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -34,7 +38,7 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: ciuicd [--config FILE] [--socket PATH] [--node-name NAME] [--log-level LEVEL]\n"
-    "              [--worker-threads N] [--version]\n"
+    "              [--worker-threads N] [--listen HOST:PORT] [--version]\n"
     "Flags override the config file; see deploy/ciuicd.yaml for every key.\n";
 
 // The systemd notify protocol: one datagram to $NOTIFY_SOCKET.
@@ -69,7 +73,7 @@ int MakeParentDir(const std::string& path) {
 }
 
 int Main(int argc, char** argv) {
-  std::string config_path, socket_flag, node_flag, log_flag, workers_flag;
+  std::string config_path, socket_flag, node_flag, log_flag, workers_flag, listen_flag;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&](std::string* out) {
@@ -102,6 +106,8 @@ int Main(int argc, char** argv) {
       ok = value(&log_flag);
     } else if (is("--worker-threads")) {
       ok = value(&workers_flag);
+    } else if (is("--listen")) {
+      ok = value(&listen_flag);
     } else {
       fprintf(stderr, "ciuicd: unknown argument '%s'\n%s", a.c_str(), kUsage);
       return 64;
@@ -125,6 +131,7 @@ int Main(int argc, char** argv) {
   if (!node_flag.empty()) absl::StrAppend(&overrides, "node_name: \"", node_flag, "\"\n");
   if (!log_flag.empty()) absl::StrAppend(&overrides, "log_level: \"", log_flag, "\"\n");
   if (!workers_flag.empty()) absl::StrAppend(&overrides, "worker_threads: ", workers_flag, "\n");
+  if (!listen_flag.empty()) absl::StrAppend(&overrides, "listen: \"", listen_flag, "\"\n");
   if (!overrides.empty()) {
     auto flags = config::ParseConfigYaml(overrides, "command line");
     if (!flags.ok()) {
@@ -135,6 +142,24 @@ int Main(int argc, char** argv) {
     if (!node_flag.empty()) cfg.node_name = flags->node_name;
     if (!log_flag.empty()) cfg.log_level = flags->log_level;
     if (!workers_flag.empty()) cfg.worker_threads = flags->worker_threads;
+    if (!listen_flag.empty()) cfg.listen = flags->listen;
+  }
+  std::string cluster_token;
+  if (!cfg.cluster_token_file.empty()) {
+    std::ifstream in(cfg.cluster_token_file);
+    if (!in) {
+      fprintf(stderr, "ciuicd: cluster_token_file '%s' cannot be read: %s\n",
+              cfg.cluster_token_file.c_str(), strerror(errno));
+      return 78;
+    }
+    std::getline(in, cluster_token);
+    while (!cluster_token.empty() && isspace(static_cast<unsigned char>(cluster_token.back()))) {
+      cluster_token.pop_back();
+    }
+    if (cluster_token.empty()) {
+      fprintf(stderr, "ciuicd: cluster_token_file '%s' is empty\n", cfg.cluster_token_file.c_str());
+      return 78;
+    }
   }
 
   auto logger = spdlog::stderr_color_mt("ciuicd");
@@ -166,6 +191,9 @@ int Main(int argc, char** argv) {
   options.worker_threads = workers;
   options.max_arena_bytes = cfg.max_arena_bytes;
   options.tuning = &tuning;
+  options.node_name = cfg.node_name;
+  options.cluster_token = cluster_token;
+  options.transports = UcxTransportFactory();
   auto engine = Engine::Start(options);
   if (!engine.ok()) {
     spdlog::critical("{}", std::string(engine.status().message()));
@@ -187,6 +215,7 @@ int Main(int argc, char** argv) {
   spdlog::info("{} received: draining", strsignal(sig));
   NotifySystemd("STOPPING=1");
   (*engine)->Shutdown();
+  if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   unlink(cfg.socket_path.c_str());
   spdlog::info("ciuicd stopped");

@@ -27,7 +27,8 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const std::string& config_ya
   chmod(d->dir_.c_str(), 0755);
   d->socket_ = d->dir_ + "/ciuicd.sock";
   std::vector<std::string> args = {CIUICD_PATH, "--socket", d->socket_, "--node-name",
-                                   "testnode", "--log-level", "info"};
+                                   "testnode", "--log-level", "info", "--listen",
+                                   "127.0.0.1:0"};
   if (!config_yaml.empty()) {
     std::string path = d->dir_ + "/ciuicd.yaml";
     std::ofstream(path) << config_yaml;

@@ -49,6 +49,7 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext*, const proto::JoinJobR
   r.world_size = req->world_size();
   r.local_rank = req->local_rank();
   r.local_size = req->local_size();
+  r.coordinator = req->coordinator();
   absl::Status s = engine_->Join(r);
   if (s.ok()) reply->set_node_name(node_name_);
   return ToGrpc(s);
@@ -60,6 +61,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
   reply->set_version(CIUIC_VERSION);
   reply->set_node_name(node_name_);
   reply->set_socket_path(socket_path_);
+  reply->set_peer_address(peer_address_);
   reply->set_uptime_seconds(st.uptime_seconds);
   reply->set_worker_threads(st.worker_threads);
   reply->set_ops_completed(st.ops_completed);
@@ -114,6 +116,29 @@ grpc::Status ControlService::TuneSet(grpc::ServerContext*, const proto::TuneSetR
   if (!entries.ok()) return ToGrpc(entries.status());
   if (!entries->empty()) FillEntry(entries->front(), reply->mutable_entry());
   spdlog::info("tuning: {} = {}", req->key(), reply->entry().value());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::GetPeers(grpc::ServerContext*, const proto::PeersRequest*,
+                                      proto::PeersReply* reply) {
+  EnginePeers peers = engine_->Peers();
+  reply->set_peer_address(peer_address_);
+  for (const auto& j : peers.jobs) {
+    auto* out = reply->add_jobs();
+    out->set_job_id(j.id);
+    out->set_uid(j.uid);
+    out->set_coordinator(j.coordinator);
+    out->set_state(j.state);
+    for (const auto& p : j.peers) {
+      auto* po = out->add_peers();
+      po->set_node_name(p.node_name);
+      for (int r : p.ranks) po->add_ranks(r);
+      po->set_self(p.self);
+      po->set_state(p.state);
+      po->set_bytes_sent(p.bytes_sent);
+      po->set_bytes_received(p.bytes_received);
+    }
+  }
   return grpc::Status::OK;
 }
 

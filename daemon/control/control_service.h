@@ -28,12 +28,18 @@ class ControlService final : public proto::Control::Service {
                        proto::TuneGetReply*) override;
   grpc::Status TuneSet(grpc::ServerContext*, const proto::TuneSetRequest*,
                        proto::TuneSetReply*) override;
+  grpc::Status GetPeers(grpc::ServerContext*, const proto::PeersRequest*,
+                        proto::PeersReply*) override;
+
+  // Where the peer service listens (shown in status and peers).
+  void set_peer_address(std::string address) { peer_address_ = std::move(address); }
 
  private:
   Engine* engine_;
   config::TuningRegistry* tuning_;
   std::string node_name_;
   std::string socket_path_;
+  std::string peer_address_;
 };
 
 // Serves `service` on unix:`socket_path` (mode 0666; stale file replaced,

@@ -66,6 +66,7 @@ struct PendingOp {
   Clock::time_point deadline;
   std::vector<std::optional<RankPart>> parts;  // by rank
   std::vector<bool> seen;                      // ranks that submitted this name
+  int seen_count = 0;
   int submitted = 0;
   absl::Status failure;  // set: poisoned, later submitters get it at once
   // While running:
@@ -79,6 +80,10 @@ struct Job {
   uid_t uid = 0;
   int world_size = 0;
   int local_size = 0;
+  std::string coordinator;               // multi-node jobs only
+  std::unique_ptr<ClusterJob> cluster;   // multi-node jobs, once all local ranks joined
+  std::map<uint64_t, std::shared_ptr<PendingOp>> in_cluster;  // handed to `cluster`
+  uint64_t next_cluster_key = 1;
   std::map<int, std::shared_ptr<Session>> ranks;
   absl::Status failure;  // sticky once set
   std::map<std::string, std::shared_ptr<PendingOp>> pending;
@@ -292,7 +297,7 @@ void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const s
       FailJobOnLoop(job, absl::AbortedError(absl::StrCat(
                              "rank ", session->rank, " (pid ", session->peer.pid, ") of job '",
                              job.id, "' left: ", why)));
-      if (job.ranks.empty()) jobs_.erase(it);
+      if (job.ranks.empty()) EraseJobOnLoop(job.key);
     }
   }
   // The fds close with the last reference (running operations may hold one).
@@ -337,10 +342,15 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
                                                    r.local_size, " does not fit world size ",
                                                    r.world_size));
   }
-  if (r.local_size != r.world_size) {
-    return absl::UnimplementedError(absl::StrCat(
+  const bool multi_node = r.local_size != r.world_size;
+  if (multi_node && r.coordinator.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
         "job '", r.job_id, "' spans several nodes (world size ", r.world_size, ", local size ",
-        r.local_size, "): this ciuicd runs single-node jobs only"));
+        r.local_size, ") but names no coordinator (CIUIC_COORDINATOR=host:port, or "
+        "MASTER_ADDR and MASTER_PORT)"));
+  }
+  if (multi_node && !options_.transports) {
+    return absl::UnimplementedError("this ciuicd has no inter-node transport");
   }
   const std::string key = JobKey(session.peer.uid, r.job_id);
   auto& slot = jobs_[key];
@@ -353,9 +363,17 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
     slot->local_size = r.local_size;
   }
   Job& job = *slot;
+  if (job.ranks.empty()) job.coordinator = multi_node ? r.coordinator : "";
   auto drop_if_empty = [&] {
     if (job.ranks.empty()) jobs_.erase(key);
   };
+  if (multi_node && job.coordinator != r.coordinator) {
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "job '", r.job_id, "' has coordinator ", job.coordinator, "; rank ", r.rank, " says ",
+        r.coordinator));
+    drop_if_empty();
+    return s;
+  }
   if (job.world_size != r.world_size || job.local_size != r.local_size) {
     absl::Status s = absl::InvalidArgumentError(absl::StrCat(
         "job '", r.job_id, "' has world size ", job.world_size, " and local size ",
@@ -376,7 +394,58 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
   job.ranks[r.rank] = sit->second;
   session.job_key = key;
   session.rank = r.rank;
+  if (multi_node && static_cast<int>(job.ranks.size()) == job.local_size) StartClusterOnLoop(job);
   return absl::OkStatus();
+}
+
+void Engine::StartClusterOnLoop(Job& job) {
+  ClusterJob::Options o;
+  o.job_id = job.id;
+  o.uid = job.uid;
+  o.world_size = job.world_size;
+  for (auto& [rank, s] : job.ranks) o.local_ranks.push_back(rank);
+  o.node_name = options_.node_name;
+  o.coordinator = job.coordinator;
+  o.cluster_token = options_.cluster_token;
+  o.channels = static_cast<int>(options_.tuning->Snapshot().channels);
+  o.tuning = options_.tuning;
+  o.transports = options_.transports;
+  const std::string key = job.key;
+  job.cluster = std::make_unique<ClusterJob>(
+      std::move(o),
+      [this, key](uint64_t op_key, absl::Status s) {
+        Post([this, key, op_key, s] { ClusterDoneOnLoop(key, op_key, s); });
+      },
+      [this, key](absl::Status s) {
+        Post([this, key, s] {
+          auto it = jobs_.find(key);
+          if (it != jobs_.end()) FailJobOnLoop(*it->second, s);
+        });
+      });
+}
+
+void Engine::ClusterDoneOnLoop(const std::string& job_key, uint64_t op_key,
+                               const absl::Status& status) {
+  auto it = jobs_.find(job_key);
+  if (it == jobs_.end()) return;
+  Job& job = *it->second;
+  auto op = job.in_cluster.find(op_key);
+  if (op == job.in_cluster.end()) return;
+  std::shared_ptr<PendingOp> p = std::move(op->second);
+  job.in_cluster.erase(op);
+  --running_ops_;
+  FinishOnLoop(job_key, *p, status);
+}
+
+void Engine::EraseJobOnLoop(const std::string& key) {
+  auto it = jobs_.find(key);
+  if (it == jobs_.end()) return;
+  if (it->second->cluster) {
+    // Its destructor waits for its threads: not on the loop.
+    reapers_.emplace_back([cluster = std::move(it->second->cluster)]() mutable { cluster.reset(); });
+  }
+  running_ops_ -= static_cast<int>(it->second->in_cluster.size());
+  jobs_.erase(it);
 }
 
 // -------------------------------------------------------------------- loop
@@ -569,9 +638,7 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
   }
   std::shared_ptr<PendingOp> op = slot;
   auto forget_if_all_seen = [&] {
-    if (std::all_of(op->seen.begin(), op->seen.end(), [](bool b) { return b; })) {
-      job.pending.erase(op->name);
-    }
+    if (op->seen_count == job.local_size) job.pending.erase(op->name);
   };
   if (op->seen[s->rank]) {
     ++ops_failed_;
@@ -581,6 +648,7 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
                                            s->rank, " while the first is pending")));
   }
   op->seen[s->rank] = true;
+  ++op->seen_count;
   if (!op->failure.ok()) {  // poisoned by a mismatch or a timeout
     ++ops_failed_;
     ++job.ops_failed;
@@ -641,6 +709,7 @@ void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
   }
   for (auto& [name, op] : job.pending) FailPendingOnLoop(job, *op, status);
   job.pending.clear();
+  if (job.cluster) job.cluster->Abort(status);  // its operations come back failed
 }
 
 void Engine::CheckDeadlinesOnLoop() {
@@ -649,13 +718,14 @@ void Engine::CheckDeadlinesOnLoop() {
     for (auto& [name, op] : job->pending) {
       if (!op->failure.ok() || now < op->deadline) continue;
       std::vector<int> waiting;
-      for (int r = 0; r < job->world_size; ++r) {
+      for (auto& [r, session] : job->ranks) {
         if (!op->seen[r]) waiting.push_back(r);
       }
       auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->first_submit);
       absl::Status s = absl::DeadlineExceededError(absl::StrCat(
           "operation '", name, "' of job '", job->id, "' timed out after ", ms.count(),
-          " ms waiting for rank(s) ", RankList(waiting)));
+          " ms waiting for rank(s) ",
+          waiting.empty() ? "of this node that have not joined" : RankList(waiting)));
       spdlog::warn("{}", std::string(s.message()));
       FailPendingOnLoop(*job, *op, s);
     }
@@ -663,6 +733,22 @@ void Engine::CheckDeadlinesOnLoop() {
 }
 
 void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
+  if (job.cluster) {
+    ClusterOp c;
+    c.key = job.next_cluster_key++;
+    c.name = op->name;
+    c.sig = op->sig;
+    c.priority = op->priority;
+    for (auto& part : op->parts) {
+      if (!part) continue;
+      c.parts.push_back(ClusterOp::Part{part->session->rank, part->op.send, part->op.recv});
+      if (part->op.timeout_ms) c.timeout_ms = part->op.timeout_ms;
+    }
+    ++running_ops_;
+    job.in_cluster[c.key] = std::move(op);
+    job.cluster->Submit(std::move(c));
+    return;
+  }
   const config::Tuning tuning = options_.tuning->Snapshot();  // fixed for this operation
   std::vector<const uint8_t*> send(job.world_size);
   std::vector<uint8_t*> recv(job.world_size);
@@ -696,7 +782,11 @@ void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
 void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status) {
   auto it = jobs_.find(job_key);
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
-  const uint64_t bytes = op.collective ? op.collective->payload_bytes() : 0;
+  uint64_t bytes = op.sig.count * op.sig.element_bytes();
+  if (static_cast<wire::Collective>(op.sig.collective) == wire::Collective::kReduceScatter ||
+      static_cast<wire::Collective>(op.sig.collective) == wire::Collective::kAllgather) {
+    bytes *= job ? static_cast<uint64_t>(job->world_size) : 1;
+  }
   if (status.ok()) {
     ++ops_completed_;
     bytes_ += bytes;
@@ -751,6 +841,8 @@ EngineStatus Engine::StatusOnLoop() {
       row.state = absl::StrCat("failed: ", job->failure.message());
     } else if (static_cast<int>(job->ranks.size()) < job->local_size) {
       row.state = "forming";
+    } else if (job->cluster) {
+      row.state = job->cluster->state();
     } else {
       row.state = "running";
     }
@@ -777,6 +869,29 @@ EngineStatus Engine::StatusOnLoop() {
   return st;
 }
 
+EnginePeers Engine::Peers() {
+  if (shutdown_started_.load()) return EnginePeers{};
+  return RunOnLoop<EnginePeers>([this] {
+    EnginePeers out;
+    for (auto& [key, job] : jobs_) {
+      if (job->coordinator.empty()) continue;
+      EnginePeers::Job j;
+      j.id = job->id;
+      j.uid = job->uid;
+      j.coordinator = job->coordinator;
+      j.state = job->cluster ? job->cluster->state() : "forming";
+      if (job->cluster) {
+        for (auto& row : job->cluster->Peers()) {
+          j.peers.push_back(EnginePeers::Peer{row.node_name, row.ranks, row.self, row.state,
+                                              row.bytes_sent, row.bytes_received});
+        }
+      }
+      out.jobs.push_back(std::move(j));
+    }
+    return out;
+  });
+}
+
 void Engine::Shutdown() {
   if (shutdown_started_.exchange(true)) return;
   spdlog::info("engine draining");
@@ -791,6 +906,8 @@ void Engine::Shutdown() {
     }
   });
   if (loop_.joinable()) loop_.join();
+  for (auto& t : reapers_) t.join();
+  reapers_.clear();
   workers_.reset();
 }
 

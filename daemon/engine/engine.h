@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "ciuic/shm_layout.h"
+#include "cluster/cluster_job.h"
 #include "config/tuning.h"
 
 namespace ciuic::daemon {
@@ -51,6 +52,26 @@ struct JoinRequest {
   int world_size = 0;
   int local_rank = 0;
   int local_size = 0;
+  std::string coordinator;  // host:port; required for multi-node jobs
+};
+
+struct EnginePeers {
+  struct Peer {
+    std::string node_name;
+    std::vector<int> ranks;
+    bool self = false;
+    std::string state;
+    uint64_t bytes_sent = 0;
+    uint64_t bytes_received = 0;
+  };
+  struct Job {
+    std::string id;
+    uint32_t uid = 0;
+    std::string coordinator;
+    std::string state;
+    std::vector<Peer> peers;
+  };
+  std::vector<Job> jobs;
 };
 
 struct EngineStatus {
@@ -98,6 +119,11 @@ class Engine {
     int worker_threads = 2;
     uint64_t max_arena_bytes = 8ull << 30;
     config::TuningRegistry* tuning = nullptr;  // not owned; outlives the engine
+    // Multi-node jobs: this node's name, the cluster secret, and how to
+    // make a job's transport. Without a factory, multi-node jobs are refused.
+    std::string node_name;
+    std::string cluster_token;
+    TransportFactory transports;
   };
 
   // Listens on the session socket and starts the loop, acceptor and workers.
@@ -107,6 +133,7 @@ class Engine {
   // Binds a session (by its token) to a rank of a job. Any thread.
   absl::Status Join(const JoinRequest& request);
   EngineStatus Status();
+  EnginePeers Peers();
 
   // Drains: refuses new sessions, ends pending operations with UNAVAILABLE,
   // lets running ones finish, closes every session. Any thread but the loop.
@@ -134,6 +161,9 @@ class Engine {
   void CheckDeadlinesOnLoop();
   void CompleteOnLoop(Session& session, uint64_t op_id, const absl::Status& status);
   void CloseSessionOnLoop(const std::shared_ptr<Session>& session, const std::string& why);
+  void StartClusterOnLoop(Job& job);
+  void ClusterDoneOnLoop(const std::string& job_key, uint64_t op_key, const absl::Status& status);
+  void EraseJobOnLoop(const std::string& key);
   absl::Status JoinOnLoop(const JoinRequest& request, uid_t* uid_out);
   EngineStatus StatusOnLoop();
 
@@ -144,6 +174,9 @@ class Engine {
   int wake_fd_ = -1;
   std::unique_ptr<WorkerPool> workers_;
   std::thread acceptor_;
+  // Threads that destroy a finished job's ClusterJob (that can take a
+  // moment) away from the loop; joined at shutdown.
+  std::vector<std::thread> reapers_;
   std::thread loop_;
   std::atomic<bool> shutdown_started_{false};
 

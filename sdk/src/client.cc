@@ -56,6 +56,15 @@ inline void CpuRelax() {
 #endif
 }
 
+std::string CoordinatorFromEnv() {
+  const char* c = std::getenv("CIUIC_COORDINATOR");
+  if (c != nullptr && c[0] != '\0') return c;
+  const char* addr = std::getenv("MASTER_ADDR");
+  if (addr == nullptr || addr[0] == '\0') return "";
+  const char* port = std::getenv("CIUIC_PEER_PORT");
+  return std::string(addr) + ":" + (port && port[0] ? port : "7361");
+}
+
 uint32_t SpinMicrosFromEnv() {
   const char* env = std::getenv("CIUIC_SPIN_US");
   if (env == nullptr || env[0] == '\0') return 50;
@@ -363,6 +372,7 @@ Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>*
   if (o.local_rank < 0) o.local_rank = o.rank;
   if (o.local_size < 0) o.local_size = o.world_size;
   if (o.arena_bytes == 0) o.arena_bytes = ArenaBytesFromEnv();
+  if (o.coordinator.empty() && o.local_size != o.world_size) o.coordinator = CoordinatorFromEnv();
   if (o.job_id.empty()) return Status(StatusCode::kInvalidArgument, "job_id is empty");
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {
     return Status(StatusCode::kInvalidArgument, "rank " + std::to_string(o.rank) +
@@ -384,6 +394,7 @@ Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>*
   req.set_world_size(o.world_size);
   req.set_local_rank(o.local_rank);
   req.set_local_size(o.local_size);
+  req.set_coordinator(o.coordinator);
   proto::JoinJobReply reply;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));

@@ -13,7 +13,10 @@
 // The first (cold) iteration is reported apart. With --check every rank
 // compares its result, element by element, with an expectation computed
 // here by plain loops (never by ciuic code).
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -26,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -144,9 +148,8 @@ Flags ParseFlags(int argc, char** argv) {
                    [&](const char* o) { return f.op == o; }) == std::end(kOps)) {
     Usage("unknown op '" + f.op + "'");
   }
-  if (f.nodes != 1) {
-    Usage("--nodes " + std::to_string(f.nodes) +
-          ": multi-node runs are not supported by this build yet (single node only)");
+  if (f.nodes > 1 && !f.socket.empty()) {
+    Usage("--socket names one daemon; with --nodes > 1 ciuic-bench starts its own daemons");
   }
   return f;
 }
@@ -313,8 +316,8 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& 
 
 // One rank: a child process. Writes, per size, iters+1 doubles (cold time
 // first) and one count of wrong elements to `out_fd`.
-int RunRank(const Flags& f, const std::string& socket, const std::string& job, int rank,
-            int world, int out_fd) {
+int RunRank(const Flags& f, const std::string& socket, const std::string& coordinator,
+            const std::string& job, int rank, int world, int out_fd) {
   const uint64_t es = ciuic::DataTypeSize(f.dtype);
   uint64_t max_bytes = 0;
   for (uint64_t s : f.sizes) max_bytes = std::max(max_bytes, s);
@@ -324,6 +327,9 @@ int RunRank(const Flags& f, const std::string& socket, const std::string& job, i
   o.job_id = job;
   o.rank = rank;
   o.world_size = world;
+  o.local_rank = rank % f.ranks_per_node;
+  o.local_size = f.ranks_per_node;
+  o.coordinator = coordinator;
   o.arena_bytes = 2 * max_bytes + (4 << 20);
   std::unique_ptr<ciuic::Communicator> comm;
   ciuic::Status s = ciuic::Communicator::Create(o, &comm);
@@ -399,20 +405,39 @@ std::string FindCiuicd(const Flags& f) {
   return "ciuicd";  // from PATH
 }
 
+// A TCP port on the loopback that nobody listens on right now.
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
 struct OwnDaemon {
   pid_t pid = -1;
   std::string dir;
   std::string socket;
+  std::string peer;  // 127.0.0.1:port
 
-  bool Start(const std::string& binary) {
+  bool Start(const std::string& binary, const std::string& node_name) {
     char tmpl[] = "/tmp/ciuic-bench-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return false;
     dir = tmpl;
     socket = dir + "/ciuicd.sock";
+    peer = "127.0.0.1:" + std::to_string(FreePort());
     pid = fork();
     if (pid == 0) {
       execlp(binary.c_str(), binary.c_str(), "--socket", socket.c_str(), "--node-name",
-             "bench", "--log-level", "warn", static_cast<char*>(nullptr));
+             node_name.c_str(), "--listen", peer.c_str(), "--log-level", "warn",
+             static_cast<char*>(nullptr));
       fprintf(stderr, "ciuic-bench: cannot run %s: %s\n", binary.c_str(), strerror(errno));
       _exit(127);
     }
@@ -465,17 +490,26 @@ int main(int argc, char** argv) {
   const int world = f.nodes * f.ranks_per_node;
   signal(SIGPIPE, SIG_IGN);
 
-  OwnDaemon own;
-  std::string socket = f.socket;
-  if (socket.empty()) {
+  // One daemon per node: the given one, or our own.
+  std::vector<std::unique_ptr<OwnDaemon>> own;
+  std::vector<std::string> sockets;
+  std::string coordinator;
+  if (!f.socket.empty()) {
+    sockets.push_back(f.socket);
+  } else {
     std::string binary = FindCiuicd(f);
-    if (!own.Start(binary)) {
-      fprintf(stderr, "ciuic-bench: could not start %s (use --ciuicd PATH or --socket PATH)\n",
-              binary.c_str());
-      return 1;
+    for (int n = 0; n < f.nodes; ++n) {
+      own.push_back(std::make_unique<OwnDaemon>());
+      if (!own.back()->Start(binary, "bench-node" + std::to_string(n))) {
+        fprintf(stderr, "ciuic-bench: could not start %s (use --ciuicd PATH or --socket PATH)\n",
+                binary.c_str());
+        return 1;
+      }
+      sockets.push_back(own.back()->socket);
+      fprintf(stderr, "ciuic-bench: started %s on %s (peer service %s)\n", binary.c_str(),
+              own.back()->socket.c_str(), own.back()->peer.c_str());
     }
-    socket = own.socket;
-    fprintf(stderr, "ciuic-bench: started %s on %s\n", binary.c_str(), socket.c_str());
+    if (f.nodes > 1) coordinator = own[0]->peer;
   }
   const std::string job = "ciuic-bench-" + std::to_string(getpid()) + "-" +
                           std::to_string(Clock::now().time_since_epoch().count());
@@ -488,7 +522,7 @@ int main(int argc, char** argv) {
     pid_t pid = fork();
     if (pid == 0) {
       close(p[0]);
-      _exit(RunRank(f, socket, job, r, world, p[1]));
+      _exit(RunRank(f, sockets[r / f.ranks_per_node], coordinator, job, r, world, p[1]));
     }
     close(p[1]);
     pids.push_back(pid);

@@ -46,6 +46,7 @@ Inspect and tune the local ciuicd.
 commands:
   status                      daemon summary, sessions and jobs
   jobs                        jobs and their pending operations
+  peers                       nodes of multi-node jobs: link state, bytes sent/received
   tune get [KEY]              show one tuning key, or all of them
   tune set KEY=VALUE...       change tuning keys (applies from the next operation)
   version                     print ciuicctl's version
@@ -187,6 +188,14 @@ int RunStatus(const Options& options, Client& client, bool jobs_view) {
   return Print(options, reply, jobs_view ? FormatJobs(reply) : FormatStatus(reply));
 }
 
+int RunPeers(const Options& options, Client& client) {
+  proto::PeersReply reply;
+  if (auto failure = client.Call(&proto::Control::Stub::GetPeers, proto::PeersRequest(), reply)) {
+    return Fail(*failure);
+  }
+  return Print(options, reply, FormatPeers(reply));
+}
+
 int RunTuneGet(const Options& options, Client& client, const std::string& key) {
   proto::TuneGetRequest request;
   request.set_key(key);
@@ -244,12 +253,14 @@ int Run(int argc, char** argv) {
   }
 
   // Check the command line completely before touching the network.
-  enum class Action { kStatus, kJobs, kTuneGet, kTuneSet } action;
+  enum class Action { kStatus, kJobs, kPeers, kTuneGet, kTuneSet } action;
   std::string get_key;
   std::vector<std::pair<std::string, std::string>> set_pairs;
-  if (command == "status" || command == "jobs") {
+  if (command == "status" || command == "jobs" || command == "peers") {
     if (args.size() != 1) return UsageError(absl::StrCat("'", command, "' takes no arguments"));
-    action = command == "status" ? Action::kStatus : Action::kJobs;
+    action = command == "status" ? Action::kStatus
+             : command == "jobs" ? Action::kJobs
+                                 : Action::kPeers;
   } else if (command == "tune") {
     if (args.size() < 2) return UsageError("'tune' needs 'get' or 'set'");
     if (args[1] == "get") {
@@ -285,6 +296,8 @@ int Run(int argc, char** argv) {
       return RunStatus(options, client, /*jobs_view=*/false);
     case Action::kJobs:
       return RunStatus(options, client, /*jobs_view=*/true);
+    case Action::kPeers:
+      return RunPeers(options, client);
     case Action::kTuneGet:
       return RunTuneGet(options, client, get_key);
     case Action::kTuneSet:

@@ -176,6 +176,29 @@ std::string FormatJobs(const proto::StatusReply& status) {
   return out;
 }
 
+std::string FormatPeers(const proto::PeersReply& reply) {
+  std::string out;
+  if (!reply.peer_address().empty()) {
+    absl::StrAppend(&out, "peer service: ", Sanitize(reply.peer_address()), "\n");
+  }
+  if (reply.jobs().empty()) return out + "no multi-node jobs\n";
+  Table table({"JOB", "COORDINATOR", "NODE", "RANKS", "LINK", "SENT", "RECEIVED"});
+  for (size_t column : {5, 6}) table.SetAlign(column, Table::Align::kRight);
+  for (const proto::JobPeers& job : reply.jobs()) {
+    if (job.peers().empty()) {
+      table.AddRow({OrDash(job.job_id()), OrDash(job.coordinator()), "-", "-",
+                    OrDash(job.state()), "-", "-"});
+    }
+    for (const proto::PeerInfo& peer : job.peers()) {
+      table.AddRow({OrDash(job.job_id()), OrDash(job.coordinator()),
+                    absl::StrCat(peer.node_name(), peer.self() ? " (this node)" : ""),
+                    FormatRanks(peer.ranks()), peer.self() ? "-" : OrDash(peer.state()),
+                    HumanBytes(peer.bytes_sent()), HumanBytes(peer.bytes_received())});
+    }
+  }
+  return out + table.Render();
+}
+
 std::string FormatTuneEntries(const proto::TuneGetReply& reply) {
   Table table({"KEY", "VALUE", "DESCRIPTION"});
   for (const proto::TuneEntry& entry : reply.entries()) {

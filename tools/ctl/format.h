@@ -58,6 +58,9 @@ std::string FormatJobs(const proto::StatusReply& status);
 // `ciuicctl tune get`: KEY VALUE DESCRIPTION table.
 std::string FormatTuneEntries(const proto::TuneGetReply& reply);
 
+// `ciuicctl peers`: per multi-node job, its nodes, link state and bytes.
+std::string FormatPeers(const proto::PeersReply& reply);
+
 // `ciuicctl tune set`: "key = value" for the value now in force.
 std::string FormatTuneEntry(const proto::TuneEntry& entry);
 

@@ -75,6 +75,10 @@ struct JobOptions {
   int world_size = 1;
   int local_rank = -1;  // -1: same as rank
   int local_size = -1;  // -1: same as world_size
+  // host:port of the peer service of the daemon that hosts rank 0; needed
+  // when the job spans several nodes (local_size < world_size). Empty:
+  // $CIUIC_COORDINATOR, else $MASTER_ADDR:$CIUIC_PEER_PORT (default port 7361).
+  std::string coordinator;
   // Bytes of shared memory for this communicator's buffers and for staging
   // buffers that are not zero copy. 0: $CIUIC_ARENA_BYTES, else 512 MiB.
   uint64_t arena_bytes = 0;

@@ -1,0 +1,450 @@
+#include "cluster/cluster_job.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "ciuic/peer.grpc.pb.h"
+#include "collectives/internode/internode.h"
+#include "collectives/internode/scratch.h"
+#include "grpcpp/grpcpp.h"
+#include "reduce/reduce.h"
+#include "spdlog/spdlog.h"
+
+namespace ciuic::daemon {
+
+using Clock = std::chrono::steady_clock;
+
+struct ClusterJob::Event {
+  enum Kind { kSubmit, kCoordinator, kBroken, kAbort } kind;
+  ClusterOp op;
+  proto::CoordinatorEvent coordinator;
+  absl::Status status;
+};
+
+// Counts bytes per peer on their way through the job's transport.
+class ClusterJob::CountingTransport final : public Transport {
+ public:
+  explicit CountingTransport(std::unique_ptr<Transport> inner)
+      : inner_(std::move(inner)), sent_(inner_->num_peers()), received_(inner_->num_peers()) {}
+  int self() const override { return inner_->self(); }
+  int num_peers() const override { return inner_->num_peers(); }
+  int num_channels() const override { return inner_->num_channels(); }
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    inner_->Send(peer, channel, tag, data, bytes,
+                 [this, peer, bytes, done = std::move(done)](absl::Status s) {
+                   if (s.ok()) sent_[peer].fetch_add(bytes, std::memory_order_relaxed);
+                   else RecordFailure(peer, s);
+                   done(std::move(s));
+                 });
+  }
+  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+            TransferDone done) override {
+    inner_->Recv(peer, channel, tag, data, bytes,
+                 [this, peer, bytes, done = std::move(done)](absl::Status s) {
+                   if (s.ok()) received_[peer].fetch_add(bytes, std::memory_order_relaxed);
+                   else RecordFailure(peer, s);
+                   done(std::move(s));
+                 });
+  }
+  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
+
+  uint64_t sent(int peer) const { return sent_[peer].load(std::memory_order_relaxed); }
+  uint64_t received(int peer) const { return received_[peer].load(std::memory_order_relaxed); }
+  std::string failure(int peer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = failures_.find(peer);
+    return it == failures_.end() ? "" : it->second;
+  }
+
+ private:
+  void RecordFailure(int peer, const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    failures_.emplace(peer, std::string(s.message()));
+  }
+  std::unique_ptr<Transport> inner_;
+  std::vector<std::atomic<uint64_t>> sent_;
+  std::vector<std::atomic<uint64_t>> received_;
+  std::mutex mu_;
+  std::map<int, std::string> failures_;
+};
+
+namespace {
+
+std::shared_ptr<grpc::Channel> PeerChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  // A vanished peer host is noticed within seconds even without a RST.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 3000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(context, s.error_message()));
+}
+
+InterNodeAlgorithm AlgorithmFor(config::Algorithm a) {
+  switch (a) {
+    case config::Algorithm::kRing: return InterNodeAlgorithm::kRing;
+    case config::Algorithm::kHalvingDoubling:
+    case config::Algorithm::kTree: return InterNodeAlgorithm::kHalvingDoubling;
+    case config::Algorithm::kAuto: break;
+  }
+  return InterNodeAlgorithm::kAuto;
+}
+
+}  // namespace
+
+ClusterJob::ClusterJob(Options options, OpDone op_done, JobFailed job_failed)
+    : options_(std::move(options)),
+      op_done_(std::move(op_done)),
+      job_failed_(std::move(job_failed)),
+      events_(new std::deque<Event>()) {
+  thread_ = std::thread([this] { Run(); });
+  pthread_setname_np(thread_.native_handle(), "ciuic-cluster");
+}
+
+ClusterJob::~ClusterJob() {
+  Abort(absl::CancelledError("job closed"));
+  thread_.join();
+  delete events_;
+}
+
+void ClusterJob::Push(Event e) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_->push_back(std::move(e));
+  }
+  cv_.notify_all();
+}
+
+void ClusterJob::Submit(ClusterOp op) {
+  Event e{Event::kSubmit};
+  e.op = std::move(op);
+  Push(std::move(e));
+}
+
+void ClusterJob::Abort(const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failure_.ok()) return;
+  failure_ = why;
+  events_->push_back(Event{Event::kAbort, {}, {}, why});
+  if (register_ctx_) static_cast<grpc::ClientContext*>(register_ctx_)->TryCancel();
+  if (transport_) {
+    for (int p = 0; p < transport_->num_peers(); ++p) {
+      if (p != transport_->self()) transport_->FailPeer(p, why);
+    }
+  }
+  cv_.notify_all();
+}
+
+std::string ClusterJob::state() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_;
+}
+
+std::vector<ClusterJob::PeerRow> ClusterJob::Peers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PeerRow> rows = peers_;
+  for (size_t p = 0; p < rows.size() && transport_; ++p) {
+    rows[p].bytes_sent = transport_->sent(static_cast<int>(p));
+    rows[p].bytes_received = transport_->received(static_cast<int>(p));
+    std::string f = transport_->failure(static_cast<int>(p));
+    if (!f.empty()) rows[p].state = "failed: " + f;
+    else if (!failure_.ok()) rows[p].state = "closed";
+  }
+  return rows;
+}
+
+absl::Status ClusterJob::Form() {
+  auto unconnected = options_.transports(options_.channels);
+  if (!unconnected.ok()) return unconnected.status();
+  proto::RegisterNodeRequest req;
+  req.set_cluster_token(options_.cluster_token);
+  req.set_job_id(options_.job_id);
+  req.set_uid(options_.uid);
+  req.set_world_size(options_.world_size);
+  req.set_node_name(options_.node_name);
+  for (int r : options_.local_ranks) req.add_ranks(r);
+  for (const std::string& a : (*unconnected)->Addresses()) req.add_transport_addresses(a);
+  req.set_channels(options_.channels);
+
+  auto stub = proto::Peer::NewStub(PeerChannel(options_.coordinator));
+  proto::Membership membership;
+  grpc::ClientContext ctx;
+  const uint32_t timeout_ms = std::max<uint32_t>(options_.tuning->Snapshot().op_timeout_ms, 10000);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.ok()) return failure_;
+    register_ctx_ = &ctx;
+  }
+  grpc::Status gs = stub->RegisterNode(&ctx, req, &membership);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    register_ctx_ = nullptr;
+  }
+  if (!gs.ok()) {
+    return FromGrpc(gs, absl::StrCat("registering with coordinator ", options_.coordinator, ": "));
+  }
+
+  std::vector<std::vector<std::string>> addresses;
+  node_of_rank_.assign(options_.world_size, -1);
+  std::vector<PeerRow> rows;
+  for (int n = 0; n < membership.nodes_size(); ++n) {
+    const auto& node = membership.nodes(n);
+    addresses.emplace_back(node.transport_addresses().begin(), node.transport_addresses().end());
+    PeerRow row;
+    row.node_name = node.node_name();
+    for (int r : node.ranks()) {
+      row.ranks.push_back(r);
+      if (r >= 0 && r < options_.world_size) node_of_rank_[r] = n;
+      if (r == options_.local_ranks.front()) self_ = n;
+    }
+    rows.push_back(std::move(row));
+  }
+  if (self_ < 0) return absl::InternalError("this node is missing from the membership table");
+  rows[self_].self = true;
+  auto connected = (*unconnected)->Connect(self_, addresses);
+  if (!connected.ok()) return connected.status();
+  for (auto& row : rows) row.state = "connected";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    transport_ = std::make_unique<CountingTransport>(std::move(*connected));
+    peers_ = std::move(rows);
+    state_ = "running";
+  }
+  spdlog::info("job '{}': node {} of {} in the membership table, {} channel(s)", options_.job_id,
+               self_, membership.nodes_size(), options_.channels);
+
+  // The ordering stream, read by its own thread.
+  auto* sctx = new grpc::ClientContext();
+  auto stream = std::shared_ptr<grpc::ClientReaderWriter<proto::NodeEvent, proto::CoordinatorEvent>>(
+      stub->OrderStream(sctx));
+  proto::NodeEvent hello;
+  auto* h = hello.mutable_hello();
+  h->set_cluster_token(options_.cluster_token);
+  h->set_job_id(options_.job_id);
+  h->set_uid(options_.uid);
+  h->set_instance(membership.instance());
+  h->set_node(self_);
+  if (!stream->Write(hello)) {
+    delete sctx;
+    return absl::UnavailableError(absl::StrCat("coordinator ", options_.coordinator,
+                                               " closed the ordering stream"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stream_ctx_ = sctx;
+  }
+  reader_ = std::thread([this, stream] {
+    proto::CoordinatorEvent e;
+    while (stream->Read(&e)) {
+      Push(Event{Event::kCoordinator, {}, e, {}});
+    }
+    grpc::Status s = stream->Finish();
+    Push(Event{Event::kBroken, {}, {}, absl::UnavailableError(absl::StrCat(
+        "lost the coordinator ", options_.coordinator, " of job '", options_.job_id, "': ",
+        s.ok() ? "stream closed" : s.error_message()))});
+  });
+  stream_ = stream;
+  return absl::OkStatus();
+}
+
+void ClusterJob::FailAll(const absl::Status& why) {
+  for (auto& [name, op] : awaiting_) op_done_(op.key, why);
+  awaiting_.clear();
+}
+
+void ClusterJob::Run() {
+  absl::Status formed = Form();
+  if (!formed.ok()) {
+    spdlog::warn("job '{}': {}", options_.job_id, formed.ToString());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state_ = absl::StrCat("failed: ", formed.message());
+      if (failure_.ok()) failure_ = formed;
+    }
+  }
+  bool left = false;
+  while (true) {
+    Event e;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !events_->empty(); });
+      e = std::move(events_->front());
+      events_->pop_front();
+    }
+    absl::Status job_failure;
+    if (!formed.ok()) {
+      if (e.kind == Event::kSubmit) op_done_(e.op.key, formed);
+      if (e.kind == Event::kAbort) break;
+      if (!left) {
+        left = true;
+        job_failed_(formed);
+      }
+      continue;
+    }
+    switch (e.kind) {
+      case Event::kSubmit: {
+        proto::NodeEvent ready;
+        auto* r = ready.mutable_ready();
+        r->set_name(e.op.name);
+        auto* sig = r->mutable_signature();
+        sig->set_collective(e.op.sig.collective);
+        sig->set_dtype(e.op.sig.dtype);
+        sig->set_reduce_op(e.op.sig.reduce_op);
+        sig->set_root(e.op.sig.root);
+        sig->set_count(e.op.sig.count);
+        r->set_priority(e.op.priority);
+        r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms
+                                          : options_.tuning->Snapshot().op_timeout_ms);
+        const std::string name = e.op.name;
+        awaiting_.emplace(name, std::move(e.op));
+        if (!stream_->Write(ready)) {
+          job_failure = absl::UnavailableError(absl::StrCat(
+              "lost the coordinator ", options_.coordinator, " of job '", options_.job_id, "'"));
+        }
+        break;
+      }
+      case Event::kCoordinator: {
+        const auto& c = e.coordinator;
+        if (c.has_run()) {
+          auto it = awaiting_.find(c.run().name());
+          if (it == awaiting_.end()) {
+            job_failure = absl::InternalError(absl::StrCat(
+                "coordinator ran '", c.run().name(), "', which this node never readied"));
+            break;
+          }
+          ClusterOp op = std::move(it->second);
+          awaiting_.erase(it);
+          absl::Status s = Execute(op, c.run().seq());
+          op_done_(op.key, s);
+          if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) job_failure = s;
+        } else if (c.has_fail()) {
+          auto it = awaiting_.find(c.fail().name());
+          if (it != awaiting_.end()) {
+            op_done_(it->second.key,
+                     absl::Status(static_cast<absl::StatusCode>(c.fail().code()), c.fail().message()));
+            awaiting_.erase(it);
+          }
+        } else if (c.has_job_failed()) {
+          job_failure = absl::Status(static_cast<absl::StatusCode>(c.job_failed().code()),
+                                     c.job_failed().message());
+        }
+        break;
+      }
+      case Event::kBroken:
+        job_failure = e.status;
+        break;
+      case Event::kAbort: {
+        proto::NodeEvent leave;
+        leave.mutable_leave()->set_reason(std::string(e.status.message()));
+        stream_->Write(leave);
+        stream_->WritesDone();
+        FailAll(e.status);
+        left = true;
+        break;
+      }
+    }
+    if (!job_failure.ok() && !left) {
+      left = true;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (failure_.ok()) failure_ = job_failure;
+        state_ = absl::StrCat("failed: ", job_failure.message());
+        for (int p = 0; p < transport_->num_peers(); ++p) {
+          if (p != self_) transport_->FailPeer(p, job_failure);
+        }
+      }
+      FailAll(job_failure);
+      job_failed_(job_failure);
+      stream_->WritesDone();
+    }
+    if (left && e.kind == Event::kAbort) break;
+  }
+  if (stream_ctx_) static_cast<grpc::ClientContext*>(stream_ctx_)->TryCancel();
+  if (reader_.joinable()) reader_.join();
+  stream_.reset();
+  delete static_cast<grpc::ClientContext*>(stream_ctx_);
+  stream_ctx_ = nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  transport_.reset();
+}
+
+absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
+  const config::Tuning tuning = options_.tuning->Snapshot();
+  const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
+  const auto collective = static_cast<wire::Collective>(op.sig.collective);
+  if (collective == wire::Collective::kBarrier) return absl::OkStatus();  // Run means all arrived
+  const size_t es = op.sig.element_bytes();
+  const int world = options_.world_size;
+  const size_t block = op.sig.count * es;
+  const uint32_t timeout_ms = op.timeout_ms ? op.timeout_ms : tuning.op_timeout_ms;
+
+  InterNodeContext ctx;
+  ctx.transport = transport_.get();
+  ctx.tag_base = (seq & 0xffffff) << 24;
+  ctx.chunk_bytes = tuning.chunk_bytes;
+  ctx.max_inflight = 4;
+  ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  ctx.scratch = &scratch_;
+
+  std::vector<const void*> inputs;
+  for (const auto& p : op.parts) inputs.push_back(p.send);
+  switch (collective) {
+    case wire::Collective::kAllreduce:
+    case wire::Collective::kReduceScatter: {
+      // Sum (for avg) or reduce locally, across nodes, divide once, fan out.
+      const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
+      const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+      const size_t count = collective == wire::Collective::kAllreduce
+                               ? op.sig.count
+                               : op.sig.count * static_cast<size_t>(world);
+      uint8_t* stage = staging_.Get(count * es + 1);
+      Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), stage, count);
+      absl::Status s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, stage, count);
+      if (!s.ok()) return s;
+      if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, stage, count, world);
+      for (const auto& p : op.parts) {
+        const uint8_t* src = collective == wire::Collective::kAllreduce
+                                 ? stage
+                                 : stage + static_cast<size_t>(p.rank) * block;
+        std::memcpy(p.recv, src, block);
+      }
+      return absl::OkStatus();
+    }
+    case wire::Collective::kAllgather: {
+      const size_t all = block * static_cast<size_t>(world);
+      uint8_t* stage = staging_.Get(all + 1);
+      for (const auto& p : op.parts) std::memcpy(stage + p.rank * block, p.send, block);
+      std::vector<Block> blocks;
+      for (int r = 0; r < world; ++r) blocks.push_back(Block{r * block, block, node_of_rank_[r]});
+      absl::Status s = AllgatherRing(ctx, stage, blocks);
+      if (!s.ok()) return s;
+      for (const auto& p : op.parts) std::memcpy(p.recv, stage, all);
+      return absl::OkStatus();
+    }
+    case wire::Collective::kBroadcast: {
+      uint8_t* stage = staging_.Get(block + 1);
+      const int root_node = node_of_rank_[op.sig.root];
+      for (const auto& p : op.parts) {
+        if (p.rank == op.sig.root) std::memcpy(stage, p.send, block);
+      }
+      absl::Status s = BroadcastPipeline(ctx, stage, block, root_node);
+      if (!s.ok()) return s;
+      for (const auto& p : op.parts) std::memcpy(p.recv, stage, block);
+      return absl::OkStatus();
+    }
+    case wire::Collective::kBarrier:
+      break;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ciuic::daemon

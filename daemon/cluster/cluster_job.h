@@ -1,0 +1,151 @@
+// The node side of a job that spans several nodes.
+//
+// The engine creates one ClusterJob per multi-node job once all of the
+// job's local ranks have joined. Its thread:
+//   1. creates the job's transport (channels) and registers this node's
+//      ranks and transport addresses with the job's coordinator daemon,
+//      waiting for the membership table; connects to the other nodes;
+//   2. opens the ordering stream, reports each operation that all local
+//      ranks have submitted (Submit) and runs operations in the order the
+//      coordinator announces: local reduction straight from the ranks'
+//      shared memory into a node buffer, the inter-node algorithm between
+//      the daemons, and the result written back to every local rank;
+//   3. reports each operation's end (OpDone) and the job's failure
+//      (JobFailed) through callbacks that the engine posts onto its loop.
+//
+// Thread-safety: Submit, Abort and Peers may be called from any thread;
+// the callbacks run on the ClusterJob's threads.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "collectives/internode/scratch.h"
+#include "collectives/op.h"
+#include "config/tuning.h"
+#include "transport/transport.h"
+
+namespace grpc {
+template <class W, class R>
+class ClientReaderWriter;
+}  // namespace grpc
+namespace ciuic::proto {
+class NodeEvent;
+class CoordinatorEvent;
+}  // namespace ciuic::proto
+
+namespace ciuic::daemon {
+
+// A transport before it knows its peers: publish Addresses() in the
+// membership table, then Connect() with everybody's.
+class UnconnectedTransport {
+ public:
+  virtual ~UnconnectedTransport() = default;
+  virtual std::vector<std::string> Addresses() const = 0;
+  // addresses[peer][channel]; `self` is this node's index.
+  virtual absl::StatusOr<std::unique_ptr<Transport>> Connect(
+      int self, const std::vector<std::vector<std::string>>& addresses) = 0;
+};
+
+using TransportFactory =
+    std::function<absl::StatusOr<std::unique_ptr<UnconnectedTransport>>(int channels)>;
+
+struct ClusterOp {
+  uint64_t key = 0;  // the engine's, echoed in OpDone
+  std::string name;
+  OpSignature sig;
+  int32_t priority = 0;
+  uint32_t timeout_ms = 0;
+  struct Part {
+    int rank;
+    const uint8_t* send;
+    uint8_t* recv;
+  };
+  std::vector<Part> parts;  // one per local rank
+};
+
+class ClusterJob {
+ public:
+  struct Options {
+    std::string job_id;
+    uint32_t uid = 0;
+    int world_size = 0;
+    std::vector<int> local_ranks;
+    std::string node_name;
+    std::string coordinator;    // host:port of the coordinator's peer service
+    std::string cluster_token;
+    int channels = 1;
+    config::TuningRegistry* tuning = nullptr;
+    TransportFactory transports;
+  };
+  using OpDone = std::function<void(uint64_t key, absl::Status status)>;
+  using JobFailed = std::function<void(absl::Status status)>;
+
+  ClusterJob(Options options, OpDone op_done, JobFailed job_failed);
+  ~ClusterJob();  // Abort()s if needed and joins its threads
+
+  void Submit(ClusterOp op);
+  // Leaves the job (the coordinator tells the other nodes); pending and
+  // future operations end with `why`.
+  void Abort(const absl::Status& why);
+
+  struct PeerRow {
+    std::string node_name;
+    std::vector<int> ranks;
+    bool self = false;
+    std::string state;  // "connected", "failed: ..."
+    uint64_t bytes_sent = 0;
+    uint64_t bytes_received = 0;
+  };
+  std::string state();
+  std::vector<PeerRow> Peers();
+
+ private:
+  struct Event;
+  class CountingTransport;
+
+  void Run();
+  absl::Status Form();
+  absl::Status Execute(const ClusterOp& op, uint64_t seq);
+  void FailAll(const absl::Status& why);
+  void Push(Event e);
+
+  Options options_;
+  OpDone op_done_;
+  JobFailed job_failed_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Event>* events_;  // guarded by mu_
+  std::string state_ = "forming";  // guarded by mu_
+  absl::Status failure_;           // guarded by mu_, sticky
+  std::vector<PeerRow> peers_;     // guarded by mu_ (counters read live)
+  void* register_ctx_ = nullptr;   // grpc::ClientContext* while registering
+  void* stream_ctx_ = nullptr;     // grpc::ClientContext* of the ordering stream
+
+  // Owned by the ClusterJob thread (transport_ is also read under mu_).
+  std::unique_ptr<CountingTransport> transport_;
+  std::shared_ptr<grpc::ClientReaderWriter<proto::NodeEvent, proto::CoordinatorEvent>> stream_;
+  std::thread reader_;
+  ScratchBuffer scratch_;   // the algorithms' receive space
+  ScratchBuffer staging_;   // the node's buffer
+  std::map<std::string, ClusterOp> awaiting_;  // readied, waiting for Run/Fail
+  int self_ = -1;
+  std::vector<int> node_of_rank_;
+
+  std::thread thread_;
+};
+
+}  // namespace ciuic::daemon

@@ -1,0 +1,336 @@
+#include "cluster/coordinator.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "spdlog/spdlog.h"
+
+namespace ciuic::daemon {
+
+using Clock = std::chrono::steady_clock;
+
+bool TokensEqual(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= x ^ y;
+  }
+  return diff == 0;
+}
+
+namespace {
+
+std::string SignatureText(const proto::OpSignature& s) {
+  static const char* kColl[] = {"?", "allreduce", "reduce_scatter", "allgather", "broadcast",
+                                "barrier"};
+  static const char* kType[] = {"?", "float32", "float64", "float16", "bfloat16",
+                                "int8", "uint8", "int32", "int64"};
+  static const char* kOp[] = {"", "sum", "avg", "min", "max", "prod"};
+  std::string out = s.collective() < 6 ? kColl[s.collective()] : "?";
+  if (s.collective() == 5) return out;
+  absl::StrAppend(&out, " ", s.dtype() < 9 ? kType[s.dtype()] : "?", " count=", s.count());
+  if (s.reduce_op() != 0) absl::StrAppend(&out, " op=", s.reduce_op() < 6 ? kOp[s.reduce_op()] : "?");
+  if (s.collective() == 4) absl::StrAppend(&out, " root=", s.root());
+  return out;
+}
+
+bool SameSignature(const proto::OpSignature& a, const proto::OpSignature& b) {
+  return a.collective() == b.collective() && a.dtype() == b.dtype() &&
+         a.reduce_op() == b.reduce_op() && a.root() == b.root() && a.count() == b.count();
+}
+
+}  // namespace
+
+Coordinator::Coordinator(std::string cluster_token) : token_(std::move(cluster_token)) {
+  timer_ = std::thread([this] { TimerLoop(); });
+}
+
+Coordinator::~Coordinator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  timer_.join();
+}
+
+size_t Coordinator::num_jobs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return jobs_.size();
+}
+
+std::string Coordinator::NodeLabel(const Job& job, int node) const {
+  if (node < 0 || node >= job.membership.nodes_size()) return absl::StrCat("node ", node);
+  const auto& n = job.membership.nodes(node);
+  return absl::StrCat("node ", n.node_name(), " (ranks ", absl::StrJoin(n.ranks(), ","), ")");
+}
+
+absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNodeRequest& r,
+                                                        Clock::time_point deadline) {
+  if (!TokensEqual(r.cluster_token(), token_)) {
+    spdlog::warn("refused node {} for job '{}': wrong cluster token", r.node_name(), r.job_id());
+    return absl::PermissionDeniedError("cluster token does not match the coordinator's");
+  }
+  if (r.world_size() < 1 || r.ranks_size() == 0 || r.transport_addresses_size() == 0 ||
+      r.channels() < 1) {
+    return absl::InvalidArgumentError("registration without ranks, channels or addresses");
+  }
+  for (int rank : r.ranks()) {
+    if (rank < 0 || rank >= r.world_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, " is not in a world of size ", r.world_size()));
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::string key = absl::StrCat(r.uid(), "/", r.job_id());
+  auto& slot = jobs_[key];
+  if (!slot) {
+    slot = std::make_unique<Job>();
+    slot->key = key;
+    slot->id = r.job_id();
+    slot->world_size = r.world_size();
+    slot->channels = r.channels();
+    slot->instance = next_instance_++;
+  }
+  Job* job = slot.get();
+  if (job->complete) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", r.job_id(), "' is already running; a new incarnation needs a new job id or "
+        "all its ranks to exit first"));
+  }
+  if (job->world_size != r.world_size() || job->channels != r.channels()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job '", r.job_id(), "' has world size ", job->world_size, " and ", job->channels,
+        " channels; node ", r.node_name(), " says ", r.world_size(), " and ", r.channels()));
+  }
+  for (const auto& other : job->registrations) {
+    if (other.node_name() == r.node_name()) {
+      return absl::AlreadyExistsError(absl::StrCat("node ", r.node_name(),
+                                                   " already registered for job '", r.job_id(), "'"));
+    }
+    for (int a : other.ranks()) {
+      for (int b : r.ranks()) {
+        if (a == b) {
+          return absl::AlreadyExistsError(absl::StrCat("rank ", a, " of job '", r.job_id(),
+                                                       "' registered by both ", other.node_name(),
+                                                       " and ", r.node_name()));
+        }
+      }
+    }
+  }
+  job->registrations.push_back(r);
+  job->ranks_registered += r.ranks_size();
+  spdlog::info("job '{}': node {} registered ranks {} ({}/{})", r.job_id(), r.node_name(),
+               absl::StrJoin(r.ranks(), ","), job->ranks_registered, job->world_size);
+  if (job->ranks_registered == job->world_size) {
+    std::vector<const proto::RegisterNodeRequest*> order;
+    for (const auto& reg : job->registrations) order.push_back(&reg);
+    std::sort(order.begin(), order.end(), [](auto* a, auto* b) {
+      return *std::min_element(a->ranks().begin(), a->ranks().end()) <
+             *std::min_element(b->ranks().begin(), b->ranks().end());
+    });
+    job->membership.set_instance(job->instance);
+    job->membership.set_channels(job->channels);
+    for (auto* reg : order) {
+      auto* n = job->membership.add_nodes();
+      n->set_node_name(reg->node_name());
+      *n->mutable_ranks() = reg->ranks();
+      *n->mutable_transport_addresses() = reg->transport_addresses();
+    }
+    job->complete = true;
+    spdlog::info("job '{}' formed: {} nodes, {} ranks", job->id, order.size(), job->world_size);
+    changed_.notify_all();
+  }
+  const bool formed = changed_.wait_until(lock, deadline, [&] {
+    return job->complete || !job->failure.ok() || stopping_;
+  });
+  if (!formed || !job->complete) {
+    absl::Status why = !job->failure.ok() ? job->failure
+                       : stopping_       ? absl::UnavailableError("coordinator shutting down")
+                                         : absl::DeadlineExceededError(absl::StrCat(
+                                               "job '", r.job_id(), "' did not form in time: ",
+                                               job->ranks_registered, " of ", job->world_size,
+                                               " ranks registered"));
+    // Withdraw this node's registration so that it can try again.
+    auto& regs = job->registrations;
+    for (auto it = regs.begin(); it != regs.end(); ++it) {
+      if (it->node_name() == r.node_name()) {
+        job->ranks_registered -= it->ranks_size();
+        regs.erase(it);
+        break;
+      }
+    }
+    if (regs.empty() && !job->complete) jobs_.erase(key);
+    return why;
+  }
+  return job->membership;
+}
+
+absl::StatusOr<uint64_t> Coordinator::Attach(const proto::NodeEvent::Hello& h,
+                                             NodeStream* stream) {
+  if (!TokensEqual(h.cluster_token(), token_)) {
+    return absl::PermissionDeniedError("cluster token does not match the coordinator's");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string key = absl::StrCat(h.uid(), "/", h.job_id());
+  auto it = jobs_.find(key);
+  if (it == jobs_.end() || !it->second->complete || it->second->instance != h.instance()) {
+    return absl::NotFoundError(absl::StrCat("no formed job '", h.job_id(), "' instance ",
+                                            h.instance(), " here"));
+  }
+  Job& job = *it->second;
+  if (h.node() < 0 || h.node() >= job.membership.nodes_size() || job.streams.count(h.node())) {
+    return absl::InvalidArgumentError(absl::StrCat("bad or duplicate node index ", h.node()));
+  }
+  if (!job.failure.ok()) return job.failure;
+  const uint64_t handle = next_handle_++;
+  job.streams[h.node()] = stream;
+  job.handles[h.node()] = handle;
+  ++job.attached_ever;
+  attachments_[handle] = Attachment{key, h.node()};
+  return handle;
+}
+
+void Coordinator::SendAll(Job& job, const proto::CoordinatorEvent& e) {
+  for (auto& [node, stream] : job.streams) stream->Send(e);
+}
+
+void Coordinator::FailJob(Job& job, int code, const std::string& message) {
+  if (!job.failure.ok()) return;
+  job.failure = absl::Status(static_cast<absl::StatusCode>(code), message);
+  spdlog::warn("job '{}' failed: {}", job.id, message);
+  proto::CoordinatorEvent e;
+  e.mutable_job_failed()->set_code(code);
+  e.mutable_job_failed()->set_message(message);
+  SendAll(job, e);
+  changed_.notify_all();
+}
+
+void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto at = attachments_.find(handle);
+  if (at == attachments_.end()) return;
+  auto jit = jobs_.find(at->second.job_key);
+  if (jit == jobs_.end()) return;
+  Job& job = *jit->second;
+  const int node = at->second.node;
+  const int nodes = job.membership.nodes_size();
+  if (event.has_leave()) {
+    FailJob(job, static_cast<int>(absl::StatusCode::kAborted),
+            absl::StrCat(NodeLabel(job, node), " left job '", job.id, "': ",
+                         event.leave().reason()));
+    return;
+  }
+  if (!event.has_ready()) return;
+  const auto& ready = event.ready();
+  if (!job.failure.ok()) {
+    proto::CoordinatorEvent e;
+    e.mutable_fail()->set_name(ready.name());
+    e.mutable_fail()->set_code(static_cast<int>(job.failure.code()));
+    e.mutable_fail()->set_message(std::string(job.failure.message()));
+    job.streams[node]->Send(e);
+    return;
+  }
+  const Clock::time_point now = Clock::now();
+  const auto timeout = std::chrono::milliseconds(ready.timeout_ms() ? ready.timeout_ms() : 60000);
+  auto [it, fresh] = job.pending.try_emplace(ready.name());
+  PendingRun& run = it->second;
+  if (fresh) {
+    run.signature = ready.signature();
+    run.first_node = node;
+    run.ready.assign(nodes, false);
+    run.first_ready = now;
+    run.deadline = now + timeout;
+  }
+  auto send_fail = [&](int to, const absl::Status& s) {
+    proto::CoordinatorEvent e;
+    e.mutable_fail()->set_name(ready.name());
+    e.mutable_fail()->set_code(static_cast<int>(s.code()));
+    e.mutable_fail()->set_message(std::string(s.message()));
+    if (auto st = job.streams.find(to); st != job.streams.end()) st->second->Send(e);
+  };
+  if (run.ready[node]) {
+    send_fail(node, absl::FailedPreconditionError(absl::StrCat(
+                        "operation '", ready.name(), "' readied twice by ", NodeLabel(job, node))));
+    return;
+  }
+  run.ready[node] = true;
+  ++run.ready_count;
+  if (!run.failure.ok()) {
+    send_fail(node, run.failure);
+  } else if (!SameSignature(run.signature, ready.signature())) {
+    run.failure = absl::InvalidArgumentError(absl::StrCat(
+        "operation '", ready.name(), "' mismatched across nodes: ", NodeLabel(job, run.first_node),
+        " submitted ", SignatureText(run.signature), ", ", NodeLabel(job, node), " submitted ",
+        SignatureText(ready.signature())));
+    for (int n = 0; n < nodes; ++n) {
+      if (run.ready[n]) send_fail(n, run.failure);
+    }
+  } else {
+    run.deadline = std::min(run.deadline, now + timeout);
+    if (run.ready_count == nodes) {
+      proto::CoordinatorEvent e;
+      e.mutable_run()->set_name(ready.name());
+      e.mutable_run()->set_seq(job.next_seq++);
+      SendAll(job, e);
+      job.pending.erase(it);
+      return;
+    }
+  }
+  if (run.ready_count == nodes) job.pending.erase(it);
+}
+
+void Coordinator::Detach(uint64_t handle, const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto at = attachments_.find(handle);
+  if (at == attachments_.end()) return;
+  const Attachment a = at->second;
+  attachments_.erase(at);
+  auto jit = jobs_.find(a.job_key);
+  if (jit == jobs_.end()) return;
+  Job& job = *jit->second;
+  job.streams.erase(a.node);
+  job.handles.erase(a.node);
+  if (!why.ok()) {
+    FailJob(job, static_cast<int>(absl::StatusCode::kUnavailable),
+            absl::StrCat("lost ", NodeLabel(job, a.node), " of job '", job.id,
+                         "': ", why.message()));
+  }
+  if (job.streams.empty()) {
+    spdlog::info("job '{}' ended at its coordinator", job.id);
+    jobs_.erase(jit);
+  }
+}
+
+void Coordinator::TimerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    changed_.wait_for(lock, std::chrono::milliseconds(100));
+    const Clock::time_point now = Clock::now();
+    for (auto& [key, job] : jobs_) {
+      for (auto& [name, run] : job->pending) {
+        if (!run.failure.ok() || now < run.deadline) continue;
+        std::vector<std::string> waiting;
+        for (int n = 0; n < job->membership.nodes_size(); ++n) {
+          if (!run.ready[n]) waiting.push_back(NodeLabel(*job, n));
+        }
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - run.first_ready);
+        run.failure = absl::DeadlineExceededError(absl::StrCat(
+            "operation '", name, "' of job '", job->id, "' timed out after ", ms.count(),
+            " ms waiting for ", absl::StrJoin(waiting, ", ")));
+        proto::CoordinatorEvent e;
+        e.mutable_fail()->set_name(name);
+        e.mutable_fail()->set_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+        e.mutable_fail()->set_message(std::string(run.failure.message()));
+        for (int n = 0; n < job->membership.nodes_size(); ++n) {
+          if (run.ready[n] && job->streams.count(n)) job->streams[n]->Send(e);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ciuic::daemon

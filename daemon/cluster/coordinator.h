@@ -1,0 +1,120 @@
+// The coordinator side of multi-node jobs: membership and global order.
+//
+// Every ciuicd runs one Coordinator; it is used for the jobs whose rank 0
+// this daemon hosts (trainers name it as their job's coordinator). Each
+// daemon hosting ranks of such a job:
+//   1. Register()s its ranks and transport addresses, and waits until every
+//      rank of the job is registered; all get the same membership table;
+//   2. Attach()es its ordering stream and reports, per operation name, that
+//      all its local ranks have submitted it (Ready). When every node is
+//      ready the coordinator sends Run(name, seq) to all nodes, so all run
+//      operations in one global order whatever order ranks submitted them
+//      in. A signature that differs between nodes, or an operation some
+//      node never readies before its timeout, is sent as Fail to every node;
+//      a node that arrives later gets the same Fail at once.
+//   3. A stream that ends without Leave, or a Leave, fails the job on every
+//      other node (JobFailed, naming the node).
+//
+// Jobs are keyed by (uid, job id), so users never share a job. No gRPC
+// here: control/peer_service.cc adapts it.
+//
+// Thread-safety: every method may be called from any thread; NodeStream
+// callbacks are made with no Coordinator lock held... except Send, which is
+// called under the lock and must not block for long.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ciuic/peer.pb.h"
+
+namespace ciuic::daemon {
+
+// How the coordinator speaks to one node's ordering stream.
+class NodeStream {
+ public:
+  virtual ~NodeStream() = default;
+  virtual void Send(const proto::CoordinatorEvent& event) = 0;
+};
+
+class Coordinator {
+ public:
+  explicit Coordinator(std::string cluster_token);
+  ~Coordinator();
+
+  absl::StatusOr<proto::Membership> Register(const proto::RegisterNodeRequest& request,
+                                             std::chrono::steady_clock::time_point deadline);
+
+  // A node's stream said Hello. Returns a handle for OnEvent/Detach.
+  absl::StatusOr<uint64_t> Attach(const proto::NodeEvent::Hello& hello, NodeStream* stream);
+  void OnEvent(uint64_t handle, const proto::NodeEvent& event);
+  // The stream ended (`why` OK after a Leave). After Detach returns, the
+  // coordinator no longer uses the stream.
+  void Detach(uint64_t handle, const absl::Status& why);
+
+  // Jobs known (for status): "uid/job" -> nodes registered.
+  size_t num_jobs();
+
+ private:
+  struct PendingRun {
+    proto::OpSignature signature;
+    int first_node = -1;
+    std::vector<bool> ready;
+    int ready_count = 0;
+    std::chrono::steady_clock::time_point first_ready;
+    std::chrono::steady_clock::time_point deadline;
+    absl::Status failure;  // poisoned: later nodes get it at once
+  };
+  struct Job {
+    std::string key;
+    std::string id;
+    int world_size = 0;
+    uint64_t instance = 0;
+    int channels = 0;
+    std::vector<proto::RegisterNodeRequest> registrations;
+    int ranks_registered = 0;
+    bool complete = false;
+    proto::Membership membership;
+    std::map<int, NodeStream*> streams;  // by node index
+    std::map<int, uint64_t> handles;     // node -> handle
+    absl::Status failure;
+    std::map<std::string, PendingRun> pending;
+    uint64_t next_seq = 0;
+    int attached_ever = 0;
+  };
+  struct Attachment {
+    std::string job_key;
+    int node;
+  };
+
+  void SendAll(Job& job, const proto::CoordinatorEvent& e);
+  void FailJob(Job& job, int code, const std::string& message);
+  void MaybeErase(const std::string& key);
+  std::string NodeLabel(const Job& job, int node) const;
+  void TimerLoop();
+
+  const std::string token_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::map<std::string, std::unique_ptr<Job>> jobs_;
+  std::map<uint64_t, Attachment> attachments_;
+  uint64_t next_handle_ = 1;
+  uint64_t next_instance_ = 1;
+  bool stopping_ = false;
+  std::thread timer_;
+};
+
+// Constant-time comparison of secrets.
+bool TokensEqual(const std::string& a, const std::string& b);
+
+}  // namespace ciuic::daemon
