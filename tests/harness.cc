@@ -20,6 +20,13 @@ using Clock = std::chrono::steady_clock;
 
 std::unique_ptr<DaemonProcess> DaemonProcess::Start(const std::string& config_yaml,
                                                     const std::vector<std::string>& extra_args) {
+  return StartWith(config_yaml, extra_args, {}, {});
+}
+
+std::unique_ptr<DaemonProcess> DaemonProcess::StartWith(const std::string& config_yaml,
+                                                        const std::vector<std::string>& extra_args,
+                                                        const std::vector<std::string>& prefix,
+                                                        const std::vector<std::string>& env) {
   auto d = std::unique_ptr<DaemonProcess>(new DaemonProcess());
   char tmpl[] = "/tmp/ciuic-test-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) return nullptr;
@@ -36,6 +43,7 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const std::string& config_ya
     args.push_back(path);
   }
   args.insert(args.end(), extra_args.begin(), extra_args.end());
+  args.insert(args.begin(), prefix.begin(), prefix.end());
   std::string log = d->dir_ + "/ciuicd.log";
   d->pid_ = fork();
   if (d->pid_ == 0) {
@@ -44,10 +52,11 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const std::string& config_ya
       dup2(fd, 2);
       dup2(fd, 1);
     }
+    for (const std::string& e : env) putenv(strdup(e.c_str()));
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    execv(argv[0], argv.data());
+    execvp(argv[0], argv.data());
     _exit(127);
   }
   const Clock::time_point until = Clock::now() + std::chrono::seconds(20);

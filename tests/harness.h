@@ -24,6 +24,12 @@ class DaemonProcess {
   // until both sockets exist. Returns nullptr (and prints why) on failure.
   static std::unique_ptr<DaemonProcess> Start(const std::string& config_yaml = "",
                                               const std::vector<std::string>& extra_args = {});
+  // The same, run through `prefix` (e.g. {"ip", "netns", "exec", "ns1"})
+  // with extra environment variables ("NAME=value").
+  static std::unique_ptr<DaemonProcess> StartWith(const std::string& config_yaml,
+                                                  const std::vector<std::string>& extra_args,
+                                                  const std::vector<std::string>& prefix,
+                                                  const std::vector<std::string>& env);
   ~DaemonProcess();  // SIGKILL if still running; removes the directory
 
   const std::string& socket() const { return socket_; }

@@ -1,0 +1,383 @@
+// Jobs across several daemons ("nodes") on this host: every daemon forced
+// onto UCX over TCP, so the inter-node path is the network path. Hierarchy:
+// local reduction from shared memory, the inter-node algorithm between the
+// daemons, fan-out to the local ranks.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "harness.h"
+#include "reference.h"
+
+namespace ciuic::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// N daemons, each with its own socket, peer port and node name.
+struct Cluster {
+  std::vector<std::unique_ptr<DaemonProcess>> nodes;
+  std::vector<std::string> peers;  // host:port of each peer service
+
+  static std::unique_ptr<Cluster> Start(int n, const std::string& config = "",
+                                        const std::vector<std::string>& token_files = {}) {
+    auto c = std::make_unique<Cluster>();
+    for (int i = 0; i < n; ++i) {
+      std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+      std::vector<std::string> args = {"--listen", peer, "--node-name", "node" + std::to_string(i)};
+      std::string yaml = config;
+      if (i < static_cast<int>(token_files.size()) && !token_files[i].empty()) {
+        yaml += "cluster_token_file: " + token_files[i] + "\n";
+      }
+      auto d = DaemonProcess::StartWith(yaml, args, {}, {"UCX_TLS=tcp", "UCX_WARN_UNUSED_ENV_VARS=n"});
+      if (!d) return nullptr;
+      c->nodes.push_back(std::move(d));
+      c->peers.push_back(peer);
+    }
+    return c;
+  }
+  // Rank r lives on node r / ranks_per_node.
+  std::unique_ptr<Communicator> Join(const std::string& job, int rank, int nodes,
+                                     int ranks_per_node, uint64_t arena = 64 << 20) {
+    JobOptions o;
+    o.socket_path = this->nodes[rank / ranks_per_node]->socket();
+    o.job_id = job;
+    o.rank = rank;
+    o.world_size = nodes * ranks_per_node;
+    o.local_rank = rank % ranks_per_node;
+    o.local_size = ranks_per_node;
+    o.coordinator = peers[0];
+    o.arena_bytes = arena;
+    std::unique_ptr<Communicator> comm;
+    Status s = Communicator::Create(o, &comm);
+    if (!s.ok()) fprintf(stderr, "rank %d: Create: %s\n", rank, s.ToString().c_str());
+    return comm;
+  }
+  void StopAll() {
+    for (auto& d : nodes) {
+      if (d && d->Alive()) EXPECT_EQ(d->Stop(), 0);
+    }
+  }
+};
+
+// Small integers: exact in every dtype and through any order of reduction,
+// so every rank's result must equal the reference bit for bit.
+void FillSmall(DataType t, ReduceOp op, int rank, void* out, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t h = i * 2654435761u + static_cast<uint64_t>(rank) * 97u + 13;
+    int64_t v = op == ReduceOp::kProd ? ((h % 5 == 0) ? 2 : ((h % 7 == 0) ? -1 : 1))
+                                      : static_cast<int64_t>(h % 15) - 7;
+    if (t == DataType::kUInt8 && v < 0) v = -v;
+    switch (t) {
+      case DataType::kFloat32: static_cast<float*>(out)[i] = static_cast<float>(v); break;
+      case DataType::kFloat64: static_cast<double*>(out)[i] = static_cast<double>(v); break;
+      case DataType::kFloat16: static_cast<uint16_t*>(out)[i] = FloatToHalf(static_cast<float>(v)); break;
+      case DataType::kBFloat16: static_cast<uint16_t*>(out)[i] = FloatToBFloat(static_cast<float>(v)); break;
+      case DataType::kInt8: static_cast<int8_t*>(out)[i] = static_cast<int8_t>(v); break;
+      case DataType::kUInt8: static_cast<uint8_t*>(out)[i] = static_cast<uint8_t>(v); break;
+      case DataType::kInt32: static_cast<int32_t*>(out)[i] = static_cast<int32_t>(v); break;
+      case DataType::kInt64: static_cast<int64_t*>(out)[i] = v; break;
+    }
+  }
+}
+
+enum class Coll { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
+
+int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
+           const std::string& name) {
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  const size_t es = DataTypeSize(t);
+  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
+  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
+  Buffer sb, rb;
+  Status s = comm.Allocate(send_count * es, &sb);
+  CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+  s = comm.Allocate(recv_count * es, &rb);
+  CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+  FillSmall(t, op, rank, sb.data(), send_count);
+  std::memset(rb.data(), 0x5a, recv_count * es);
+  OpOptions o;
+  o.name = name;
+  const int root = world - 1;
+  Handle h;
+  switch (coll) {
+    case Coll::kAllreduce: h = comm.Allreduce(sb.data(), rb.data(), count, t, op, o); break;
+    case Coll::kReduceScatter: h = comm.ReduceScatter(sb.data(), rb.data(), count, t, op, o); break;
+    case Coll::kAllgather: h = comm.Allgather(sb.data(), rb.data(), count, t, o); break;
+    case Coll::kBroadcast: h = comm.Broadcast(sb.data(), rb.data(), count, t, root, o); break;
+  }
+  s = h.Wait();
+  CHILD_CHECK(s.ok(), "%s: %s", name.c_str(), s.ToString().c_str());
+  std::vector<std::vector<uint8_t>> in(world);
+  std::vector<const void*> ptrs;
+  for (int r = 0; r < world; ++r) {
+    in[r].resize(send_count * es + 1);
+    FillSmall(t, op, r, in[r].data(), send_count);
+  }
+  std::vector<uint8_t> want(recv_count * es + 1);
+  switch (coll) {
+    case Coll::kAllreduce:
+      for (int r = 0; r < world; ++r) ptrs.push_back(in[r].data());
+      ReferenceReduce(t, op, ptrs, want.data(), count);
+      break;
+    case Coll::kReduceScatter:
+      for (int r = 0; r < world; ++r) ptrs.push_back(in[r].data() + rank * count * es);
+      ReferenceReduce(t, op, ptrs, want.data(), count);
+      break;
+    case Coll::kAllgather:
+      for (int r = 0; r < world; ++r) std::memcpy(want.data() + r * count * es, in[r].data(), count * es);
+      break;
+    case Coll::kBroadcast:
+      std::memcpy(want.data(), in[root].data(), count * es);
+      break;
+  }
+  if (std::memcmp(rb.data(), want.data(), recv_count * es) != 0) {
+    size_t i = 0;
+    while (std::memcmp(static_cast<uint8_t*>(rb.data()) + i * es, want.data() + i * es, es) == 0) ++i;
+    CHILD_CHECK(false, "%s rank %d: element %zu of %zu differs", name.c_str(), rank, i, recv_count);
+  }
+  return 0;
+}
+
+struct Shape {
+  int nodes;
+  int ranks_per_node;
+};
+
+class MultiNodeTest : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
+  const Shape shape = GetParam();
+  auto cluster = Cluster::Start(shape.nodes, "tuning:\n  chunk_bytes: 64K\n");
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("multi");
+  const int world = shape.nodes * shape.ranks_per_node;
+  auto codes = RunRanks(world, [&](int rank) {
+    auto comm = cluster->Join(job, rank, shape.nodes, shape.ranks_per_node);
+    CHILD_CHECK(comm != nullptr, "join");
+    const size_t kCounts[] = {0, 1, 1001, 100003};
+    int combo = 0;
+    for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+      const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
+      for (DataType t : kAllDataTypes) {
+        for (ReduceOp op : kAllReduceOps) {
+          if (!reduces && op != ReduceOp::kSum) continue;
+          for (size_t count : kCounts) {
+            // The largest size for a subset only, to bound the run time.
+            if (count == 100003 && (combo++ % 4) != 0) continue;
+            std::string name = std::to_string(static_cast<int>(coll)) + "/" + DataTypeName(t) +
+                               "/" + ReduceOpName(op) + "/" + std::to_string(count);
+            if (RunOne(*comm, coll, t, op, count, name) != 0) return 1;
+          }
+        }
+      }
+    }
+    Status s = comm->Barrier().Wait();
+    CHILD_CHECK(s.ok(), "barrier: %s", s.ToString().c_str());
+    return 0;
+  }, std::chrono::seconds(300));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  cluster->StopAll();
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MultiNodeTest,
+                         ::testing::Values(Shape{2, 1}, Shape{2, 2}, Shape{3, 1}, Shape{3, 2}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.nodes) + "nodes_x" +
+                                  std::to_string(info.param.ranks_per_node) + "ranks";
+                         });
+
+TEST(MultiNodeSemanticsTest, OutOfOrderNamesLargeBuffersAndMismatch) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("order");
+  auto codes = RunRanks(4, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 2, 160 << 20);
+    CHILD_CHECK(comm != nullptr, "join");
+    constexpr int kOps = 12;
+    std::vector<int> order(kOps);
+    std::iota(order.begin(), order.end(), 0);
+    std::rotate(order.begin(), order.begin() + rank * 3, order.end());
+    if (rank % 2) std::reverse(order.begin(), order.end());
+    std::vector<std::vector<int32_t>> bufs(kOps);
+    std::vector<Handle> hs(kOps);
+    for (int op : order) {
+      bufs[op].assign(500 + op * 101, rank + op);
+      OpOptions o;
+      o.name = "layer" + std::to_string(op);
+      hs[op] = comm->Allreduce(bufs[op].data(), bufs[op].data(), bufs[op].size(), DataType::kInt32, ReduceOp::kSum, o);
+    }
+    for (int op = 0; op < kOps; ++op) {
+      Status s = hs[op].Wait();
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+      CHILD_CHECK(bufs[op].back() == 0 + 1 + 2 + 3 + 4 * op, "layer%d got %d", op, bufs[op].back());
+    }
+    // >= 64 MiB through the ring, default chunking, zero copy.
+    if (RunOne(*comm, Coll::kAllreduce, DataType::kFloat32, ReduceOp::kSum, (64u << 20) / 4 + 5, "big") != 0) return 1;
+    // A count mismatch between nodes: every rank hears of it.
+    std::vector<float> v(64, 1.0f);
+    OpOptions o;
+    o.name = "grad.mismatch";
+    Status s = comm->Allreduce(v.data(), v.data(), rank < 2 ? 32 : 48, DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    CHILD_CHECK(s.code() == StatusCode::kInvalidArgument && Contains(s.message(), "grad.mismatch") &&
+                    Contains(s.message(), "count=32") && Contains(s.message(), "count=48"),
+                "%s", s.ToString().c_str());
+    s = comm->Barrier().Wait();  // the job goes on
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    return 0;
+  }, std::chrono::seconds(240));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0}));
+  cluster->StopAll();
+}
+
+TEST(MultiNodeFaultsTest, KilledDaemonFailsTheJobOnTheOtherNodesNamingIt) {
+  auto cluster = Cluster::Start(3);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("killnode");
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  std::vector<pid_t> pids = SpawnRanks(3, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 3, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(1024, 1.0f);
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok() && v[0] == 3.0f, "%s", s.ToString().c_str());
+    if (rank == 2) {
+      CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+      pause();
+      return 0;
+    }
+    OpOptions o;
+    o.name = "after-kill";
+    Handle h = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o);
+    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+    auto t0 = Clock::now();
+    s = h.Wait();
+    auto took = Clock::now() - t0;
+    CHILD_CHECK(!s.ok() && Contains(s.message(), "node2"), "%s", s.ToString().c_str());
+    CHILD_CHECK(took < std::chrono::seconds(10), "took %lld ms",
+                (long long)std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+    return 0;
+  });
+  char c;
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  kill(cluster->nodes[2]->pid(), SIGKILL);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  kill(pids[2], SIGKILL);
+  WaitChild(pids[2], std::chrono::seconds(10));
+  close(ready[0]);
+  close(ready[1]);
+
+  // The surviving daemons accept and run a new two-node job.
+  const std::string job2 = UniqueJobId("survivors");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job2, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<int64_t> v(100, rank + 1);
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt64, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok() && v[0] == 3, "%s", s.ToString().c_str());
+    return 0;
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  cluster->nodes[2].reset();
+  cluster->StopAll();
+}
+
+TEST(MultiNodeFaultsTest, DaemonWithoutTheClusterTokenCannotJoin) {
+  char tmpl[] = "/tmp/ciuic-token-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string good = std::string(tmpl) + "/good", bad = std::string(tmpl) + "/bad";
+  FILE* f = fopen(good.c_str(), "w");
+  fputs("correct horse battery staple\n", f);
+  fclose(f);
+  f = fopen(bad.c_str(), "w");
+  fputs("guessed\n", f);
+  fclose(f);
+  auto cluster = Cluster::Start(2, "", {good, bad});
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("token");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(8, 1.0f);
+    OpOptions o;
+    o.timeout_ms = 3000;
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    if (rank == 1) {
+      CHILD_CHECK(s.code() == StatusCode::kPermissionDenied && Contains(s.message(), "token"),
+                  "%s", s.ToString().c_str());
+    } else {
+      CHILD_CHECK(!s.ok(), "rank 0 completed without its partner");
+    }
+    return 0;
+  }, std::chrono::seconds(60));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  cluster->StopAll();
+  (void)!system((std::string("rm -rf ") + tmpl).c_str());
+}
+
+TEST(MultiNodeOperabilityTest, PeersShowsNodesLinksAndBytes) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("peers");
+  int ready[2], release[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(release), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(1 << 20, 1.0f);
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+    char c;
+    CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+    return 0;
+  });
+  char c;
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  std::string out;
+  int code = RunCommand(std::string(CIUICCTL_PATH) + " --socket " + cluster->nodes[0]->socket() + " peers", &out);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "node0 (this node)")) << out;
+  EXPECT_TRUE(Contains(out, "node1")) << out;
+  EXPECT_TRUE(Contains(out, "connected")) << out;
+  code = RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + cluster->nodes[0]->socket() + " peers", &out);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "\"bytesSent\":\"")) << out;
+  EXPECT_FALSE(Contains(out, "\"bytesSent\":\"0\"}")) << "no bytes counted to node1: " << out;
+  ASSERT_EQ(write(release[1], "gg", 2), 2);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
+  cluster->StopAll();
+}
+
+}  // namespace
+}  // namespace ciuic::testing
