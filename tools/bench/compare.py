@@ -112,6 +112,31 @@ def cpu_stall_us():
     return None
 
 
+def wait_until_quiet(max_wait_s, threshold_pct=5.0, window_s=1.0, windows=2):
+    """Waits (at most max_wait_s) for `windows` consecutive windows of low CPU
+    pressure, so that a run does not start in the middle of someone's build.
+    Returns the seconds waited."""
+    if max_wait_s <= 0 or cpu_stall_us() is None:
+        return 0.0
+    t0 = time.monotonic()
+    quiet = 0
+    announced = False
+    while time.monotonic() - t0 < max_wait_s:
+        a = cpu_stall_us()
+        time.sleep(window_s)
+        pct = 100.0 * (cpu_stall_us() - a) / (window_s * 1e6)
+        quiet = quiet + 1 if pct < threshold_pct else 0
+        if quiet >= windows:
+            break
+        if not announced and quiet == 0:
+            log("waiting for the CPUs to be quiet (pressure %.0f%%, up to %d s)"
+                % (pct, max_wait_s))
+            announced = True
+    else:
+        log("still busy after %d s; running anyway" % max_wait_s)
+    return time.monotonic() - t0
+
+
 def cpu_pressure():
     """Share of the last 10 s in which some runnable task waited for a CPU (PSI), or None."""
     try:
@@ -471,6 +496,9 @@ def parse_args(argv):
                    help="environment for every system, or one (e.g. "
                         "mpi:MALLOC_MMAP_THRESHOLD_=1073741824); repeatable")
     p.add_argument("--timeout", type=int, default=900, help="seconds per benchmark run")
+    p.add_argument("--wait-quiet", type=int, default=0, metavar="SECONDS",
+                   help="before each run, wait up to SECONDS for 2 s of CPU pressure "
+                        "under 5%% (others' jobs on a shared machine); default off")
     p.add_argument("--noisy-pressure", type=float, default=25.0,
                    help="flag runs with more CPU pressure (PSI some, %%) than this")
     p.add_argument("--json-out", help="write machine, config, raw rows and summary here")
@@ -535,6 +563,7 @@ def main(argv):
         for s in args.system_list:
             if s not in commands:
                 continue
+            wait_until_quiet(args.wait_quiet)
             log("rep %d/%d %-5s: %s" % (rep, args.reps, s, " ".join(commands[s])))
             r, f = run_one(s, commands[s], args, rep)
             rows.extend(r)
