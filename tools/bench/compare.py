@@ -100,6 +100,43 @@ def machine_info(memcpy_mib=256, memcpy_reps=5):
     return info
 
 
+def cpu_stall_us():
+    """PSI "some" total for the CPU: µs in which some runnable task waited, or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some"):
+                    return int(line.split("total=")[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def wait_until_quiet(max_wait_s, threshold_pct=5.0, window_s=1.0, windows=2):
+    """Waits (at most max_wait_s) for `windows` consecutive windows of low CPU
+    pressure, so that a run does not start in the middle of someone's build.
+    Returns the seconds waited."""
+    if max_wait_s <= 0 or cpu_stall_us() is None:
+        return 0.0
+    t0 = time.monotonic()
+    quiet = 0
+    announced = False
+    while time.monotonic() - t0 < max_wait_s:
+        a = cpu_stall_us()
+        time.sleep(window_s)
+        pct = 100.0 * (cpu_stall_us() - a) / (window_s * 1e6)
+        quiet = quiet + 1 if pct < threshold_pct else 0
+        if quiet >= windows:
+            break
+        if not announced and quiet == 0:
+            log("waiting for the CPUs to be quiet (pressure %.0f%%, up to %d s)"
+                % (pct, max_wait_s))
+            announced = True
+    else:
+        log("still busy after %d s; running anyway" % max_wait_s)
+    return time.monotonic() - t0
+
+
 def cpu_pressure():
     """Share of the last 10 s in which some runnable task waited for a CPU (PSI), or None."""
     try:
@@ -268,6 +305,7 @@ def run_one(system, cmd, args, rep):
     env = dict(os.environ)
     env.update(env_for(args, system))
     t0 = time.monotonic()
+    stall0 = cpu_stall_us()
     # Own process group, so that a timeout also ends the ranks mpirun or
     # gloo_bench.py started, not only the launcher.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -285,6 +323,11 @@ def run_one(system, cmd, args, rep):
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     elapsed = time.monotonic() - t0
+    stall1 = cpu_stall_us()
+    # Share of the run in which some task waited for a CPU. Our own ranks
+    # add a little; well above that, another job competed with the run.
+    pressure = (None if stall0 is None or stall1 is None
+                else round(100.0 * (stall1 - stall0) / (elapsed * 1e6), 1))
     rows = []
     for line in stdout.splitlines():
         line = line.strip()
@@ -294,7 +337,7 @@ def run_one(system, cmd, args, rep):
             row = json.loads(line)
         except ValueError:
             continue
-        row.update({"system": system, "rep": rep})
+        row.update({"system": system, "rep": rep, "cpu_pressure_pct": pressure})
         rows.append(row)
     failure = None
     if proc.returncode != 0 or not rows:
@@ -302,8 +345,8 @@ def run_one(system, cmd, args, rep):
         failure = {"system": system, "rep": rep, "returncode": proc.returncode,
                    "reason": "exit code %d, %d rows" % (proc.returncode, len(rows)),
                    "stderr_tail": tail}
-    log("rep %d/%d %-5s done in %5.1f s: %d rows%s" % (
-        rep, args.reps, system, elapsed, len(rows),
+    log("rep %d/%d %-5s done in %5.1f s (cpu pressure %s%%): %d rows%s" % (
+        rep, args.reps, system, elapsed, pressure, len(rows),
         "" if failure is None else "  FAILED (" + failure["reason"] + ")"))
     if failure is not None and failure.get("stderr_tail"):
         for line in failure["stderr_tail"].splitlines():
@@ -453,6 +496,11 @@ def parse_args(argv):
                    help="environment for every system, or one (e.g. "
                         "mpi:MALLOC_MMAP_THRESHOLD_=1073741824); repeatable")
     p.add_argument("--timeout", type=int, default=900, help="seconds per benchmark run")
+    p.add_argument("--wait-quiet", type=int, default=0, metavar="SECONDS",
+                   help="before each run, wait up to SECONDS for 2 s of CPU pressure "
+                        "under 5%% (others' jobs on a shared machine); default off")
+    p.add_argument("--noisy-pressure", type=float, default=25.0,
+                   help="flag runs with more CPU pressure (PSI some, %%) than this")
     p.add_argument("--json-out", help="write machine, config, raw rows and summary here")
     p.add_argument("--plot", help="write a PNG of busbw and time against size here")
     args = p.parse_args(argv)
@@ -515,6 +563,7 @@ def main(argv):
         for s in args.system_list:
             if s not in commands:
                 continue
+            wait_until_quiet(args.wait_quiet)
             log("rep %d/%d %-5s: %s" % (rep, args.reps, s, " ".join(commands[s])))
             r, f = run_one(s, commands[s], args, rep)
             rows.extend(r)
@@ -529,6 +578,13 @@ def main(argv):
     ran = [s for s in args.system_list if s in commands]
     stats = summarize(rows, ran)
     print_table(stats, ran)
+    noisy = sorted({(r["rep"], r["system"], r["cpu_pressure_pct"]) for r in rows
+                    if (r.get("cpu_pressure_pct") or 0) > args.noisy_pressure})
+    if noisy:
+        print("NOTE: runs during which other tasks waited for a CPU more than %g%% of "
+              "the time (noisy; see min..max): %s" % (
+                  args.noisy_pressure,
+                  ", ".join("rep %d %s %.0f%%" % (rep, LABEL[s], p) for rep, s, p in noisy)))
     bad = [r for r in rows if r.get("errors")]
     for s, why in skipped.items():
         print("NOTE: %s was not run: %s" % (LABEL[s], why))
