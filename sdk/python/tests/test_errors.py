@@ -48,8 +48,7 @@ def test_hierarchy():
 def test_mismatched_counts_fail_on_every_rank(pool, which):
     results = pool.run(ranks.mismatch, which)
     for name, code, code_name, message in results:
-        if which == "sync":
-            assert (name, code, code_name) == ("InvalidArgumentError", 3, "INVALID_ARGUMENT")
+        assert (name, code, code_name) == ("InvalidArgumentError", 3, "INVALID_ARGUMENT")
         assert f"grads.mismatch.{which}" in message, message
 
 
