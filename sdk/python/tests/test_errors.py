@@ -172,3 +172,13 @@ def test_ctrl_c_exits_cleanly_and_frees_the_session(daemon):
         time.sleep(0.05)
     with ciuic.init(rank=0, world_size=2, job=jid, socket=daemon.socket, arena_bytes=16 << 20):
         pass
+
+
+def test_operation_timeout_raises_deadline_exceeded(daemon):
+    with ciuic.init(rank=0, world_size=2, job=job(), socket=daemon.socket,
+                    arena_bytes=16 << 20) as comm:
+        t0 = time.monotonic()
+        with pytest.raises(ciuic.DeadlineExceededError, match="late") as info:
+            comm.allreduce(np.ones(3, np.float32), name="late", timeout=0.3)  # rank 1 never comes
+        assert info.value.code == ciuic.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 5
