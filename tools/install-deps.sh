@@ -9,7 +9,7 @@ packages=(
   libucx-dev ucx-utils
   libabsl-dev libspdlog-dev libfmt-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  pybind11-dev python3-dev python3-numpy python3-torch python3-matplotlib
+  pybind11-dev python3-dev python3-numpy python3-torch python3-matplotlib python3-pytest
   openmpi-bin libopenmpi-dev
   iproute2 procps
 )

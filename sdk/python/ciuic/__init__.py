@@ -1,0 +1,449 @@
+"""ciuic: collectives through the node's ciuicd, for numpy and torch (CPU).
+
+    import ciuic
+    comm = ciuic.init()                      # torchrun's environment
+    comm.allreduce(tensor)                   # in place, sum
+    work = comm.allreduce_async(tensor, op="avg", name="grads.0")
+    ...                                      # compute meanwhile
+    work.wait()
+    x = comm.empty((1024, 1024), torch.float32)   # lives in shared memory: zero copy
+
+Operations are matched across ranks by ``name``; unnamed ones by their order
+of submission on the communicator (names starting with '#' are reserved).
+Arrays and tensors must be C-contiguous and on the CPU; every SDK dtype is
+supported: float32, float64, float16, bfloat16 (torch only: numpy has none),
+int8, uint8, int32, int64. Errors raise :class:`ciuic.Error` subclasses
+(``InvalidArgumentError``, ``UnavailableError``, ...), see ciuic.errors.
+
+Waits release the GIL and are interruptible by Ctrl-C (KeyboardInterrupt);
+the daemon frees a session when its process exits, whatever the way.
+"""
+
+import atexit
+import collections
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from . import _ciuic
+from .errors import *  # noqa: F401,F403  (Error, InvalidArgumentError, ...)
+from .errors import Error, InvalidArgumentError, StatusCode, _make_error, error_class
+
+_ciuic._set_error_factory(_make_error)
+
+__all__ = ["init", "Communicator", "Work", "Error", "StatusCode", "error_class",
+           "default_socket_path", "DTYPES", "REDUCE_OPS"]
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
+
+_NUMPY_DTYPES = {
+    np.dtype(np.float32): "float32", np.dtype(np.float64): "float64",
+    np.dtype(np.float16): "float16", np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8",
+    np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
+}
+
+
+def default_socket_path():
+    """$CIUIC_SOCKET, else /run/ciuic/ciuicd.sock."""
+    return _ciuic.default_socket_path()
+
+
+def _torch():
+    """torch, if it is already imported (ciuic does not import it itself)."""
+    import sys
+    return sys.modules.get("torch")
+
+
+def _is_tensor(obj):
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _as_buffer(obj, what):
+    """(object with the buffer protocol, dtype override or None) for an array/tensor."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype not in _NUMPY_DTYPES:
+            raise InvalidArgumentError(
+                f"{what}: numpy dtype {obj.dtype} is not a ciuic dtype ({', '.join(DTYPES)})")
+        if not obj.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"{what}: the array is not C-contiguous (use numpy.ascontiguousarray)")
+        return obj, None
+    if _is_tensor(obj):
+        torch = _torch()
+        if obj.device.type != "cpu":
+            raise InvalidArgumentError(f"{what}: tensor on {obj.device}; only CPU tensors")
+        if obj.layout != torch.strided:
+            raise InvalidArgumentError(f"{what}: {obj.layout} tensors are not supported")
+        if not obj.is_contiguous():
+            raise InvalidArgumentError(
+                f"{what}: the tensor is not contiguous (use tensor.contiguous())")
+        t = obj.detach()
+        if t.dtype == torch.bfloat16:
+            # numpy has no bfloat16: hand over the same bytes as int16.
+            return t.view(torch.int16).numpy(), "bfloat16"
+        if t.dtype not in _TORCH_DTYPES():
+            raise InvalidArgumentError(
+                f"{what}: torch dtype {t.dtype} is not a ciuic dtype ({', '.join(DTYPES)})")
+        return t.numpy(), None
+    return obj, None  # anything else with the buffer protocol (checked by _ciuic)
+
+
+_torch_dtypes_cache = None
+
+
+def _TORCH_DTYPES():
+    global _torch_dtypes_cache
+    if _torch_dtypes_cache is None:
+        torch = _torch()
+        _torch_dtypes_cache = {
+            torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+            torch.bfloat16: "bfloat16", torch.int8: "int8", torch.uint8: "uint8",
+            torch.int32: "int32", torch.int64: "int64",
+        }
+    return _torch_dtypes_cache
+
+
+def _timeout_ms(timeout):
+    if timeout is None:
+        return 0
+    ms = int(round(float(timeout) * 1000))
+    if ms <= 0:
+        raise InvalidArgumentError(f"timeout must be positive seconds, got {timeout}")
+    return min(ms, 2**32 - 1)
+
+
+class Work:
+    """An operation in flight (from the ``*_async`` calls).
+
+    ``wait(timeout=None)`` blocks (GIL released) until it completes and returns
+    True, raising its error if it failed; with a timeout in seconds it returns
+    False if that passes first (the operation goes on). ``is_completed()``
+    never blocks. ``result()`` waits and returns the output array/tensor.
+
+    ``get_future()`` (torch only) returns a ``torch.futures.Future`` completed
+    with the output tensor, or with the error. It is completed by the
+    communicator's waiter thread (one per communicator, started on the first
+    get_future(), sleeping in the SDK's futex wait while it waits: no
+    spinning), independently of wait(), so code that only waits on the future
+    never deadlocks.
+    """
+
+    __slots__ = ("_handle", "_output", "_comm", "_future", "__weakref__")
+
+    def __init__(self, handle, output, comm):
+        self._handle = handle
+        self._output = output
+        self._comm = comm
+        self._future = None
+
+    @property
+    def name(self):
+        return self._handle.name
+
+    def wait(self, timeout=None):
+        return self._handle.wait(timeout)
+
+    def is_completed(self):
+        return self._handle.is_completed()
+
+    def result(self, timeout=None):
+        if not self._handle.wait(timeout):
+            raise error_class(StatusCode.DEADLINE_EXCEEDED)(
+                f"operation still in progress after {timeout} s")
+        return self._output
+
+    def get_future(self):
+        if self._future is None:
+            torch = _torch()
+            if torch is None:
+                import torch  # noqa: F811
+            self._future = torch.futures.Future()
+            self._comm._waiter().add(self._handle, self._future, self._output)
+        return self._future
+
+
+class _Waiter:
+    """Completes torch futures: one daemon thread per communicator.
+
+    Waits on the oldest pending handle (blocking in the SDK, GIL released),
+    then completes every handle already done, in any order. Sleeps on a
+    condition variable while nothing is pending.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="ciuic-waiter", daemon=True)
+        self._thread.start()
+
+    def add(self, handle, future, value):
+        with self._cv:
+            if self._stopped:
+                raise error_class(StatusCode.FAILED_PRECONDITION)("the communicator is closed")
+            self._queue.append((handle, future, value))
+            self._cv.notify()
+
+    def stop(self):
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    @staticmethod
+    def _complete(handle, future, value):
+        try:
+            handle.wait()
+        except BaseException as e:  # noqa: BLE001 (handed to the future's waiter)
+            future.set_exception(e)
+        else:
+            future.set_result(value)
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopped:
+                    self._cv.wait()
+                if not self._queue:
+                    return  # stopped and drained
+                head = self._queue[0]
+            self._complete(*head)  # blocks outside the lock
+            with self._cv:
+                self._queue.popleft()
+                rest = list(self._queue)
+            done = set()
+            for i, item in enumerate(rest):
+                if item[0].is_completed():
+                    self._complete(*item)
+                    done.add(i)
+            if done:
+                with self._cv:
+                    # Items are only appended meanwhile: indices still hold.
+                    self._queue = collections.deque(
+                        it for i, it in enumerate(self._queue) if i not in done)
+
+
+_live_comms = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    for comm in list(_live_comms):
+        try:
+            comm.close()
+        except Exception:  # noqa: BLE001 (exiting anyway)
+            pass
+
+
+class Communicator:
+    """A rank's session with ciuicd for one job. Made by :func:`init`.
+
+    Collectives work in place on numpy arrays and torch CPU tensors (C-contiguous)
+    of any SDK dtype; they accept ``name`` (matches the operation across ranks),
+    ``priority`` (higher first among ready operations) and ``timeout``
+    (seconds; default: the daemon's op timeout). The plain call waits; the
+    ``*_async`` call returns a :class:`Work` at once. The arrays of an
+    operation in flight must not be changed until it has completed.
+    """
+
+    def __init__(self, impl):
+        self._impl = impl
+        self._waiter_obj = None
+        self._lock = threading.Lock()
+        _live_comms.add(self)
+
+    # -- identity
+    rank = property(lambda self: self._impl.rank)
+    world_size = property(lambda self: self._impl.world_size)
+    local_rank = property(lambda self: self._impl.local_rank)
+    local_size = property(lambda self: self._impl.local_size)
+    job_id = property(lambda self: self._impl.job_id)
+    node_name = property(lambda self: self._impl.node_name)
+    closed = property(lambda self: self._impl.closed)
+
+    def __repr__(self):
+        return (f"<ciuic.Communicator job={self.job_id!r} rank={self.rank}/{self.world_size} "
+                f"local={self.local_rank}/{self.local_size} node={self.node_name!r}"
+                f"{' closed' if self.closed else ''}>")
+
+    # -- memory
+    def empty(self, shape, dtype):
+        """An uninitialised array in the daemon's shared memory (zero copy).
+
+        ``dtype`` a numpy dtype (gives a numpy array) or a torch dtype (gives a
+        torch tensor). The memory stays valid while the array (or any view)
+        lives, even after close().
+        """
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        n = 1
+        for s in shape:
+            if s < 0:
+                raise InvalidArgumentError(f"negative dimension in shape {shape}")
+            n *= s
+        torch = _torch()
+        if torch is not None and isinstance(dtype, torch.dtype):
+            if dtype not in _TORCH_DTYPES():
+                raise InvalidArgumentError(f"torch dtype {dtype} is not a ciuic dtype")
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            buf = self._impl.allocate(n * itemsize)
+            if n == 0:
+                return torch.empty(shape, dtype=dtype)
+            raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive
+            return raw.view(dtype).view(shape)
+        dt = np.dtype(dtype)
+        if dt not in _NUMPY_DTYPES:
+            raise InvalidArgumentError(f"numpy dtype {dt} is not a ciuic dtype")
+        buf = self._impl.allocate(n * dt.itemsize)
+        if n == 0:
+            return np.empty(shape, dtype=dt)
+        return np.frombuffer(buf, dtype=dt, count=n).reshape(shape)  # keeps `buf` alive
+
+    def zeros(self, shape, dtype):
+        """Like empty(), filled with zeros."""
+        a = self.empty(shape, dtype)
+        a[...] = 0
+        return a
+
+    def is_shared(self, t):
+        """True if the array/tensor lies in this communicator's shared memory."""
+        buf, _ = _as_buffer(t, "is_shared")
+        return self._impl.is_shared(buf)
+
+    # -- collectives
+    def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None):
+        buf, dtype = _as_buffer(t, "allreduce")
+        h = self._impl.allreduce(buf, op=op, dtype=dtype, name=name or "",
+                                 priority=priority, timeout_ms=_timeout_ms(timeout))
+        return Work(h, t, self)
+
+    def allreduce(self, t, op="sum", name=None, priority=0, timeout=None):
+        """In place: every rank's ``t`` becomes the reduction (op) of all ranks'."""
+        self.allreduce_async(t, op, name, priority, timeout).wait()
+        return t
+
+    def reduce_scatter_async(self, output, input, op="sum", name=None, priority=0,
+                             timeout=None):
+        ibuf, dtype = _as_buffer(input, "reduce_scatter input")
+        obuf, odtype = _as_buffer(output, "reduce_scatter output")
+        if dtype != odtype:
+            raise InvalidArgumentError("reduce_scatter: input and output dtypes differ")
+        h = self._impl.reduce_scatter(ibuf, obuf, op=op, dtype=dtype, name=name or "",
+                                      priority=priority, timeout_ms=_timeout_ms(timeout))
+        return Work(h, output, self)
+
+    def reduce_scatter(self, output, input, op="sum", name=None, priority=0, timeout=None):
+        """``input`` holds world_size blocks of output's size; rank r's ``output``
+        becomes the reduction of block r over all ranks."""
+        self.reduce_scatter_async(output, input, op, name, priority, timeout).wait()
+        return output
+
+    def allgather_async(self, output, input, name=None, priority=0, timeout=None):
+        ibuf, dtype = _as_buffer(input, "allgather input")
+        obuf, odtype = _as_buffer(output, "allgather output")
+        if dtype != odtype:
+            raise InvalidArgumentError("allgather: input and output dtypes differ")
+        h = self._impl.allgather(ibuf, obuf, dtype=dtype, name=name or "", priority=priority,
+                                 timeout_ms=_timeout_ms(timeout))
+        return Work(h, output, self)
+
+    def allgather(self, output, input, name=None, priority=0, timeout=None):
+        """``output`` (world_size times input's size) gets rank r's input as block r."""
+        self.allgather_async(output, input, name, priority, timeout).wait()
+        return output
+
+    def broadcast_async(self, t, root=0, name=None, priority=0, timeout=None):
+        buf, dtype = _as_buffer(t, "broadcast")
+        h = self._impl.broadcast(buf, root=root, dtype=dtype, name=name or "",
+                                 priority=priority, timeout_ms=_timeout_ms(timeout))
+        return Work(h, t, self)
+
+    def broadcast(self, t, root=0, name=None, priority=0, timeout=None):
+        """In place: every rank's ``t`` becomes root's."""
+        self.broadcast_async(t, root, name, priority, timeout).wait()
+        return t
+
+    def barrier_async(self, name=None, priority=0, timeout=None):
+        h = self._impl.barrier(name=name or "", priority=priority,
+                               timeout_ms=_timeout_ms(timeout))
+        return Work(h, None, self)
+
+    def barrier(self, name=None, priority=0, timeout=None):
+        self.barrier_async(name, priority, timeout).wait()
+
+    # -- lifetime
+    def _waiter(self):
+        with self._lock:
+            if self._waiter_obj is None:
+                if self._impl.closed:
+                    raise error_class(StatusCode.FAILED_PRECONDITION)(
+                        "the communicator is closed")
+                self._waiter_obj = _Waiter()
+            return self._waiter_obj
+
+    def close(self):
+        """Ends the session; operations still pending fail with CancelledError."""
+        self._impl.close()
+        with self._lock:
+            waiter, self._waiter_obj = self._waiter_obj, None
+        if waiter is not None:
+            waiter.stop()
+        _live_comms.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _env_int(name):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+def init(rank=None, world_size=None, local_rank=None, local_size=None, job=None, socket=None,
+         arena_bytes=None):
+    """Joins a job through the node's ciuicd; returns a :class:`Communicator`.
+
+    Defaults come from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE (else rank 0 of 1, local = global). The job id is
+    ``job``, else $CIUIC_JOB, else $TORCHELASTIC_RUN_ID, else
+    "$MASTER_ADDR:$MASTER_PORT". The socket is ``socket``, else
+    $CIUIC_SOCKET, else /run/ciuic/ciuicd.sock. ``arena_bytes``: shared memory
+    of this communicator (else $CIUIC_ARENA_BYTES, else 512 MiB), mapped and
+    populated at once.
+    """
+    env = os.environ
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    rank = 0 if rank is None else int(rank)
+    world_size = 1 if world_size is None else int(world_size)
+    if local_rank is None:
+        local_rank = _env_int("LOCAL_RANK")
+    if local_size is None:
+        local_size = _env_int("LOCAL_WORLD_SIZE")
+    if job is None:
+        job = env.get("CIUIC_JOB") or env.get("TORCHELASTIC_RUN_ID")
+        if not job and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+            job = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        if not job:
+            if world_size == 1:
+                job = f"local-{os.getpid()}"
+            else:
+                raise InvalidArgumentError(
+                    "no job id: pass job=, or set CIUIC_JOB, TORCHELASTIC_RUN_ID or "
+                    "MASTER_ADDR and MASTER_PORT")
+    if socket is None:
+        socket = env.get("CIUIC_SOCKET") or ""
+    impl = _ciuic.Communicator(
+        socket=str(socket), job=str(job), rank=rank, world_size=world_size,
+        local_rank=-1 if local_rank is None else int(local_rank),
+        local_size=-1 if local_size is None else int(local_size),
+        arena_bytes=int(arena_bytes or 0))
+    return Communicator(impl)

@@ -1,0 +1,405 @@
+"""What the rank processes of the test pool run (see conftest.RankPool).
+
+Every task is ``fn(ctx, *args)``, run on every rank. Inputs are made from
+(seed, rank) so that each rank can build every rank's input and compute the
+expected result itself with numpy in float64/int64 (exact for the small
+values used), independently of ciuic; tasks compare and raise on mismatch.
+Operations carry unique names so that a failed task cannot shift the
+matching of later ones.
+"""
+
+import gc
+import os
+import time
+import traceback
+import weakref
+
+import numpy as np
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+OPS = ("sum", "avg", "min", "max", "prod")
+SMALL_SIZES = (0, 1, 7, 4099)
+
+
+class Ctx:
+    def __init__(self, rank, world, socket, job, comm):
+        self.rank, self.world, self.socket, self.job, self.comm = rank, world, socket, job, comm
+        self.seq = 0
+
+    def name(self, what):
+        self.seq += 1
+        return f"{what}.{self.seq}"
+
+
+def worker_main(rank, world, socket, job, arena_bytes, inq, outq):
+    try:
+        import torch
+        torch.set_num_threads(1)
+        import ciuic
+        comm = ciuic.init(rank=rank, world_size=world, job=job, socket=socket,
+                          arena_bytes=arena_bytes)
+        ctx = Ctx(rank, world, socket, job, comm)
+        outq.put((rank, "ok", None))
+    except BaseException:  # noqa: BLE001
+        outq.put((rank, "err", traceback.format_exc()))
+        return
+    while True:
+        item = inq.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            outq.put((rank, "ok", globals()[fn](ctx, *args)))
+        except BaseException:  # noqa: BLE001
+            outq.put((rank, "err", traceback.format_exc()))
+    comm.close()
+
+
+# ------------------------------------------------------------------ data
+
+def big_size(dtype):
+    """Elements of a buffer just over 4 MiB (not a multiple of it)."""
+    return (4 << 20) // itemsize(dtype) + 3
+
+
+def itemsize(dtype):
+    return {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
+            "int8": 1, "uint8": 1}[dtype]
+
+
+def is_float(dtype):
+    return dtype.startswith("float") or dtype == "bfloat16"
+
+
+def values(seed, rank, n, dtype):
+    """float64/int64 values, exactly representable in `dtype`, such that sums
+    and products of two stay exact in its accumulation type."""
+    rng = np.random.default_rng(seed * 1009 + rank)
+    if is_float(dtype):
+        return rng.integers(-32, 33, n).astype(np.float64) / 4
+    if dtype == "uint8":
+        return rng.integers(0, 11, n).astype(np.int64)
+    if dtype == "int8":
+        return rng.integers(-5, 6, n).astype(np.int64)
+    return rng.integers(-1000, 1001, n).astype(np.int64)
+
+
+def reference(inputs, op):
+    """The reduction over ranks, in float64/int64."""
+    stack = np.stack(inputs)
+    if op == "sum":
+        return stack.sum(axis=0)
+    if op == "prod":
+        return stack.prod(axis=0)
+    if op == "min":
+        return stack.min(axis=0)
+    if op == "max":
+        return stack.max(axis=0)
+    s = stack.sum(axis=0)
+    if stack.dtype.kind == "f":
+        return s / len(inputs)
+    return np.sign(s) * (np.abs(s) // len(inputs))  # truncates toward zero
+
+
+def make(vals, dtype, lib):
+    """An array/tensor of `dtype` from float64/int64 values."""
+    if lib == "numpy":
+        return np.ascontiguousarray(vals.astype(np.dtype(dtype)))
+    import torch
+    return torch.from_numpy(np.array(vals, copy=True)).to(getattr(torch, dtype)).contiguous()
+
+
+def as_f64(x):
+    """float64 numpy copy of an array/tensor (bfloat16 included)."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    return x.double().numpy().copy()
+
+
+def expect_equal(got, want_vals, dtype, lib, what):
+    want = as_f64(make(want_vals, dtype, lib))  # rounded as the dtype rounds
+    got = as_f64(got)
+    if got.shape != want.shape or not np.array_equal(got, want):
+        bad = np.flatnonzero(got.ravel() != want.ravel())[:5] if got.shape == want.shape else []
+        raise AssertionError(
+            f"{what}: shape {got.shape} vs {want.shape}; first differences at {list(bad)}: "
+            f"got {[got.ravel()[i] for i in bad]}, want {[want.ravel()[i] for i in bad]}")
+
+
+def empty_like_lib(n, dtype, lib):
+    if lib == "numpy":
+        return np.zeros(n, dtype=np.dtype(dtype))
+    import torch
+    return torch.zeros(n, dtype=getattr(torch, dtype))
+
+
+# ------------------------------------------------------------ collectives
+
+def allreduce_all(ctx, lib, dtype, seed):
+    checks = 0
+    for op in OPS:
+        sizes = SMALL_SIZES + ((big_size(dtype),) if op == "sum" else ())
+        for n in sizes:
+            inputs = [values(seed + n, r, n, dtype) for r in range(ctx.world)]
+            t = make(inputs[ctx.rank], dtype, lib)
+            out = ctx.comm.allreduce(t, op=op, name=ctx.name(f"ar.{lib}.{dtype}.{op}.{n}"))
+            assert out is t
+            expect_equal(t, reference(inputs, op), dtype, lib, f"allreduce {op} n={n}")
+            checks += 1
+    return checks
+
+
+def reduce_scatter_all(ctx, lib, dtype, seed):
+    checks = 0
+    for op in OPS:
+        sizes = SMALL_SIZES + ((big_size(dtype) // ctx.world,) if op == "sum" else ())
+        for n in sizes:
+            inputs = [values(seed + n, r, n * ctx.world, dtype) for r in range(ctx.world)]
+            src = make(inputs[ctx.rank], dtype, lib)
+            out = empty_like_lib(n, dtype, lib)
+            ctx.comm.reduce_scatter(out, src, op=op, name=ctx.name(f"rs.{dtype}.{op}.{n}"))
+            want = reference(inputs, op)[ctx.rank * n:(ctx.rank + 1) * n]
+            expect_equal(out, want, dtype, lib, f"reduce_scatter {op} n={n}")
+            checks += 1
+    return checks
+
+
+def allgather_all(ctx, lib, dtype, seed):
+    checks = 0
+    for n in SMALL_SIZES + (big_size(dtype) // ctx.world,):
+        inputs = [values(seed + n, r, n, dtype) for r in range(ctx.world)]
+        src = make(inputs[ctx.rank], dtype, lib)
+        out = empty_like_lib(n * ctx.world, dtype, lib)
+        ctx.comm.allgather(out, src, name=ctx.name(f"ag.{dtype}.{n}"))
+        expect_equal(out, np.concatenate(inputs), dtype, lib, f"allgather n={n}")
+        checks += 1
+    return checks
+
+
+def broadcast_all(ctx, lib, dtype, seed):
+    checks = 0
+    for root in range(ctx.world):
+        for n in SMALL_SIZES + (big_size(dtype),):
+            inputs = [values(seed + n + root, r, n, dtype) for r in range(ctx.world)]
+            t = make(inputs[ctx.rank], dtype, lib)
+            ctx.comm.broadcast(t, root=root, name=ctx.name(f"bc.{dtype}.{root}.{n}"))
+            expect_equal(t, inputs[root], dtype, lib, f"broadcast root={root} n={n}")
+            checks += 1
+    return checks
+
+
+def barriers(ctx):
+    for i in range(5):
+        ctx.comm.barrier(name=ctx.name("barrier"))
+    t0 = time.monotonic()
+    if ctx.rank == 1:
+        time.sleep(0.3)
+    ctx.comm.barrier(name=ctx.name("barrier.late"))
+    return time.monotonic() - t0  # rank 0 must have waited for rank 1
+
+
+def large_allreduce(ctx, shared):
+    """16M float32 elements (64 MiB), through staging or in shared memory."""
+    n = 16 << 20
+    if shared:
+        a = ctx.comm.empty((n,), np.float32)
+        assert ctx.comm.is_shared(a)
+    else:
+        a = np.empty(n, np.float32)
+        assert not ctx.comm.is_shared(a)
+    # rank r holds (i % 1024) * (r + 1): the sum is (i % 1024) * 3 for 2 ranks.
+    base = (np.arange(n, dtype=np.int64) % 1024).astype(np.float32)
+    np.multiply(base, ctx.rank + 1, out=a)
+    t0 = time.perf_counter()
+    ctx.comm.allreduce(a, name=ctx.name(f"large.{shared}"))
+    dt = time.perf_counter() - t0
+    want = base * sum(r + 1 for r in range(ctx.world))
+    assert np.array_equal(a, want), "large allreduce differs"
+    return dt
+
+
+# ------------------------------------------------------------------ async
+
+def async_ops(ctx):
+    import torch
+    comm = ctx.comm
+    tag = ctx.name("async")
+    # Named operations submitted in opposite orders on the two ranks.
+    names = [f"{tag}.{k}" for k in range(4)]
+    tensors = {nm: torch.full((1000 + k,), float(ctx.rank + 1 + k)) for k, nm in enumerate(names)}
+    order = names if ctx.rank == 0 else names[::-1]
+    works = {nm: comm.allreduce_async(tensors[nm], name=nm) for nm in order}
+    for k, nm in enumerate(names):
+        assert works[nm].wait() is True
+        assert works[nm].is_completed()
+        want = sum(float(r + 1 + k) for r in range(ctx.world))
+        assert torch.all(tensors[nm] == want), nm
+
+    # A handle waits for the slower rank: not complete, wait(timeout) -> False.
+    late = np.full(10, ctx.rank + 1.0, np.float32)
+    if ctx.rank == 1:
+        time.sleep(0.5)
+    w = comm.allreduce_async(late, name=f"{tag}.late")
+    if ctx.rank == 0:
+        assert not w.is_completed()
+        t0 = time.monotonic()
+        assert w.wait(timeout=0.1) is False
+        assert 0.08 <= time.monotonic() - t0 < 0.4
+    assert w.wait() is True
+    assert w.result() is late and np.all(late == 3.0)
+
+    # Torch futures, completed by the waiter thread without any wait() here.
+    ts = [torch.full((257,), float(ctx.rank + i)) for i in range(6)]
+    futs = [comm.allreduce_async(t, op="max", name=f"{tag}.fut.{i}").get_future()
+            for i, t in enumerate(ts)]
+    chained = futs[0].then(lambda f: f.value() * 2)
+    for i, f in enumerate(futs):
+        v = f.wait()
+        assert v is ts[i] and torch.all(v == float(ctx.world - 1 + i))
+    assert torch.all(chained.wait() == 2.0 * (ctx.world - 1))
+    all_done = torch.futures.collect_all(
+        [comm.allreduce_async(torch.ones(3), name=f"{tag}.all.{i}").get_future()
+         for i in range(3)])
+    assert all(torch.all(f.value() == ctx.world) for f in all_done.wait())
+
+    # Other collectives, async, and the barrier.
+    out = torch.zeros(4 * ctx.world, dtype=torch.int64)
+    wa = comm.allgather_async(out, torch.arange(4) + 10 * ctx.rank, name=f"{tag}.ag")
+    b = torch.zeros(5, dtype=torch.float16) + ctx.rank
+    wb = comm.broadcast_async(b, root=1, name=f"{tag}.bc")
+    wbar = comm.barrier_async(name=f"{tag}.bar")
+    assert wbar.wait() and wa.get_future().wait() is out and wb.wait()
+    assert out.tolist() == [i + 10 * r for r in range(ctx.world) for i in range(4)]
+    assert torch.all(b == 1)
+
+    # Dropping a Work before completion must not free the memory in use: the
+    # communicator holds the array until the operation has completed.
+    tmp = np.full(1 << 16, ctx.rank + 1.0, np.float32)
+    ref = weakref.ref(tmp)
+    comm.allreduce_async(tmp, name=f"{tag}.dropped")
+    del tmp
+    gc.collect()
+    assert ref() is not None, "array of an operation in flight was released"
+    for i in range(5):  # completed operations are released at later submissions
+        comm.barrier(name=f"{tag}.dropped.bar{i}")
+        time.sleep(0.02)
+    gc.collect()
+    assert ref() is None, "array of a completed operation still held"
+    return True
+
+
+# -------------------------------------------------------------- zero copy
+
+def empty_buffers(ctx, lib, dtype, seed):
+    import torch
+    comm = ctx.comm
+    shape = (3, 129)
+    if lib == "numpy":
+        a = comm.empty(shape, np.dtype(dtype))
+        assert isinstance(a, np.ndarray) and a.dtype == np.dtype(dtype)
+    else:
+        a = comm.empty(shape, getattr(torch, dtype))
+        assert isinstance(a, torch.Tensor) and a.dtype == getattr(torch, dtype)
+    assert tuple(a.shape) == shape
+    assert comm.is_shared(a) and comm.is_shared(a[1])
+    inputs = [values(seed, r, 3 * 129, dtype).reshape(shape) for r in range(ctx.world)]
+    a[...] = make(inputs[ctx.rank], dtype, lib)
+    row = a[2]  # a view: sees the result written in place
+    comm.allreduce(a, name=ctx.name(f"empty.{lib}.{dtype}"))
+    expect_equal(a, reference(inputs, "sum"), dtype, lib, "allreduce on empty()")
+    expect_equal(row, reference(inputs, "sum")[2], dtype, lib, "view of empty()")
+    # Views keep the shared memory alive after the array itself is gone.
+    del a
+    gc.collect()
+    other = comm.empty(shape, getattr(torch, dtype) if lib == "torch" else np.dtype(dtype))
+    other[...] = make(np.zeros(shape), dtype, lib)
+    expect_equal(row, reference(inputs, "sum")[2], dtype, lib, "view after del")
+    return True
+
+
+def zero_copy_proof(ctx):
+    """A shared array needs no staging: with the arena nearly full, an
+    allreduce of a shared 128 MiB array works while a private 64 MiB one
+    cannot be staged."""
+    import ciuic
+    comm = ctx.comm
+    n = (128 << 20) // 4
+    a = comm.empty((n,), np.float32)
+    a[:] = ctx.rank + 1
+    comm.allreduce(a, name=ctx.name("zc.shared"))
+    assert a[0] == 3 and a[-1] == 3
+    private = np.ones((64 << 20) // 4, np.float32)
+    try:
+        comm.allreduce(private, name=ctx.name("zc.private"))
+    except ciuic.ResourceExhaustedError as e:
+        return str(e)
+    raise AssertionError("a private 64 MiB array was staged in a nearly full arena")
+
+
+# ----------------------------------------------------------------- errors
+
+def mismatch(ctx, which):
+    """Mismatched counts on a fresh job: InvalidArgumentError on every rank."""
+    import ciuic
+    import torch
+    job = f"{ctx.job}-mismatch-{which}"
+    with ciuic.init(rank=ctx.rank, world_size=ctx.world, job=job, socket=ctx.socket,
+                    arena_bytes=16 << 20) as comm:
+        t = torch.ones(3 + ctx.rank)
+        name = f"grads.mismatch.{which}"
+        try:
+            if which == "sync":
+                comm.allreduce(t, name=name, timeout=20)
+            else:
+                comm.allreduce_async(t, name=name, timeout=20).get_future().wait()
+        except ciuic.InvalidArgumentError as e:
+            return (type(e).__name__, int(e.code), e.code.name, e.message)
+    raise AssertionError("no error for mismatched counts")
+
+
+# -------------------------------------------------------------------- DDP
+
+def ddp_losses(ctx, port, steps, modes):
+    """Trains a tiny MLP with DDP over gloo, then with the ciuic hook in each
+    of `modes`, from the same seed; returns {mode: [loss per step]}."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ciuic.torch as ct
+
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world)
+
+    def train(mode):
+        torch.manual_seed(1234)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 96), torch.nn.ReLU(),
+            torch.nn.Linear(96, 4))
+        if ctx.rank == 1:  # DDP must broadcast rank 0's parameters
+            for p in net.parameters():
+                p.data.add_(1.0)
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 8192  # several buckets (DDP documents this knob)
+        model = DDP(net, bucket_cap_mb=0.02)
+        state = None
+        if mode != "gloo":
+            state = ct.CiuicHookState(ctx.comm, mode=mode, prefix=ctx.name(f"ddp.{mode}"))
+            model.register_comm_hook(state, ct.allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(99 + ctx.rank)
+        x = torch.randn(16, 32, generator=g)
+        y = torch.randn(16, 4, generator=g)
+        losses = []
+        for _ in range(steps):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        buckets = sorted(state.calls) if state else []
+        checksum = float(sum(p.double().sum() for p in model.parameters()))
+        return losses, buckets, checksum
+
+    return {mode: train(mode) for mode in ("gloo",) + tuple(modes)}
