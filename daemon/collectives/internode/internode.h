@@ -1,0 +1,108 @@
+// Inter-node collective algorithms: what runs between the daemons of a job
+// once the node-local phase has left one buffer per node.
+//
+// Each function is blocking and is called by the daemon thread dedicated to
+// a job's inter-node phase. Every node of the job calls the same functions
+// for the same operations in the same order, with the same arguments except
+// `data`'s contents (same count, dtype, op, blocks, root, and the same
+// InterNodeContext values apart from `transport`, `deadline` and `scratch`):
+// the chunking, the tags and the channel of every chunk are derived from
+// them, so nodes that disagree see transfers whose sizes differ (an error) or
+// that never match (the deadline).
+//
+// Results are bitwise identical on every node: each element is combined along
+// exactly one path and copied from there (ring), or both partners of an
+// exchange combine the same two values in the same order (recursive doubling:
+// the lower node's value first; this matters for NaN payloads and -0/+0 ties
+// in min/max). 16-bit floats are rounded after every combination between
+// nodes (each node's buffer is already a rounded 16-bit value).
+//
+// Errors: a failed transfer, or the deadline, ends the operation with a
+// status naming the node involved ("node 3"): the transport's code for a
+// failed transfer, DEADLINE_EXCEEDED naming the node whose transfer was
+// awaited. Before returning, every function waits until every transfer it
+// posted has had its callback, so `data` and the scratch space may be reused
+// at once. At the deadline it cancels what is still outstanding with
+// Transport::FailPeer (which makes those peers fail for later operations
+// too: a deadline is a job-level fault) and then waits for the callbacks the
+// transport then guarantees.
+//
+// The steps, bytes on the wire and busbw formula of each algorithm are in
+// ../README.md; the tag layout is in schedule.h.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "ciuic/shm_layout.h"
+#include "collectives/internode/scratch.h"
+#include "transport/transport.h"
+
+namespace ciuic::daemon {
+
+struct InterNodeContext {
+  Transport* transport;  // peers are the job's nodes; transport->self() is this node
+  uint64_t tag_base;     // distinct per operation, low 24 bits are zero: ours to use
+  uint64_t chunk_bytes;  // pipeline granularity (tunable live, e.g. 64K..64M); rounded
+                         // down to whole elements (at least one), grown if needed so
+                         // that the chunks of one step fit in the tag's chunk field
+  int max_inflight;      // chunks in flight per direction (values < 1 mean 1)
+  std::chrono::steady_clock::time_point deadline;  // give up with DEADLINE_EXCEEDED
+  ScratchBuffer* scratch;  // reusable receive space (reducing algorithms only)
+};
+
+// A byte range of `data` that node `owner` holds before an allgather.
+struct Block {
+  size_t offset;
+  size_t bytes;
+  int owner;
+};
+
+enum class InterNodeAlgorithm { kAuto, kRing, kHalvingDoubling };
+
+// Bandwidth-optimal ring: reduce-scatter then allgather, 2(N-1) steps, each
+// step's segment pipelined in chunks over the transport's channels. Any
+// count (segments may be uneven or empty). `op` must not be kAvg (sum, then
+// DivideInPlace); INVALID_ARGUMENT otherwise. N == 1 returns at once.
+absl::Status AllreduceRing(const InterNodeContext& ctx, wire::DataType dtype, wire::ReduceOp op,
+                           void* data, size_t count);
+
+// Latency-oriented recursive doubling: ceil(log2 N) exchanges of the whole
+// buffer (pipelined in chunks), plus, when N is not a power of two, one fold
+// step before (the extra nodes hand their buffer to a partner) and one after
+// (the partner returns the result). Same contract as AllreduceRing.
+absl::Status AllreduceHalvingDoubling(const InterNodeContext& ctx, wire::DataType dtype,
+                                      wire::ReduceOp op, void* data, size_t count);
+
+// kRing or kHalvingDoubling as asked; kAuto chooses with ChooseAllreduceAlgorithm.
+absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wire::DataType dtype,
+                       wire::ReduceOp op, void* data, size_t count);
+
+// kAuto's rule (never returns kAuto): halving-doubling for at most 1 MiB when
+// an alpha-beta model with alpha*beta = 64 KiB says it is faster than the
+// ring, the ring otherwise. See ../README.md.
+InterNodeAlgorithm ChooseAllreduceAlgorithm(int num_nodes, size_t bytes);
+
+// Every node ends up with every block. Blocks may be empty and a node may own
+// any number of them; blocks must not overlap and must lie inside `data`
+// (not checked: `data`'s size is the caller's). Ring order, pipelined in
+// chunks; a block's bytes travel only as that block (no packing).
+absl::Status AllgatherRing(const InterNodeContext& ctx, void* data,
+                           const std::vector<Block>& blocks);
+
+// `bytes` of `data` from node `root` to all. A message that fits in one chunk
+// goes down a binomial tree (ceil(log2 N) hops); a longer one down a chain
+// root -> root+1 -> ... in chunks, each node forwarding a chunk as soon as it
+// has it (N-1 + chunks-1 chunk times, every link used once).
+absl::Status BroadcastPipeline(const InterNodeContext& ctx, void* data, size_t bytes, int root);
+
+// avg's final division, with the local reduction's semantics (reduce.h):
+// floats divide in their accumulator type (float32 for float16/bfloat16, then
+// rounded once to nearest even); integers divide the value widened to
+// int64/uint64, truncating toward zero. Requires divisor >= 1.
+void DivideInPlace(wire::DataType dtype, void* data, size_t count, uint64_t divisor);
+
+}  // namespace ciuic::daemon

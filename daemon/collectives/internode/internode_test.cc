@@ -1,0 +1,649 @@
+// The inter-node algorithms with nodes as threads over InProcessHub: results
+// against plain loops (integer-valued data, so every result is exact), bitwise
+// agreement between nodes on arbitrary floats, allgather layouts, broadcast
+// from every root, and faults (a node killed mid-operation, sizes that
+// disagree, a node that never shows up): errors, never hangs.
+#include "collectives/internode/internode.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "collectives/internode/in_process_transport.h"
+#include "collectives/internode/schedule.h"
+#include "reduce/half.h"
+#include "reduce/reduce.h"
+
+namespace ciuic::daemon {
+namespace {
+
+using std::chrono::milliseconds;
+using wire::DataType;
+using wire::ReduceOp;
+using Clock = std::chrono::steady_clock;
+
+constexpr DataType kTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
+                               DataType::kBFloat16, DataType::kInt8,   DataType::kUInt8,
+                               DataType::kInt32,   DataType::kInt64};
+constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProd};
+
+size_t Size(DataType t) { return wire::DataTypeSize(static_cast<uint32_t>(t)); }
+std::string Name(DataType t) { return wire::DataTypeName(static_cast<uint32_t>(t)); }
+std::string Name(ReduceOp op) { return wire::ReduceOpName(static_cast<uint32_t>(op)); }
+bool IsUnsigned(DataType t) { return t == DataType::kUInt8; }
+
+// Stores integer-valued v (exactly representable) as element i.
+void Put(DataType t, void* p, size_t i, int64_t v) {
+  switch (t) {
+    case DataType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); return;
+    case DataType::kFloat64: static_cast<double*>(p)[i] = static_cast<double>(v); return;
+    case DataType::kFloat16:
+      static_cast<uint16_t*>(p)[i] = FloatToHalf(static_cast<float>(v));
+      return;
+    case DataType::kBFloat16:
+      static_cast<uint16_t*>(p)[i] = FloatToBFloat16(static_cast<float>(v));
+      return;
+    case DataType::kInt8: static_cast<int8_t*>(p)[i] = static_cast<int8_t>(v); return;
+    case DataType::kUInt8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); return;
+    case DataType::kInt32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); return;
+    case DataType::kInt64: static_cast<int64_t*>(p)[i] = v; return;
+  }
+}
+
+// Deterministic small integers for (node, element), in a range where every
+// result of `op` over 8 nodes is exact in every dtype (products are powers
+// of two up to 2^8, which int8/uint8 wrap the same way in both computations).
+int64_t Value(ReduceOp op, DataType t, int node, size_t i) {
+  uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(node) + 7) * 0xC2B2AE3D27D4EB4Full;
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 32;
+  switch (op) {
+    case ReduceOp::kProd: {
+      const int64_t mag = (h & 1) ? 2 : 1;
+      return IsUnsigned(t) || (h & 2) ? mag : -mag;
+    }
+    case ReduceOp::kMin:
+    case ReduceOp::kMax:
+      return IsUnsigned(t) ? static_cast<int64_t>(h % 201) : static_cast<int64_t>(h % 201) - 100;
+    default:
+      return IsUnsigned(t) ? static_cast<int64_t>(h % 17) : static_cast<int64_t>(h % 17) - 8;
+  }
+}
+
+// N nodes as threads over one hub; each Run is one operation with its own tag_base.
+class Cluster {
+ public:
+  Cluster(int nodes, int channels) : hub_(nodes, channels), scratch_(nodes) {}
+
+  InProcessHub& hub() { return hub_; }
+  int nodes() const { return hub_.num_nodes(); }
+
+  std::vector<absl::Status> Run(
+      const std::function<absl::Status(int node, const InterNodeContext&)>& body,
+      uint64_t chunk_bytes, int max_inflight = 4, milliseconds timeout = milliseconds(30000)) {
+    const uint64_t tag_base = ++ops_ << 24;
+    const Clock::time_point deadline = Clock::now() + timeout;
+    std::vector<absl::Status> result(nodes());
+    std::vector<std::thread> threads;
+    for (int k = 0; k < nodes(); ++k) {
+      threads.emplace_back([&, k] {
+        const InterNodeContext ctx{hub_.transport(k), tag_base, chunk_bytes, max_inflight,
+                                   deadline, &scratch_[k]};
+        result[k] = body(k, ctx);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return result;
+  }
+
+ private:
+  InProcessHub hub_;
+  std::vector<ScratchBuffer> scratch_;
+  uint64_t ops_ = 0;
+};
+
+void ExpectAllOk(const std::vector<absl::Status>& statuses, const std::string& what) {
+  for (size_t k = 0; k < statuses.size(); ++k) {
+    EXPECT_TRUE(statuses[k].ok()) << what << " node " << k << ": " << statuses[k].ToString();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Allreduce: every dtype x op, exact against a reference.
+
+using AllreduceParam = std::tuple<int, int, InterNodeAlgorithm>;  // nodes, channels, algorithm
+
+class AllreduceTest : public ::testing::TestWithParam<AllreduceParam> {};
+
+std::string AlgoName(InterNodeAlgorithm a) {
+  return a == InterNodeAlgorithm::kRing ? "Ring"
+         : a == InterNodeAlgorithm::kHalvingDoubling ? "HalvingDoubling"
+                                                     : "Auto";
+}
+
+TEST_P(AllreduceTest, EveryDtypeAndOpMatchesPlainLoops) {
+  const auto [n, channels, algo] = GetParam();
+  Cluster cluster(n, channels);
+  for (size_t count : {size_t{0}, size_t{1}, size_t{1001}, size_t{100003}}) {
+    // Small chunks: 1001 elements span several chunks per segment even for
+    // 8 nodes and int8; 100003 elements span several chunks per step.
+    const uint64_t chunk = count <= 1001 ? 64 : 4096;
+    for (DataType t : kTypes) {
+      for (ReduceOp op : kOps) {
+        const std::string what = absl::StrCat(Name(t), " ", Name(op), " count ", count);
+        const size_t es = Size(t);
+        std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(count * es + 1));
+        std::vector<int64_t> ref(count);
+        for (size_t i = 0; i < count; ++i) {
+          for (int k = 0; k < n; ++k) {
+            const int64_t v = Value(op, t, k, i);
+            Put(t, data[k].data(), i, v);
+            if (k == 0) {
+              ref[i] = v;
+            } else if (op == ReduceOp::kSum) {
+              ref[i] += v;
+            } else if (op == ReduceOp::kProd) {
+              ref[i] *= v;
+            } else if (op == ReduceOp::kMin) {
+              ref[i] = std::min(ref[i], v);
+            } else {
+              ref[i] = std::max(ref[i], v);
+            }
+          }
+        }
+        for (int k = 0; k < n; ++k) data[k][count * es] = 0xA5;  // guard byte
+        ExpectAllOk(cluster.Run(
+                        [&](int k, const InterNodeContext& ctx) {
+                          return Allreduce(ctx, algo, t, op, data[k].data(), count);
+                        },
+                        chunk, count <= 1001 ? 3 : 4),
+                    what);
+        std::vector<uint8_t> expected(count * es + 1, 0xA5);
+        for (size_t i = 0; i < count; ++i) Put(t, expected.data(), i, ref[i]);
+        for (int k = 0; k < n; ++k) {
+          ASSERT_EQ(data[k], expected) << what << " node " << k;
+        }
+        if (op != ReduceOp::kSum) continue;
+        // avg = the sum across nodes, divided once at the end.
+        for (size_t i = 0; i < count; ++i) {
+          const float fq = static_cast<float>(ref[i]) / static_cast<float>(n);
+          switch (t) {
+            case DataType::kFloat32: reinterpret_cast<float*>(expected.data())[i] = fq; break;
+            case DataType::kFloat64:
+              reinterpret_cast<double*>(expected.data())[i] = static_cast<double>(ref[i]) / n;
+              break;
+            case DataType::kFloat16:
+              reinterpret_cast<uint16_t*>(expected.data())[i] = FloatToHalf(fq);
+              break;
+            case DataType::kBFloat16:
+              reinterpret_cast<uint16_t*>(expected.data())[i] = FloatToBFloat16(fq);
+              break;
+            default:
+              // The wrapped sum, divided truncating toward zero.
+              int64_t wrapped = ref[i];
+              if (t == DataType::kInt8) wrapped = static_cast<int8_t>(ref[i]);
+              if (t == DataType::kUInt8) wrapped = static_cast<uint8_t>(ref[i]);
+              if (t == DataType::kInt32) wrapped = static_cast<int32_t>(ref[i]);
+              Put(t, expected.data(), i, wrapped / n);
+          }
+        }
+        for (int k = 0; k < n; ++k) {
+          DivideInPlace(t, data[k].data(), count, n);
+          ASSERT_EQ(data[k], expected) << what << " avg node " << k;
+        }
+      }
+    }
+  }
+}
+
+// Arbitrary floats (and, for min/max, NaNs with different payloads and
+// signed zeros, where the order of operands decides the bits): every node
+// must end with the same bits.
+TEST_P(AllreduceTest, AllNodesAgreeBitwiseOnArbitraryFloats) {
+  const auto [n, channels, algo] = GetParam();
+  Cluster cluster(n, channels);
+  std::mt19937_64 rng(n * 100 + channels);
+  std::uniform_real_distribution<double> dist(-3.0, 3.0);
+  for (DataType t : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
+                     DataType::kBFloat16}) {
+    for (ReduceOp op : kOps) {
+      const size_t count = 20011;
+      const size_t es = Size(t);
+      std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(count * es));
+      for (int k = 0; k < n; ++k) {
+        for (size_t i = 0; i < count; ++i) {
+          double v = dist(rng);
+          const int special = static_cast<int>(rng() % 16);
+          if (op == ReduceOp::kMin || op == ReduceOp::kMax) {
+            if (special == 0) v = -0.0;
+            if (special == 1) v = 0.0;
+          }
+          uint8_t* p = data[k].data() + i * es;
+          switch (t) {
+            case DataType::kFloat32: {
+              float f = static_cast<float>(v);
+              uint32_t nan = 0x7fc00000u | static_cast<uint32_t>(k + 1);
+              if (special == 2) std::memcpy(&f, &nan, 4);
+              std::memcpy(p, &f, 4);
+              break;
+            }
+            case DataType::kFloat64: {
+              uint64_t nan = 0x7ff8000000000000ull | static_cast<uint64_t>(k + 1);
+              if (special == 2) {
+                std::memcpy(p, &nan, 8);
+              } else {
+                std::memcpy(p, &v, 8);
+              }
+              break;
+            }
+            case DataType::kFloat16: {
+              uint16_t h = FloatToHalf(static_cast<float>(v));
+              if (special == 2) h = static_cast<uint16_t>(0x7e00 | (k + 1));
+              std::memcpy(p, &h, 2);
+              break;
+            }
+            default: {
+              uint16_t b = FloatToBFloat16(static_cast<float>(v));
+              if (special == 2) b = static_cast<uint16_t>(0x7fc0 | (k + 1));
+              std::memcpy(p, &b, 2);
+            }
+          }
+        }
+      }
+      ExpectAllOk(cluster.Run(
+                      [&](int k, const InterNodeContext& ctx) {
+                        return Allreduce(ctx, algo, t, op, data[k].data(), count);
+                      },
+                      1024),
+                  Name(t) + " " + Name(op));
+      for (int k = 1; k < n; ++k) {
+        ASSERT_EQ(data[k], data[0]) << Name(t) << " " << Name(op) << " node " << k;
+      }
+    }
+  }
+}
+
+TEST_P(AllreduceTest, OneChunkInFlight) {
+  const auto [n, channels, algo] = GetParam();
+  Cluster cluster(n, channels);
+  const size_t count = 5003;
+  std::vector<std::vector<int32_t>> data(n, std::vector<int32_t>(count));
+  std::vector<int32_t> ref(count, 0);
+  for (int k = 0; k < n; ++k) {
+    for (size_t i = 0; i < count; ++i) {
+      data[k][i] = static_cast<int32_t>(i * 3 + k);
+      ref[i] += data[k][i];
+    }
+  }
+  ExpectAllOk(cluster.Run(
+                  [&](int k, const InterNodeContext& ctx) {
+                    return Allreduce(ctx, algo, DataType::kInt32, ReduceOp::kSum,
+                                     data[k].data(), count);
+                  },
+                  100, 1),
+              "inflight 1");
+  for (int k = 0; k < n; ++k) ASSERT_EQ(data[k], ref) << "node " << k;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Nodes, AllreduceTest,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8), ::testing::Values(1, 2),
+                       ::testing::Values(InterNodeAlgorithm::kRing,
+                                         InterNodeAlgorithm::kHalvingDoubling)),
+    [](const ::testing::TestParamInfo<AllreduceParam>& info) {
+      return absl::StrCat(std::get<0>(info.param), "Nodes", std::get<1>(info.param), "Channels",
+                          AlgoName(std::get<2>(info.param)));
+    });
+
+// One large float32 buffer (4M elements) through both algorithms and auto.
+TEST(AllreduceLargeTest, FourMillionFloats) {
+  const int n = 4;
+  const size_t count = size_t{4} << 20;
+  Cluster cluster(n, 2);
+  std::vector<std::vector<float>> data(n, std::vector<float>(count));
+  for (InterNodeAlgorithm algo : {InterNodeAlgorithm::kRing, InterNodeAlgorithm::kHalvingDoubling,
+                                  InterNodeAlgorithm::kAuto}) {
+    for (int k = 0; k < n; ++k) {
+      for (size_t i = 0; i < count; ++i) data[k][i] = static_cast<float>((i + 3 * k) % 1000);
+    }
+    const Clock::time_point start = Clock::now();
+    ExpectAllOk(cluster.Run(
+                    [&](int k, const InterNodeContext& ctx) {
+                      return Allreduce(ctx, algo, DataType::kFloat32, ReduceOp::kSum,
+                                       data[k].data(), count);
+                    },
+                    256 * 1024),
+                AlgoName(algo));
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    std::cout << AlgoName(algo) << ": 16 MiB over 4 in-process nodes in " << ms << " ms\n";
+    for (int k = 0; k < n; ++k) {
+      for (size_t i = 0; i < count; ++i) {
+        float want = 0;
+        for (int j = 0; j < n; ++j) want += static_cast<float>((i + 3 * j) % 1000);
+        if (data[k][i] != want) {
+          FAIL() << AlgoName(algo) << " node " << k << " element " << i << ": " << data[k][i]
+                 << " != " << want;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// DivideInPlace against the local reduction's avg.
+
+TEST(DivideInPlaceTest, MatchesLocalAvg) {
+  const size_t count = 4099;
+  for (DataType t : kTypes) {
+    for (int n : {1, 2, 3, 7}) {
+      const size_t es = Size(t);
+      std::vector<std::vector<uint8_t>> in(n, std::vector<uint8_t>(count * es));
+      std::mt19937_64 rng(static_cast<uint64_t>(t) * 10 + n);
+      for (int k = 0; k < n; ++k) {
+        for (size_t i = 0; i < count; ++i) {
+          // Integer-valued floats (so the 16-bit sums are exact); any integers.
+          const bool fl = t == DataType::kFloat32 || t == DataType::kFloat64 ||
+                          t == DataType::kFloat16 || t == DataType::kBFloat16;
+          const int64_t v = fl ? static_cast<int64_t>(rng() % 61) - 30 : static_cast<int64_t>(rng());
+          Put(t, in[k].data(), i, v);
+        }
+      }
+      std::vector<const void*> ptrs;
+      for (auto& b : in) ptrs.push_back(b.data());
+      std::vector<uint8_t> avg(count * es), sum(count * es);
+      Reduce(t, ReduceOp::kAvg, ptrs.data(), n, avg.data(), count);
+      Reduce(t, ReduceOp::kSum, ptrs.data(), n, sum.data(), count);
+      DivideInPlace(t, sum.data(), count, n);
+      EXPECT_EQ(sum, avg) << Name(t) << " n " << n;
+    }
+  }
+  // Truncation toward zero for negative integers.
+  int8_t v[2] = {-3, 3};
+  DivideInPlace(DataType::kInt8, v, 2, 2);
+  EXPECT_EQ(v[0], -1);
+  EXPECT_EQ(v[1], 1);
+}
+
+// ---------------------------------------------------------------------------
+// Allgather of arbitrary block layouts.
+
+using NodesChannels = std::tuple<int, int>;
+
+class AllgatherTest : public ::testing::TestWithParam<NodesChannels> {};
+
+uint8_t Pattern(int owner, size_t offset) {
+  return static_cast<uint8_t>(owner * 31 + offset * 7 + (offset >> 8));
+}
+
+void CheckAllgather(Cluster& cluster, const std::vector<Block>& blocks, size_t size,
+                    uint64_t chunk, const std::string& what) {
+  const int n = cluster.nodes();
+  std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(size, 0xEE));
+  std::vector<uint8_t> expected(size, 0xEE);
+  for (const Block& b : blocks) {
+    for (size_t i = b.offset; i < b.offset + b.bytes; ++i) {
+      expected[i] = Pattern(b.owner, i);
+      data[b.owner][i] = Pattern(b.owner, i);
+    }
+  }
+  ExpectAllOk(cluster.Run(
+                  [&](int k, const InterNodeContext& ctx) {
+                    return AllgatherRing(ctx, data[k].data(), blocks);
+                  },
+                  chunk, 3),
+              what);
+  for (int k = 0; k < n; ++k) ASSERT_EQ(data[k], expected) << what << " node " << k;
+}
+
+TEST_P(AllgatherTest, UnevenEmptyAndManyBlocksPerOwner) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  // One block per node, uneven and some empty, in node order.
+  {
+    std::vector<Block> blocks;
+    size_t off = 0;
+    for (int k = 0; k < n; ++k) {
+      const size_t bytes = (k % 3 == 1) ? 0 : 1000 + 337 * k;
+      blocks.push_back({off, bytes, k});
+      off += bytes;
+    }
+    CheckAllgather(cluster, blocks, off, 64, "one block each");
+  }
+  // Three blocks per owner, interleaved in reverse order, one of them empty,
+  // with gaps between blocks that must stay untouched.
+  {
+    std::vector<Block> blocks;
+    size_t off = 5;
+    for (int j = 0; j < 3 * n; ++j) {
+      const int owner = (n - 1) - (j % n);
+      const size_t bytes = j == 1 ? 0 : 1 + (j * 577) % 3001;
+      blocks.push_back({off, bytes, owner});
+      off += bytes + 3;
+    }
+    CheckAllgather(cluster, blocks, off, 100, "interleaved");
+  }
+  // Everything owned by the last node; a large single block.
+  CheckAllgather(cluster, {{0, 100003, n - 1}}, 100003, 4096, "single owner");
+  // No blocks at all.
+  CheckAllgather(cluster, {}, 16, 64, "no blocks");
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, AllgatherTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
+                                            ::testing::Values(1, 2)),
+                         [](const ::testing::TestParamInfo<NodesChannels>& info) {
+                           return absl::StrCat(std::get<0>(info.param), "Nodes",
+                                               std::get<1>(info.param), "Channels");
+                         });
+
+// ---------------------------------------------------------------------------
+// Broadcast from every root: tree (one chunk) and chain (several).
+
+class BroadcastTest : public ::testing::TestWithParam<NodesChannels> {};
+
+TEST_P(BroadcastTest, FromEveryRoot) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{1000}, size_t{100003}}) {
+    for (int root = 0; root < n; ++root) {
+      std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(bytes + 1, 0));
+      for (size_t i = 0; i < bytes; ++i) data[root][i] = Pattern(root, i);
+      const std::vector<uint8_t> expected = data[root];
+      ExpectAllOk(cluster.Run(
+                      [&](int k, const InterNodeContext& ctx) {
+                        return BroadcastPipeline(ctx, data[k].data(), bytes, root);
+                      },
+                      4096),
+                  absl::StrCat("bytes ", bytes, " root ", root));
+      for (int k = 0; k < n; ++k) {
+        ASSERT_EQ(data[k], expected) << "bytes " << bytes << " root " << root << " node " << k;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, BroadcastTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
+                                            ::testing::Values(1, 2)),
+                         [](const ::testing::TestParamInfo<NodesChannels>& info) {
+                           return absl::StrCat(std::get<0>(info.param), "Nodes",
+                                               std::get<1>(info.param), "Channels");
+                         });
+
+// ---------------------------------------------------------------------------
+// Faults.
+
+constexpr milliseconds kFaultDeadline(1000);
+
+bool Names(const absl::Status& s, int node) {
+  return std::string(s.message()).find(absl::StrCat("node ", node)) != std::string::npos;
+}
+
+// Kills `victim` after `after` matched transfers involving it, while all run
+// `op`; every node must fail within the deadline (plus scheduling slack), the
+// victim's ring neighbours naming it, nobody else succeeding.
+void KillMidOperation(int n, int victim, uint64_t after,
+                      const std::function<absl::Status(int, const InterNodeContext&,
+                                                       std::vector<uint8_t>&)>& op,
+                      std::vector<int> must_name) {
+  Cluster cluster(n, 2);
+  std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(size_t{1} << 20, 1));
+  cluster.hub().KillNodeAfter(victim, after);
+  const Clock::time_point start = Clock::now();
+  const std::vector<absl::Status> st = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) { return op(k, ctx, data[k]); }, 8192, 4,
+      kFaultDeadline);
+  const auto elapsed = Clock::now() - start;
+  EXPECT_LT(elapsed, kFaultDeadline + milliseconds(1000));
+  for (int k = 0; k < n; ++k) {
+    EXPECT_FALSE(st[k].ok()) << "node " << k;
+    if (k != victim) {
+      EXPECT_TRUE(Names(st[k], victim) || st[k].code() == absl::StatusCode::kDeadlineExceeded)
+          << "node " << k << ": " << st[k].ToString();
+    }
+  }
+  for (int k : must_name) {
+    EXPECT_TRUE(Names(st[k], victim)) << "node " << k << ": " << st[k].ToString();
+    EXPECT_EQ(st[k].code(), absl::StatusCode::kUnavailable) << st[k].ToString();
+  }
+}
+
+TEST(FaultTest, KillNodeMidRing) {
+  for (int n : {3, 5, 8}) {
+    SCOPED_TRACE(n);
+    const int victim = n / 2;
+    KillMidOperation(
+        n, victim, 20,
+        [](int, const InterNodeContext& ctx, std::vector<uint8_t>& d) {
+          return AllreduceRing(ctx, DataType::kFloat32, ReduceOp::kSum, d.data(), d.size() / 4);
+        },
+        {victim - 1, victim + 1});
+  }
+}
+
+TEST(FaultTest, KillNodeMidHalvingDoubling) {
+  for (int n : {4, 5, 8}) {
+    SCOPED_TRACE(n);
+    KillMidOperation(
+        n, 1, 30,
+        [](int, const InterNodeContext& ctx, std::vector<uint8_t>& d) {
+          return AllreduceHalvingDoubling(ctx, DataType::kInt32, ReduceOp::kMax, d.data(),
+                                          d.size() / 4);
+        },
+        {0});
+  }
+}
+
+TEST(FaultTest, KillNodeMidAllgatherAndBroadcast) {
+  KillMidOperation(
+      5, 2, 10,
+      [](int, const InterNodeContext& ctx, std::vector<uint8_t>& d) {
+        std::vector<Block> blocks;
+        for (int k = 0; k < 5; ++k) blocks.push_back({k * (d.size() / 5), d.size() / 5, k});
+        return AllgatherRing(ctx, d.data(), blocks);
+      },
+      {1, 3});
+  KillMidOperation(
+      5, 2, 10,
+      [](int, const InterNodeContext& ctx, std::vector<uint8_t>& d) {
+        return BroadcastPipeline(ctx, d.data(), d.size(), 0);
+      },
+      {1, 3});
+}
+
+TEST(FaultTest, MismatchedCountsFailEverywhere) {
+  for (InterNodeAlgorithm algo : {InterNodeAlgorithm::kRing, InterNodeAlgorithm::kHalvingDoubling}) {
+    for (int n : {2, 3, 5}) {
+      Cluster cluster(n, 2);
+      std::vector<std::vector<float>> data(n, std::vector<float>(20000, 1.0f));
+      const Clock::time_point start = Clock::now();
+      const std::vector<absl::Status> st = cluster.Run(
+          [&](int k, const InterNodeContext& ctx) {
+            const size_t count = k == 1 ? 19999 : 20000;
+            return Allreduce(ctx, algo, DataType::kFloat32, ReduceOp::kSum, data[k].data(), count);
+          },
+          1024, 4, kFaultDeadline);
+      EXPECT_LT(Clock::now() - start, kFaultDeadline + milliseconds(1000));
+      for (int k = 0; k < n; ++k) {
+        EXPECT_FALSE(st[k].ok()) << AlgoName(algo) << " n " << n << " node " << k;
+      }
+    }
+  }
+}
+
+TEST(FaultTest, AbsentNodeGivesDeadlineNamingTheAwaitedNode) {
+  Cluster cluster(3, 1);
+  std::vector<std::vector<float>> data(3, std::vector<float>(1000, 1.0f));
+  const std::vector<absl::Status> st = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k == 2) return absl::OkStatus();  // never takes part
+        return AllreduceRing(ctx, DataType::kFloat32, ReduceOp::kSum, data[k].data(), 1000);
+      },
+      256, 4, milliseconds(300));
+  EXPECT_EQ(st[0].code(), absl::StatusCode::kDeadlineExceeded) << st[0].ToString();
+  EXPECT_TRUE(Names(st[0], 2)) << st[0].ToString();  // node 0 receives from node 2
+  EXPECT_EQ(st[1].code(), absl::StatusCode::kDeadlineExceeded) << st[1].ToString();
+}
+
+TEST(ArgumentTest, RejectsAvgAndBadTagBase) {
+  InProcessHub hub(1, 1);
+  ScratchBuffer scratch;
+  InterNodeContext ctx{hub.transport(0), 1u << 24, 1024, 4, Clock::now() + milliseconds(100),
+                       &scratch};
+  float x = 1;
+  EXPECT_EQ(AllreduceRing(ctx, DataType::kFloat32, ReduceOp::kAvg, &x, 1).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AllreduceHalvingDoubling(ctx, DataType::kFloat32, ReduceOp::kAvg, &x, 1).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AllreduceRing(ctx, static_cast<DataType>(99), ReduceOp::kSum, &x, 1).code(),
+            absl::StatusCode::kInvalidArgument);
+  ctx.tag_base = 5;
+  EXPECT_EQ(AllreduceRing(ctx, DataType::kFloat32, ReduceOp::kSum, &x, 1).code(),
+            absl::StatusCode::kInvalidArgument);
+  ctx.tag_base = 1u << 24;
+  EXPECT_EQ(BroadcastPipeline(ctx, &x, 4, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AllgatherRing(ctx, &x, {{0, 4, 3}}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------
+// Tags and the automatic choice.
+
+TEST(TagTest, ChunkFieldAndGrowth) {
+  EXPECT_EQ(internode_internal::ChunkBits(1), 24);
+  EXPECT_EQ(internode_internal::ChunkBits(2), 23);
+  EXPECT_EQ(internode_internal::ChunkBits(14), 20);  // ring over 8 nodes
+  EXPECT_EQ(internode_internal::ChunkBits(4096), 12);
+  // 1 MiB in 4-byte chunks with a 12-bit field: grows to 256 bytes.
+  absl::StatusOr<size_t> c = internode_internal::PlanChunkBytes(
+      4, 4, 12, [](size_t c) { return ((size_t{1} << 20) + c - 1) / c; });
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, 256u);
+  // Rounded down to whole elements, at least one.
+  EXPECT_EQ(*internode_internal::PlanChunkBytes(1001, 8, 24, [](size_t) { return 1; }), 1000u);
+  EXPECT_EQ(*internode_internal::PlanChunkBytes(3, 8, 24, [](size_t) { return 1; }), 8u);
+}
+
+TEST(AutoTest, Rule) {
+  EXPECT_EQ(ChooseAllreduceAlgorithm(1, 100), InterNodeAlgorithm::kRing);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(2, 1000), InterNodeAlgorithm::kHalvingDoubling);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(2, 1 << 20), InterNodeAlgorithm::kHalvingDoubling);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(2, (1 << 20) + 1), InterNodeAlgorithm::kRing);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(8, 4096), InterNodeAlgorithm::kHalvingDoubling);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(8, 1 << 20), InterNodeAlgorithm::kRing);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(3, 64 << 10), InterNodeAlgorithm::kRing);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(3, 16 << 10), InterNodeAlgorithm::kHalvingDoubling);
+}
+
+}  // namespace
+}  // namespace ciuic::daemon

@@ -1,0 +1,398 @@
+#include "collectives/internode/schedule.h"
+
+#include <algorithm>
+#include <bit>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "reduce/reduce.h"
+
+namespace ciuic::daemon::internode_internal {
+
+bool Side::SameRanges(const Side& other) const {
+  if (ranges_.size() != other.ranges_.size()) return false;
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    if (ranges_[i].bytes != other.ranges_[i].bytes) return false;
+  }
+  return true;
+}
+
+void Side::Cut(size_t chunk_bytes) {
+  chunk_bytes_ = chunk_bytes;
+  first_chunk_.resize(ranges_.size());
+  num_chunks_ = 0;
+  for (size_t r = 0; r < ranges_.size(); ++r) {
+    first_chunk_[r] = num_chunks_;
+    num_chunks_ += (ranges_[r].bytes + chunk_bytes - 1) / chunk_bytes;
+  }
+}
+
+Range Side::chunk(size_t i) const {
+  // Almost always a single range; several only for allgather blocks.
+  const size_t r =
+      std::upper_bound(first_chunk_.begin(), first_chunk_.end(), i) - first_chunk_.begin() - 1;
+  const size_t offset = (i - first_chunk_[r]) * chunk_bytes_;
+  return {ranges_[r].ptr + offset, std::min(chunk_bytes_, ranges_[r].bytes - offset)};
+}
+
+int ChunkBits(uint32_t num_tag_steps) {
+  const int step_bits = num_tag_steps <= 1 ? 0 : std::bit_width(num_tag_steps - 1);
+  return step_bits > kTagFieldBits ? -1 : kTagFieldBits - step_bits;
+}
+
+absl::StatusOr<size_t> PlanChunkBytes(size_t requested, size_t elem, int chunk_bits,
+                                      const std::function<size_t(size_t)>& chunks_at) {
+  if (chunk_bits < 0) return absl::InvalidArgumentError("too many steps for the tag field");
+  const size_t max_chunks = size_t{1} << chunk_bits;
+  size_t chunk = std::max(elem, requested / elem * elem);
+  while (chunks_at(chunk) > max_chunks) {
+    if (chunk > (SIZE_MAX >> 2)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "more ranges in one step than the tag's chunk field holds (", max_chunks, ")"));
+    }
+    chunk *= 2;
+  }
+  return chunk;
+}
+
+absl::Status CheckContext(const InterNodeContext& ctx, const char* name) {
+  if (ctx.transport == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": no transport"));
+  }
+  if ((ctx.tag_base & ((uint64_t{1} << kTagFieldBits) - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": tag_base ", ctx.tag_base, " has some of its low 24 bits set"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+enum : uint8_t { kIdle = 0, kPosted = 1, kArrived = 2, kDone = 3 };
+
+// A finished transfer, queued by its callback for the running thread.
+struct Event {
+  uint32_t step;
+  bool is_send;
+  int slot;  // scratch slot of a reducing receive, else -1
+  size_t chunk;
+  absl::Status status;
+};
+
+// What callbacks touch. Shared ownership: a callback may still be unwinding
+// (after queuing its event) when RunSchedule has returned.
+struct Mailbox {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Event> events;  // guarded by mu
+};
+
+struct StepState {
+  std::vector<uint8_t> send;  // kIdle, kPosted, kDone per chunk
+  std::vector<uint8_t> recv;  // kIdle, kPosted, kArrived (in scratch), kDone (written)
+  size_t recvs_done = 0;
+};
+
+struct Arrived {
+  uint32_t step;
+  int slot;
+  size_t chunk;
+};
+
+class Runner {
+ public:
+  Runner(const InterNodeContext& ctx, Schedule& s, size_t chunk_bytes, int chunk_bits)
+      : ctx_(ctx),
+        s_(s),
+        chunk_bytes_(chunk_bytes),
+        chunk_bits_(chunk_bits),
+        max_inflight_(std::max(1, ctx.max_inflight)),
+        num_channels_(std::max(1, ctx.transport->num_channels())),
+        elem_(wire::DataTypeSize(static_cast<uint32_t>(s.dtype))),
+        mailbox_(std::make_shared<Mailbox>()) {}
+
+  absl::Status Run();
+
+ private:
+  absl::Status Prepare();
+  bool PostSends();
+  bool PostRecvs();
+  bool ReduceArrived();
+  void Apply(Event& e);
+  void CancelAtDeadline();
+  bool AllDone() const;
+  absl::Status Named(const absl::Status& s, uint32_t step, bool is_send, size_t chunk) const;
+  TransferDone Callback(uint32_t step, bool is_send, size_t chunk, int slot);
+  uint64_t Tag(const Step& st, size_t chunk) const {
+    return ctx_.tag_base | (uint64_t{st.tag_step} << chunk_bits_) | chunk;
+  }
+  int Channel(const Step& st, size_t chunk) const {
+    return static_cast<int>((st.tag_step + chunk) % num_channels_);
+  }
+
+  const InterNodeContext& ctx_;
+  Schedule& s_;
+  const size_t chunk_bytes_;
+  const int chunk_bits_;
+  const int max_inflight_;
+  const int num_channels_;
+  const size_t elem_;
+  std::shared_ptr<Mailbox> mailbox_;
+
+  std::vector<StepState> state_;
+  size_t send_step_ = 0, send_chunk_ = 0;  // next send to post
+  size_t recv_step_ = 0, recv_chunk_ = 0;  // next receive to post
+  int sends_in_flight_ = 0, recvs_in_flight_ = 0;
+  std::vector<Arrived> arrived_;  // received into scratch, not yet reduced
+  uint8_t* scratch_ = nullptr;
+  size_t slot_bytes_ = 0;
+  std::vector<int> free_slots_;
+  absl::Status error_;
+  bool cancelled_ = false;
+};
+
+absl::Status Runner::Prepare() {
+  state_.resize(s_.steps.size());
+  size_t reduce_chunk = 0;
+  for (size_t i = 0; i < s_.steps.size(); ++i) {
+    Step& st = s_.steps[i];
+    if (st.send.peer < 0 && !st.send.empty()) return absl::InternalError("send without a peer");
+    if (st.recv.peer < 0 && !st.recv.empty()) return absl::InternalError("receive without a peer");
+    st.send.Cut(chunk_bytes_);
+    st.recv.Cut(chunk_bytes_);
+    if (chunk_bits_ < 0 ||
+        uint64_t{st.tag_step} >= (uint64_t{1} << (kTagFieldBits - chunk_bits_))) {
+      return absl::InternalError(absl::StrCat(s_.name, ": tag step out of range"));
+    }
+    state_[i].send.assign(st.send.num_chunks(), kIdle);
+    state_[i].recv.assign(st.recv.num_chunks(), kIdle);
+    if (st.send_dep == Dep::kChunk &&
+        !s_.steps[st.send_dep_step].recv.SameRanges(st.send)) {
+      return absl::InternalError(absl::StrCat(s_.name, ": chunk dependency between unequal sides"));
+    }
+    if (st.write_after_send_step >= 0 &&
+        !s_.steps[st.write_after_send_step].send.SameRanges(st.recv)) {
+      return absl::InternalError(absl::StrCat(s_.name, ": write dependency between unequal sides"));
+    }
+    if (st.reduce) {
+      for (size_t c = 0; c < st.recv.num_chunks(); ++c) {
+        reduce_chunk = std::max(reduce_chunk, st.recv.chunk(c).bytes);
+      }
+    }
+  }
+  if (reduce_chunk > 0) {
+    if (ctx_.scratch == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(s_.name, ": no scratch buffer"));
+    }
+    slot_bytes_ = (reduce_chunk + 63) / 64 * 64;
+    scratch_ = ctx_.scratch->Get(slot_bytes_ * max_inflight_);
+    if (scratch_ == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          s_.name, ": cannot map ", slot_bytes_ * max_inflight_, " bytes of scratch space"));
+    }
+    for (int i = max_inflight_ - 1; i >= 0; --i) free_slots_.push_back(i);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runner::Named(const absl::Status& s, uint32_t step, bool is_send,
+                           size_t chunk) const {
+  const Step& st = s_.steps[step];
+  return absl::Status(
+      s.code(), absl::StrCat(s_.name, ": ", is_send ? "send to node " : "receive from node ",
+                             is_send ? st.send.peer : st.recv.peer, " (step ", st.tag_step,
+                             ", chunk ", chunk, ") failed: ", s.message()));
+}
+
+TransferDone Runner::Callback(uint32_t step, bool is_send, size_t chunk, int slot) {
+  return [mailbox = mailbox_, step, is_send, chunk, slot](absl::Status status) {
+    std::lock_guard<std::mutex> lock(mailbox->mu);
+    mailbox->events.push_back(Event{step, is_send, slot, chunk, std::move(status)});
+    mailbox->cv.notify_one();
+  };
+}
+
+bool Runner::PostSends() {
+  bool posted = false;
+  while (send_step_ < s_.steps.size() && sends_in_flight_ < max_inflight_) {
+    const Step& st = s_.steps[send_step_];
+    if (send_chunk_ >= st.send.num_chunks()) {
+      ++send_step_;
+      send_chunk_ = 0;
+      continue;
+    }
+    if (st.send_dep == Dep::kChunk && state_[st.send_dep_step].recv[send_chunk_] != kDone) break;
+    if (st.send_dep == Dep::kAll &&
+        state_[st.send_dep_step].recvs_done != state_[st.send_dep_step].recv.size()) {
+      break;
+    }
+    const Range r = st.send.chunk(send_chunk_);
+    state_[send_step_].send[send_chunk_] = kPosted;
+    ++sends_in_flight_;
+    ctx_.transport->Send(st.send.peer, Channel(st, send_chunk_), Tag(st, send_chunk_), r.ptr,
+                         r.bytes, Callback(send_step_, true, send_chunk_, -1));
+    ++send_chunk_;
+    posted = true;
+  }
+  return posted;
+}
+
+bool Runner::PostRecvs() {
+  bool posted = false;
+  while (recv_step_ < s_.steps.size() && recvs_in_flight_ < max_inflight_) {
+    const Step& st = s_.steps[recv_step_];
+    if (recv_chunk_ >= st.recv.num_chunks()) {
+      ++recv_step_;
+      recv_chunk_ = 0;
+      continue;
+    }
+    const Range r = st.recv.chunk(recv_chunk_);
+    uint8_t* into = r.ptr;
+    int slot = -1;
+    if (st.reduce) {
+      if (free_slots_.empty()) break;
+      slot = free_slots_.back();
+      free_slots_.pop_back();
+      into = scratch_ + static_cast<size_t>(slot) * slot_bytes_;
+    } else if (st.write_after_send_step >= 0 &&
+               state_[st.write_after_send_step].send[recv_chunk_] != kDone) {
+      break;
+    }
+    state_[recv_step_].recv[recv_chunk_] = kPosted;
+    ++recvs_in_flight_;
+    ctx_.transport->Recv(st.recv.peer, Channel(st, recv_chunk_), Tag(st, recv_chunk_), into,
+                         r.bytes, Callback(recv_step_, false, recv_chunk_, slot));
+    ++recv_chunk_;
+    posted = true;
+  }
+  return posted;
+}
+
+bool Runner::ReduceArrived() {
+  bool reduced = false;
+  for (size_t i = 0; i < arrived_.size();) {
+    const Arrived a = arrived_[i];
+    const Step& st = s_.steps[a.step];
+    if (st.write_after_send_step >= 0 &&
+        state_[st.write_after_send_step].send[a.chunk] != kDone) {
+      ++i;
+      continue;
+    }
+    const Range r = st.recv.chunk(a.chunk);
+    const void* received = scratch_ + static_cast<size_t>(a.slot) * slot_bytes_;
+    const void* inputs[2] = {received, r.ptr};
+    if (!st.received_first) std::swap(inputs[0], inputs[1]);
+    Reduce(s_.dtype, s_.op, inputs, 2, r.ptr, r.bytes / elem_);
+    state_[a.step].recv[a.chunk] = kDone;
+    ++state_[a.step].recvs_done;
+    free_slots_.push_back(a.slot);
+    arrived_[i] = arrived_.back();
+    arrived_.pop_back();
+    reduced = true;
+  }
+  return reduced;
+}
+
+void Runner::Apply(Event& e) {
+  if (e.is_send) {
+    --sends_in_flight_;
+    state_[e.step].send[e.chunk] = kDone;
+  } else {
+    --recvs_in_flight_;
+    if (!e.status.ok() || !error_.ok()) {
+      if (e.slot >= 0) free_slots_.push_back(e.slot);
+      state_[e.step].recv[e.chunk] = kArrived;  // not written, not outstanding
+    } else if (e.slot >= 0) {
+      state_[e.step].recv[e.chunk] = kArrived;
+      arrived_.push_back({e.step, e.slot, e.chunk});
+    } else {
+      state_[e.step].recv[e.chunk] = kDone;
+      ++state_[e.step].recvs_done;
+    }
+  }
+  if (!e.status.ok() && error_.ok()) error_ = Named(e.status, e.step, e.is_send, e.chunk);
+}
+
+bool Runner::AllDone() const {
+  return send_step_ == s_.steps.size() && recv_step_ == s_.steps.size() &&
+         sends_in_flight_ == 0 && recvs_in_flight_ == 0 && arrived_.empty();
+}
+
+void Runner::CancelAtDeadline() {
+  cancelled_ = true;
+  // Name the first transfer still awaited: receives first (a send usually
+  // waits on the same peer's progress), in schedule order.
+  std::vector<int> peers;
+  bool named = !error_.ok();
+  for (bool sends : {false, true}) {
+    for (size_t i = 0; i < s_.steps.size(); ++i) {
+      const std::vector<uint8_t>& st = sends ? state_[i].send : state_[i].recv;
+      const auto it = std::find(st.begin(), st.end(), kPosted);
+      if (it == st.end()) continue;
+      const int peer = sends ? s_.steps[i].send.peer : s_.steps[i].recv.peer;
+      if (!named) {
+        error_ = absl::DeadlineExceededError(absl::StrCat(
+            s_.name, ": deadline exceeded waiting for node ", peer, " (",
+            sends ? "send" : "receive", ", step ", s_.steps[i].tag_step, ", chunk ",
+            it - st.begin(), ")"));
+        named = true;
+      }
+      if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
+    }
+  }
+  if (!named) {
+    error_ = absl::DeadlineExceededError(absl::StrCat(s_.name, ": deadline exceeded"));
+  }
+  for (int peer : peers) ctx_.transport->FailPeer(peer, error_);
+}
+
+absl::Status Runner::Run() {
+  if (absl::Status s = Prepare(); !s.ok()) return s;
+  std::vector<Event> batch;
+  while (true) {
+    if (error_.ok()) {
+      // Reduce first: it frees scratch slots and satisfies send dependencies.
+      while (ReduceArrived() | PostSends() | PostRecvs()) {
+      }
+    } else {
+      for (const Arrived& a : arrived_) free_slots_.push_back(a.slot);
+      arrived_.clear();
+    }
+    const bool idle = sends_in_flight_ == 0 && recvs_in_flight_ == 0;
+    if (idle && (!error_.ok() || AllDone())) break;
+    if (idle) {
+      // Nothing outstanding and nothing can start: a schedule bug, not a hang.
+      error_ = absl::InternalError(absl::StrCat(s_.name, ": schedule cannot progress"));
+      break;
+    }
+    batch.clear();
+    {
+      std::unique_lock<std::mutex> lock(mailbox_->mu);
+      const auto has_events = [this] { return !mailbox_->events.empty(); };
+      if (cancelled_) {
+        // The transport fires every callback after FailPeer.
+        mailbox_->cv.wait(lock, has_events);
+      } else if (!mailbox_->cv.wait_until(lock, ctx_.deadline, has_events)) {
+        lock.unlock();
+        CancelAtDeadline();
+        continue;
+      }
+      batch.swap(mailbox_->events);
+    }
+    for (Event& e : batch) Apply(e);
+  }
+  return error_;
+}
+
+}  // namespace
+
+absl::Status RunSchedule(const InterNodeContext& ctx, Schedule& schedule, size_t chunk_bytes,
+                         int chunk_bits) {
+  Runner runner(ctx, schedule, chunk_bytes, chunk_bits);
+  return runner.Run();
+}
+
+}  // namespace ciuic::daemon::internode_internal
