@@ -1,0 +1,788 @@
+#include "transport/ucx_transport.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <list>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "spdlog/spdlog.h"
+
+namespace ciuic::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kUserTagMask = (uint64_t{1} << Transport::kTagBits) - 1;
+// How long an idle progress thread keeps polling before it arms the worker
+// and sleeps: long enough to catch a reply to a small message without a
+// wakeup, short enough not to burn a core.
+constexpr auto kPollBeforeSleep = std::chrono::microseconds(30);
+// The longest an idle thread sleeps: UCX keepalive (peer failure detection
+// on transports without a connection, e.g. shared memory) runs from
+// ucp_worker_progress, so a sleeping worker must wake now and then.
+constexpr int kSleepMs = 1000;
+// Bound on the work the destructor waits for (forced endpoint closes,
+// cancelled requests).
+constexpr auto kShutdownGrace = std::chrono::seconds(2);
+// Bound on Connect/Describe waiting for a channel thread.
+constexpr auto kTaskWait = std::chrono::seconds(10);
+
+uint64_t WireTag(int source_peer, uint64_t tag) {
+  return (static_cast<uint64_t>(source_peer) << Transport::kTagBits) | (tag & kUserTagMask);
+}
+
+std::string UcsError(ucs_status_t st) {
+  return std::string(ucs_status_string(st)) + " (" + std::to_string(static_cast<int>(st)) + ")";
+}
+
+absl::Status Annotate(const absl::Status& s, const std::string& what) {
+  return absl::Status(s.code(), std::string(s.message()) + " [" + what + "]");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+struct UcxTransport::Shared {
+  ucp_context_h context = nullptr;
+  std::string tls;  // UCX_TLS as configured, for Describe
+
+  std::atomic<bool> shutting_down{false};
+
+  // Peer failure: sticky. `failed` lets the data path skip the mutex.
+  mutable std::mutex mu;
+  std::vector<absl::Status> peer_status ABSL_GUARDED_BY(mu);
+  std::unique_ptr<std::atomic<bool>[]> failed;
+
+  absl::Status PeerStatus(int peer) const {
+    if (peer < 0 || !failed || !failed[peer].load(std::memory_order_acquire)) {
+      return absl::OkStatus();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    return peer_status[peer];
+  }
+};
+
+namespace {
+
+enum class OpKind { kSend, kRecv };
+
+// One Send or Recv, from the call until its callback. Owned by the channel's
+// queue, then by its in-flight list; touched only on the channel's thread
+// after it was queued.
+struct Op {
+  OpKind kind;
+  int peer;
+  int channel;
+  uint64_t tag;
+  void* data;
+  size_t bytes;
+  TransferDone done;
+  UcxTransport::Channel* owner = nullptr;  // the channel that runs it
+
+  absl::Status early;      // set: fail with this instead of posting
+  absl::Status override;   // set: the reason it was cancelled
+  void* request = nullptr; // the ucp request while in flight
+  bool posted = false;     // the nbx call has returned
+  bool fired = false;      // the ucp callback ran
+  bool abandoned = false;  // completed by the shutdown deadline, ucp still holds it
+  ucs_status_t ucs = UCS_OK;
+  size_t received = 0;
+  std::list<Op*>::iterator pos;
+
+  std::string What() const {
+    char tag_hex[32];
+    std::snprintf(tag_hex, sizeof(tag_hex), "0x%" PRIx64, tag);
+    return std::string(kind == OpKind::kSend ? "send to" : "recv from") + " peer " +
+           std::to_string(peer) + " channel " + std::to_string(channel) + " tag " + tag_hex +
+           ", " + std::to_string(bytes) + " bytes";
+  }
+};
+
+struct EpContext {
+  UcxTransport::Channel* channel;
+  int peer;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// A channel: one worker, its endpoints and its progress thread. Everything
+// below "thread-owned" is touched only by the thread.
+
+class UcxTransport::Channel {
+ public:
+  Channel(UcxTransport* owner, int index) : owner_(owner), index_(index) {}
+
+  ~Channel() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  absl::Status Init(ucp_context_h context) {
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    ucs_status_t st = ucp_worker_create(context, &wp, &worker_);
+    if (st != UCS_OK) {
+      return absl::InternalError("ucp_worker_create for channel " + std::to_string(index_) +
+                                 ": " + UcsError(st));
+    }
+    st = ucp_worker_get_efd(worker_, &efd_);
+    if (st != UCS_OK) {
+      return absl::InternalError("ucp_worker_get_efd: " + UcsError(st));
+    }
+    ucp_address_t* addr = nullptr;
+    size_t len = 0;
+    st = ucp_worker_get_address(worker_, &addr, &len);
+    if (st != UCS_OK) {
+      return absl::InternalError("ucp_worker_get_address: " + UcsError(st));
+    }
+    address_.assign(reinterpret_cast<const char*>(addr), len);
+    ucp_worker_release_address(worker_, addr);
+    return absl::OkStatus();
+  }
+
+  // The worker was created on the caller's thread; from here on it belongs
+  // to the progress thread (thread start orders the two).
+  void Start() {
+    thread_ = std::thread([this] { Run(); });
+  }
+
+  // Destroys a worker whose thread never started (Create failed half way).
+  void DestroyUnstarted() {
+    if (worker_ != nullptr && !thread_.joinable()) {
+      ucp_worker_destroy(worker_);
+      worker_ = nullptr;
+    }
+  }
+
+  const std::string& address() const { return address_; }
+
+  // Any thread.
+  void Enqueue(std::unique_ptr<Op> op) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ops_.push_back(op.release());
+    }
+    Wake();
+  }
+
+  // Runs `task` on the thread. Any thread.
+  void RunOnThread(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    Wake();
+  }
+
+  void Stop() {
+    stop_.store(true);
+    pending_.fetch_add(1);
+    if (worker_ != nullptr) ucp_worker_signal(worker_);
+  }
+
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // --- thread-owned, called from tasks ---
+
+  absl::Status ConnectOnThread(const std::vector<std::vector<std::string>>& addresses) {
+    eps_.assign(addresses.size(), nullptr);
+    ep_contexts_.resize(addresses.size());
+    for (size_t peer = 0; peer < addresses.size(); ++peer) {
+      const std::string& addr = addresses[peer][index_];
+      ep_contexts_[peer] = std::make_unique<EpContext>(EpContext{this, static_cast<int>(peer)});
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.address = reinterpret_cast<const ucp_address_t*>(addr.data());
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = &Channel::OnEpError;
+      ep.err_handler.arg = ep_contexts_[peer].get();
+      ucs_status_t st = ucp_ep_create(worker_, &ep, &eps_[peer]);
+      if (st != UCS_OK) {
+        eps_[peer] = nullptr;
+        return absl::UnavailableError("ucp_ep_create to peer " + std::to_string(peer) +
+                                      " channel " + std::to_string(index_) + ": " + UcsError(st));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Cancels the pending work with `peer` and force-closes its endpoint.
+  void FailPeerOnThread(int peer) {
+    absl::Status why = owner_->shared_->PeerStatus(peer);
+    CancelInFlight([peer](const Op& op) { return op.peer == peer; }, why);
+    ClosePeerEndpoint(peer);
+  }
+
+  std::string DescribeOnThread() {
+    std::string out;
+    for (size_t peer = 0; peer < eps_.size(); ++peer) {
+      out += "channel " + std::to_string(index_) + " peer " + std::to_string(peer) + ": ";
+      if (eps_[peer] == nullptr) {
+        absl::Status s = owner_->shared_->PeerStatus(static_cast<int>(peer));
+        out += s.ok() ? "no endpoint" : "failed (" + std::string(s.message()) + ")";
+      } else {
+        out += EndpointTransports(eps_[peer]);
+      }
+      out += "\n";
+    }
+    return out;
+  }
+
+ private:
+  void Wake() {
+    pending_.fetch_add(1);  // seq_cst: pairs with sleeping_ below
+    if (sleeping_.load()) ucp_worker_signal(worker_);
+  }
+
+  void Run() {
+    std::string name = "ciuic-ucx" + std::to_string(index_);
+    pthread_setname_np(pthread_self(), name.c_str());
+    auto last_activity = Clock::now();
+    while (true) {
+      bool worked = DrainQueue();
+      if (stop_.load()) break;
+      unsigned progressed = 0;
+      while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
+      ReapCloseRequests();
+      if (worked || progressed != 0) {
+        last_activity = Clock::now();
+        continue;
+      }
+      if (Clock::now() - last_activity < kPollBeforeSleep) continue;
+      // Idle: arm the worker and sleep on its fd. A producer that saw
+      // sleeping_ == false queued before our pending_ check below; one that
+      // saw true signals the worker, which either makes arm() busy or wakes
+      // the poll.
+      sleeping_.store(true);
+      if (pending_.load() != 0) {
+        sleeping_.store(false);
+        continue;
+      }
+      ucs_status_t st = ucp_worker_arm(worker_);
+      if (st == UCS_OK) {
+        pollfd pfd{efd_, POLLIN, 0};
+        poll(&pfd, 1, kSleepMs);
+      } else if (st != UCS_ERR_BUSY) {
+        spdlog::error("ucx channel {}: ucp_worker_arm: {}", index_, UcsError(st));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      sleeping_.store(false);
+      last_activity = Clock::now();
+    }
+    Shutdown();
+  }
+
+  // Runs queued tasks and posts queued ops. Returns whether there were any.
+  bool DrainQueue() {
+    std::vector<std::function<void()>> tasks;
+    std::vector<Op*> ops;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks.swap(tasks_);
+      ops.swap(ops_);
+      pending_.store(0);
+    }
+    for (auto& t : tasks) t();
+    for (Op* op : ops) Post(std::unique_ptr<Op>(op));
+    return !tasks.empty() || !ops.empty();
+  }
+
+  void Post(std::unique_ptr<Op> owned) {
+    Op* op = owned.get();
+    const Shared& shared = *owner_->shared_;
+    if (!op->early.ok()) return Finish(std::move(owned), op->early);
+    if (shared.shutting_down.load()) {
+      return Finish(std::move(owned), absl::UnavailableError("transport shut down"));
+    }
+    if (absl::Status s = shared.PeerStatus(op->peer); !s.ok()) {
+      return Finish(std::move(owned), s);
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.user_data = op;
+    // A zero-byte transfer still needs a valid pointer for some transports.
+    static char empty;
+    void* buffer = op->bytes == 0 ? &empty : op->data;
+    in_flight_.push_back(owned.release());
+    op->pos = std::prev(in_flight_.end());
+    ucs_status_ptr_t ptr;
+    if (op->kind == OpKind::kSend) {
+      ucp_ep_h ep = static_cast<size_t>(op->peer) < eps_.size() ? eps_[op->peer] : nullptr;
+      if (ep == nullptr) {
+        in_flight_.erase(op->pos);
+        return Finish(std::unique_ptr<Op>(op),
+                      absl::FailedPreconditionError("transport not connected to peer"));
+      }
+      param.cb.send = &Channel::OnSendDone;
+      ptr = ucp_tag_send_nbx(ep, buffer, op->bytes, WireTag(owner_->self_, op->tag), &param);
+    } else {
+      // No immediate completion: the length then always comes through the
+      // callback (UCX 1.13 reported length 0 in param.recv_info for some
+      // completions that happened inside the call).
+      param.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+      param.cb.recv = &Channel::OnRecvDone;
+      ptr = ucp_tag_recv_nbx(worker_, buffer, op->bytes, WireTag(op->peer, op->tag),
+                             ~uint64_t{0}, &param);
+    }
+    op->posted = true;
+    if (ptr == nullptr) {
+      // A send completed at once; ucp does not call the callback.
+      op->ucs = UCS_OK;
+      op->received = op->bytes;
+      return Complete(op);
+    }
+    if (UCS_PTR_IS_ERR(ptr)) {
+      op->ucs = UCS_PTR_STATUS(ptr);
+      return Complete(op);
+    }
+    op->request = ptr;
+    if (op->fired) Complete(op);  // the callback ran inside the nbx call
+  }
+
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
+    auto* op = static_cast<Op*>(user_data);
+    op->fired = true;
+    op->ucs = status;
+    op->received = op->bytes;
+    if (op->posted) op->owner->Complete(op);  // else Post() completes it
+  }
+
+  static void OnRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                         void* user_data) {
+    auto* op = static_cast<Op*>(user_data);
+    op->fired = true;
+    op->ucs = status;
+    op->received = status == UCS_OK && info != nullptr ? info->length : 0;
+    if (op->posted) op->owner->Complete(op);  // else Post() completes it
+  }
+
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* ctx = static_cast<EpContext*>(arg);
+    Channel* self = ctx->channel;
+    if (self->owner_->shared_->shutting_down.load()) return;
+    spdlog::warn("ucx channel {}: endpoint to peer {} failed: {}", self->index_, ctx->peer,
+                 UcsError(status));
+    self->owner_->MarkPeerFailed(
+        ctx->peer, absl::UnavailableError("lost peer " + std::to_string(ctx->peer) + ": " +
+                                          ucs_status_string(status) + " (channel " +
+                                          std::to_string(self->index_) + ")"));
+  }
+
+  // The op's ucp part is over: free the request and run the callback.
+  void Complete(Op* op) {
+    if (op->abandoned) return;  // its callback already ran at the shutdown deadline
+    in_flight_.erase(op->pos);
+    if (op->request != nullptr) ucp_request_free(op->request);
+    op->request = nullptr;
+    std::unique_ptr<Op> owned(op);
+    absl::Status result = ResultOf(*op);
+    Finish(std::move(owned), result);
+  }
+
+  absl::Status ResultOf(const Op& op) {
+    const Shared& shared = *owner_->shared_;
+    if (!op.override.ok()) return op.override;
+    if (op.ucs == UCS_OK) {
+      if (op.kind == OpKind::kRecv && op.received != op.bytes) {
+        return absl::InvalidArgumentError("size mismatch: received " +
+                                          std::to_string(op.received) + " bytes");
+      }
+      return absl::OkStatus();
+    }
+    if (op.ucs == UCS_ERR_MESSAGE_TRUNCATED) {
+      return absl::InvalidArgumentError(
+          "message truncated: the message is larger than the Recv buffer");
+    }
+    if (op.ucs == UCS_ERR_CANCELED && shared.shutting_down.load()) {
+      return absl::UnavailableError("transport shut down");
+    }
+    if (absl::Status s = shared.PeerStatus(op.peer); !s.ok()) return s;
+    if (op.kind == OpKind::kSend) {
+      // A send fails only when the connection does: the peer is lost.
+      absl::Status lost = absl::UnavailableError("lost peer " + std::to_string(op.peer) + ": " +
+                                                 ucs_status_string(op.ucs) + " (channel " +
+                                                 std::to_string(index_) + ")");
+      owner_->MarkPeerFailed(op.peer, lost);
+      return shared.PeerStatus(op.peer);
+    }
+    return absl::InternalError("UCX error: " + UcsError(op.ucs));
+  }
+
+  // Runs the callback (exactly once per op) on this thread.
+  void Finish(std::unique_ptr<Op> op, const absl::Status& status) {
+    TransferDone done = std::move(op->done);
+    absl::Status result = status.ok() ? status : Annotate(status, op->What());
+    op.reset();
+    if (done) done(std::move(result));
+  }
+
+  // Gives every in-flight op matching `pred` the reason `why` and cancels
+  // it: recvs through ucp_request_cancel (completes them now), sends through
+  // the forced close of their endpoint that the caller does next.
+  template <typename Pred>
+  void CancelInFlight(Pred pred, const absl::Status& why) {
+    std::vector<Op*> victims;
+    for (Op* op : in_flight_) {
+      if (!op->abandoned && pred(*op)) victims.push_back(op);
+    }
+    for (Op* op : victims) {
+      if (op->override.ok()) op->override = why;
+    }
+    for (Op* op : victims) {
+      if (op->kind == OpKind::kRecv && op->request != nullptr) {
+        ucp_request_cancel(worker_, op->request);  // may complete (and delete) op
+      }
+    }
+  }
+
+  void ClosePeerEndpoint(int peer) {
+    if (static_cast<size_t>(peer) >= eps_.size() || eps_[peer] == nullptr) return;
+    ucp_ep_h ep = eps_[peer];
+    eps_[peer] = nullptr;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &param);
+    if (req != nullptr && !UCS_PTR_IS_ERR(req)) close_requests_.push_back(req);
+  }
+
+  void ReapCloseRequests() {
+    if (close_requests_.empty()) return;
+    std::erase_if(close_requests_, [](void* req) {
+      if (ucp_request_check_status(req) == UCS_INPROGRESS) return false;
+      ucp_request_free(req);
+      return true;
+    });
+  }
+
+  void Shutdown() {
+    const absl::Status down = absl::UnavailableError("transport shut down");
+    DrainQueue();  // ops fail (shutting_down is set), tasks run
+    CancelInFlight([](const Op&) { return true; }, down);
+    for (size_t peer = 0; peer < eps_.size(); ++peer) ClosePeerEndpoint(static_cast<int>(peer));
+    const auto deadline = Clock::now() + kShutdownGrace;
+    while ((!in_flight_.empty() || !close_requests_.empty()) && Clock::now() < deadline) {
+      DrainQueue();  // callbacks may have queued more: they fail at once
+      ucp_worker_progress(worker_);
+      ReapCloseRequests();
+    }
+    DrainQueue();
+    // Whatever UCX did not finish in time still gets its one callback; the
+    // op stays allocated until the worker (which may still call back) is gone.
+    std::vector<Op*> abandoned(in_flight_.begin(), in_flight_.end());
+    for (Op* op : abandoned) {
+      TransferDone done = std::move(op->done);
+      op->abandoned = true;
+      if (done) done(Annotate(down, op->What()));
+    }
+    if (!abandoned.empty() || !close_requests_.empty()) {
+      spdlog::warn("ucx channel {}: {} transfers and {} endpoint closes unfinished at shutdown",
+                   index_, abandoned.size(), close_requests_.size());
+    }
+    close_requests_.clear();  // freed with the worker
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+    for (Op* op : abandoned) delete op;
+    in_flight_.clear();
+    // Anything queued after the last drain (a callback of the above).
+    std::vector<Op*> late;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      late.swap(ops_);
+    }
+    for (Op* op : late) Finish(std::unique_ptr<Op>(op), down);
+  }
+
+  static std::string EndpointTransports(ucp_ep_h ep) {
+    char* buf = nullptr;
+    size_t len = 0;
+    FILE* f = open_memstream(&buf, &len);
+    if (f == nullptr) return "?";
+    ucp_ep_print_info(ep, f);
+    std::fclose(f);
+    std::string text(buf, len);
+    std::free(buf);
+    // Lines look like "#   lane[0]:  8:tcp/lo.0 md[4] ..."; keep "tcp/lo".
+    std::set<std::string> tls;
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+      auto lane = line.find("lane[");
+      if (lane == std::string::npos) continue;
+      auto colon = line.find(':', lane);
+      if (colon == std::string::npos) continue;
+      std::istringstream rest(line.substr(colon + 1));
+      std::string word;
+      rest >> word;  // "8:tcp/lo.0"
+      auto c = word.find(':');
+      if (c != std::string::npos) word = word.substr(c + 1);
+      auto dot = word.rfind('.');
+      if (dot != std::string::npos) word = word.substr(0, dot);
+      if (!word.empty()) tls.insert(word);
+    }
+    std::string out;
+    for (const auto& t : tls) out += (out.empty() ? "" : ",") + t;
+    return out.empty() ? "(no lanes)" : out;
+  }
+
+  UcxTransport* const owner_;
+  const int index_;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  std::string address_;
+  std::thread thread_;
+
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<uint64_t> pending_{0};  // work queued since the last drain
+  std::mutex mu_;
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  std::vector<Op*> ops_ ABSL_GUARDED_BY(mu_);  // owned
+
+  // Thread-owned.
+  std::vector<ucp_ep_h> eps_;
+  std::vector<std::unique_ptr<EpContext>> ep_contexts_;
+  std::list<Op*> in_flight_;  // owned
+  std::vector<void*> close_requests_;
+};
+
+
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// Runs `fn` on `channel`'s thread and waits (bounded) for its result.
+template <typename T>
+absl::StatusOr<T> CallOnThread(UcxTransport::Channel& channel, std::function<T()> fn) {
+  auto promise = std::make_shared<std::promise<T>>();
+  std::future<T> future = promise->get_future();
+  channel.RunOnThread([promise, fn = std::move(fn)] { promise->set_value(fn()); });
+  if (future.wait_for(kTaskWait) != std::future_status::ready) {
+    return absl::DeadlineExceededError("UCX progress thread did not answer");
+  }
+  return future.get();
+}
+
+}  // namespace
+
+UcxTransport::UcxTransport() : shared_(std::make_unique<Shared>()) {}
+
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_channels) {
+  if (num_channels < 1) {
+    return absl::InvalidArgumentError("need at least one channel, got " +
+                                      std::to_string(num_channels));
+  }
+  std::unique_ptr<UcxTransport> t(new UcxTransport());
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return absl::InternalError("ucp_config_read: " + UcsError(st));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;  // each worker has its own thread
+  st = ucp_init(&params, config, &t->shared_->context);
+  ucp_config_release(config);
+  if (st != UCS_OK) {
+    t->shared_->context = nullptr;
+    return absl::UnavailableError("ucp_init: " + UcsError(st));
+  }
+  const char* tls = std::getenv("UCX_TLS");
+  t->shared_->tls = tls != nullptr ? tls : "all (default)";
+  for (int i = 0; i < num_channels; ++i) {
+    auto channel = std::make_unique<Channel>(t.get(), i);
+    absl::Status s = channel->Init(t->shared_->context);
+    t->channels_.push_back(std::move(channel));
+    if (!s.ok()) return s;  // the destructor cleans up what exists
+    t->addresses_.push_back(t->channels_.back()->address());
+  }
+  for (auto& channel : t->channels_) channel->Start();
+  spdlog::info("ucx transport: UCX {}, UCX_TLS={}, {} channel(s)", UcxVersion(),
+               t->shared_->tls, num_channels);
+  return t;
+}
+
+UcxTransport::~UcxTransport() {
+  shared_->shutting_down.store(true);
+  for (auto& channel : channels_) channel->Stop();
+  for (auto& channel : channels_) {
+    channel->Join();
+    channel->DestroyUnstarted();
+  }
+  channels_.clear();
+  if (shared_->context != nullptr) ucp_cleanup(shared_->context);
+}
+
+std::vector<std::string> UcxTransport::WorkerAddresses() const { return addresses_; }
+
+absl::Status UcxTransport::Connect(int self,
+                                   const std::vector<std::vector<std::string>>& addresses) {
+  if (num_peers_ != 0) return absl::FailedPreconditionError("Connect called twice");
+  const int n = static_cast<int>(addresses.size());
+  if (n < 1 || n > kMaxPeers) {
+    return absl::InvalidArgumentError("membership table of " + std::to_string(n) +
+                                      " peers (1.." + std::to_string(kMaxPeers) + ")");
+  }
+  if (self < 0 || self >= n) {
+    return absl::InvalidArgumentError("self " + std::to_string(self) + " not in a table of " +
+                                      std::to_string(n) + " peers");
+  }
+  for (int peer = 0; peer < n; ++peer) {
+    if (addresses[peer].size() != channels_.size()) {
+      return absl::InvalidArgumentError(
+          "peer " + std::to_string(peer) + " has " + std::to_string(addresses[peer].size()) +
+          " channel addresses, this transport has " + std::to_string(channels_.size()));
+    }
+    for (const auto& a : addresses[peer]) {
+      if (a.empty()) {
+        return absl::InvalidArgumentError("empty address for peer " + std::to_string(peer));
+      }
+    }
+  }
+  if (addresses[self] != addresses_) {
+    return absl::InvalidArgumentError("addresses[self] are not this transport's addresses");
+  }
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared_->peer_status.assign(n, absl::OkStatus());
+    shared_->failed = std::make_unique<std::atomic<bool>[]>(n);
+    for (int i = 0; i < n; ++i) shared_->failed[i].store(false);
+  }
+  self_ = self;
+  num_peers_ = n;
+  for (auto& channel : channels_) {
+    Channel* ch = channel.get();
+    // A copy: the task may outlive this call if the thread does not answer.
+    absl::StatusOr<absl::Status> s = CallOnThread<absl::Status>(
+        *ch, [ch, addresses] { return ch->ConnectOnThread(addresses); });
+    if (!s.ok()) return s.status();
+    if (!s->ok()) return *s;
+  }
+  return absl::OkStatus();
+}
+
+void UcxTransport::Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+                        TransferDone done) {
+  auto op = std::make_unique<Op>();
+  op->kind = OpKind::kSend;
+  op->peer = peer;
+  op->channel = channel;
+  op->tag = tag & kUserTagMask;
+  op->data = const_cast<void*>(data);
+  op->bytes = bytes;
+  op->done = std::move(done);
+  if (channel < 0 || channel >= num_channels()) {
+    op->early = absl::InvalidArgumentError("no such channel");
+    channel = 0;
+  } else if (peer < 0 || peer >= num_peers_) {
+    op->early = absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected"
+                                                           : "no such peer");
+  }
+  op->owner = channels_[channel].get();
+  channels_[channel]->Enqueue(std::move(op));
+}
+
+void UcxTransport::Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+                        TransferDone done) {
+  auto op = std::make_unique<Op>();
+  op->kind = OpKind::kRecv;
+  op->peer = peer;
+  op->channel = channel;
+  op->tag = tag & kUserTagMask;
+  op->data = data;
+  op->bytes = bytes;
+  op->done = std::move(done);
+  if (channel < 0 || channel >= num_channels()) {
+    op->early = absl::InvalidArgumentError("no such channel");
+    channel = 0;
+  } else if (peer < 0 || peer >= num_peers_) {
+    op->early = absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected"
+                                                           : "no such peer");
+  }
+  op->owner = channels_[channel].get();
+  channels_[channel]->Enqueue(std::move(op));
+}
+
+void UcxTransport::FailPeer(int peer, const absl::Status& why) {
+  if (peer < 0 || peer >= num_peers_) return;
+  absl::Status status = why.ok() ? absl::UnavailableError("failed by the control plane") : why;
+  MarkPeerFailed(peer, absl::Status(status.code(), "lost peer " + std::to_string(peer) + ": " +
+                                                       std::string(status.message())));
+}
+
+void UcxTransport::MarkPeerFailed(int peer, absl::Status why) {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    if (shared_->failed[peer].load()) return;  // sticky: the first reason wins
+    shared_->peer_status[peer] = why;
+    shared_->failed[peer].store(true, std::memory_order_release);
+  }
+  spdlog::warn("ucx transport: {}", why.ToString());
+  for (auto& channel : channels_) {
+    Channel* ch = channel.get();
+    ch->RunOnThread([ch, peer] { ch->FailPeerOnThread(peer); });
+  }
+}
+
+absl::Status UcxTransport::PeerStatus(int peer) const {
+  if (peer < 0 || peer >= num_peers_) return absl::InvalidArgumentError("no such peer");
+  return shared_->PeerStatus(peer);
+}
+
+std::string UcxTransport::Describe() const {
+  std::string out = "UCX " + UcxVersion() + ", UCX_TLS=" + shared_->tls + ", " +
+                    std::to_string(channels_.size()) + " channel(s)";
+  if (num_peers_ == 0) return out + ", not connected\n";
+  out += ", peer " + std::to_string(self_) + " of " + std::to_string(num_peers_) + "\n";
+  for (const auto& channel : channels_) {
+    Channel* ch = channel.get();
+    absl::StatusOr<std::string> s =
+        CallOnThread<std::string>(*ch, [ch] { return ch->DescribeOnThread(); });
+    out += s.ok() ? *s : "channel: " + s.status().ToString() + "\n";
+  }
+  return out;
+}
+
+std::string UcxTransport::UcxVersion() { return ucp_get_version_string(); }
+
+bool UcxTransport::SupportsCudaMemory() {
+  static const bool supported = [] {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return false;
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG;
+    ucp_context_h context = nullptr;
+    ucs_status_t st = ucp_init(&params, config, &context);
+    ucp_config_release(config);
+    if (st != UCS_OK) return false;
+    ucp_context_attr_t attr{};
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
+                (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    ucp_cleanup(context);
+    return cuda;
+  }();
+  return supported;
+}
+
+}  // namespace ciuic::daemon

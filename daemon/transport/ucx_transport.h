@@ -1,0 +1,102 @@
+// The UCX (ucp tag API) implementation of Transport.
+//
+// One ucp context per transport; one ucp worker per channel, each owned and
+// progressed by its own thread ("ciuic-ucx<N>"). Every ucp call that touches
+// a worker, its endpoints or its requests runs on that worker's thread
+// (workers are created UCS_THREAD_MODE_SINGLE): Send, Recv, Connect,
+// FailPeer and Describe hand work to the thread through a queue and wake it
+// with ucp_worker_signal. An idle thread polls for a few tens of
+// microseconds, then arms the worker and sleeps in poll() on the worker's
+// event fd (waking once a second so that UCX keepalive can run).
+//
+// Wire tags are 64 bits: [16 bits source peer][48 bits user tag]; a Recv
+// matches with a full mask, so (source peer, channel, tag) selects exactly
+// one message stream. Peers are limited to 65536.
+//
+// Failure: an endpoint error (peer died, connection reset), a failed send,
+// or FailPeer() marks the peer failed with a sticky status ("lost peer 2:
+// ..."); every channel then cancels its pending Recvs from the peer and
+// force-closes its endpoint to it (which fails the pending Sends), and later
+// Send/Recv with the peer fail at once, on the channel's thread.
+//
+// UCX configuration (UCX_TLS, UCX_NET_DEVICES, ...) comes from the
+// environment, read by Create().
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "transport/transport.h"
+
+namespace ciuic::daemon {
+
+class UcxTransport final : public Transport {
+ public:
+  static constexpr int kMaxPeers = 1 << (64 - kTagBits);
+
+  // Creates the ucp context and `num_channels` workers and starts their
+  // progress threads. No endpoints yet: publish WorkerAddresses(), then
+  // Connect() with everybody's.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(int num_channels);
+
+  // Fails every queued and pending transfer with UNAVAILABLE "transport shut
+  // down", force-closes the endpoints, stops the threads and destroys the
+  // workers and the context. Bounded: gives UCX at most a few seconds.
+  // Must not race with Send/Recv from other threads.
+  ~UcxTransport() override;
+
+  UcxTransport(const UcxTransport&) = delete;
+  UcxTransport& operator=(const UcxTransport&) = delete;
+
+  // One opaque ucp worker address per channel, in channel order.
+  std::vector<std::string> WorkerAddresses() const;
+
+  // addresses[peer][channel] for every member of the table, self included.
+  // Creates one endpoint per (peer, channel), also to self (loopback through
+  // UCX). Call once, before any Send/Recv; blocks until the endpoints exist.
+  absl::Status Connect(int self, const std::vector<std::vector<std::string>>& addresses);
+
+  int self() const override { return self_; }
+  int num_peers() const override { return num_peers_; }
+  int num_channels() const override { return static_cast<int>(channels_.size()); }
+
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override;
+  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+            TransferDone done) override;
+  void FailPeer(int peer, const absl::Status& why) override;
+
+  // The peer's sticky failure, or OK.
+  absl::Status PeerStatus(int peer) const;
+
+  // One line per channel and peer: the UCX transports (tl/device) its
+  // endpoint uses, plus the UCX version and the configured UCX_TLS.
+  std::string Describe() const;
+
+  static std::string UcxVersion();
+  // Whether this UCX build can move CUDA memory (UCS_MEMORY_TYPE_CUDA among
+  // the context's memory types). Creates a throw-away context once.
+  static bool SupportsCudaMemory();
+
+  class Channel;  // one worker and its thread (ucx_transport.cc)
+
+ private:
+  struct Shared;  // the state the channels share with the transport
+
+  UcxTransport();
+
+  // Marks `peer` failed with `why` unless it already failed; tells every
+  // channel to cancel its pending work with the peer. Any thread.
+  void MarkPeerFailed(int peer, absl::Status why);
+
+  std::unique_ptr<Shared> shared_;
+  std::vector<std::unique_ptr<Channel>> channels_;
+  std::vector<std::string> addresses_;
+  int self_ = -1;
+  int num_peers_ = 0;
+};
+
+}  // namespace ciuic::daemon

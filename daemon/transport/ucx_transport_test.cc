@@ -1,0 +1,610 @@
+// UcxTransport: ranks as transports in one process, plus one real child
+// process for peer death. Tests that mean to prove the network path force
+// UCX_TLS=tcp (with self for loopback sends, see README.md).
+#include "transport/ucx_transport.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ciuic::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Sets or clears UCX_TLS before a test creates its transports (UCX reads the
+// environment in ucp_config_read, i.e. in Create).
+void UseTls(const char* tls) {
+  if (tls == nullptr) {
+    unsetenv("UCX_TLS");
+  } else {
+    setenv("UCX_TLS", tls, 1);
+  }
+}
+
+// Counts callbacks; remembers the last status of each slot.
+class Completions {
+ public:
+  explicit Completions(size_t n) : calls_(n, 0), status_(n) {}
+
+  TransferDone Slot(size_t i) {
+    return [this, i](absl::Status s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++calls_[i];
+      status_[i] = std::move(s);
+      ++total_;
+      cv_.notify_all();
+    };
+  }
+
+  // Waits until every slot has been called at least once.
+  bool WaitAll(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] {
+      return std::all_of(calls_.begin(), calls_.end(), [](int c) { return c > 0; });
+    });
+  }
+
+  bool Wait(size_t i, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return calls_[i] > 0; });
+  }
+
+  int calls(size_t i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_[i];
+  }
+  absl::Status status(size_t i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_[i];
+  }
+  int total() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return total_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int> calls_;
+  std::vector<absl::Status> status_;
+  int total_ = 0;
+};
+
+// Deterministic contents per message, so a misrouted message shows.
+void Fill(std::vector<uint8_t>& buf, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  size_t i = 0;
+  for (; i + 8 <= buf.size(); i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(&buf[i], &x, 8);
+  }
+  for (; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(seed + i);
+}
+
+struct Ranks {
+  std::vector<std::unique_ptr<UcxTransport>> t;
+  UcxTransport& operator[](int i) { return *t[i]; }
+};
+
+Ranks MakeRanks(int n, int channels) {
+  Ranks r;
+  std::vector<std::vector<std::string>> addresses;
+  for (int i = 0; i < n; ++i) {
+    auto t = UcxTransport::Create(channels);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    if (!t.ok()) return r;
+    addresses.push_back((*t)->WorkerAddresses());
+    EXPECT_EQ(addresses.back().size(), static_cast<size_t>(channels));
+    r.t.push_back(std::move(*t));
+  }
+  for (int i = 0; i < n; ++i) {
+    absl::Status s = r[i].Connect(i, addresses);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(r[i].self(), i);
+    EXPECT_EQ(r[i].num_peers(), n);
+    EXPECT_EQ(r[i].num_channels(), channels);
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+
+struct ExchangeCase {
+  const char* name;
+  const char* tls;  // nullptr: UCX's default choice
+  int ranks;
+  int channels;
+};
+
+class UcxExchangeTest : public ::testing::TestWithParam<ExchangeCase> {};
+
+// Every rank sends to every rank (itself included) on every channel, sizes
+// 0 B .. 64 MiB; half the recvs are posted before the sends, half after,
+// both in shuffled order.
+TEST_P(UcxExchangeTest, ManyMessagesAllPairs) {
+  const ExchangeCase c = GetParam();
+  UseTls(c.tls);
+  Ranks r = MakeRanks(c.ranks, c.channels);
+  ASSERT_EQ(r.t.size(), static_cast<size_t>(c.ranks));
+
+  struct Msg {
+    int src, dst, ch;
+    uint64_t tag;
+    std::vector<uint8_t> out, in;
+  };
+  const std::vector<size_t> sizes = {0, 1, 7, 4099, kMiB};
+  std::vector<Msg> msgs;
+  uint64_t tag = 0x7000'0000'0000ull;  // high user bits too
+  for (int src = 0; src < c.ranks; ++src) {
+    for (int dst = 0; dst < c.ranks; ++dst) {
+      for (int ch = 0; ch < c.channels; ++ch) {
+        for (size_t size : sizes) {
+          for (int rep = 0; rep < 3; ++rep) {
+            msgs.push_back({src, dst, ch, ++tag, std::vector<uint8_t>(size), {}});
+          }
+        }
+      }
+      // One 64 MiB message per ordered pair (rank 0 and 1 only: memory).
+      if (src < 2 && dst < 2) {
+        msgs.push_back({src, dst, c.channels - 1, ++tag, std::vector<uint8_t>(64 * kMiB), {}});
+      }
+    }
+  }
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    Fill(msgs[i].out, i + 1);
+    msgs[i].in.assign(msgs[i].out.size(), 0xEE);
+  }
+  std::mt19937 rng(42);
+  std::vector<size_t> order(msgs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+
+  Completions sends(msgs.size()), recvs(msgs.size());
+  auto post_recv = [&](size_t i) {
+    Msg& m = msgs[i];
+    r[m.dst].Recv(m.src, m.ch, m.tag, m.in.data(), m.in.size(), recvs.Slot(i));
+  };
+  std::shuffle(order.begin(), order.end(), rng);
+  const std::vector<size_t> early(order.begin(), order.begin() + order.size() / 2);
+  const std::vector<size_t> late(order.begin() + order.size() / 2, order.end());
+  for (size_t i : early) post_recv(i);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (size_t i : order) {
+    Msg& m = msgs[i];
+    r[m.src].Send(m.dst, m.ch, m.tag, m.out.data(), m.out.size(), sends.Slot(i));
+  }
+  for (size_t i : late) post_recv(i);
+
+  ASSERT_TRUE(recvs.WaitAll(milliseconds(60000))) << "recvs missing";
+  ASSERT_TRUE(sends.WaitAll(milliseconds(60000))) << "sends missing";
+  std::this_thread::sleep_for(milliseconds(50));  // a second callback would show now
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    const Msg& m = msgs[i];
+    SCOPED_TRACE("msg " + std::to_string(i) + " " + std::to_string(m.src) + "->" +
+                 std::to_string(m.dst) + " ch " + std::to_string(m.ch) + " size " +
+                 std::to_string(m.out.size()));
+    EXPECT_EQ(sends.calls(i), 1);
+    EXPECT_EQ(recvs.calls(i), 1);
+    EXPECT_TRUE(sends.status(i).ok()) << sends.status(i).ToString();
+    EXPECT_TRUE(recvs.status(i).ok()) << recvs.status(i).ToString();
+    EXPECT_TRUE(m.in == m.out) << "contents differ";
+  }
+  for (int i = 0; i < c.ranks; ++i) std::printf("%s", r[i].Describe().c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, UcxExchangeTest,
+                         ::testing::Values(ExchangeCase{"Tcp2Ranks1Channel", "tcp", 2, 1},
+                                           ExchangeCase{"Tcp3Ranks2Channels", "tcp", 3, 2},
+                                           ExchangeCase{"Default2Ranks2Channels", nullptr, 2, 2}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// ---------------------------------------------------------------------------
+
+TEST(UcxTransportTest, SelfSendOverTcpOnly) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(1, 1);
+  ASSERT_EQ(r.t.size(), 1u);
+  std::vector<uint8_t> out(4099), in(4099);
+  Fill(out, 7);
+  Completions done(2);
+  r[0].Recv(0, 0, 5, in.data(), in.size(), done.Slot(0));
+  r[0].Send(0, 0, 5, out.data(), out.size(), done.Slot(1));
+  ASSERT_TRUE(done.WaitAll(milliseconds(10000)));
+  EXPECT_TRUE(done.status(0).ok()) << done.status(0).ToString();
+  EXPECT_TRUE(done.status(1).ok()) << done.status(1).ToString();
+  EXPECT_EQ(in, out);
+  std::printf("%s", r[0].Describe().c_str());
+}
+
+TEST(UcxTransportTest, TagsAreMatchedBySourcePeerAndTag) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(3, 1);
+  ASSERT_EQ(r.t.size(), 3u);
+  // Peers 1 and 2 send the same tag to 0; tag bits above 48 are dropped.
+  uint32_t from1 = 1, from2 = 2, got1 = 0, got2 = 0;
+  const uint64_t tag = (uint64_t{0xABCD} << 48) | 9;
+  Completions done(4);
+  r[0].Recv(2, 0, 9, &got2, 4, done.Slot(0));
+  r[0].Recv(1, 0, 9, &got1, 4, done.Slot(1));
+  r[1].Send(0, 0, tag, &from1, 4, done.Slot(2));
+  r[2].Send(0, 0, tag, &from2, 4, done.Slot(3));
+  ASSERT_TRUE(done.WaitAll(milliseconds(10000)));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(done.status(i).ok()) << done.status(i).ToString();
+  EXPECT_EQ(got1, 1u);
+  EXPECT_EQ(got2, 2u);
+}
+
+TEST(UcxTransportTest, TruncationIsAnErrorNamingTheTransfer) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 1);
+  ASSERT_EQ(r.t.size(), 2u);
+  for (size_t send_size : {size_t{100}, 4 * kMiB}) {
+    SCOPED_TRACE("send size " + std::to_string(send_size));
+    std::vector<uint8_t> out(send_size, 1), in(send_size / 2);
+    Completions done(2);
+    r[1].Recv(0, 0, 3, in.data(), in.size(), done.Slot(0));
+    r[0].Send(1, 0, 3, out.data(), out.size(), done.Slot(1));
+    ASSERT_TRUE(done.WaitAll(milliseconds(10000)));
+    absl::Status s = done.status(0);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("truncated"), absl::string_view::npos) << s.ToString();
+    EXPECT_NE(s.message().find("peer 0 channel 0 tag 0x3"), absl::string_view::npos)
+        << s.ToString();
+    std::printf("recv: %s\nsend: %s\n", s.ToString().c_str(), done.status(1).ToString().c_str());
+  }
+  // A Recv larger than the Send is a size mismatch, also an error.
+  uint64_t small = 5;
+  std::vector<uint8_t> big(64);
+  Completions done(2);
+  r[1].Recv(0, 0, 4, big.data(), big.size(), done.Slot(0));
+  r[0].Send(1, 0, 4, &small, sizeof(small), done.Slot(1));
+  ASSERT_TRUE(done.WaitAll(milliseconds(10000)));
+  EXPECT_EQ(done.status(0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(done.status(0).message().find("size mismatch"), absl::string_view::npos);
+  // The connection is still good.
+  uint64_t a = 0x1234, b = 0;
+  Completions again(2);
+  r[1].Recv(0, 0, 5, &b, 8, again.Slot(0));
+  r[0].Send(1, 0, 5, &a, 8, again.Slot(1));
+  ASSERT_TRUE(again.WaitAll(milliseconds(10000)));
+  EXPECT_TRUE(again.status(0).ok()) << again.status(0).ToString();
+  EXPECT_TRUE(again.status(1).ok()) << again.status(1).ToString();
+  EXPECT_EQ(b, a);
+}
+
+TEST(UcxTransportTest, FailPeerCancelsPendingAndFailsLaterTransfers) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 2);
+  ASSERT_EQ(r.t.size(), 2u);
+  std::vector<uint8_t> buf(4 * kMiB);
+  Completions pending(4);
+  r[0].Recv(1, 0, 1, buf.data(), 16, pending.Slot(0));
+  r[0].Recv(1, 1, 2, buf.data() + 16, 16, pending.Slot(1));
+  r[0].Recv(0, 0, 3, buf.data() + 32, 16, pending.Slot(2));  // from self: unaffected
+  r[0].Send(1, 1, 4, buf.data(), buf.size(), pending.Slot(3));  // rendezvous, never received
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_EQ(pending.total(), 0);
+  r[0].FailPeer(1, absl::UnavailableError("node b is gone"));
+  ASSERT_TRUE(pending.Wait(0, milliseconds(5000)));
+  ASSERT_TRUE(pending.Wait(1, milliseconds(5000)));
+  ASSERT_TRUE(pending.Wait(3, milliseconds(5000)));
+  for (int i : {0, 1, 3}) {
+    absl::Status s = pending.status(i);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.message().find("lost peer 1: node b is gone"), absl::string_view::npos)
+        << s.ToString();
+  }
+  EXPECT_EQ(pending.calls(2), 0);
+  EXPECT_EQ(r[0].PeerStatus(1).code(), absl::StatusCode::kUnavailable);
+
+  Completions later(2);
+  auto t0 = Clock::now();
+  r[0].Send(1, 0, 5, buf.data(), 8, later.Slot(0));
+  r[0].Recv(1, 1, 6, buf.data(), 8, later.Slot(1));
+  ASSERT_TRUE(later.WaitAll(milliseconds(1000)));
+  EXPECT_LT(Seconds(Clock::now() - t0), 0.5);
+  EXPECT_NE(later.status(0).message().find("node b is gone"), absl::string_view::npos);
+  EXPECT_NE(later.status(1).message().find("node b is gone"), absl::string_view::npos);
+
+  // The self recv still works.
+  uint8_t x[16] = {42};
+  Completions self(1);
+  r[0].Send(0, 0, 3, x, sizeof(x), self.Slot(0));
+  ASSERT_TRUE(pending.Wait(2, milliseconds(5000)));
+  EXPECT_TRUE(pending.status(2).ok()) << pending.status(2).ToString();
+  ASSERT_TRUE(self.WaitAll(milliseconds(5000)));
+  std::printf("%s", r[0].Describe().c_str());
+}
+
+TEST(UcxTransportTest, DestroyFailsPendingTransfersAndReturns) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 2);
+  ASSERT_EQ(r.t.size(), 2u);
+  std::vector<uint8_t> buf(4 * kMiB);
+  Completions pending(5);
+  r[0].Recv(1, 0, 1, buf.data(), 16, pending.Slot(0));
+  r[0].Recv(1, 1, 2, buf.data(), 16, pending.Slot(1));
+  r[0].Recv(0, 0, 3, buf.data(), 16, pending.Slot(2));
+  r[0].Send(1, 0, 4, buf.data(), buf.size(), pending.Slot(3));  // no matching recv
+  r[0].Send(1, 1, 5, buf.data(), 8, pending.Slot(4));           // eager, unexpected there
+  std::this_thread::sleep_for(milliseconds(100));
+  auto t0 = Clock::now();
+  r.t[0].reset();
+  double took = Seconds(Clock::now() - t0);
+  std::printf("destroy took %.3f s\n", took);
+  EXPECT_LT(took, 5.0);
+  for (int i : {0, 1, 2, 3}) {
+    EXPECT_EQ(pending.calls(i), 1) << i;
+    absl::Status s = pending.status(i);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s.ToString();
+    EXPECT_NE(s.message().find("transport shut down"), absl::string_view::npos) << s.ToString();
+  }
+  EXPECT_EQ(pending.calls(4), 1);  // OK or shut down, but exactly once
+
+  // The survivor learns that peer 0 is gone.
+  uint64_t x = 0;
+  Completions survivor(1);
+  r[1].Recv(0, 0, 9, &x, 8, survivor.Slot(0));
+  ASSERT_TRUE(survivor.WaitAll(milliseconds(10000)));
+  EXPECT_NE(survivor.status(0).message().find("peer 0"), absl::string_view::npos)
+      << survivor.status(0).ToString();
+  std::printf("survivor: %s\n", survivor.status(0).ToString().c_str());
+}
+
+TEST(UcxTransportTest, BadArgumentsFailThroughTheCallback) {
+  UseTls("tcp");
+  auto t = UcxTransport::Create(1);
+  ASSERT_TRUE(t.ok());
+  uint8_t b = 0;
+  Completions done(3);
+  (*t)->Send(0, 0, 1, &b, 1, done.Slot(0));  // not connected
+  ASSERT_TRUE(done.Wait(0, milliseconds(5000)));
+  EXPECT_FALSE(done.status(0).ok());
+  ASSERT_TRUE((*t)->Connect(0, {(*t)->WorkerAddresses()}).ok());
+  EXPECT_FALSE((*t)->Connect(0, {(*t)->WorkerAddresses()}).ok());  // twice
+  (*t)->Send(3, 0, 1, &b, 1, done.Slot(1));
+  (*t)->Recv(0, 7, 1, &b, 1, done.Slot(2));
+  ASSERT_TRUE(done.WaitAll(milliseconds(5000)));
+  EXPECT_EQ(done.status(1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(done.status(2).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(UcxTransport::Create(0).ok());
+}
+
+TEST(UcxTransportTest, VersionAndMemoryTypes) {
+  UseTls(nullptr);
+  std::printf("UCX %s, CUDA memory: %s\n", UcxTransport::UcxVersion().c_str(),
+              UcxTransport::SupportsCudaMemory() ? "yes" : "no");
+  EXPECT_FALSE(UcxTransport::UcxVersion().empty());
+}
+
+// ---------------------------------------------------------------------------
+// Peer death: a real child process (fork + exec of this binary, so the
+// child starts clean whatever this process already runs) is peer 1.
+
+constexpr char kChildFlag[] = "--ucx-peer-child=";
+
+bool WriteAll(int fd, const void* p, size_t n) {
+  auto* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = write(fd, c, n);
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+bool ReadAll(int fd, void* p, size_t n) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    ssize_t r = read(fd, c, n);
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+bool WriteBlob(int fd, const std::string& s) {
+  uint32_t n = static_cast<uint32_t>(s.size());
+  return WriteAll(fd, &n, 4) && WriteAll(fd, s.data(), n);
+}
+bool ReadBlob(int fd, std::string* s) {
+  uint32_t n = 0;
+  if (!ReadAll(fd, &n, 4) || n > (1u << 20)) return false;
+  s->resize(n);
+  return ReadAll(fd, s->data(), n);
+}
+
+// The child: peer 1 with one channel. Says hello to peer 0, then waits to
+// be killed.
+int ChildMain(int rfd, int wfd) {
+  auto t = UcxTransport::Create(1);
+  if (!t.ok()) return 2;
+  std::string parent;
+  if (!WriteBlob(wfd, (*t)->WorkerAddresses()[0]) || !ReadBlob(rfd, &parent)) return 3;
+  if (!(*t)->Connect(1, {{parent}, (*t)->WorkerAddresses()}).ok()) return 4;
+  static const uint64_t hello = 0x48454c4c4f;
+  std::promise<absl::Status> sent;
+  (*t)->Send(0, 0, 1, &hello, sizeof(hello), [&](absl::Status s) { sent.set_value(s); });
+  if (!sent.get_future().get().ok()) return 5;
+  char ready = 'R';
+  if (!WriteAll(wfd, &ready, 1)) return 6;
+  while (true) pause();
+}
+
+void PeerDeath(const char* tls) {
+  UseTls(tls);
+  int to_child[2], from_child[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  ASSERT_EQ(pipe(from_child), 0);
+  // Everything the child needs is built before fork; after it, only exec.
+  std::string flag = kChildFlag + std::to_string(to_child[0]) + "," + std::to_string(from_child[1]);
+  char exe[] = "/proc/self/exe";
+  char* argv[] = {exe, flag.data(), nullptr};
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    execv(exe, argv);
+    _exit(127);
+  }
+  close(to_child[0]);
+  close(from_child[1]);
+
+  auto t = UcxTransport::Create(1);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  UcxTransport& parent = **t;
+  std::string child_addr;
+  ASSERT_TRUE(ReadBlob(from_child[0], &child_addr));
+  ASSERT_TRUE(WriteBlob(to_child[1], parent.WorkerAddresses()[0]));
+  ASSERT_TRUE(parent.Connect(0, {parent.WorkerAddresses(), {child_addr}}).ok());
+
+  uint64_t hello = 0;
+  Completions first(1);
+  parent.Recv(1, 0, 1, &hello, sizeof(hello), first.Slot(0));
+  ASSERT_TRUE(first.WaitAll(milliseconds(10000)));
+  ASSERT_TRUE(first.status(0).ok()) << first.status(0).ToString();
+  EXPECT_EQ(hello, 0x48454c4c4fu);
+  char ready = 0;
+  ASSERT_TRUE(ReadAll(from_child[0], &ready, 1));
+  std::printf("%s", parent.Describe().c_str());
+
+  std::vector<uint8_t> buf(4 * kMiB);
+  Completions pending(2);
+  parent.Recv(1, 0, 2, buf.data(), 64, pending.Slot(0));
+  parent.Send(1, 0, 3, buf.data(), buf.size(), pending.Slot(1));  // never received
+  std::this_thread::sleep_for(milliseconds(50));
+  auto killed = Clock::now();
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  bool recv_failed = pending.Wait(0, milliseconds(10000));
+  double detect = Seconds(Clock::now() - killed);
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  ASSERT_TRUE(recv_failed) << "pending recv not failed within 10 s";
+  std::printf("UCX_TLS=%s: killed peer detected after %.3f s\n", tls ? tls : "(default)",
+              detect);
+  absl::Status s = pending.status(0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("lost peer 1"), absl::string_view::npos) << s.ToString();
+  ASSERT_TRUE(pending.Wait(1, milliseconds(5000)));
+  EXPECT_NE(pending.status(1).message().find("lost peer 1"), absl::string_view::npos)
+      << pending.status(1).ToString();
+  std::printf("recv: %s\nsend: %s\n", s.ToString().c_str(), pending.status(1).ToString().c_str());
+
+  Completions later(1);
+  auto t0 = Clock::now();
+  parent.Send(1, 0, 4, buf.data(), 8, later.Slot(0));
+  ASSERT_TRUE(later.WaitAll(milliseconds(1000)));
+  EXPECT_LT(Seconds(Clock::now() - t0), 0.2);
+  EXPECT_NE(later.status(0).message().find("lost peer 1"), absl::string_view::npos);
+  close(to_child[1]);
+  close(from_child[0]);
+}
+
+TEST(UcxTransportTest, KilledPeerFailsPendingAndLaterTransfersTcp) { PeerDeath("tcp"); }
+
+// Shared memory has no connection to break: detection rests on UCX
+// keepalive (see README.md for the figure).
+TEST(UcxTransportTest, KilledPeerFailsPendingAndLaterTransfersDefault) { PeerDeath(nullptr); }
+
+// ---------------------------------------------------------------------------
+// Figures for README.md; not pass/fail on speed.
+
+void Throughput(const char* tls) {
+  UseTls(tls);
+  Ranks r = MakeRanks(2, 2);
+  ASSERT_EQ(r.t.size(), 2u);
+  constexpr size_t kTotal = 256 * kMiB, kChunk = 4 * kMiB;
+  constexpr size_t kChunks = kTotal / kChunk;
+  std::vector<uint8_t> out(kTotal), in(kTotal);
+  Fill(out, 99);
+  std::memset(in.data(), 0, in.size());  // fault the pages in before timing
+  for (int iter = 0; iter < 3; ++iter) {
+    Completions done(2 * kChunks);
+    auto t0 = Clock::now();
+    for (size_t k = 0; k < kChunks; ++k) {
+      int ch = static_cast<int>(k % 2);
+      r[1].Recv(0, ch, k, in.data() + k * kChunk, kChunk, done.Slot(k));
+      r[0].Send(1, ch, k, out.data() + k * kChunk, kChunk, done.Slot(kChunks + k));
+    }
+    ASSERT_TRUE(done.WaitAll(milliseconds(60000)));
+    double s = Seconds(Clock::now() - t0);
+    for (size_t i = 0; i < 2 * kChunks; ++i) ASSERT_TRUE(done.status(i).ok());
+    std::printf("UCX_TLS=%s: 256 MiB in 4 MiB chunks over 2 channels: %.2f GB/s%s\n",
+                tls ? tls : "(default)", kTotal / s / 1e9, iter == 0 ? " (first)" : "");
+  }
+  EXPECT_EQ(in, out);
+}
+
+void Latency(const char* tls) {
+  UseTls(tls);
+  Ranks r = MakeRanks(2, 1);
+  ASSERT_EQ(r.t.size(), 2u);
+  uint64_t a = 1, b = 0;
+  auto round_trip = [&](uint64_t tag) {
+    std::promise<void> back;
+    std::atomic<int> left{4};
+    auto one = [&](absl::Status s) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      if (--left == 0) back.set_value();
+    };
+    // Rank 1 echoes what it receives.
+    r[1].Recv(0, 0, 2 * tag, &b, 8, [&](absl::Status s) {
+      one(s);
+      r[1].Send(0, 0, 2 * tag + 1, &b, 8, one);
+    });
+    r[0].Recv(1, 0, 2 * tag + 1, &a, 8, one);
+    r[0].Send(1, 0, 2 * tag, &a, 8, one);
+    back.get_future().wait();
+  };
+  for (uint64_t i = 0; i < 200; ++i) round_trip(i);
+  constexpr int kIters = 2000;
+  auto t0 = Clock::now();
+  for (int i = 0; i < kIters; ++i) round_trip(1000 + i);
+  double us = Seconds(Clock::now() - t0) / kIters * 1e6;
+  std::printf("UCX_TLS=%s: 8-byte send/recv round trip %.1f us\n", tls ? tls : "(default)", us);
+}
+
+TEST(UcxTransportBench, ThroughputTcp) { Throughput("tcp"); }
+TEST(UcxTransportBench, ThroughputDefault) { Throughput(nullptr); }
+TEST(UcxTransportBench, LatencyTcp) { Latency("tcp"); }
+TEST(UcxTransportBench, LatencyDefault) { Latency(nullptr); }
+
+}  // namespace
+}  // namespace ciuic::daemon
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], ciuic::daemon::kChildFlag, std::strlen(ciuic::daemon::kChildFlag)) ==
+        0) {
+      int rfd = -1, wfd = -1;
+      if (std::sscanf(argv[i] + std::strlen(ciuic::daemon::kChildFlag), "%d,%d", &rfd, &wfd) != 2) {
+        return 1;
+      }
+      return ciuic::daemon::ChildMain(rfd, wfd);
+    }
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
