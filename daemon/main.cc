@@ -206,6 +206,24 @@ int Main(int argc, char** argv) {
     (*engine)->Shutdown();
     return 1;
   }
+  Coordinator coordinator(cluster_token);
+  PeerService peer_service(&coordinator);
+  std::unique_ptr<grpc::Server> peer_server;
+  if (!cfg.listen.empty()) {
+    int port = 0;
+    auto started = StartPeerServer(cfg.listen, &peer_service, &port);
+    if (!started.ok()) {
+      spdlog::critical("{}", std::string(started.status().message()));
+      (*server)->Shutdown();
+      (*engine)->Shutdown();
+      return 1;
+    }
+    peer_server = std::move(*started);
+    const std::string host = cfg.listen.substr(0, cfg.listen.rfind(':'));
+    service.set_peer_address(absl::StrCat(host, ":", port));
+    spdlog::info("peer service on {}:{}{}", host, port,
+                 cluster_token.empty() ? " (no cluster token: any daemon may register)" : "");
+  }
   spdlog::info("ciuicd {} ready on {} (node {}, {} worker threads)", CIUIC_VERSION,
                cfg.socket_path, cfg.node_name, workers);
   NotifySystemd("READY=1");

@@ -131,8 +131,9 @@ void ClusterJob::Submit(ClusterOp op) {
 
 void ClusterJob::Abort(const absl::Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!failure_.ok()) return;
-  failure_ = why;
+  if (aborted_) return;
+  aborted_ = true;
+  if (failure_.ok()) failure_ = why;
   events_->push_back(Event{Event::kAbort, {}, {}, why});
   if (register_ctx_) static_cast<grpc::ClientContext*>(register_ctx_)->TryCancel();
   if (transport_) {
@@ -343,10 +344,12 @@ void ClusterJob::Run() {
         job_failure = e.status;
         break;
       case Event::kAbort: {
-        proto::NodeEvent leave;
-        leave.mutable_leave()->set_reason(std::string(e.status.message()));
-        stream_->Write(leave);
-        stream_->WritesDone();
+        if (!left) {
+          proto::NodeEvent leave;
+          leave.mutable_leave()->set_reason(std::string(e.status.message()));
+          stream_->Write(leave);
+          stream_->WritesDone();
+        }
         FailAll(e.status);
         left = true;
         break;

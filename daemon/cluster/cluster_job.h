@@ -131,6 +131,7 @@ class ClusterJob {
   std::deque<Event>* events_;  // guarded by mu_
   std::string state_ = "forming";  // guarded by mu_
   absl::Status failure_;           // guarded by mu_, sticky
+  bool aborted_ = false;           // guarded by mu_
   std::vector<PeerRow> peers_;     // guarded by mu_ (counters read live)
   void* register_ctx_ = nullptr;   // grpc::ClientContext* while registering
   void* stream_ctx_ = nullptr;     // grpc::ClientContext* of the ordering stream
