@@ -28,10 +28,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kUserTagMask = (uint64_t{1} << Transport::kTagBits) - 1;
-// How long an idle progress thread keeps polling before it arms the worker
+// How long an idle progress thread keeps polling (yielding the core between
+// rounds) before it arms the worker
 // and sleeps: long enough to catch a reply to a small message without a
 // wakeup, short enough not to burn a core.
-constexpr auto kPollBeforeSleep = std::chrono::microseconds(30);
+// CIUIC_UCX_POLL_US overrides it (0: sleep as soon as idle).
+const std::chrono::microseconds kPollBeforeSleep = [] {
+  const char* env = std::getenv("CIUIC_UCX_POLL_US");
+  return std::chrono::microseconds(env != nullptr ? std::atoi(env) : 100);
+}();
 // The longest an idle thread sleeps: UCX keepalive (peer failure detection
 // on transports without a connection, e.g. shared memory) runs from
 // ucp_worker_progress, so a sleeping worker must wake now and then.
@@ -213,7 +218,12 @@ class UcxTransport::Channel {
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
       ep.address = reinterpret_cast<const ucp_address_t*>(addr.data());
-      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      // Peer error handling makes UCX 1.13 leave out the transports that
+      // cannot report a dead peer: self, cma, and shared memory unless
+      // UCX_MM_ERROR_HANDLING=y. This process cannot die apart from itself,
+      // so the loopback endpoint goes without and gets the self transport.
+      ep.err_mode = peer == static_cast<size_t>(owner_->self_) ? UCP_ERR_HANDLING_MODE_NONE
+                                                               : UCP_ERR_HANDLING_MODE_PEER;
       ep.err_handler.cb = &Channel::OnEpError;
       ep.err_handler.arg = ep_contexts_[peer].get();
       ucs_status_t st = ucp_ep_create(worker_, &ep, &eps_[peer]);
@@ -268,7 +278,10 @@ class UcxTransport::Channel {
         last_activity = Clock::now();
         continue;
       }
-      if (Clock::now() - last_activity < kPollBeforeSleep) continue;
+      if (Clock::now() - last_activity < kPollBeforeSleep) {
+        std::this_thread::yield();  // a core shared with the other side's thread
+        continue;
+      }
       // Idle: arm the worker and sleep on its fd. A producer that saw
       // sleeping_ == false queued before our pending_ check below; one that
       // saw true signals the worker, which either makes arm() busy or wakes
@@ -605,6 +618,11 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_chann
   if (st != UCS_OK) {
     t->shared_->context = nullptr;
     return absl::UnavailableError("ucp_init: " + UcsError(st));
+  }
+  if (const char* mm = std::getenv("UCX_MM_ERROR_HANDLING"); mm != nullptr && mm[0] == 'y') {
+    spdlog::warn("ucx transport: UCX_MM_ERROR_HANDLING=y puts co-located peers on shared "
+                 "memory, where UCX 1.13 does not notice a killed peer (see "
+                 "daemon/transport/README.md)");
   }
   const char* tls = std::getenv("UCX_TLS");
   t->shared_->tls = tls != nullptr ? tls : "all (default)";
