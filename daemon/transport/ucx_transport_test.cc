@@ -313,7 +313,7 @@ TEST(UcxTransportTest, FailPeerCancelsPendingAndFailsLaterTransfers) {
   Completions pending(4);
   r[0].Recv(1, 0, 1, buf.data(), 16, pending.Slot(0));
   r[0].Recv(1, 1, 2, buf.data() + 16, 16, pending.Slot(1));
-  r[0].Recv(0, 0, 3, buf.data() + 32, 16, pending.Slot(2));  // from self: unaffected
+  r[0].Recv(0, 0, 3, buf.data() + 32, 16, pending.Slot(2));     // from self: unaffected
   r[0].Send(1, 1, 4, buf.data(), buf.size(), pending.Slot(3));  // rendezvous, never received
   std::this_thread::sleep_for(milliseconds(100));
   EXPECT_EQ(pending.total(), 0);
@@ -541,8 +541,7 @@ void PeerDeath(const char* tls) {
   int wstatus = 0;
   waitpid(pid, &wstatus, 0);
   ASSERT_TRUE(recv_failed) << "pending recv not failed within " << wait_s << " s";
-  std::printf("UCX_TLS=%s: killed peer detected after %.3f s\n", tls ? tls : "(default)",
-              detect);
+  std::printf("UCX_TLS=%s: killed peer detected after %.3f s\n", tls ? tls : "(default)", detect);
   absl::Status s = pending.status(0);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s.ToString();
   EXPECT_NE(s.message().find("lost peer 1"), absl::string_view::npos) << s.ToString();
