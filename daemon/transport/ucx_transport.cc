@@ -28,13 +28,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kUserTagMask = (uint64_t{1} << Transport::kTagBits) - 1;
-// How long an idle progress thread keeps polling before it arms the worker
-// and sleeps: long enough to catch a reply to a small message without a
-// wakeup, short enough not to burn a core.
-constexpr auto kPollBeforeSleep = std::chrono::microseconds(30);
-// The longest an idle thread sleeps: UCX keepalive (peer failure detection
-// on transports without a connection, e.g. shared memory) runs from
-// ucp_worker_progress, so a sleeping worker must wake now and then.
+// How long an idle progress thread keeps polling (yielding the core between
+// rounds) before it arms the worker and sleeps: long enough to catch a reply
+// to a small message without a wakeup, short enough not to burn a core.
+// CIUIC_UCX_POLL_US overrides it (0: sleep as soon as idle).
+const std::chrono::microseconds kPollBeforeSleep = [] {
+  const char* env = std::getenv("CIUIC_UCX_POLL_US");
+  return std::chrono::microseconds(env != nullptr ? std::atoi(env) : 100);
+}();
+// The longest an idle thread sleeps: UCX does periodic work (keepalive,
+// timers) from ucp_worker_progress, so a sleeping worker wakes now and then.
 constexpr int kSleepMs = 1000;
 // Bound on the work the destructor waits for (forced endpoint closes,
 // cancelled requests).
@@ -95,12 +98,12 @@ struct Op {
   TransferDone done;
   UcxTransport::Channel* owner = nullptr;  // the channel that runs it
 
-  absl::Status early;      // set: fail with this instead of posting
-  absl::Status override;   // set: the reason it was cancelled
-  void* request = nullptr; // the ucp request while in flight
-  bool posted = false;     // the nbx call has returned
-  bool fired = false;      // the ucp callback ran
-  bool abandoned = false;  // completed by the shutdown deadline, ucp still holds it
+  absl::Status early;       // set: fail with this instead of posting
+  absl::Status override;    // set: the reason it was cancelled
+  void* request = nullptr;  // the ucp request while in flight
+  bool posted = false;      // the nbx call has returned
+  bool fired = false;       // the ucp callback ran
+  bool abandoned = false;   // completed by the shutdown deadline, ucp still holds it
   ucs_status_t ucs = UCS_OK;
   size_t received = 0;
   std::list<Op*>::iterator pos;
@@ -109,8 +112,8 @@ struct Op {
     char tag_hex[32];
     std::snprintf(tag_hex, sizeof(tag_hex), "0x%" PRIx64, tag);
     return std::string(kind == OpKind::kSend ? "send to" : "recv from") + " peer " +
-           std::to_string(peer) + " channel " + std::to_string(channel) + " tag " + tag_hex +
-           ", " + std::to_string(bytes) + " bytes";
+           std::to_string(peer) + " channel " + std::to_string(channel) + " tag " + tag_hex + ", " +
+           std::to_string(bytes) + " bytes";
   }
 };
 
@@ -139,8 +142,8 @@ class UcxTransport::Channel {
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;
     ucs_status_t st = ucp_worker_create(context, &wp, &worker_);
     if (st != UCS_OK) {
-      return absl::InternalError("ucp_worker_create for channel " + std::to_string(index_) +
-                                 ": " + UcsError(st));
+      return absl::InternalError("ucp_worker_create for channel " + std::to_string(index_) + ": " +
+                                 UcsError(st));
     }
     st = ucp_worker_get_efd(worker_, &efd_);
     if (st != UCS_OK) {
@@ -213,7 +216,12 @@ class UcxTransport::Channel {
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
       ep.address = reinterpret_cast<const ucp_address_t*>(addr.data());
-      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      // Peer error handling makes UCX 1.13 leave out the transports that
+      // cannot report a dead peer: self, cma, and shared memory unless
+      // UCX_MM_ERROR_HANDLING=y. This process cannot die apart from itself,
+      // so the loopback endpoint goes without and gets the self transport.
+      ep.err_mode = peer == static_cast<size_t>(owner_->self_) ? UCP_ERR_HANDLING_MODE_NONE
+                                                               : UCP_ERR_HANDLING_MODE_PEER;
       ep.err_handler.cb = &Channel::OnEpError;
       ep.err_handler.arg = ep_contexts_[peer].get();
       ucs_status_t st = ucp_ep_create(worker_, &ep, &eps_[peer]);
@@ -268,7 +276,10 @@ class UcxTransport::Channel {
         last_activity = Clock::now();
         continue;
       }
-      if (Clock::now() - last_activity < kPollBeforeSleep) continue;
+      if (Clock::now() - last_activity < kPollBeforeSleep) {
+        std::this_thread::yield();  // a core shared with the other side's thread
+        continue;
+      }
       // Idle: arm the worker and sleep on its fd. A producer that saw
       // sleeping_ == false queued before our pending_ check below; one that
       // saw true signals the worker, which either makes arm() busy or wakes
@@ -341,8 +352,8 @@ class UcxTransport::Channel {
       // completions that happened inside the call).
       param.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
       param.cb.recv = &Channel::OnRecvDone;
-      ptr = ucp_tag_recv_nbx(worker_, buffer, op->bytes, WireTag(op->peer, op->tag),
-                             ~uint64_t{0}, &param);
+      ptr = ucp_tag_recv_nbx(worker_, buffer, op->bytes, WireTag(op->peer, op->tag), ~uint64_t{0},
+                             &param);
     }
     op->posted = true;
     if (ptr == nullptr) {
@@ -404,8 +415,8 @@ class UcxTransport::Channel {
     if (!op.override.ok()) return op.override;
     if (op.ucs == UCS_OK) {
       if (op.kind == OpKind::kRecv && op.received != op.bytes) {
-        return absl::InvalidArgumentError("size mismatch: received " +
-                                          std::to_string(op.received) + " bytes");
+        return absl::InvalidArgumentError("size mismatch: received " + std::to_string(op.received) +
+                                          " bytes");
       }
       return absl::OkStatus();
     }
@@ -566,7 +577,6 @@ class UcxTransport::Channel {
   std::vector<void*> close_requests_;
 };
 
-
 // ---------------------------------------------------------------------------
 
 namespace {
@@ -606,6 +616,12 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_chann
     t->shared_->context = nullptr;
     return absl::UnavailableError("ucp_init: " + UcsError(st));
   }
+  if (const char* mm = std::getenv("UCX_MM_ERROR_HANDLING"); mm != nullptr && mm[0] == 'y') {
+    spdlog::warn(
+        "ucx transport: UCX_MM_ERROR_HANDLING=y puts co-located peers on shared "
+        "memory, where UCX 1.13 does not notice a killed peer (see "
+        "daemon/transport/README.md)");
+  }
   const char* tls = std::getenv("UCX_TLS");
   t->shared_->tls = tls != nullptr ? tls : "all (default)";
   for (int i = 0; i < num_channels; ++i) {
@@ -616,8 +632,8 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_chann
     t->addresses_.push_back(t->channels_.back()->address());
   }
   for (auto& channel : t->channels_) channel->Start();
-  spdlog::info("ucx transport: UCX {}, UCX_TLS={}, {} channel(s)", UcxVersion(),
-               t->shared_->tls, num_channels);
+  spdlog::info("ucx transport: UCX {}, UCX_TLS={}, {} channel(s)", UcxVersion(), t->shared_->tls,
+               num_channels);
   return t;
 }
 
@@ -639,8 +655,8 @@ absl::Status UcxTransport::Connect(int self,
   if (num_peers_ != 0) return absl::FailedPreconditionError("Connect called twice");
   const int n = static_cast<int>(addresses.size());
   if (n < 1 || n > kMaxPeers) {
-    return absl::InvalidArgumentError("membership table of " + std::to_string(n) +
-                                      " peers (1.." + std::to_string(kMaxPeers) + ")");
+    return absl::InvalidArgumentError("membership table of " + std::to_string(n) + " peers (1.." +
+                                      std::to_string(kMaxPeers) + ")");
   }
   if (self < 0 || self >= n) {
     return absl::InvalidArgumentError("self " + std::to_string(self) + " not in a table of " +
@@ -672,8 +688,8 @@ absl::Status UcxTransport::Connect(int self,
   for (auto& channel : channels_) {
     Channel* ch = channel.get();
     // A copy: the task may outlive this call if the thread does not answer.
-    absl::StatusOr<absl::Status> s = CallOnThread<absl::Status>(
-        *ch, [ch, addresses] { return ch->ConnectOnThread(addresses); });
+    absl::StatusOr<absl::Status> s =
+        CallOnThread<absl::Status>(*ch, [ch, addresses] { return ch->ConnectOnThread(addresses); });
     if (!s.ok()) return s.status();
     if (!s->ok()) return *s;
   }
@@ -694,8 +710,8 @@ void UcxTransport::Send(int peer, int channel, uint64_t tag, const void* data, s
     op->early = absl::InvalidArgumentError("no such channel");
     channel = 0;
   } else if (peer < 0 || peer >= num_peers_) {
-    op->early = absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected"
-                                                           : "no such peer");
+    op->early =
+        absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
   }
   op->owner = channels_[channel].get();
   channels_[channel]->Enqueue(std::move(op));
@@ -715,8 +731,8 @@ void UcxTransport::Recv(int peer, int channel, uint64_t tag, void* data, size_t 
     op->early = absl::InvalidArgumentError("no such channel");
     channel = 0;
   } else if (peer < 0 || peer >= num_peers_) {
-    op->early = absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected"
-                                                           : "no such peer");
+    op->early =
+        absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
   }
   op->owner = channels_[channel].get();
   channels_[channel]->Enqueue(std::move(op));

@@ -5,9 +5,9 @@
 // a worker, its endpoints or its requests runs on that worker's thread
 // (workers are created UCS_THREAD_MODE_SINGLE): Send, Recv, Connect,
 // FailPeer and Describe hand work to the thread through a queue and wake it
-// with ucp_worker_signal. An idle thread polls for a few tens of
-// microseconds, then arms the worker and sleeps in poll() on the worker's
-// event fd (waking once a second so that UCX keepalive can run).
+// with ucp_worker_signal. An idle thread polls (yielding) for 100 us, then
+// arms the worker and sleeps in poll() on the worker's event fd (waking once
+// a second so that UCX's periodic work can run).
 //
 // Wire tags are 64 bits: [16 bits source peer][48 bits user tag]; a Recv
 // matches with a full mask, so (source peer, channel, tag) selects exactly
