@@ -398,6 +398,15 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   ctx.scratch = &scratch_;
 
+  // The node's buffer is the first local rank's receive buffer where it is
+  // big enough (it lives in that rank's shared memory): no staging copy,
+  // and that rank needs no fan-out copy either.
+  const ClusterOp::Part& first = op.parts.front();
+  auto fan_out = [&](const uint8_t* node_buffer, size_t bytes) {
+    for (const auto& p : op.parts) {
+      if (p.recv != node_buffer) std::memcpy(p.recv, node_buffer, bytes);
+    }
+  };
   std::vector<const void*> inputs;
   for (const auto& p : op.parts) inputs.push_back(p.send);
   switch (collective) {
@@ -406,42 +415,47 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
       // Sum (for avg) or reduce locally, across nodes, divide once, fan out.
       const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
       const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
-      const size_t count = collective == wire::Collective::kAllreduce
-                               ? op.sig.count
-                               : op.sig.count * static_cast<size_t>(world);
-      uint8_t* stage = staging_.Get(count * es + 1);
-      Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), stage, count);
-      absl::Status s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, stage, count);
+      const bool all = collective == wire::Collective::kAllreduce;
+      const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
+      uint8_t* node = all ? first.recv : staging_.Get(count * es + 1);
+      if (!(inputs.size() == 1 && inputs[0] == node)) {
+        Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
+      }
+      absl::Status s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, node, count);
       if (!s.ok()) return s;
-      if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, stage, count, world);
-      for (const auto& p : op.parts) {
-        const uint8_t* src = collective == wire::Collective::kAllreduce
-                                 ? stage
-                                 : stage + static_cast<size_t>(p.rank) * block;
-        std::memcpy(p.recv, src, block);
+      if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, count, world);
+      if (all) {
+        fan_out(node, block);
+      } else {
+        for (const auto& p : op.parts) {
+          std::memcpy(p.recv, node + static_cast<size_t>(p.rank) * block, block);
+        }
       }
       return absl::OkStatus();
     }
     case wire::Collective::kAllgather: {
       const size_t all = block * static_cast<size_t>(world);
-      uint8_t* stage = staging_.Get(all + 1);
-      for (const auto& p : op.parts) std::memcpy(stage + p.rank * block, p.send, block);
+      uint8_t* node = first.recv;
+      for (const auto& p : op.parts) {
+        uint8_t* at = node + p.rank * block;
+        if (p.send != at) std::memcpy(at, p.send, block);
+      }
       std::vector<Block> blocks;
       for (int r = 0; r < world; ++r) blocks.push_back(Block{r * block, block, node_of_rank_[r]});
-      absl::Status s = AllgatherRing(ctx, stage, blocks);
+      absl::Status s = AllgatherRing(ctx, node, blocks);
       if (!s.ok()) return s;
-      for (const auto& p : op.parts) std::memcpy(p.recv, stage, all);
+      fan_out(node, all);
       return absl::OkStatus();
     }
     case wire::Collective::kBroadcast: {
-      uint8_t* stage = staging_.Get(block + 1);
+      uint8_t* node = first.recv;
       const int root_node = node_of_rank_[op.sig.root];
       for (const auto& p : op.parts) {
-        if (p.rank == op.sig.root) std::memcpy(stage, p.send, block);
+        if (p.rank == op.sig.root && p.send != node) std::memcpy(node, p.send, block);
       }
-      absl::Status s = BroadcastPipeline(ctx, stage, block, root_node);
+      absl::Status s = BroadcastPipeline(ctx, node, block, root_node);
       if (!s.ok()) return s;
-      for (const auto& p : op.parts) std::memcpy(p.recv, stage, block);
+      fan_out(node, block);
       return absl::OkStatus();
     }
     case wire::Collective::kBarrier:

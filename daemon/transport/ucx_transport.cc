@@ -606,6 +606,14 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_chann
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return absl::InternalError("ucp_config_read: " + UcsError(st));
+  // UCX's tcp transport cuts messages into 8 KiB segments by default;
+  // 256 KiB ones measured 10-25% faster for bulk chunks on loopback here.
+  // An operator's UCX_TCP_*_SEG_SIZE wins.
+  for (const char* key : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"}) {
+    if (getenv((std::string("UCX_") + key).c_str()) == nullptr) {
+      ucp_config_modify(config, key, "256k");
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

@@ -53,6 +53,7 @@ struct Flags {
   bool json = false;
   std::string socket;
   std::string ciuicd;
+  std::string daemon_config;  // --config for the daemons ciuic-bench starts
 };
 
 [[noreturn]] void Usage(const std::string& error) {
@@ -62,7 +63,10 @@ struct Flags {
           "                   [--nodes 1] [--ranks-per-node R] [--sizes 8,64K,16M,256M]\n"
           "                   [--dtype float32|float64|float16|bfloat16|int8|uint8|int32|int64]\n"
           "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
-          "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n");
+          "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n"
+          "                   [--daemon-config FILE]\n"
+          "Without --socket it starts one ciuicd per node (--ciuicd, $CIUICD, or the build\n"
+          "tree's), with --daemon-config as their config file.\n");
   exit(error.empty() ? 0 : 64);
 }
 
@@ -118,6 +122,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (a == "--json") f.json = true;
     else if (a == "--socket") f.socket = value();
     else if (a == "--ciuicd") f.ciuicd = value();
+    else if (a == "--daemon-config") f.daemon_config = value();
     else if (a == "--dtype") {
       std::string s = value();
       if (!ciuic::ParseDataType(s, &f.dtype)) Usage("unknown dtype '" + s + "'");
@@ -427,7 +432,8 @@ struct OwnDaemon {
   std::string socket;
   std::string peer;  // 127.0.0.1:port
 
-  bool Start(const std::string& binary, const std::string& node_name) {
+  bool Start(const std::string& binary, const std::string& node_name,
+             const std::string& config) {
     char tmpl[] = "/tmp/ciuic-bench-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return false;
     dir = tmpl;
@@ -435,9 +441,15 @@ struct OwnDaemon {
     peer = "127.0.0.1:" + std::to_string(FreePort());
     pid = fork();
     if (pid == 0) {
-      execlp(binary.c_str(), binary.c_str(), "--socket", socket.c_str(), "--node-name",
-             node_name.c_str(), "--listen", peer.c_str(), "--log-level", "warn",
-             static_cast<char*>(nullptr));
+      std::vector<const char*> argv = {binary.c_str(), "--socket", socket.c_str(), "--node-name",
+                                       node_name.c_str(), "--listen", peer.c_str(),
+                                       "--log-level", "warn"};
+      if (!config.empty()) {
+        argv.push_back("--config");
+        argv.push_back(config.c_str());
+      }
+      argv.push_back(nullptr);
+      execvp(binary.c_str(), const_cast<char* const*>(argv.data()));
       fprintf(stderr, "ciuic-bench: cannot run %s: %s\n", binary.c_str(), strerror(errno));
       _exit(127);
     }
@@ -500,7 +512,7 @@ int main(int argc, char** argv) {
     std::string binary = FindCiuicd(f);
     for (int n = 0; n < f.nodes; ++n) {
       own.push_back(std::make_unique<OwnDaemon>());
-      if (!own.back()->Start(binary, "bench-node" + std::to_string(n))) {
+      if (!own.back()->Start(binary, "bench-node" + std::to_string(n), f.daemon_config)) {
         fprintf(stderr, "ciuic-bench: could not start %s (use --ciuicd PATH or --socket PATH)\n",
                 binary.c_str());
         return 1;
