@@ -232,6 +232,7 @@ int Main(int argc, char** argv) {
   sigwait(&signals, &sig);
   spdlog::info("{} received: draining", strsignal(sig));
   NotifySystemd("STOPPING=1");
+  coordinator.Shutdown();
   (*engine)->Shutdown();
   if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -75,6 +75,13 @@ std::unique_ptr<DaemonProcess> DaemonProcess::StartWith(const std::string& confi
   return nullptr;
 }
 
+std::string DaemonProcess::Log() const {
+  std::ifstream in(dir_ + "/ciuicd.log");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
 bool DaemonProcess::Alive() const {
   if (pid_ <= 0) return false;
   int status;

@@ -36,6 +36,8 @@ class DaemonProcess {
   const std::string& dir() const { return dir_; }
   pid_t pid() const { return pid_; }
   bool Alive() const;
+  // What the daemon has logged so far (for failure messages).
+  std::string Log() const;
   // SIGTERM and wait (bounded); the exit code, or 128 + signal, or -1 on
   // timeout (then killed).
   int Stop(std::chrono::seconds timeout = std::chrono::seconds(20));

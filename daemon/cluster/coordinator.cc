@@ -68,8 +68,17 @@ std::string Coordinator::NodeLabel(const Job& job, int node) const {
   return absl::StrCat("node ", n.node_name(), " (ranks ", absl::StrJoin(n.ranks(), ","), ")");
 }
 
+void Coordinator::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+}
+
 absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNodeRequest& r,
-                                                        Clock::time_point deadline) {
+                                                        Clock::time_point deadline,
+                                                        const std::function<bool()>& cancelled) {
   if (!TokensEqual(r.cluster_token(), token_)) {
     spdlog::warn("refused node {} for job '{}': wrong cluster token", r.node_name(), r.job_id());
     return absl::PermissionDeniedError("cluster token does not match the coordinator's");
@@ -144,12 +153,19 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
     spdlog::info("job '{}' formed: {} nodes, {} ranks", job->id, order.size(), job->world_size);
     changed_.notify_all();
   }
-  const bool formed = changed_.wait_until(lock, deadline, [&] {
-    return job->complete || !job->failure.ok() || stopping_;
-  });
-  if (!formed || !job->complete) {
+  bool gave_up = false;
+  while (!(job->complete || !job->failure.ok() || stopping_)) {
+    if (Clock::now() >= deadline) break;
+    if (cancelled && cancelled()) {
+      gave_up = true;
+      break;
+    }
+    changed_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(100)));
+  }
+  if (!job->complete) {
     absl::Status why = !job->failure.ok() ? job->failure
                        : stopping_       ? absl::UnavailableError("coordinator shutting down")
+                       : gave_up         ? absl::CancelledError("the registering node gave up")
                                          : absl::DeadlineExceededError(absl::StrCat(
                                                "job '", r.job_id(), "' did not form in time: ",
                                                job->ranks_registered, " of ", job->world_size,

@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -52,8 +53,13 @@ class Coordinator {
   explicit Coordinator(std::string cluster_token);
   ~Coordinator();
 
+  // Blocks until the job has formed, `deadline`, `cancelled()` turns true
+  // (checked every 100 ms; the caller gave up) or Shutdown().
   absl::StatusOr<proto::Membership> Register(const proto::RegisterNodeRequest& request,
-                                             std::chrono::steady_clock::time_point deadline);
+                                             std::chrono::steady_clock::time_point deadline,
+                                             const std::function<bool()>& cancelled = nullptr);
+  // Ends every wait in Register with UNAVAILABLE; for daemon shutdown.
+  void Shutdown();
 
   // A node's stream said Hello. Returns a handle for OnEvent/Detach.
   absl::StatusOr<uint64_t> Attach(const proto::NodeEvent::Hello& hello, NodeStream* stream);

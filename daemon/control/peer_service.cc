@@ -40,7 +40,7 @@ grpc::Status PeerService::RegisterNode(grpc::ServerContext* ctx,
   auto left = ctx->deadline() - std::chrono::system_clock::now();
   auto deadline = std::chrono::steady_clock::now() +
                   std::min<std::chrono::system_clock::duration>(left, std::chrono::hours(1));
-  auto membership = coordinator_->Register(*req, deadline);
+  auto membership = coordinator_->Register(*req, deadline, [ctx] { return ctx->IsCancelled(); });
   if (!membership.ok()) return ToGrpc(membership.status());
   *reply = std::move(*membership);
   return grpc::Status::OK;

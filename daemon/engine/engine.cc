@@ -536,7 +536,9 @@ void Engine::Loop() {
         timeout_ms = 0;
       } else {
         bool any_pending = false;
-        for (auto& [key, job] : jobs_) any_pending |= !job->pending.empty();
+        for (auto& [key, job] : jobs_) {
+          any_pending |= !job->pending.empty() || !job->in_cluster.empty();
+        }
         timeout_ms = any_pending ? 100 : -1;
       }
     }
@@ -714,6 +716,21 @@ void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
 
 void Engine::CheckDeadlinesOnLoop() {
   const Clock::time_point now = Clock::now();
+  // Operations handed to a multi-node job that has not formed yet: nobody
+  // else times them out (after formation the coordinator does).
+  std::vector<std::pair<std::string, uint64_t>> expired;
+  for (auto& [key, job] : jobs_) {
+    if (!job->cluster || job->in_cluster.empty() || job->cluster->state() != "forming") continue;
+    for (auto& [op_key, op] : job->in_cluster) {
+      if (now >= op->deadline) expired.emplace_back(key, op_key);
+    }
+  }
+  for (auto& [key, op_key] : expired) {
+    Job& job = *jobs_[key];
+    ClusterDoneOnLoop(key, op_key, absl::DeadlineExceededError(absl::StrCat(
+        "job '", job.id, "' has not formed: not every node has registered its ranks with the "
+        "coordinator ", job.coordinator, " yet")));
+  }
   for (auto& [key, job] : jobs_) {
     for (auto& [name, op] : job->pending) {
       if (!op->failure.ok() || now < op->deadline) continue;

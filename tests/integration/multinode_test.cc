@@ -395,8 +395,11 @@ class Namespaces {
     for (int i = 0; i < n; ++i) names_.push_back("ciuic-t" + tag + "-" + std::to_string(i));
     Cleanup();
     ok_ = Sh("ip netns add " + names_[0]) && Sh("ip netns add " + names_[1]) &&
-          Sh("ip link add cv" + tag + "a netns " + names_[0] + " type veth peer name cv" + tag +
-             "b netns " + names_[1]) &&
+          // Made in this namespace, then moved: a pair created straight into
+          // two namespaces comes up without carrier on this kernel.
+          Sh("ip link add cv" + tag + "a type veth peer name cv" + tag + "b") &&
+          Sh("ip link set cv" + tag + "a netns " + names_[0]) &&
+          Sh("ip link set cv" + tag + "b netns " + names_[1]) &&
           Sh(Exec(0) + "ip addr add 10.77.0.1/24 dev cv" + tag + "a") &&
           Sh(Exec(1) + "ip addr add 10.77.0.2/24 dev cv" + tag + "b") &&
           Sh(Exec(0) + "ip link set cv" + tag + "a up") && Sh(Exec(1) + "ip link set cv" + tag + "b up") &&
@@ -466,7 +469,8 @@ TEST(MultiNodeNamespaceTest, TwoHostsJoinedByAVethPair) {
     if (RunOne(*comm, Coll::kAllgather, DataType::kInt32, ReduceOp::kSum, 5000, "ns-ag") != 0) return 1;
     return 0;
   }, std::chrono::seconds(120));
-  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0})) << "host0 log:\n" << daemons[0]->Log()
+                                             << "\nhost1 log:\n" << daemons[1]->Log();
   // The 16 MiB allreduce crossed the veth.
   EXPECT_GE(ns.TxBytes(0) - tx0, 8u << 20) << "traffic did not go through the veth";
   for (auto& d : daemons) EXPECT_EQ(d->Stop(), 0);
