@@ -116,6 +116,7 @@ std::string FormatStatus(const proto::StatusReply& status) {
   };
   field("uptime", HumanDuration(status.uptime_seconds()));
   field("socket", OrDash(status.socket_path()));
+  field("peer service", OrDash(status.peer_address()));
   field("worker threads", absl::StrCat(status.worker_threads()));
   field("operations",
         absl::StrCat(status.ops_completed(), " completed, ", status.ops_failed(), " failed"));
