@@ -440,7 +440,8 @@ TEST(TopKCodecTest, KeepsTheLargestExactly) {
     for (const char* name : {"topk:0.01", "topk:0.1", "topk:0.5"}) {
       const auto codec = Make(name);
       const double ratio = ParseCodec(name)->topk_ratio;
-      for (size_t count : {1, 99, 100, 101, 4099}) {
+      // 70000 and more: the sampled pre-selection (codec_topk.cc).
+      for (size_t count : {1, 99, 100, 101, 4099, 70000}) {
         Elements in = RandomElements(dtype, count, 5);
         // Ties in magnitude, broken by lowest index.
         if (count > 50) {
@@ -487,6 +488,29 @@ TEST(TopKCodecTest, NonFiniteAlwaysKept) {
   // The other 8 are ties at 5, taken by lowest index (skipping the 1 at 3).
   for (size_t i = 0; i < 9; ++i) EXPECT_EQ(out[i], i == 3 ? 0.0f : 5.0f) << i;
   EXPECT_EQ(out[9], 0.0f);
+}
+
+TEST(TopKCodecTest, SeaOfTies) {
+  // The sample sees only 1.0: too many elements reach it, and the selection
+  // falls back to all elements.
+  const auto codec = Make("topk:0.01");
+  std::vector<float> in(100000, 1.0f);
+  for (size_t i = 0; i < 10; ++i) in[99990 - 1000 * i] = -2.0f;
+  std::vector<unsigned char> wire(codec->MaxEncodedBytes(DataType::kFloat32, in.size()));
+  const size_t bytes = codec->Encode(DataType::kFloat32, in.data(), in.size(), wire.data());
+  ASSERT_EQ(bytes, 1000 * 8u);
+  std::vector<float> out(in.size());
+  ASSERT_TRUE(codec->Decode(DataType::kFloat32, wire.data(), bytes, in.size(), out.data()).ok());
+  size_t ones = 0;
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] == -2.0f) {
+      EXPECT_EQ(out[i], -2.0f);
+    } else {
+      EXPECT_EQ(out[i], i < 990 ? 1.0f : 0.0f) << i;
+      ones += out[i] == 1.0f;
+    }
+  }
+  EXPECT_EQ(ones, 990u);
 }
 
 TEST(TopKCodecTest, BadIndices) {

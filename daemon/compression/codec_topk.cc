@@ -11,13 +11,17 @@
 // and there is no comparison of NaNs to confuse the selection. Ties at the
 // k-th magnitude are broken by lowest index.
 //
-// Selection: the magnitudes are copied into a scratch array, std::nth_element
-// finds the k-th largest (O(count)), and one pass over the input emits the
-// elements above it, plus the ties needed, in index order (so no sort). The
-// scratch array is thread_local and reused: each thread that encodes holds
-// one array of `size` bytes per element of the largest chunk it has encoded
-// (it is never shrunk), and no call allocates once a thread has seen its
-// largest chunk. Decoding needs no scratch.
+// Selection: std::nth_element on a scratch array of magnitudes finds the
+// k-th largest, the threshold; one pass over the input then writes the
+// elements above it, plus the ties needed, in index order (so no sort). For chunks of 64 Ki elements or more the scratch array
+// does not hold all magnitudes: a sample of 4096 gives a lower bound that
+// about 2k + count/256 elements reach, only those are kept and selected among
+// (exact as long as at least k pass; otherwise the full array is used). The
+// scratch array is thread_local and reused, so a thread allocates only when
+// it meets a larger need than before: typically about 4 bytes x (2k +
+// count/256), at most `size` bytes per element of its largest chunk (small
+// chunks, or ties that defeat the sample). It is never shrunk. Decoding needs
+// no scratch.
 //
 // Requires count < 2^32 (indices are uint32): chunks are far smaller.
 #include <algorithm>
@@ -44,6 +48,67 @@ std::vector<Bits>& Scratch() {
   return keys;
 }
 
+// Elements below which the sampled pre-filter is not worth it.
+constexpr size_t kSampleFrom = 1 << 16;
+constexpr size_t kSamples = 4096;
+
+template <typename Bits>
+struct Threshold {
+  Bits value;    // the k-th largest magnitude
+  size_t above;  // how many elements are larger (< k)
+};
+
+// Selects among keys[0, n), which hold every magnitude >= the k-th largest.
+template <typename Bits>
+Threshold<Bits> Select(std::vector<Bits>& keys, size_t n, size_t k) {
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.begin() + n, std::greater<Bits>());
+  const Bits value = keys[k - 1];
+  // Everything larger is in keys[0, k-1) now.
+  const size_t above = static_cast<size_t>(std::count_if(
+      keys.begin(), keys.begin() + (k - 1), [value](Bits b) { return b > value; }));
+  return {value, above};
+}
+
+// The k-th largest magnitude of x[0, count), 1 <= k < count.
+template <typename F>
+Threshold<typename F::AbsBits> KthLargest(const typename F::Storage* x, size_t count, size_t k) {
+  using Bits = typename F::AbsBits;
+  const auto magnitude = [](typename F::Storage v) {
+    return static_cast<Bits>(std::bit_cast<Bits>(v) & F::kAbsMask);
+  };
+  std::vector<Bits>& keys = Scratch<Bits>();
+  if (count >= kSampleFrom) {
+    // Estimate from an evenly spaced sample a lower bound that about 2k + 16
+    // count / kSamples elements reach, keep only those, and select among
+    // them. Exact whenever at least k elements pass (then the k-th largest
+    // passes too); otherwise, or if far too many pass (a sea of ties), fall
+    // through to selecting among all.
+    keys.resize(kSamples);
+    for (size_t j = 0; j < kSamples; ++j) keys[j] = magnitude(x[j * (count / kSamples)]);
+    const size_t rank = std::min(kSamples - 1, 2 * k * kSamples / count + 16);
+    std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<Bits>());
+    const Bits lower = keys[rank];
+    // Branch-free compaction, a block at a time: every key is written, the
+    // end moves only past those that pass.
+    constexpr size_t kStep = 4096;
+    const size_t limit = 4 * k + 64 * (count / kSamples);
+    if (keys.size() < limit + kStep) keys.resize(limit + kStep);
+    size_t kept = 0;
+    for (size_t base = 0; base < count && kept < limit; base += kStep) {
+      const size_t end = std::min(count, base + kStep);
+      for (size_t i = base; i < end; ++i) {
+        const Bits b = magnitude(x[i]);
+        keys[kept] = b;
+        kept += b >= lower;
+      }
+    }
+    if (kept >= k && kept < limit) return Select(keys, kept, k);
+  }
+  if (keys.size() < count) keys.resize(count);
+  for (size_t i = 0; i < count; ++i) keys[i] = magnitude(x[i]);
+  return Select(keys, count, k);
+}
+
 template <typename F>
 void EncodeAll(const typename F::Storage* x, size_t count, size_t k, unsigned char* out) {
   using Bits = typename F::AbsBits;
@@ -52,19 +117,17 @@ void EncodeAll(const typename F::Storage* x, size_t count, size_t k, unsigned ch
   unsigned char* const values = out + kIndexBytes * k;
   const auto magnitude = [](T v) { return static_cast<Bits>(std::bit_cast<Bits>(v) & F::kAbsMask); };
   if (k == count) {
-    for (size_t i = 0; i < count; ++i) StoreAt<uint32_t>(indices + kIndexBytes * i, static_cast<uint32_t>(i));
+    for (size_t i = 0; i < count; ++i) {
+      StoreAt<uint32_t>(indices + kIndexBytes * i, static_cast<uint32_t>(i));
+    }
     std::memcpy(values, x, count * sizeof(T));
     return;
   }
-  std::vector<Bits>& keys = Scratch<Bits>();
-  if (keys.size() < count) keys.resize(count);
-  for (size_t i = 0; i < count; ++i) keys[i] = magnitude(x[i]);
-  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.begin() + count, std::greater<Bits>());
-  const Bits threshold = keys[k - 1];
-  // Everything above the threshold is in keys[0, k-1); the rest of the k are
-  // ties, taken by lowest index.
-  size_t ties = k - static_cast<size_t>(std::count_if(
-                        keys.begin(), keys.begin() + (k - 1), [threshold](Bits b) { return b > threshold; }));
+  // Emit everything above the threshold and, in index order, as many of the
+  // elements equal to it as fill k.
+  const Threshold<Bits> t = KthLargest<F>(x, count, k);
+  const Bits threshold = t.value;
+  size_t ties = k - t.above;
   size_t j = 0;
   for (size_t i = 0; j < k; ++i) {
     const Bits b = magnitude(x[i]);
