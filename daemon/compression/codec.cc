@@ -43,8 +43,8 @@ absl::StatusOr<CodecSpec> ParseCodec(absl::string_view text) {
     double ratio = 0;
     const absl::string_view number = absl::string_view(lower).substr(kTopKPrefix.size());
     if (!absl::SimpleAtod(number, &ratio) || !ValidRatio(ratio)) {
-      return absl::InvalidArgumentError(absl::StrCat("codec \"", text, "\": top-k ratio \"",
-                                                     number, "\" is not a number in (0, 1]; ",
+      return absl::InvalidArgumentError(absl::StrCat("codec \"", text, "\": top-k ratio \"", number,
+                                                     "\" is not a number in (0, 1]; ",
                                                      kValidCodecs));
     }
     spec.kind = CodecKind::kTopK;
@@ -57,10 +57,14 @@ absl::StatusOr<CodecSpec> ParseCodec(absl::string_view text) {
 
 std::string CodecName(const CodecSpec& spec) {
   switch (spec.kind) {
-    case CodecKind::kNone: return "none";
-    case CodecKind::kFp16: return "fp16";
-    case CodecKind::kBf16: return "bf16";
-    case CodecKind::kInt8: return "int8";
+    case CodecKind::kNone:
+      return "none";
+    case CodecKind::kFp16:
+      return "fp16";
+    case CodecKind::kBf16:
+      return "bf16";
+    case CodecKind::kInt8:
+      return "int8";
     case CodecKind::kTopK: {
       // Shortest text that reads back as the same double.
       char buf[64];
@@ -73,14 +77,18 @@ std::string CodecName(const CodecSpec& spec) {
 
 std::unique_ptr<Codec> MakeCodec(const CodecSpec& spec) {
   switch (spec.kind) {
-    case CodecKind::kNone: return codec_internal::MakeNoneCodec();
-    case CodecKind::kFp16: return codec_internal::MakeFp16Codec();
-    case CodecKind::kBf16: return codec_internal::MakeBf16Codec();
-    case CodecKind::kInt8: return codec_internal::MakeInt8Codec();
+    case CodecKind::kNone:
+      return codec_internal::MakeNoneCodec();
+    case CodecKind::kFp16:
+      return codec_internal::MakeFp16Codec();
+    case CodecKind::kBf16:
+      return codec_internal::MakeBf16Codec();
+    case CodecKind::kInt8:
+      return codec_internal::MakeInt8Codec();
     case CodecKind::kTopK:
       if (!ValidRatio(spec.topk_ratio)) {
-        codec_internal::BrokenInvariant("topk", absl::StrCat("ratio ", spec.topk_ratio,
-                                                             " outside (0, 1]"));
+        codec_internal::BrokenInvariant("topk",
+                                        absl::StrCat("ratio ", spec.topk_ratio, " outside (0, 1]"));
       }
       return codec_internal::MakeTopKCodec(spec.topk_ratio);
   }
@@ -115,11 +123,10 @@ void AddRaw(wire::DataType dtype, const void* in, size_t count, void* acc) {
 absl::Status Unsupported(absl::string_view codec, wire::DataType dtype,
                          absl::string_view supported) {
   const char* name = wire::DataTypeName(static_cast<uint32_t>(dtype));
-  return absl::InvalidArgumentError(
-      absl::StrCat("codec ", codec, ": dtype ",
-                   name != nullptr ? std::string(name)
-                                   : absl::StrCat("#", static_cast<uint32_t>(dtype)),
-                   " is not supported (supported: ", supported, ")"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "codec ", codec, ": dtype ",
+      name != nullptr ? std::string(name) : absl::StrCat("#", static_cast<uint32_t>(dtype)),
+      " is not supported (supported: ", supported, ")"));
 }
 
 void BrokenInvariant(absl::string_view codec, absl::string_view what) {

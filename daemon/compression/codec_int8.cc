@@ -144,8 +144,8 @@ absl::Status Validate(const unsigned char* in, size_t bytes, size_t count) {
     pos += payload;
   }
   if (pos != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("codec int8: ", bytes - pos,
-                                                   " trailing bytes after ", count, " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec int8: ", bytes - pos, " trailing bytes after ", count, " elements"));
   }
   return absl::OkStatus();
 }
@@ -187,9 +187,8 @@ class Int8Codec final : public Codec {
   }
 
   size_t MaxEncodedBytes(wire::DataType dtype, size_t count) const override {
-    const size_t size = VisitFloat(dtype, size_t{0}, [](auto f) {
-      return sizeof(typename decltype(f)::Storage);
-    });
+    const size_t size =
+        VisitFloat(dtype, size_t{0}, [](auto f) { return sizeof(typename decltype(f)::Storage); });
     if (size == 0) return 0;
     return (count + kBlock - 1) / kBlock * kHeader + count * size;
   }

@@ -69,11 +69,16 @@ struct BF16 {
 template <typename R, typename Fn>
 R VisitFloat(wire::DataType dtype, R otherwise, Fn&& fn) {
   switch (dtype) {
-    case wire::DataType::kFloat32: return fn(F32{});
-    case wire::DataType::kFloat64: return fn(F64{});
-    case wire::DataType::kFloat16: return fn(F16{});
-    case wire::DataType::kBFloat16: return fn(BF16{});
-    default: return otherwise;
+    case wire::DataType::kFloat32:
+      return fn(F32{});
+    case wire::DataType::kFloat64:
+      return fn(F64{});
+    case wire::DataType::kFloat16:
+      return fn(F16{});
+    case wire::DataType::kBFloat16:
+      return fn(BF16{});
+    default:
+      return otherwise;
   }
 }
 
@@ -97,7 +102,8 @@ inline void StoreAt(unsigned char* p, T v) {
 void AddRaw(wire::DataType dtype, const void* in, size_t count, void* acc);
 
 // "codec fp16: dtype int8 is not supported (supported: float32, float16)".
-absl::Status Unsupported(absl::string_view codec, wire::DataType dtype, absl::string_view supported);
+absl::Status Unsupported(absl::string_view codec, wire::DataType dtype,
+                         absl::string_view supported);
 
 // Stops the process: a caller broke a documented precondition.
 [[noreturn]] void BrokenInvariant(absl::string_view codec, absl::string_view what);

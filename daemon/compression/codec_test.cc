@@ -49,22 +49,55 @@ class Elements {
   double Get(size_t i) const {
     const auto* p = reinterpret_cast<const unsigned char*>(storage_.data());
     switch (dtype_) {
-      case DataType::kFloat32: { float v; std::memcpy(&v, p + 4 * i, 4); return v; }
-      case DataType::kFloat64: { double v; std::memcpy(&v, p + 8 * i, 8); return v; }
-      case DataType::kFloat16: { uint16_t v; std::memcpy(&v, p + 2 * i, 2); return HalfToFloat(v); }
-      case DataType::kBFloat16: { uint16_t v; std::memcpy(&v, p + 2 * i, 2); return BFloat16ToFloat(v); }
-      default: ADD_FAILURE(); return 0;
+      case DataType::kFloat32: {
+        float v;
+        std::memcpy(&v, p + 4 * i, 4);
+        return v;
+      }
+      case DataType::kFloat64: {
+        double v;
+        std::memcpy(&v, p + 8 * i, 8);
+        return v;
+      }
+      case DataType::kFloat16: {
+        uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        return HalfToFloat(v);
+      }
+      case DataType::kBFloat16: {
+        uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        return BFloat16ToFloat(v);
+      }
+      default:
+        ADD_FAILURE();
+        return 0;
     }
   }
   // Stores v rounded to the dtype (to nearest even).
   void Set(size_t i, double v) {
     auto* p = reinterpret_cast<unsigned char*>(storage_.data());
     switch (dtype_) {
-      case DataType::kFloat32: { float f = static_cast<float>(v); std::memcpy(p + 4 * i, &f, 4); break; }
-      case DataType::kFloat64: std::memcpy(p + 8 * i, &v, 8); break;
-      case DataType::kFloat16: { uint16_t h = FloatToHalf(static_cast<float>(v)); std::memcpy(p + 2 * i, &h, 2); break; }
-      case DataType::kBFloat16: { uint16_t h = FloatToBFloat16(static_cast<float>(v)); std::memcpy(p + 2 * i, &h, 2); break; }
-      default: ADD_FAILURE();
+      case DataType::kFloat32: {
+        float f = static_cast<float>(v);
+        std::memcpy(p + 4 * i, &f, 4);
+        break;
+      }
+      case DataType::kFloat64:
+        std::memcpy(p + 8 * i, &v, 8);
+        break;
+      case DataType::kFloat16: {
+        uint16_t h = FloatToHalf(static_cast<float>(v));
+        std::memcpy(p + 2 * i, &h, 2);
+        break;
+      }
+      case DataType::kBFloat16: {
+        uint16_t h = FloatToBFloat16(static_cast<float>(v));
+        std::memcpy(p + 2 * i, &h, 2);
+        break;
+      }
+      default:
+        ADD_FAILURE();
     }
   }
   // Every byte, the guard element past the end included.
@@ -79,7 +112,9 @@ class Elements {
     }
     return true;
   }
-  void FillBytes(unsigned char b) { std::memset(storage_.data(), b, (count_ + 1) * sizeof(double)); }
+  void FillBytes(unsigned char b) {
+    std::memset(storage_.data(), b, (count_ + 1) * sizeof(double));
+  }
 
  private:
   DataType dtype_;
@@ -92,7 +127,8 @@ Elements RandomElements(DataType dtype, size_t count, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<double> normal(0, 1);
   Elements e(dtype, count);
-  for (size_t i = 0; i < count; ++i) e.Set(i, normal(rng) * std::ldexp(1.0, static_cast<int>((i / 97) % 9) - 4));
+  for (size_t i = 0; i < count; ++i)
+    e.Set(i, normal(rng) * std::ldexp(1.0, static_cast<int>((i / 97) % 9) - 4));
   return e;
 }
 
@@ -101,7 +137,8 @@ std::vector<unsigned char> Encode(const Codec& codec, DataType dtype, const Elem
   std::vector<unsigned char> out(max + 64, 0xab);
   const size_t bytes = codec.Encode(dtype, in.data(), in.count(), out.data());
   EXPECT_LE(bytes, max);
-  for (size_t i = max; i < out.size(); ++i) EXPECT_EQ(out[i], 0xab) << "Encode wrote past its bound";
+  for (size_t i = max; i < out.size(); ++i)
+    EXPECT_EQ(out[i], 0xab) << "Encode wrote past its bound";
   out.resize(bytes);
   return out;
 }
@@ -110,7 +147,8 @@ std::vector<unsigned char> Encode(const Codec& codec, DataType dtype, const Elem
 // ParseCodec / CodecName
 
 TEST(ParseCodecTest, ValidNames) {
-  for (const char* name : {"none", "fp16", "bf16", "int8", "topk:0.01", "topk:1", "topk:0.1234567"}) {
+  for (const char* name :
+       {"none", "fp16", "bf16", "int8", "topk:0.01", "topk:1", "topk:0.1234567"}) {
     absl::StatusOr<CodecSpec> spec = ParseCodec(name);
     ASSERT_TRUE(spec.ok()) << name << ": " << spec.status();
     EXPECT_EQ(CodecName(*spec), name);
@@ -181,7 +219,8 @@ std::vector<Case> AllCases() {
   for (const char* codec : {"none", "fp16", "bf16", "int8", "topk:0.01", "topk:0.3", "topk:1"}) {
     for (DataType dtype : kFloatTypes) {
       if (!Make(codec)->Supports(dtype).ok()) continue;
-      for (size_t count : {0, 1, 7, 255, 256, 257, 1000, 4099}) cases.push_back({codec, dtype, count});
+      for (size_t count : {0, 1, 7, 255, 256, 257, 1000, 4099})
+        cases.push_back({codec, dtype, count});
     }
   }
   return cases;
@@ -203,7 +242,8 @@ TEST_P(CodecPropertyTest, RoundTripDecodeAddAndMalformedInput) {
   if (!wire.empty()) std::memcpy(shifted.data() + 1, wire.data(), wire.size());
   Elements decoded2(c.dtype, c.count);
   decoded2.FillBytes(0x5a);
-  ASSERT_TRUE(codec->Decode(c.dtype, shifted.data() + 1, wire.size(), c.count, decoded2.data()).ok());
+  ASSERT_TRUE(
+      codec->Decode(c.dtype, shifted.data() + 1, wire.size(), c.count, decoded2.data()).ok());
   EXPECT_TRUE(decoded.SameBytes(decoded2));
   if (c.codec == "none" || c.codec == "topk:1") {
     EXPECT_EQ(std::memcmp(decoded.data(), in.data(), in.bytes()), 0);
@@ -217,7 +257,8 @@ TEST_P(CodecPropertyTest, RoundTripDecodeAddAndMalformedInput) {
   Elements acc2 = acc;
   ASSERT_TRUE(codec->DecodeAdd(c.dtype, wire.data(), wire.size(), c.count, acc.data()).ok());
   EXPECT_TRUE(acc.SameBytes(expected));
-  ASSERT_TRUE(codec->DecodeAdd(c.dtype, shifted.data() + 1, wire.size(), c.count, acc2.data()).ok());
+  ASSERT_TRUE(
+      codec->DecodeAdd(c.dtype, shifted.data() + 1, wire.size(), c.count, acc2.data()).ok());
   EXPECT_TRUE(acc2.SameBytes(expected));
 
   // Malformed input: an error, and the output untouched (the guard element
@@ -307,7 +348,8 @@ TEST(Fp16CodecTest, ErrorBounds) {
   out = RoundTrip(*codec, in);
   for (size_t i = 0; i < in.size(); ++i) ASSERT_LE(std::fabs(out[i] - in[i]), 0x1p-25) << in[i];
   // Ties to even, overflow to Inf, Inf and NaN kept.
-  in = Floats({1 + 0x1p-11f, 1 + 3 * 0x1p-11f, 65519.0f, 65520.0f, -1e6f, kInf, -kInf, kNaN, -kNaN, -0.0f});
+  in = Floats(
+      {1 + 0x1p-11f, 1 + 3 * 0x1p-11f, 65519.0f, 65520.0f, -1e6f, kInf, -kInf, kNaN, -kNaN, -0.0f});
   out = RoundTrip(*codec, in);
   EXPECT_EQ(out[0], 1.0f);
   EXPECT_EQ(out[1], 1 + 4 * 0x1p-11f);
@@ -396,7 +438,7 @@ TEST(Int8CodecTest, ZeroTinyAndHugeBlocks) {
   std::vector<float> in(768, 0.0f);
   in[256] = 1e-35f;  // block 1: below 2^-100, raw
   in[257] = -3e-36f;
-  in[512] = 3e38f;   // block 2: above 2^126, raw
+  in[512] = 3e38f;  // block 2: above 2^126, raw
   in[513] = -1.0f;
   std::vector<unsigned char> wire(codec->MaxEncodedBytes(DataType::kFloat32, in.size()));
   const size_t bytes = codec->Encode(DataType::kFloat32, in.data(), in.size(), wire.data());
@@ -419,7 +461,8 @@ TEST(Int8CodecTest, InvalidScales) {
       std::vector<unsigned char> broken(wire.begin(), wire.begin() + bytes);
       std::memcpy(broken.data() + at, &bad, 4);
       std::vector<float> out(in.size(), 7.0f);
-      absl::Status s = codec->Decode(DataType::kFloat32, broken.data(), bytes, in.size(), out.data());
+      absl::Status s =
+          codec->Decode(DataType::kFloat32, broken.data(), bytes, in.size(), out.data());
       EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
       EXPECT_NE(s.message().find("invalid scale"), std::string::npos) << s;
       EXPECT_EQ(out, std::vector<float>(in.size(), 7.0f));
@@ -533,11 +576,11 @@ TEST(TopKCodecTest, BadIndices) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << index << " at " << at;
     EXPECT_EQ(out, std::vector<float>(count, 7.0f));
   };
-  rejects(1000, 9, 1000);        // past the end
+  rejects(1000, 9, 1000);  // past the end
   rejects(0xffffffffu, 9, 1000);
-  rejects(990, 1, 1000);         // duplicate
-  rejects(995, 0, 1000);         // not increasing
-  rejects(990, 0, 995);          // indices beyond a smaller count
+  rejects(990, 1, 1000);  // duplicate
+  rejects(995, 0, 1000);  // not increasing
+  rejects(990, 0, 995);   // indices beyond a smaller count
   std::vector<float> out(5);
   EXPECT_FALSE(codec->Decode(DataType::kFloat32, wire.data(), bytes, 5, out.data()).ok())
       << "more entries than elements";
@@ -568,7 +611,9 @@ TEST(NoneCodecTest, IntegersAddWithWraparound) {
   std::vector<int64_t> big(5000, 3), sum(5000, 4);
   std::vector<unsigned char> wire2(big.size() * 8 + 1);
   codec->Encode(DataType::kInt64, big.data(), big.size(), wire2.data() + 1);  // misaligned
-  ASSERT_TRUE(codec->DecodeAdd(DataType::kInt64, wire2.data() + 1, big.size() * 8, big.size(), sum.data()).ok());
+  ASSERT_TRUE(
+      codec->DecodeAdd(DataType::kInt64, wire2.data() + 1, big.size() * 8, big.size(), sum.data())
+          .ok());
   EXPECT_EQ(sum, std::vector<int64_t>(5000, 7));
 }
 
@@ -582,7 +627,8 @@ struct FeedbackRun {
   std::vector<float> residual;  // the last residual, as original - decoded
 };
 
-FeedbackRun RunSteps(const Codec& codec, ErrorFeedback* ef, const std::vector<float>& g, int steps) {
+FeedbackRun RunSteps(const Codec& codec, ErrorFeedback* ef, const std::vector<float>& g,
+                     int steps) {
   const size_t n = g.size();
   FeedbackRun run{std::vector<double>(n, 0), std::vector<float>(n, 0)};
   std::vector<unsigned char> wire(codec.MaxEncodedBytes(DataType::kFloat32, n));
@@ -707,7 +753,7 @@ TEST(ErrorFeedbackTest, LeastRecentlyUsedWithinTheCap) {
   const std::vector<float> zero(100, 0), one(100, 1);
   for (const char* name : {"a", "b", "c"}) ef.Update(name, one.data(), zero.data(), 100);
   std::vector<float> data(100, 0);
-  ef.Apply("a", data.data(), 100);  // "a" becomes the most recent
+  ef.Apply("a", data.data(), 100);               // "a" becomes the most recent
   ef.Update("d", one.data(), zero.data(), 100);  // evicts "b"
   ErrorFeedback::Stats stats = ef.GetStats();
   EXPECT_EQ(stats.names, 3u);

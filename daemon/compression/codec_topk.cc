@@ -13,15 +13,13 @@
 //
 // Selection: std::nth_element on a scratch array of magnitudes finds the
 // k-th largest, the threshold; one pass over the input then writes the
-// elements above it, plus the ties needed, in index order (so no sort). For chunks of 64 Ki elements or more the scratch array
-// does not hold all magnitudes: a sample of 4096 gives a lower bound that
-// about 2k + count/256 elements reach, only those are kept and selected among
-// (exact as long as at least k pass; otherwise the full array is used). The
-// scratch array is thread_local and reused, so a thread allocates only when
-// it meets a larger need than before: typically about 4 bytes x (2k +
-// count/256), at most `size` bytes per element of its largest chunk (small
-// chunks, or ties that defeat the sample). It is never shrunk. Decoding needs
-// no scratch.
+// elements above it, plus the ties needed, in index order (so no sort). For chunks of 64 Ki
+// elements or more the scratch array does not hold all magnitudes: a sample of 4096 gives a lower
+// bound that about 2k + count/256 elements reach, only those are kept and selected among (exact as
+// long as at least k pass; otherwise the full array is used). The scratch array is thread_local and
+// reused, so a thread allocates only when it meets a larger need than before: typically about 4
+// bytes x (2k + count/256), at most `size` bytes per element of its largest chunk (small chunks, or
+// ties that defeat the sample). It is never shrunk. Decoding needs no scratch.
 //
 // Requires count < 2^32 (indices are uint32): chunks are far smaller.
 #include <algorithm>
@@ -64,8 +62,8 @@ Threshold<Bits> Select(std::vector<Bits>& keys, size_t n, size_t k) {
   std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.begin() + n, std::greater<Bits>());
   const Bits value = keys[k - 1];
   // Everything larger is in keys[0, k-1) now.
-  const size_t above = static_cast<size_t>(std::count_if(
-      keys.begin(), keys.begin() + (k - 1), [value](Bits b) { return b > value; }));
+  const size_t above = static_cast<size_t>(
+      std::count_if(keys.begin(), keys.begin() + (k - 1), [value](Bits b) { return b > value; }));
   return {value, above};
 }
 
@@ -115,7 +113,9 @@ void EncodeAll(const typename F::Storage* x, size_t count, size_t k, unsigned ch
   using T = typename F::Storage;
   unsigned char* const indices = out;
   unsigned char* const values = out + kIndexBytes * k;
-  const auto magnitude = [](T v) { return static_cast<Bits>(std::bit_cast<Bits>(v) & F::kAbsMask); };
+  const auto magnitude = [](T v) {
+    return static_cast<Bits>(std::bit_cast<Bits>(v) & F::kAbsMask);
+  };
   if (k == count) {
     for (size_t i = 0; i < count; ++i) {
       StoreAt<uint32_t>(indices + kIndexBytes * i, static_cast<uint32_t>(i));
@@ -231,9 +231,9 @@ class TopKCodec final : public Codec {
     for (size_t j = 0; j < k; ++j) {  // validate every index before writing anything
       const uint32_t i = LoadAt<uint32_t>(p + kIndexBytes * j);
       if (i >= count || (j > 0 && i <= LoadAt<uint32_t>(p + kIndexBytes * (j - 1)))) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "codec topk: entry ", j, " has index ", i, " (indices must increase and be below ",
-            count, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("codec topk: entry ", j, " has index ", i,
+                                                       " (indices must increase and be below ",
+                                                       count, ")"));
       }
     }
     VisitFloat(dtype, 0, [&](auto f) {
