@@ -34,11 +34,14 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "ciuic/shm_layout.h"
 #include "collectives/internode/scratch.h"
+#include "compression/codec.h"
+#include "compression/error_feedback.h"
 #include "transport/transport.h"
 
 namespace ciuic::daemon {
@@ -67,6 +70,24 @@ enum class InterNodeAlgorithm { kAuto, kRing, kHalvingDoubling };
 // step's segment pipelined in chunks over the transport's channels. Any
 // count (segments may be uneven or empty). `op` must not be kAvg (sum, then
 // DivideInPlace); INVALID_ARGUMENT otherwise. N == 1 returns at once.
+struct CompressionStats {
+  uint64_t raw_bytes = 0;   // payload bytes this node would have sent uncompressed
+  uint64_t wire_bytes = 0;  // what it sent
+};
+
+// Sum-allreduce whose traffic between nodes is compressed with `codec`: a
+// direct reduce-scatter (each segment encoded once, sent to its owner, which
+// decodes and adds the contributions exactly, in node order) then an
+// allgather of each owner's sum, encoded once. Two compressions per element
+// whatever the node count; every node ends with the same bits. With
+// `feedback` (float32 only), what each compression dropped is kept under
+// `name` (and `name#owner`) and added to the next operation of that name.
+// See daemon/compression/README.md for each codec's error bound.
+absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec,
+                                 ErrorFeedback* feedback, const std::string& name,
+                                 wire::DataType dtype, void* data, size_t count,
+                                 CompressionStats* stats);
+
 absl::Status AllreduceRing(const InterNodeContext& ctx, wire::DataType dtype, wire::ReduceOp op,
                            void* data, size_t count);
 
