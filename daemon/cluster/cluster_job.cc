@@ -302,6 +302,8 @@ void ClusterJob::Run() {
         sig->set_reduce_op(e.op.sig.reduce_op);
         sig->set_root(e.op.sig.root);
         sig->set_count(e.op.sig.count);
+        sig->set_codec(e.op.sig.codec);
+        sig->set_codec_ratio(e.op.sig.codec_ratio);
         r->set_priority(e.op.priority);
         r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms
                                           : options_.tuning->Snapshot().op_timeout_ms);
@@ -380,6 +382,43 @@ void ClusterJob::Run() {
   transport_.reset();
 }
 
+absl::StatusOr<const Codec*> ClusterJob::CodecFor(const ClusterOp& op,
+                                                   const config::Tuning& tuning,
+                                                   wire::ReduceOp wire_op, size_t bytes) {
+  std::string name;
+  switch (static_cast<wire::Codec>(op.sig.codec)) {
+    case wire::Codec::kDefault: name = tuning.compression; break;
+    case wire::Codec::kNone: name = "none"; break;
+    case wire::Codec::kFp16: name = "fp16"; break;
+    case wire::Codec::kBf16: name = "bf16"; break;
+    case wire::Codec::kInt8: name = "int8"; break;
+    case wire::Codec::kTopK: name = absl::StrCat("topk:", op.sig.codec_ratio); break;
+  }
+  if (name == "none" || bytes < tuning.min_compress_bytes) return nullptr;
+  auto it = codecs_.find(name);
+  if (it == codecs_.end()) {
+    auto spec = ParseCodec(name);
+    if (!spec.ok()) return spec.status();
+    it = codecs_.emplace(name, MakeCodec(*spec)).first;
+  }
+  const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
+  absl::Status supported = it->second->Supports(dtype);
+  if (supported.ok() && wire_op != wire::ReduceOp::kSum) {
+    supported = absl::InvalidArgumentError(absl::StrCat(
+        "compression applies to sum and avg, not ", wire::ReduceOpName(op.sig.reduce_op)));
+  }
+  if (!supported.ok()) {
+    if (!tuning.compression_strict) return nullptr;  // sent as it is
+    return absl::InvalidArgumentError(absl::StrCat("operation '", op.name, "': compression ",
+                                                   name, ": ", supported.message()));
+  }
+  return it->second.get();
+}
+
+ClusterJob::CompressionCounters ClusterJob::compression() const {
+  return CompressionCounters{compressed_ops_.load(), raw_bytes_.load(), wire_bytes_.load()};
+}
+
 absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
   const config::Tuning tuning = options_.tuning->Snapshot();
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
@@ -421,7 +460,19 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
       if (!(inputs.size() == 1 && inputs[0] == node)) {
         Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
       }
-      absl::Status s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, node, count);
+      auto codec = CodecFor(op, tuning, wire_op, count * es);
+      if (!codec.ok()) return codec.status();
+      absl::Status s;
+      if (*codec != nullptr) {
+        CompressionStats stats;
+        s = AllreduceCompressed(ctx, **codec, tuning.error_feedback ? &feedback_ : nullptr,
+                                op.name, dtype, node, count, &stats);
+        compressed_ops_.fetch_add(1, std::memory_order_relaxed);
+        raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
+        wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+      } else {
+        s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, node, count);
+      }
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, count, world);
       if (all) {

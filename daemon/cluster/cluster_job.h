@@ -34,6 +34,8 @@
 #include "absl/status/statusor.h"
 #include "collectives/internode/scratch.h"
 #include "collectives/op.h"
+#include "compression/codec.h"
+#include "compression/error_feedback.h"
 #include "config/tuning.h"
 #include "transport/transport.h"
 
@@ -112,6 +114,13 @@ class ClusterJob {
   std::string state();
   std::vector<PeerRow> Peers();
 
+  struct CompressionCounters {
+    uint64_t ops = 0;         // operations that went compressed
+    uint64_t raw_bytes = 0;   // what they would have sent uncompressed
+    uint64_t wire_bytes = 0;  // what they sent
+  };
+  CompressionCounters compression() const;
+
  private:
   struct Event;
   class CountingTransport;
@@ -119,6 +128,10 @@ class ClusterJob {
   void Run();
   absl::Status Form();
   absl::Status Execute(const ClusterOp& op, uint64_t seq);
+  // The codec for `op` (nullptr: send as it is), by its own choice or the
+  // tuning's; an error if compression_strict and the codec cannot take it.
+  absl::StatusOr<const Codec*> CodecFor(const ClusterOp& op, const config::Tuning& tuning,
+                                        wire::ReduceOp wire_op, size_t bytes);
   void FailAll(const absl::Status& why);
   void Push(Event e);
 
@@ -142,6 +155,11 @@ class ClusterJob {
   std::thread reader_;
   ScratchBuffer scratch_;   // the algorithms' receive space
   ScratchBuffer staging_;   // the node's buffer
+  std::map<std::string, std::unique_ptr<Codec>> codecs_;
+  ErrorFeedback feedback_{256ull << 20};
+  std::atomic<uint64_t> compressed_ops_{0};
+  std::atomic<uint64_t> raw_bytes_{0};
+  std::atomic<uint64_t> wire_bytes_{0};
   std::map<std::string, ClusterOp> awaiting_;  // readied, waiting for Run/Fail
   int self_ = -1;
   std::vector<int> node_of_rank_;

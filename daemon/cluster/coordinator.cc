@@ -34,12 +34,18 @@ std::string SignatureText(const proto::OpSignature& s) {
   absl::StrAppend(&out, " ", s.dtype() < 9 ? kType[s.dtype()] : "?", " count=", s.count());
   if (s.reduce_op() != 0) absl::StrAppend(&out, " op=", s.reduce_op() < 6 ? kOp[s.reduce_op()] : "?");
   if (s.collective() == 4) absl::StrAppend(&out, " root=", s.root());
+  static const char* kCodecs[] = {"", "none", "fp16", "bf16", "int8", "topk"};
+  if (s.codec() != 0) {
+    absl::StrAppend(&out, " compression=", s.codec() < 6 ? kCodecs[s.codec()] : "?");
+    if (s.codec() == 5) absl::StrAppend(&out, ":", s.codec_ratio());
+  }
   return out;
 }
 
 bool SameSignature(const proto::OpSignature& a, const proto::OpSignature& b) {
   return a.collective() == b.collective() && a.dtype() == b.dtype() &&
-         a.reduce_op() == b.reduce_op() && a.root() == b.root() && a.count() == b.count();
+         a.reduce_op() == b.reduce_op() && a.root() == b.root() && a.count() == b.count() &&
+         a.codec() == b.codec() && a.codec_ratio() == b.codec_ratio();
 }
 
 }  // namespace

@@ -22,6 +22,11 @@ std::string OpSignature::ToString() const {
   if (static_cast<wire::Collective>(collective) == wire::Collective::kBroadcast) {
     absl::StrAppend(&out, " root=", root);
   }
+  static const char* kCodecs[] = {"", "none", "fp16", "bf16", "int8", "topk"};
+  if (codec != 0) {
+    absl::StrAppend(&out, " compression=", codec < 6 ? kCodecs[codec] : "?");
+    if (static_cast<wire::Codec>(codec) == wire::Codec::kTopK) absl::StrAppend(&out, ":", codec_ratio);
+  }
   return out;
 }
 
@@ -48,7 +53,16 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
     return absl::InvalidArgumentError(absl::StrCat("operation '", op.name, "': ", what));
   };
   if (e.flags != 0) return fail(absl::StrCat("reserved flags 0x", absl::Hex(e.flags), " set"));
+  if (e.codec > static_cast<uint32_t>(wire::Codec::kTopK)) {
+    return fail(absl::StrCat("unknown compression codec ", e.codec));
+  }
+  if (static_cast<wire::Codec>(e.codec) == wire::Codec::kTopK &&
+      !(e.codec_ratio > 0.0f && e.codec_ratio <= 1.0f)) {
+    return fail(absl::StrCat("topk ratio ", e.codec_ratio, " is not in (0, 1]"));
+  }
 
+  op.sig.codec = e.codec;
+  op.sig.codec_ratio = static_cast<wire::Codec>(e.codec) == wire::Codec::kTopK ? e.codec_ratio : 0;
   const char* cname = wire::CollectiveName(e.collective);
   if (cname == nullptr) return fail(absl::StrCat("unknown collective ", e.collective));
   const auto collective = static_cast<wire::Collective>(e.collective);

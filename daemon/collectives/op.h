@@ -19,6 +19,8 @@ struct OpSignature {
   uint32_t reduce_op = 0;  // 0 for collectives that do not reduce
   int32_t root = 0;        // broadcast only, else 0
   uint64_t count = 0;
+  uint32_t codec = 0;       // wire::Codec, 0 = the daemon's setting
+  float codec_ratio = 0;    // topk only
 
   bool operator==(const OpSignature&) const = default;
   // "allreduce float32 count=100 op=sum" style, for error messages.

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "compression/codec.h"
 #include "config/values.h"
 
 namespace ciuic::config {
@@ -104,6 +105,40 @@ Field AlgorithmField(std::string key, absl::string_view what) {
   return field;
 }
 
+Field BoolField(std::string key, absl::string_view what, bool Tuning::*member) {
+  Field field;
+  field.description = absl::StrCat(what, " [on|off; default ", Tuning{}.*member ? "on" : "off", "]");
+  field.parse = [key, member](absl::string_view value, Tuning& tuning) {
+    std::string v = absl::AsciiStrToLower(absl::StripAsciiWhitespace(value));
+    if (v == "on" || v == "true" || v == "1" || v == "yes") {
+      tuning.*member = true;
+    } else if (v == "off" || v == "false" || v == "0" || v == "no") {
+      tuning.*member = false;
+    } else {
+      return BadValue(key, value, "expected on or off");
+    }
+    return absl::OkStatus();
+  };
+  field.format = [member](const Tuning& tuning) { return std::string(tuning.*member ? "on" : "off"); };
+  field.key = std::move(key);
+  return field;
+}
+
+Field CodecField(std::string key, absl::string_view what) {
+  Field field;
+  field.description =
+      absl::StrCat(what, " [none|fp16|bf16|int8|topk:RATIO; default ", Tuning{}.compression, "]");
+  field.parse = [key](absl::string_view value, Tuning& tuning) {
+    absl::StatusOr<daemon::CodecSpec> spec = daemon::ParseCodec(value);
+    if (!spec.ok()) return BadValue(key, value, spec.status().message());
+    tuning.compression = daemon::CodecName(*spec);
+    return absl::OkStatus();
+  };
+  field.format = [](const Tuning& tuning) { return tuning.compression; };
+  field.key = std::move(key);
+  return field;
+}
+
 // The key table, in listing order.
 const std::vector<Field>& Table() {
   static const std::vector<Field>* const table = new std::vector<Field>{
@@ -120,6 +155,18 @@ const std::vector<Field>& Table() {
       IntegerField("channels", "UCX workers for the inter-node phase", "", &Tuning::channels, 1,
                    64),
       AlgorithmField("algorithm", "Inter-node collective algorithm"),
+      CodecField("compression",
+                 "Codec for inter-node traffic of float sum/avg operations (per operation: "
+                 "OpOptions::compression)"),
+      SizeField("min_compress_bytes", "Operations smaller than this are not compressed",
+                &Tuning::min_compress_bytes, 0, kGiB),
+      BoolField("error_feedback",
+                "Add what compression dropped to the next operation of the same name",
+                &Tuning::error_feedback),
+      BoolField("compression_strict",
+                "Fail operations the codec cannot take (integer dtypes, min/max/prod) instead of "
+                "sending them uncompressed",
+                &Tuning::compression_strict),
   };
   return *table;
 }

@@ -40,6 +40,18 @@ struct Tuning {
   // UCX workers for the inter-node phase. 1..64.
   uint32_t channels = 2;
   Algorithm algorithm = Algorithm::kAuto;
+  // Codec for what crosses the network in float sum/avg operations of
+  // multi-node jobs: none, fp16, bf16, int8, topk:RATIO. Operations may
+  // override it (OpOptions::compression).
+  std::string compression = "none";
+  // Operations smaller than this are never compressed. 0..1G.
+  uint64_t min_compress_bytes = uint64_t{64} << 10;
+  // Keep what compression dropped per operation name and add it to the next
+  // submission of that name.
+  bool error_feedback = true;
+  // What to do with an operation the codec cannot take (integer dtypes,
+  // min/max/prod): skip compression for it, or fail it.
+  bool compression_strict = false;
 
   friend bool operator==(const Tuning&, const Tuning&) = default;
 };

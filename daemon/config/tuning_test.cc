@@ -50,8 +50,10 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
     EXPECT_FALSE(entry.description.empty()) << entry.key;
   }
   EXPECT_THAT(keys, ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms",
-                                "channels", "algorithm"));
-  EXPECT_THAT(values, ElementsAre("4M", "256K", "50", "60000", "2", "auto"));
+                                "channels", "algorithm", "compression", "min_compress_bytes",
+                                "error_feedback", "compression_strict"));
+  EXPECT_THAT(values, ElementsAre("4M", "256K", "50", "60000", "2", "auto", "none", "64K", "on",
+                                  "off"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
   EXPECT_THAT((*entries)[0].description, HasSubstr("default 4M"));
@@ -181,8 +183,30 @@ TEST(TuningTest, UnknownKeySuggestsClosest) {
             "unknown tuning key 'op_timeout' (did you mean 'op_timeout_ms'?)");
   EXPECT_EQ(registry.Set("algoritm", "ring").message(),
             "unknown tuning key 'algoritm' (did you mean 'algorithm'?)");
-  EXPECT_EQ(registry.Set("compression", "fp16").message(), "unknown tuning key 'compression'");
+  EXPECT_EQ(registry.Set("fusion", "1").message(), "unknown tuning key 'fusion'");
   EXPECT_EQ(registry.Set("", "1").message(), "unknown tuning key ''");
+}
+
+TEST(TuningTest, CompressionKeys) {
+  Tuning tuning;
+  EXPECT_TRUE(SetOne("compression", "INT8", &tuning).ok());
+  EXPECT_EQ(tuning.compression, "int8");
+  EXPECT_TRUE(SetOne("compression", "topk:0.01", &tuning).ok());
+  EXPECT_EQ(tuning.compression, "topk:0.01");
+  absl::Status bad = SetOne("compression", "zstd", &tuning);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("'compression'"));
+  EXPECT_THAT(bad.message(), HasSubstr("int8"));
+  TuningRegistry registry;
+  ASSERT_TRUE(registry.Set("compression", "topk:0.01").ok());
+  EXPECT_FALSE(registry.Set("compression", "topk:0").ok());
+  EXPECT_FALSE(registry.Set("compression", "topk:1.5").ok());
+  EXPECT_EQ(registry.Snapshot().compression, "topk:0.01") << "a bad value changed the setting";
+  EXPECT_TRUE(SetOne("error_feedback", "off", &tuning).ok());
+  EXPECT_FALSE(tuning.error_feedback);
+  EXPECT_FALSE(SetOne("error_feedback", "maybe", &tuning).ok());
+  EXPECT_TRUE(SetOne("min_compress_bytes", "1M", &tuning).ok());
+  EXPECT_EQ(tuning.min_compress_bytes, 1u << 20);
 }
 
 TEST(TuningTest, ConcurrentSetAndSnapshot) {

@@ -87,6 +87,9 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
     out->set_ops_completed(j.ops_completed);
     out->set_ops_failed(j.ops_failed);
     out->set_bytes_reduced(j.bytes);
+    out->set_ops_compressed(j.ops_compressed);
+    out->set_bytes_before_compression(j.bytes_before_compression);
+    out->set_bytes_after_compression(j.bytes_after_compression);
     for (const auto& p : j.pending) {
       auto* po = out->add_pending();
       po->set_name(p.name);

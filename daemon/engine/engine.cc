@@ -866,6 +866,12 @@ EngineStatus Engine::StatusOnLoop() {
     row.ops_completed = job->ops_completed;
     row.ops_failed = job->ops_failed;
     row.bytes = job->bytes;
+    if (job->cluster) {
+      const ClusterJob::CompressionCounters c = job->cluster->compression();
+      row.ops_compressed = c.ops;
+      row.bytes_before_compression = c.raw_bytes;
+      row.bytes_after_compression = c.wire_bytes;
+    }
     std::vector<std::shared_ptr<PendingOp>> ops;
     for (auto& [name, op] : job->pending) ops.push_back(op);
     std::sort(ops.begin(), ops.end(), [](auto& a, auto& b) { return a->seq < b->seq; });

@@ -101,6 +101,9 @@ struct EngineStatus {
     uint64_t ops_completed = 0;
     uint64_t ops_failed = 0;
     uint64_t bytes = 0;
+    uint64_t ops_compressed = 0;
+    uint64_t bytes_before_compression = 0;
+    uint64_t bytes_after_compression = 0;
     std::vector<PendingRow> pending;
   };
   double uptime_seconds = 0;

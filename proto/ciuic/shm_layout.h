@@ -35,7 +35,7 @@
 namespace ciuic::wire {
 
 inline constexpr uint64_t kSessionMagic = 0x31765f6369756963ULL;  // "ciuic_v1"
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;
 
 enum class Collective : uint32_t {
   kAllreduce = 1,
@@ -116,7 +116,7 @@ inline constexpr const char* CollectiveName(uint32_t c) {
   return nullptr;
 }
 
-inline constexpr size_t kMaxOpName = 112;
+inline constexpr size_t kMaxOpName = 104;
 inline constexpr size_t kMaxMessage = 232;
 
 // Buffers per collective (count is in elements; W is the job's world size):
@@ -138,9 +138,22 @@ struct SubmissionEntry {
   int32_t priority;      // higher goes first among ready operations
   uint32_t flags;        // reserved, must be 0
   uint32_t name_len;     // bytes of name used, <= kMaxOpName
+  // Compression of what crosses the network (multi-node float sum/avg):
+  // 0 = the daemon's `compression` setting, else Codec.
+  uint32_t codec;
+  float codec_ratio;     // topk only: fraction of elements kept, (0, 1]
   char name[kMaxOpName]; // matches the operation across ranks
 };
 static_assert(sizeof(SubmissionEntry) == 176);
+
+enum class Codec : uint32_t {
+  kDefault = 0,
+  kNone = 1,
+  kFp16 = 2,
+  kBf16 = 3,
+  kInt8 = 4,
+  kTopK = 5,
+};
 
 struct CompletionEntry {
   uint64_t op_id;

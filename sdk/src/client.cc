@@ -71,6 +71,32 @@ uint32_t SpinMicrosFromEnv() {
   return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
 }
 
+// "none", "fp16", "bf16", "int8" or "topk:RATIO" (0 < RATIO <= 1).
+Status ParseCompression(const std::string& text, uint32_t* codec, float* ratio) {
+  static const std::pair<const char*, wire::Codec> kNames[] = {
+      {"none", wire::Codec::kNone}, {"fp16", wire::Codec::kFp16},
+      {"bf16", wire::Codec::kBf16}, {"int8", wire::Codec::kInt8}};
+  for (const auto& [n, c] : kNames) {
+    if (text == n) {
+      *codec = static_cast<uint32_t>(c);
+      *ratio = 0;
+      return Status::Ok();
+    }
+  }
+  if (text.rfind("topk:", 0) == 0) {
+    char* end = nullptr;
+    const double r = std::strtod(text.c_str() + 5, &end);
+    if (end != text.c_str() + 5 && *end == '\0' && r > 0 && r <= 1) {
+      *codec = static_cast<uint32_t>(wire::Codec::kTopK);
+      *ratio = static_cast<float>(r);
+      return Status::Ok();
+    }
+  }
+  return Status(StatusCode::kInvalidArgument,
+                "unknown compression '" + text + "' (none, fp16, bf16, int8, topk:RATIO with "
+                "0 < RATIO <= 1)");
+}
+
 }  // namespace
 
 // Shared by the communicator and its handles.
@@ -454,6 +480,12 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   e.count = count;
   e.timeout_ms = opts.timeout_ms;
   e.priority = opts.priority;
+  if (!opts.compression.empty()) {
+    Status parsed = ParseCompression(opts.compression, &e.codec, &e.codec_ratio);
+    if (!parsed.ok()) {
+      return Failed(Status(parsed.code(), "operation '" + name + "': " + parsed.message()));
+    }
+  }
   e.name_len = static_cast<uint32_t>(name.size());
   std::memcpy(e.name, name.data(), name.size());
 

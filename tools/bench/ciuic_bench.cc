@@ -54,6 +54,7 @@ struct Flags {
   std::string socket;
   std::string ciuicd;
   std::string daemon_config;  // --config for the daemons ciuic-bench starts
+  std::string compression;    // OpOptions::compression; empty: the daemon's
 };
 
 [[noreturn]] void Usage(const std::string& error) {
@@ -64,7 +65,7 @@ struct Flags {
           "                   [--dtype float32|float64|float16|bfloat16|int8|uint8|int32|int64]\n"
           "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
           "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n"
-          "                   [--daemon-config FILE]\n"
+          "                   [--daemon-config FILE] [--compression none|fp16|bf16|int8|topk:R]\n"
           "Without --socket it starts one ciuicd per node (--ciuicd, $CIUICD, or the build\n"
           "tree's), with --daemon-config as their config file.\n");
   exit(error.empty() ? 0 : 64);
@@ -123,6 +124,17 @@ Flags ParseFlags(int argc, char** argv) {
     else if (a == "--socket") f.socket = value();
     else if (a == "--ciuicd") f.ciuicd = value();
     else if (a == "--daemon-config") f.daemon_config = value();
+    else if (a == "--compression") {
+      f.compression = value();
+      const std::string& c = f.compression;
+      bool ok = c == "none" || c == "fp16" || c == "bf16" || c == "int8";
+      if (c.rfind("topk:", 0) == 0) {
+        char* end = nullptr;
+        double r = strtod(c.c_str() + 5, &end);
+        ok = end != c.c_str() + 5 && *end == '\0' && r > 0 && r <= 1;
+      }
+      if (!ok) Usage("unknown compression codec '" + c + "' (none, fp16, bf16, int8, topk:RATIO)");
+    }
     else if (a == "--dtype") {
       std::string s = value();
       if (!ciuic::ParseDataType(s, &f.dtype)) Usage("unknown dtype '" + s + "'");
@@ -280,10 +292,12 @@ uint64_t CountFor(const Flags& f, uint64_t bytes, int world) {
 
 ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send,
                      const ciuic::Buffer& recv, uint64_t count) {
+  ciuic::OpOptions o;
+  o.compression = f.compression;
   if (f.op == "allreduce") {
-    return c.Allreduce(send.data(), recv.data(), count, f.dtype, f.reduce_op);
+    return c.Allreduce(send.data(), recv.data(), count, f.dtype, f.reduce_op, o);
   } else if (f.op == "reduce_scatter") {
-    return c.ReduceScatter(send.data(), recv.data(), count, f.dtype, f.reduce_op);
+    return c.ReduceScatter(send.data(), recv.data(), count, f.dtype, f.reduce_op, o);
   } else if (f.op == "allgather") {
     return c.Allgather(send.data(), recv.data(), count, f.dtype);
   } else if (f.op == "broadcast") {
@@ -294,7 +308,8 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer
 
 // Fills send with the pattern, runs once, counts wrong elements in recv.
 uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send,
-                   const ciuic::Buffer& recv, uint64_t count, std::string* error) {
+                   const ciuic::Buffer& recv, uint64_t count, std::string* error,
+                   double* rel_error) {
   const int world = c.world_size();
   const int rank = c.rank();
   const uint64_t send_elems = f.op == "reduce_scatter" ? count * world : count;
@@ -307,6 +322,7 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& 
     return recv_elems;
   }
   uint64_t wrong = 0;
+  double max_err = 0, max_want = 0;
   for (uint64_t i = 0; i < recv_elems; ++i) {
     double want;
     if (f.op == "allreduce") want = Expected(f, world, i);
@@ -314,8 +330,12 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& 
     else if (f.op == "allgather") want = static_cast<double>(Input(f, static_cast<int>(i / count), i % count));
     else if (f.op == "broadcast") want = static_cast<double>(Input(f, 0, i));
     else break;
-    if (!Matches(f, Load(f.dtype, recv.data(), i), want)) ++wrong;
+    const double got = Load(f.dtype, recv.data(), i);
+    if (!Matches(f, got, want)) ++wrong;
+    max_err = std::max(max_err, std::fabs(got - want));
+    max_want = std::max(max_want, std::fabs(want));
   }
+  if (rel_error != nullptr) *rel_error = max_want > 0 ? max_err / max_want : max_err;
   return wrong;
 }
 
@@ -367,7 +387,9 @@ int RunRank(const Flags& f, const std::string& socket, const std::string& coordi
     double wrong = 0;
     if (f.check) {
       std::string error;
-      wrong = static_cast<double>(CheckOnce(*comm, f, send, recv, count, &error));
+      double rel = 0;
+      wrong = static_cast<double>(CheckOnce(*comm, f, send, recv, count, &error, &rel));
+      if (!f.compression.empty() && f.compression != "none" && error.empty()) wrong = rel;
       if (!error.empty()) fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, error.c_str());
     }
     times.push_back(wrong);
@@ -547,7 +569,8 @@ int main(int argc, char** argv) {
            f.op.c_str(), f.nodes, f.ranks_per_node, ciuic::DataTypeName(f.dtype),
            ciuic::ReduceOpName(f.reduce_op), f.iters, f.warmup);
     printf("# %12s %12s %9s %7s %12s %12s %11s %11s %8s\n", "size(B)", "count", "type",
-           "redop", "time(us)", "cold(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+           "redop", "time(us)", "cold(us)", "algbw(GB/s)", "busbw(GB/s)",
+           (!f.compression.empty() && f.compression != "none") ? "relerr" : "#wrong");
   }
   int failures = 0;
   bool ok = true;
@@ -555,7 +578,8 @@ int main(int argc, char** argv) {
     const size_t per_rank = static_cast<size_t>(f.iters) + 2;
     std::vector<double> slowest(f.iters, 0.0);
     double cold = 0;
-    uint64_t wrong = 0;
+    double wrong = 0;
+    const bool lossy = !f.compression.empty() && f.compression != "none";
     for (int r = 0; r < world && ok; ++r) {
       std::vector<double> v(per_rank);
       if (!ReadFull(fds[r], v.data(), v.size() * sizeof(double))) {
@@ -564,7 +588,7 @@ int main(int argc, char** argv) {
       }
       cold = std::max(cold, v[0]);
       for (int i = 0; i < f.iters; ++i) slowest[i] = std::max(slowest[i], v[1 + i]);
-      wrong += static_cast<uint64_t>(v[per_rank - 1]);
+      wrong = lossy ? std::max(wrong, v[per_rank - 1]) : wrong + v[per_rank - 1];
     }
     if (!ok) break;
     std::vector<double> sorted = slowest;
@@ -579,19 +603,29 @@ int main(int argc, char** argv) {
                                : count * es;
     const double algbw = med > 0 ? moved / (med * 1e3) : 0;  // bytes/us /1e3 = GB/s
     const double busbw = algbw * BusFactor(f.op, world);
-    if (f.check && wrong > 0) ++failures;
+    if (f.check && !lossy && wrong > 0) ++failures;
+    char check_json[64], check_text[32];
+    if (!f.check) {
+      snprintf(check_json, sizeof(check_json), "\"errors\":null");
+      snprintf(check_text, sizeof(check_text), "n/a");
+    } else if (lossy) {
+      snprintf(check_json, sizeof(check_json), "\"max_rel_error\":%.3e", wrong);
+      snprintf(check_text, sizeof(check_text), "%.2e", wrong);
+    } else {
+      snprintf(check_json, sizeof(check_json), "\"errors\":%llu", (unsigned long long)wrong);
+      snprintf(check_text, sizeof(check_text), "%llu", (unsigned long long)wrong);
+    }
     if (f.json) {
       printf("{\"op\":\"%s\",\"dtype\":\"%s\",\"reduce_op\":\"%s\",\"bytes\":%llu,\"count\":%llu,"
              "\"ranks\":%d,\"nodes\":%d,\"time_us\":%.3f,\"cold_us\":%.3f,\"algbw_gbps\":%.4f,"
-             "\"busbw_gbps\":%.4f,\"errors\":%s}\n",
+             "\"busbw_gbps\":%.4f,\"compression\":\"%s\",%s}\n",
              f.op.c_str(), ciuic::DataTypeName(f.dtype), ciuic::ReduceOpName(f.reduce_op),
              (unsigned long long)moved, (unsigned long long)count, world, f.nodes, med, cold,
-             algbw, busbw, f.check ? std::to_string(wrong).c_str() : "null");
+             algbw, busbw, f.compression.empty() ? "default" : f.compression.c_str(), check_json);
     } else {
       printf("  %12llu %12llu %9s %7s %12.2f %12.2f %11.3f %11.3f %8s\n",
              (unsigned long long)moved, (unsigned long long)count, ciuic::DataTypeName(f.dtype),
-             ciuic::ReduceOpName(f.reduce_op), med, cold, algbw, busbw,
-             f.check ? std::to_string(wrong).c_str() : "n/a");
+             ciuic::ReduceOpName(f.reduce_op), med, cold, algbw, busbw, check_text);
     }
     fflush(stdout);
     fprintf(stderr, "ciuic-bench: %s done\n", HumanSize(bytes).c_str());

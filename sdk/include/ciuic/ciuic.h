@@ -88,6 +88,10 @@ struct OpOptions {
   std::string name;          // empty: named by submission order
   int32_t priority = 0;      // higher runs first among ready operations
   uint32_t timeout_ms = 0;   // 0: the daemon's op_timeout_ms
+  // Codec for what crosses the network between nodes (float sum/avg):
+  // "none", "fp16", "bf16", "int8", "topk:RATIO"; empty: the daemon's
+  // `compression` setting. All ranks must choose the same.
+  std::string compression;
 };
 
 // A region of the communicator's shared memory. Move-only; freed when
