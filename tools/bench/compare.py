@@ -883,6 +883,7 @@ def run(args, scenario):
             "config": {k: v for k, v in vars(args).items() if k != "system_list"},
             "link_traffic": TRAFFIC,
             "scenario": {"name": scenario.name, "nodes": scenario.nodes,
+                         "link_rate": getattr(scenario, "rate", None),
                          "ranks_per_node": scenario.ranks_per_node,
                          "description": scenario.describe()},
             "commands": {s: c for s, c in commands.items()},
@@ -895,7 +896,12 @@ def run(args, scenario):
             json.dump(doc, f, indent=1)
         log("wrote %s" % args.json_out)
     if args.plot:
-        title = "%s %s, %s, %d ranks (%s)" % (args.op, args.dtype, scenario.name,
+        where = scenario.name
+        if scenario.name != "local":
+            where += " %dx%d" % (scenario.nodes, scenario.ranks_per_node)
+        if scenario.name == "netns":
+            where += " at %s" % scenario.rate
+        title = "%s %s, %s, %d ranks (%s)" % (args.op, args.dtype, where,
                                               scenario.world, info["cpu_model"])
         plot(stats, ran, args.plot, title, info.get("memcpy_gbps"))
         log("wrote %s" % args.plot)

@@ -197,6 +197,7 @@ def main(args):
     for n in notes:
         print("NOTE: " + n)
 
+    args.system_list = ["ciuic"] if "ciuic" in rows else []  # daemons only when needed
     scen = compare.NetnsScenario(2, 1, args.link_rate)
     results = []
     try:
