@@ -792,9 +792,10 @@ def main(argv):
               "and needs root; run it as root, or use --scenario loopback" % args.scenario,
               file=sys.stderr)
         return 2
-    # SIGTERM/SIGHUP end the run like Ctrl-C, so that the finally clauses
-    # below remove the namespaces and stop the daemons.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT (also where a background job inherited it ignored), SIGTERM and
+    # SIGHUP end the run like Ctrl-C, so that the finally clauses below
+    # remove the namespaces and stop the daemons.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     if args.scenario == "train":
         import train_compare
