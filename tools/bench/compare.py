@@ -647,7 +647,7 @@ def print_table(stats, systems):
                 human_bytes(n), LABEL[s], st["time_us"], st["time_us_min"],
                 st["time_us_max"], st["busbw_gbps"], st["busbw_gbps_min"],
                 st["busbw_gbps_max"], "-" if st["errors"] is None else st["errors"], mark))
-    if "ciuic" in systems and any(k[0] == "ciuic" for k in stats):
+    if "ciuic" in systems and len(systems) > 1 and any(k[0] == "ciuic" for k in stats):
         others = [s for s in systems if s != "ciuic"]
         print()
         print("busbw ratio (median; > 1 means ciuic is faster)")
