@@ -663,7 +663,17 @@ def print_table(stats, systems):
         print(note)
 
 
-def plot(stats, systems, path, title, memcpy_gbps):
+def rate_gbps(rate):
+    """tc rate ("1gbit", "100mbit", "500kbit", "1e9bit") in GB/s, or None."""
+    import re
+    m = re.fullmatch(r"([0-9.e+]+)\s*([kmgt]?)bit", rate.strip().lower())
+    if not m:
+        return None
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * mult / 8 / 1e9
+
+
+def plot(stats, systems, path, title, memcpy_gbps, link_gbps=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -679,7 +689,11 @@ def plot(stats, systems, path, title, memcpy_gbps):
             lo = [p[1][key] - p[1][key + "_min"] for p in pts]
             hi = [p[1][key + "_max"] - p[1][key] for p in pts]
             ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=LABEL[s])
-    if memcpy_gbps:
+    if link_gbps:  # shaped links: the link, not memory, is the bound
+        ax_bw.axhline(link_gbps, color="grey", linestyle=":",
+                      label="link rate (%.3g GB/s)" % link_gbps)
+        ax_bw.set_ylim(0, link_gbps * 1.15)
+    elif memcpy_gbps:
         ax_bw.axhline(memcpy_gbps, color="grey", linestyle=":",
                       label="memcpy 256 MiB (%.1f GB/s)" % memcpy_gbps)
     for ax in (ax_bw, ax_t):
@@ -904,7 +918,8 @@ def run(args, scenario):
             where += " at %s" % scenario.rate
         title = "%s %s, %s, %d ranks (%s)" % (args.op, args.dtype, where,
                                               scenario.world, info["cpu_model"])
-        plot(stats, ran, args.plot, title, info.get("memcpy_gbps"))
+        plot(stats, ran, args.plot, title, info.get("memcpy_gbps"),
+             rate_gbps(scenario.rate) if scenario.name == "netns" else None)
         log("wrote %s" % args.plot)
     return 1 if failures or bad else 0
 

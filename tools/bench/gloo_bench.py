@@ -6,6 +6,9 @@ Same flags and JSON keys as ciuic-bench and ciuic-mpi-bench. Run it directly
 --nodes x --ranks-per-node rank processes on this machine, all meeting at
 MASTER_ADDR=127.0.0.1 on a free port, and gloo carries every byte over TCP
 on the loopback interface (gloo has no shared-memory transport).
+With --netns ns0,ns1,... (one namespace per node, root only) rank r runs
+under 'ip netns exec' in the namespace of node r // R, meeting at
+--master-addr over --ifname (GLOO_SOCKET_IFNAME): compare.py --scenario netns.
 
 Method, per size (the same as ciuic-mpi-bench):
   - tensors are allocated once per size and written before timing, so no

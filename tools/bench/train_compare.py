@@ -259,8 +259,11 @@ def main(args):
                     t["row"], t["median_step_s"] - compute, t["median_step_s"] / compute))
     failures = [r for r in results if r["status"] != "ok"]
     for r in failures:
-        print("NOTE: rep %d %s: %s (exit codes %s)" % (r["rep"], r["row"], r["status"],
-                                                     r["exit_codes"]))
+        why = next((l.split("| ", 1)[-1].strip() for l in r.get("output_tail", [])
+                    if "what():" in l or "Error" in l), "")
+        print("NOTE: rep %d %s: %s (exit codes %s)%s" % (r["rep"], r["row"], r["status"],
+                                                       r["exit_codes"],
+                                                       ": " + why if why else ""))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"machine": info, "versions": vers, "scenario": "train",
