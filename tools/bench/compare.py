@@ -19,6 +19,15 @@ Scenarios (how ranks are placed and which transport the baselines use):
             N nodes. OpenMPI is forced onto TCP over lo (--mca pml ob1
             --mca btl tcp,self); gloo is the same as local; ciuic-bench gets
             --nodes N --ranks-per-node R and arranges its daemons itself.
+  netns     --nodes N x --ranks-per-node R with N network namespaces as hosts,
+            joined by veths shaped with tbf to --link-rate (root only; see
+            netns.py). ciuic: one ciuicd per namespace started here (UCX over
+            TCP on the veth), ranks through ciuic_py_bench.py; OpenMPI: mpirun
+            in node 0's namespace reaching the others through netns_rsh.sh,
+            TCP on the veths; gloo: ranks inside the namespaces. The veths'
+            tx byte counters are printed per run.
+  train     2 namespaces x 1 rank as netns; DDP training (examples/train_ddp.py)
+            instead of a collective; see train_compare.py.
 A new scenario is one more Scenario subclass (see below).
 """
 
@@ -31,9 +40,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 SYSTEMS = ("ciuic", "mpi", "mpi_tuned", "gloo")
 LABEL = {"ciuic": "ciuic", "mpi": "OpenMPI", "mpi_tuned": "OpenMPI+malloc", "gloo": "gloo"}
 
@@ -202,6 +213,25 @@ class Scenario:
     def describe(self):
         raise NotImplementedError
 
+    # Hooks for scenarios that build something (netns): set up before the
+    # commands are made, torn down at the end whatever happens.
+    def setup(self, args):
+        pass
+
+    def teardown(self):
+        pass
+
+    def command(self, system, args, common):
+        """argv of `system` when the scenario places the ranks itself, else None."""
+        return None
+
+    def extra_env(self, system):
+        return {}
+
+    def counters(self):
+        """Per-node traffic counters (netns: veth tx bytes), or None."""
+        return None
+
 
 class LocalScenario(Scenario):
     name = "local"
@@ -227,6 +257,154 @@ class LoopbackScenario(Scenario):
                 % (self.nodes, self.ranks_per_node))
 
 
+class NetnsScenario(Scenario):
+    """N namespaces joined by shaped veths (netns.py); every system's ranks
+    run so that their traffic crosses the veths."""
+    name = "netns"
+    PEER_PORT = 7361
+
+    def __init__(self, nodes, ranks_per_node, rate):
+        super().__init__(nodes, ranks_per_node)
+        self.rate = rate
+        self.topo = None
+        self.daemons = []
+        self.sockets = []
+        self.tmp = None
+        self.ciuic_error = None
+
+    def describe(self):
+        what = ("netns: %d nodes x %d ranks, each node a network namespace, links shaped "
+                "to %s; ciuic UCX tcp, OpenMPI ob1 btl tcp, gloo TCP, all on the veths"
+                % (self.nodes, self.ranks_per_node, self.rate))
+        if self.topo is not None:
+            what += "\n  " + self.topo.describe()
+        return what
+
+    def mpirun_transport_flags(self):
+        from netns import IFNAME
+        return ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                "--mca", "btl_tcp_if_include", IFNAME, "--mca", "oob_tcp_if_include", IFNAME]
+
+    def setup(self, args):
+        import netns
+        self.topo = netns.Topology(self.nodes, rate=self.rate)
+        self.topo.up()
+        for line in self.topo.qdiscs():
+            log("  " + line)
+        self.tmp = tempfile.mkdtemp(prefix="ciuic-netns-")
+        if "ciuic" in args.system_list:
+            try:
+                self.start_daemons(args)
+            except RuntimeError as e:
+                self.ciuic_error = str(e)
+
+    def start_daemons(self, args):
+        import netns
+        binary = args.ciuicd
+        if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+            raise RuntimeError("ciuicd not found at %s (build it, or pass --ciuicd)" % binary)
+        env = dict(os.environ)
+        env.update({"UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.IFNAME,
+                    "UCX_WARN_UNUSED_ENV_VARS": "n"})
+        for i in range(self.nodes):
+            sock = os.path.join(self.tmp, "n%d.sock" % i)
+            cmd = self.topo.prefix(i) + [
+                binary, "--socket", sock, "--listen",
+                "%s:%d" % (self.topo.addr(i), self.PEER_PORT), "--node-name", "host%d" % i,
+                "--log-level", "warn"]
+            if args.daemon_config:
+                cmd += ["--config", args.daemon_config]
+            logf = open(os.path.join(self.tmp, "n%d.log" % i), "w")
+            proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            self.daemons.append(proc)
+            self.sockets.append(sock)
+            deadline = time.monotonic() + 20
+            while not (os.path.exists(sock) and os.path.exists(sock + ".session")):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    with open(os.path.join(self.tmp, "n%d.log" % i)) as f:
+                        tail = f.read()[-2000:]
+                    raise RuntimeError("ciuicd of node %d did not start: %s" % (i, tail))
+                time.sleep(0.05)
+        log("started %d ciuicd, one per namespace (UCX_TLS=tcp UCX_NET_DEVICES=%s)"
+            % (self.nodes, netns.IFNAME))
+
+    def teardown(self):
+        for proc in self.daemons:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        for proc in self.daemons:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.daemons = []
+        if self.topo is not None:
+            self.topo.down()
+            log("removed the namespaces %s" % ", ".join(
+                self.topo.ns + ([self.topo.bridge_ns] if self.topo.bridge_ns else [])))
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def command(self, system, args, common):
+        world, rpn = self.world, self.ranks_per_node
+        addr0 = self.topo.addr(0)
+        if system == "ciuic":
+            if self.ciuic_error:
+                return None, self.ciuic_error
+            script = os.path.join(HERE, "ciuic_py_bench.py")
+            return ([args.python, script] + common +
+                    ["--sockets", ",".join(self.sockets),
+                     "--coordinator", "%s:%d" % (addr0, self.PEER_PORT),
+                     "--timeout", str(args.timeout)]), None
+        if system in ("mpi", "mpi_tuned"):
+            path = os.path.abspath(args.mpi_bench)
+            if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                return None, "ciuic-mpi-bench not found at %s" % path
+            mpirun = shutil.which(args.mpirun)
+            if mpirun is None:
+                return None, "mpirun not found (%s)" % args.mpirun
+            # mpirun in node 0's namespace; orted on the others through
+            # netns_rsh.sh (see there why 'ip netns exec' per rank fails).
+            cmd = self.topo.prefix(0) + [mpirun, "--allow-run-as-root", "--oversubscribe",
+                                         "--bind-to", "none", "-np", str(world),
+                                         "--host", ",".join("%s:%d" % (self.topo.addr(i), rpn)
+                                                            for i in range(self.nodes)),
+                                         "--mca", "plm_rsh_agent",
+                                         os.path.join(HERE, "netns_rsh.sh"),
+                                         "--mca", "plm_rsh_no_tree_spawn", "1"]
+            cmd += self.mpirun_transport_flags()
+            for key, value in env_for(args, system).items():
+                cmd += ["-x", "%s=%s" % (key, value)]
+            return cmd + [path] + common, None
+        if system == "gloo":
+            import netns
+            script = os.path.join(HERE, "gloo_bench.py")
+            return ([args.python, script] + common +
+                    ["--netns", ",".join(self.topo.ns), "--master-addr", addr0,
+                     "--ifname", netns.IFNAME, "--timeout", str(args.timeout)]), None
+        return None
+
+    def extra_env(self, system):
+        env = {}
+        if system == "ciuic":
+            pp = os.path.abspath(os.path.join("build", "python"))
+            env["PYTHONPATH"] = pp + (":" + os.environ["PYTHONPATH"]
+                                      if os.environ.get("PYTHONPATH") else "")
+        if system in ("mpi", "mpi_tuned"):
+            env["CIUIC_NETNS_MAP"] = ",".join("%s=%s" % (self.topo.addr(i), self.topo.ns[i])
+                                              for i in range(self.nodes))
+        return env
+
+    def counters(self):
+        return self.topo.tx_bytes() if self.topo is not None else None
+
+
 def make_scenario(args):
     if args.scenario == "local":
         if args.nodes not in (None, 1):
@@ -235,6 +413,9 @@ def make_scenario(args):
         return LocalScenario(1, args.ranks or args.ranks_per_node or 2)
     if args.scenario == "loopback":
         return LoopbackScenario(args.nodes or 2, args.ranks_per_node or args.ranks or 1)
+    if args.scenario == "netns":
+        return NetnsScenario(args.nodes or 2, args.ranks_per_node or args.ranks or 1,
+                             args.link_rate)
     sys.exit("compare.py: unknown scenario %s" % args.scenario)
 
 
@@ -269,6 +450,9 @@ def env_for(args, system):
 def command_for(system, args, scenario):
     """The argv for one run of `system`, or (None, reason) if it cannot run."""
     common = bench_flags(args) + scenario.placement_flags()
+    placed = scenario.command(system, args, common)
+    if placed is not None:
+        return placed
     if system == "ciuic":
         path = args.ciuic_bench
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
@@ -300,10 +484,13 @@ def command_for(system, args, scenario):
     raise ValueError(system)
 
 
-def run_one(system, cmd, args, rep):
+def run_one(system, cmd, args, rep, scenario=None):
     """Runs one benchmark; returns (rows, failure or None)."""
     env = dict(os.environ)
     env.update(env_for(args, system))
+    if scenario is not None:
+        env.update(scenario.extra_env(system))
+    tx0 = scenario.counters() if scenario is not None else None
     t0 = time.monotonic()
     stall0 = cpu_stall_us()
     # Own process group, so that a timeout also ends the ranks mpirun or
@@ -324,6 +511,10 @@ def run_one(system, cmd, args, rep):
         raise
     elapsed = time.monotonic() - t0
     stall1 = cpu_stall_us()
+    tx = None
+    if tx0 is not None:
+        tx1 = scenario.counters()
+        tx = [None if a is None or b is None else b - a for a, b in zip(tx0, tx1)]
     # Share of the run in which some task waited for a CPU. Our own ranks
     # add a little; well above that, another job competed with the run.
     pressure = (None if stall0 is None or stall1 is None
@@ -338,6 +529,8 @@ def run_one(system, cmd, args, rep):
         except ValueError:
             continue
         row.update({"system": system, "rep": rep, "cpu_pressure_pct": pressure})
+        if tx is not None:
+            row["link_tx_bytes_run"] = tx  # whole run (all sizes), per node's veth
         rows.append(row)
     failure = None
     if proc.returncode != 0 or not rows:
@@ -345,9 +538,13 @@ def run_one(system, cmd, args, rep):
         failure = {"system": system, "rep": rep, "returncode": proc.returncode,
                    "reason": "exit code %d, %d rows" % (proc.returncode, len(rows)),
                    "stderr_tail": tail}
-    log("rep %d/%d %-5s done in %5.1f s (cpu pressure %s%%): %d rows%s" % (
+    log("rep %d/%d %-5s done in %5.1f s (cpu pressure %s%%): %d rows%s%s" % (
         rep, args.reps, system, elapsed, pressure, len(rows),
+        "" if tx is None else ", veth tx bytes per node " + " ".join(
+            "%.1fMB" % (b / 1e6) if b is not None else "?" for b in tx),
         "" if failure is None else "  FAILED (" + failure["reason"] + ")"))
+    if tx is not None:
+        TRAFFIC.append({"system": system, "rep": rep, "tx_bytes": tx})
     if failure is not None and failure.get("stderr_tail"):
         for line in failure["stderr_tail"].splitlines():
             log("  %s| %s" % (system, line))
@@ -355,6 +552,43 @@ def run_one(system, cmd, args, rep):
 
 
 # ----------------------------------------------------------------- summary
+
+TRAFFIC = []  # netns: veth tx bytes per run
+
+
+def expected_link_bytes(args, scenario):
+    """What one run must at least send over each node's link, all sizes:
+    ops per size (cold + warmup + iters + check) x the bytes a rank of a
+    ring/pairwise algorithm sends to other nodes (allreduce 2(N-1)/N x
+    bytes, others (N-1)/N), N = nodes (intra-node traffic does not cross)."""
+    if args.op == "barrier":
+        return 0
+    n = scenario.nodes
+    ops = 1 + args.warmup + args.iters + (0 if args.no_check else 1)
+    factor = 2.0 * (n - 1) / n if args.op == "allreduce" else (n - 1) / n
+    if args.op == "broadcast":
+        factor = 1.0 / n  # root's node sends the buffer once per other node, spread
+    total = sum(parse_size(x) for x in args.sizes.split(",") if x)
+    return int(total * factor * ops * scenario.ranks_per_node)
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if mult != 1 else text) * mult
+
+
+def print_traffic(args, scenario):
+    if not TRAFFIC:
+        return
+    print()
+    print("traffic over the shaped links (tx bytes of each node's veth, whole run: "
+          "all sizes, cold+warmup+iters+check ops; a rank sends about %.0f MB per node "
+          "for the algorithm-independent minimum)" % (expected_link_bytes(args, scenario) / 1e6))
+    for t in TRAFFIC:
+        print("  rep %d %-14s %s" % (t["rep"], LABEL[t["system"]], "  ".join(
+            "node%d %8.1f MB" % (i, b / 1e6) if b is not None else "node%d ?" % i
+            for i, b in enumerate(t["tx_bytes"]))))
 
 def summarize(rows, systems):
     """{(system, bytes): stats} over reps."""
@@ -413,7 +647,7 @@ def print_table(stats, systems):
                 human_bytes(n), LABEL[s], st["time_us"], st["time_us_min"],
                 st["time_us_max"], st["busbw_gbps"], st["busbw_gbps_min"],
                 st["busbw_gbps_max"], "-" if st["errors"] is None else st["errors"], mark))
-    if "ciuic" in systems and any(k[0] == "ciuic" for k in stats):
+    if "ciuic" in systems and len(systems) > 1 and any(k[0] == "ciuic" for k in stats):
         others = [s for s in systems if s != "ciuic"]
         print()
         print("busbw ratio (median; > 1 means ciuic is faster)")
@@ -429,7 +663,17 @@ def print_table(stats, systems):
         print(note)
 
 
-def plot(stats, systems, path, title, memcpy_gbps):
+def rate_gbps(rate):
+    """tc rate ("1gbit", "100mbit", "500kbit", "1e9bit") in GB/s, or None."""
+    import re
+    m = re.fullmatch(r"([0-9.e+]+)\s*([kmgt]?)bit", rate.strip().lower())
+    if not m:
+        return None
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * mult / 8 / 1e9
+
+
+def plot(stats, systems, path, title, memcpy_gbps, link_gbps=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -445,7 +689,11 @@ def plot(stats, systems, path, title, memcpy_gbps):
             lo = [p[1][key] - p[1][key + "_min"] for p in pts]
             hi = [p[1][key + "_max"] - p[1][key] for p in pts]
             ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=LABEL[s])
-    if memcpy_gbps:
+    if link_gbps:  # shaped links: the link, not memory, is the bound
+        ax_bw.axhline(link_gbps, color="grey", linestyle=":",
+                      label="link rate (%.3g GB/s)" % link_gbps)
+        ax_bw.set_ylim(0, link_gbps * 1.15)
+    elif memcpy_gbps:
         ax_bw.axhline(memcpy_gbps, color="grey", linestyle=":",
                       label="memcpy 256 MiB (%.1f GB/s)" % memcpy_gbps)
     for ax in (ax_bw, ax_t):
@@ -478,7 +726,10 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     p.add_argument("--systems", default="ciuic,mpi,gloo")
-    p.add_argument("--scenario", default="local", choices=("local", "loopback"))
+    p.add_argument("--scenario", default="local",
+                   choices=("local", "loopback", "netns", "train"))
+    p.add_argument("--link-rate", default="1gbit",
+                   help="netns/train: tbf rate of every veth end (tc syntax, default 1gbit)")
     p.add_argument("--ranks", type=int, help="ranks of the local scenario (default 2)")
     p.add_argument("--nodes", type=int, help="nodes of the loopback scenario (default 2)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default 1)")
@@ -489,6 +740,21 @@ def parse_args(argv):
     p.add_argument("--ciuic-bench", default=os.path.join(build, "ciuic-bench"))
     p.add_argument("--socket", help="passed to ciuic-bench as --socket")
     p.add_argument("--mpi-bench", default=os.path.join(build, "ciuic-mpi-bench"))
+    p.add_argument("--ciuicd", default=os.path.join(os.getcwd(), "build", "daemon", "ciuicd"),
+                   help="netns/train: the daemon started in each namespace")
+    p.add_argument("--daemon-config", help="netns/train: passed to each ciuicd as --config")
+    t = p.add_argument_group("--scenario train (see train_compare.py)")
+    t.add_argument("--train-script", default=os.path.join(os.getcwd(), "examples", "train_ddp.py"))
+    t.add_argument("--train-rows", default=None,
+                   help="subset of compute,gloo,gloo+fp16,gloo+powerSGD,ciuic (default all)")
+    t.add_argument("--steps", type=int, default=12, help="training steps per run")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--hidden", type=int, default=None, help="train_ddp.py --hidden")
+    t.add_argument("--layers", type=int, default=None, help="train_ddp.py --layers")
+    t.add_argument("--train-threads", type=int, default=1,
+                   help="torch threads per rank (default 1: 2 ranks on 2 cores)")
+    t.add_argument("--train-timeout", type=int, default=300,
+                   help="seconds per training run before it counts as hung")
     p.add_argument("--mpirun", default="mpirun")
     p.add_argument("--python", default="/usr/bin/python3",
                    help="interpreter with torch for gloo_bench.py")
@@ -529,14 +795,46 @@ def versions():
     return out
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt("signal %d" % signum)
+
+
 def main(argv):
     args = parse_args(argv)
+    if args.scenario in ("netns", "train") and os.geteuid() != 0:
+        print("compare.py: --scenario %s builds network namespaces (ip netns add, veth, tc) "
+              "and needs root; run it as root, or use --scenario loopback" % args.scenario,
+              file=sys.stderr)
+        return 2
+    # SIGINT (also where a background job inherited it ignored), SIGTERM and
+    # SIGHUP end the run like Ctrl-C, so that the finally clauses below
+    # remove the namespaces and stop the daemons.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    if args.scenario == "train":
+        import train_compare
+        return train_compare.main(args)
     scenario = make_scenario(args)
+    try:
+        return run(args, scenario)
+    except KeyboardInterrupt:
+        log("interrupted; cleaning up")
+        return 130
+    finally:
+        scenario.teardown()
+
+
+def run(args, scenario):
     log("measuring the machine (memcpy of 256 MiB)")
     info = machine_info()
     info["cpu_pressure_start"] = cpu_pressure()
     vers = versions()
     print_machine(info, vers)
+    try:
+        scenario.setup(args)
+    except Exception as e:  # netns.NetnsError, OSError
+        print("compare.py: could not set up scenario %s: %s" % (scenario.name, e))
+        return 2
     print("scenario %s" % scenario.describe())
     print("op %s, dtype %s, sizes %s, iters %d, warmup %d, reps %d (interleaved)%s"
           % (args.op, args.dtype, args.sizes, args.iters, args.warmup, args.reps,
@@ -565,7 +863,7 @@ def main(argv):
                 continue
             wait_until_quiet(args.wait_quiet)
             log("rep %d/%d %-5s: %s" % (rep, args.reps, s, " ".join(commands[s])))
-            r, f = run_one(s, commands[s], args, rep)
+            r, f = run_one(s, commands[s], args, rep, scenario)
             rows.extend(r)
             if f:
                 failures.append(f)
@@ -578,6 +876,7 @@ def main(argv):
     ran = [s for s in args.system_list if s in commands]
     stats = summarize(rows, ran)
     print_table(stats, ran)
+    print_traffic(args, scenario)
     noisy = sorted({(r["rep"], r["system"], r["cpu_pressure_pct"]) for r in rows
                     if (r.get("cpu_pressure_pct") or 0) > args.noisy_pressure})
     if noisy:
@@ -597,7 +896,9 @@ def main(argv):
         doc = {
             "machine": info, "versions": vers,
             "config": {k: v for k, v in vars(args).items() if k != "system_list"},
+            "link_traffic": TRAFFIC,
             "scenario": {"name": scenario.name, "nodes": scenario.nodes,
+                         "link_rate": getattr(scenario, "rate", None),
                          "ranks_per_node": scenario.ranks_per_node,
                          "description": scenario.describe()},
             "commands": {s: c for s, c in commands.items()},
@@ -610,9 +911,15 @@ def main(argv):
             json.dump(doc, f, indent=1)
         log("wrote %s" % args.json_out)
     if args.plot:
-        title = "%s %s, %s, %d ranks (%s)" % (args.op, args.dtype, scenario.name,
+        where = scenario.name
+        if scenario.name != "local":
+            where += " %dx%d" % (scenario.nodes, scenario.ranks_per_node)
+        if scenario.name == "netns":
+            where += " at %s" % scenario.rate
+        title = "%s %s, %s, %d ranks (%s)" % (args.op, args.dtype, where,
                                               scenario.world, info["cpu_model"])
-        plot(stats, ran, args.plot, title, info.get("memcpy_gbps"))
+        plot(stats, ran, args.plot, title, info.get("memcpy_gbps"),
+             rate_gbps(scenario.rate) if scenario.name == "netns" else None)
         log("wrote %s" % args.plot)
     return 1 if failures or bad else 0
 

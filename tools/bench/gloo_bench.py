@@ -6,6 +6,9 @@ Same flags and JSON keys as ciuic-bench and ciuic-mpi-bench. Run it directly
 --nodes x --ranks-per-node rank processes on this machine, all meeting at
 MASTER_ADDR=127.0.0.1 on a free port, and gloo carries every byte over TCP
 on the loopback interface (gloo has no shared-memory transport).
+With --netns ns0,ns1,... (one namespace per node, root only) rank r runs
+under 'ip netns exec' in the namespace of node r // R, meeting at
+--master-addr over --ifname (GLOO_SOCKET_IFNAME): compare.py --scenario netns.
 
 Method, per size (the same as ciuic-mpi-bench):
   - tensors are allocated once per size and written before timing, so no
@@ -67,7 +70,18 @@ def parse_args(argv):
     p.add_argument("--socket", help="ciuic-bench only; accepted and ignored")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds before the ranks are killed (default 600)")
+    p.add_argument("--netns", default="",
+                   help="network namespaces, one per node, comma separated: rank r runs "
+                        "under 'ip netns exec' in the namespace of node r // R (root only)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="MASTER_ADDR: node 0's address (default 127.0.0.1)")
+    p.add_argument("--ifname", default=None,
+                   help="GLOO_SOCKET_IFNAME (default: $GLOO_SOCKET_IFNAME, else lo)")
     args = p.parse_args(argv)
+    args.netns_list = [n for n in args.netns.split(",") if n]
+    if args.netns_list and len(args.netns_list) != args.nodes:
+        p.error("--netns names %d namespaces for --nodes %d" % (len(args.netns_list),
+                                                                 args.nodes))
     try:
         args.size_list = [parse_size(s) for s in args.sizes.split(",") if s]
     except ValueError:
@@ -88,7 +102,8 @@ def free_port():
 def launch(args, argv):
     """Starts the ranks, relays rank 0's stdout, returns the exit code."""
     world = args.nodes * args.ranks_per_node
-    port = free_port()
+    # With --netns node 0's namespace is fresh: any port is free there.
+    port = 29500 + os.getpid() % 1000 if args.netns_list else free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ)
@@ -97,15 +112,18 @@ def launch(args, argv):
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank % args.ranks_per_node),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": args.master_addr,
             "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+            "GLOO_SOCKET_IFNAME": args.ifname or env.get("GLOO_SOCKET_IFNAME", "lo"),
             # One compute thread per rank: ranks already share few cores.
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         })
         out = None if rank == 0 else subprocess.DEVNULL
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv,
-                                      env=env, stdout=out))
+        prefix = []
+        if args.netns_list:
+            prefix = ["ip", "netns", "exec", args.netns_list[rank // args.ranks_per_node]]
+        procs.append(subprocess.Popen(prefix + [sys.executable, os.path.abspath(__file__)]
+                                      + argv, env=env, stdout=out))
     deadline = time.monotonic() + args.timeout
     rc = 0
     try:

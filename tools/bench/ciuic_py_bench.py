@@ -1,0 +1,302 @@
+#!/usr/bin/python3
+"""ciuic_py_bench.py: ciuic-bench's measurement through the Python SDK, joining
+daemons that are already running (one per node, e.g. one per network namespace).
+
+    PYTHONPATH=build/python /usr/bin/python3 tools/bench/ciuic_py_bench.py \\
+        --op allreduce --nodes 2 --ranks-per-node 1 --sizes 1M,16M \\
+        --sockets /tmp/x/n0.sock,/tmp/x/n1.sock --coordinator 10.88.0.1:7361 --check --json
+
+ciuic-bench starts its own daemons and --socket names only one; this program
+is for the case where the caller has started one ciuicd per node itself
+(compare.py --scenario netns). It starts --nodes x --ranks-per-node rank
+processes on this machine; rank r joins the daemon of node r // R through
+--sockets (comma separated, one per node). With more than one node,
+$CIUIC_COORDINATOR is set to --coordinator (the peer address of the daemon of
+node 0) for the C++ SDK, which reads it when local_size < world_size.
+The ranks themselves may run anywhere that reaches the daemon's unix socket;
+the bytes between nodes go daemon to daemon.
+
+Same flags and JSON keys as ciuic-bench, ciuic-mpi-bench and gloo_bench.py;
+same method as gloo_bench.py:
+  - buffers come from comm.empty() (the daemon's shared memory: zero copy),
+    allocated once per size and written before timing;
+  - one cold op timed alone (cold_us), --warmup untimed ops, a barrier, then
+    --iters ops each timed with time.perf_counter(), no barrier between;
+  - time_us = median over iterations of the max over ranks (the per-op times
+    are reduced with a ciuic allreduce op="max" after the timing);
+  - --check refills (rank r's element i is ((3*i + 5*r) mod 17) - 8), runs one
+    more op and counts mismatching output elements over all ranks.
+allreduce and broadcast are in place (the SDK's form).
+"""
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+DTYPES = ("float32", "float64", "int32")
+ELEMENT_SIZE = {"float32": 4, "float64": 8, "int32": 4}
+BUS_FACTOR = {
+    "allreduce": lambda n: 2.0 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    if len(text) > 1 and text.endswith("B"):
+        text = text[:-1]
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    if mult != 1:
+        text = text[:-1]
+    return int(text) * mult
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", required=True, choices=OPS)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--sizes", default="8,64K,16M,256M")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--sockets", required=True,
+                   help="control sockets of the running daemons, one per node, comma separated")
+    p.add_argument("--coordinator", default="",
+                   help="host:port of node 0's daemon peer service (needed for --nodes > 1)")
+    p.add_argument("--job", default="", help="job id (default: a fresh one)")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds before the ranks are killed (default 600)")
+    args = p.parse_args(argv)
+    args.socket_list = [s for s in args.sockets.split(",") if s]
+    if len(args.socket_list) != args.nodes:
+        p.error("--sockets names %d daemons for --nodes %d" % (len(args.socket_list), args.nodes))
+    if args.nodes > 1 and not args.coordinator:
+        p.error("--nodes > 1 needs --coordinator host:port")
+    try:
+        args.size_list = [parse_size(s) for s in args.sizes.split(",") if s]
+    except ValueError:
+        p.error("bad --sizes %s" % args.sizes)
+    if args.iters < 1 or args.warmup < 0 or args.nodes < 1 or args.ranks_per_node < 1:
+        p.error("--iters, --nodes, --ranks-per-node must be >= 1, --warmup >= 0")
+    return args
+
+
+# ---------------------------------------------------------------- launcher
+
+def launch(args, argv):
+    world = args.nodes * args.ranks_per_node
+    job = args.job or "pybench-%d-%d" % (os.getpid(), int(time.time() * 1000) % 10 ** 9)
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update({"CIUIC_PYBENCH_RANK": str(rank), "CIUIC_PYBENCH_WORLD": str(world),
+                    "CIUIC_PYBENCH_JOB": job})
+        if args.nodes > 1:
+            env["CIUIC_COORDINATOR"] = args.coordinator
+        out = None if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + argv,
+                                      env=env, stdout=out))
+    deadline = time.monotonic() + args.timeout
+    rc = 0
+    try:
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                code = p.poll()
+                if code is None:
+                    continue
+                pending.remove(p)
+                if code != 0 and rc == 0:
+                    rc = code if code > 0 else 1
+                    print("ciuic_py_bench: a rank exited with %d; stopping the others" % code,
+                          file=sys.stderr)
+                    for q in pending:
+                        q.terminate()
+            if pending and time.monotonic() > deadline:
+                print("ciuic_py_bench: timed out after %.0f s" % args.timeout, file=sys.stderr)
+                for q in pending:
+                    q.kill()
+                rc = 124
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return rc
+
+
+# ------------------------------------------------------------------ worker
+
+def shape_for(op, dtype, nbytes, n):
+    """(send elements, recv elements, bytes reported), nccl-tests style."""
+    es = ELEMENT_SIZE[dtype]
+    if op in ("allreduce", "broadcast"):
+        count = max(1, nbytes // es)
+        return count, count, count * es
+    if op == "reduce_scatter":
+        count = max(1, nbytes // es // n)
+        return count * n, count, count * n * es
+    if op == "allgather":
+        count = max(1, nbytes // es // n)
+        return count, count * n, count * n * es
+    return 0, 0, 0
+
+
+def fill_value(np, rank, count, start=0):
+    idx = np.arange(start, start + count, dtype=np.int64)
+    return (idx * 3 + rank * 5) % 17 - 8
+
+
+class SizeRun:
+    def __init__(self, np, comm, args, rank, world, nbytes):
+        self.np, self.comm, self.args = np, comm, args
+        self.rank, self.world = rank, world
+        self.dtype = getattr(np, args.dtype)
+        self.send_count, self.recv_count, self.bytes = shape_for(args.op, args.dtype,
+                                                                 nbytes, world)
+        op = args.op
+        self.buf = self.out = None
+        if op != "barrier":
+            self.buf = comm.empty(self.send_count, self.dtype)
+        if op in ("reduce_scatter", "allgather"):
+            self.out = comm.empty(self.recv_count, self.dtype)
+        self.fill()
+
+    def fill(self):
+        op = self.args.op
+        if op == "barrier":
+            return
+        if op == "broadcast" and self.rank != 0:
+            self.buf[:] = -1000
+        else:
+            self.buf[:] = fill_value(self.np, 0 if op == "broadcast" else self.rank,
+                                     self.send_count)
+        if self.out is not None:
+            self.out[:] = -1000
+
+    def run(self):
+        c, op = self.comm, self.args.op
+        if op == "allreduce":
+            c.allreduce(self.buf)
+        elif op == "reduce_scatter":
+            c.reduce_scatter(self.out, self.buf)
+        elif op == "allgather":
+            c.allgather(self.out, self.buf)
+        elif op == "broadcast":
+            c.broadcast(self.buf, root=0)
+        else:
+            c.barrier()
+
+    def count_errors(self):
+        np, op = self.np, self.args.op
+        if op == "barrier":
+            return 0
+        if op == "allreduce":
+            want = sum(fill_value(np, r, self.recv_count) for r in range(self.world))
+            got = self.buf
+        elif op == "reduce_scatter":
+            base = self.rank * self.recv_count
+            want = sum(fill_value(np, r, self.recv_count, base) for r in range(self.world))
+            got = self.out
+        elif op == "broadcast":
+            want = fill_value(np, 0, self.recv_count)
+            got = self.buf
+        else:
+            idx = np.arange(self.recv_count, dtype=np.int64)
+            src = idx // self.send_count
+            want = ((idx % self.send_count) * 3 + src * 5) % 17 - 8
+            got = self.out
+        return int((got != want.astype(self.dtype)).sum())
+
+
+def worker(args):
+    import numpy as np
+    import ciuic
+
+    rank = int(os.environ["CIUIC_PYBENCH_RANK"])
+    world = int(os.environ["CIUIC_PYBENCH_WORLD"])
+    rpn = args.ranks_per_node
+    es = ELEMENT_SIZE[args.dtype]
+    biggest = max(args.size_list) if args.op != "barrier" else 0
+    arena = 2 * (biggest // es + world) * es + (16 << 20)
+    comm = ciuic.init(rank=rank, world_size=world, local_rank=rank % rpn, local_size=rpn,
+                      job=os.environ["CIUIC_PYBENCH_JOB"],
+                      socket=args.socket_list[rank // rpn], arena_bytes=arena)
+    times = comm.empty(args.iters + 1, np.float64)
+    err = comm.empty(1, np.int64)
+    sizes = [0] if args.op == "barrier" else args.size_list
+    for nbytes in sizes:
+        s = SizeRun(np, comm, args, rank, world, nbytes)
+        comm.barrier()
+        t0 = time.perf_counter()
+        s.run()
+        cold = time.perf_counter() - t0
+        for _ in range(args.warmup):
+            s.run()
+        comm.barrier()
+        for i in range(args.iters):
+            t0 = time.perf_counter()
+            s.run()
+            times[i] = time.perf_counter() - t0
+        times[args.iters] = cold
+        comm.allreduce(times, op="max")
+        errors = None
+        if args.check:
+            s.fill()
+            comm.barrier()
+            s.run()
+            err[0] = s.count_errors()
+            comm.allreduce(err)
+            errors = int(err[0])
+        if rank == 0:
+            med_us = statistics.median(times[:args.iters].tolist()) * 1e6
+            print_row(args, world, s, med_us, float(times[args.iters]) * 1e6, errors)
+        del s
+    comm.close()
+
+
+def print_row(args, world, s, time_us, cold_us, errors):
+    algbw = s.bytes / (time_us * 1e3) if time_us > 0 else 0.0
+    busbw = algbw * BUS_FACTOR[args.op](world)
+    if args.json:
+        print(json.dumps({"op": args.op, "dtype": args.dtype, "bytes": s.bytes,
+                          "ranks": world, "nodes": args.nodes, "time_us": round(time_us, 3),
+                          "algbw_gbps": float("%.6g" % algbw),
+                          "busbw_gbps": float("%.6g" % busbw), "errors": errors,
+                          "cold_us": round(cold_us, 3)}))
+    else:
+        print("  %10d %8s %10.2f %10.2f %8.3f %8.3f %7s"
+              % (s.bytes, args.dtype, time_us, cold_us, algbw, busbw,
+                 "N/A" if errors is None else errors))
+    sys.stdout.flush()
+
+
+def main():
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if "CIUIC_PYBENCH_RANK" in os.environ:
+        worker(args)
+        return 0
+    if not args.json:
+        print("# ciuic_py_bench: op %s, dtype %s, %d x %d ranks; columns: bytes dtype "
+              "time_us cold_us algbw busbw #wrong" % (args.op, args.dtype, args.nodes,
+                                                      args.ranks_per_node))
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sys.exit(main())

@@ -1,0 +1,106 @@
+#!/usr/bin/python3
+"""md_table.py: a Markdown table of one compare.py --json-out file.
+
+    /usr/bin/python3 tools/bench/md_table.py /tmp/local.json [...]
+
+Per size: for each system the median time (µs) and busbw (GB/s) over reps,
+then ciuic's busbw ratio to each other system (> 1: ciuic faster). For
+--scenario train files: one row per training row.
+"""
+
+import json
+import sys
+
+LABEL = {"ciuic": "ciuic", "mpi": "OpenMPI", "mpi_tuned": "OpenMPI+malloc", "gloo": "gloo"}
+
+
+def human(n):
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= (1 << shift) and n % (1 << shift) == 0:
+            return "%d%s" % (n >> shift, unit)
+    return str(n)
+
+
+def fmt_t(us):
+    return "%.0f" % us if us >= 100 else "%.1f" % us
+
+
+def collective(doc):
+    summ = doc["summary"]
+    systems = [s for s in ("ciuic", "mpi", "mpi_tuned", "gloo")
+               if any(r["system"] == s for r in summ)]
+    by = {(r["system"], r["bytes"]): r for r in summ}
+    sizes = sorted({r["bytes"] for r in summ})
+    sc = doc["scenario"]
+    head = "%s, %d×%d ranks" % (sc["name"], sc["nodes"], sc["ranks_per_node"])
+    if sc.get("link_rate") and sc["name"] == "netns":
+        head += ", links %s" % sc["link_rate"]
+    print("%s; %s %s, iters %d, reps %d; memcpy %s GB/s; CPU pressure at start %s%%"
+          % (head, doc["config"]["op"], doc["config"]["dtype"], doc["config"]["iters"],
+             doc["config"]["reps"], doc["machine"].get("memcpy_gbps"),
+             doc["machine"].get("cpu_pressure_start")))
+    print()
+    cols = ["bytes"]
+    for s in systems:
+        cols += ["%s µs" % LABEL[s], "%s GB/s" % LABEL[s]]
+    others = [s for s in systems if s != "ciuic"] if "ciuic" in systems else []
+    cols += ["ciuic/%s" % LABEL[o] for o in others]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("---:" for _ in cols) + "|")
+    for n in sizes:
+        cells = [human(n)]
+        for s in systems:
+            r = by.get((s, n))
+            cells += ["-", "-"] if r is None else [fmt_t(r["time_us"]),
+                                                  "%.3f" % r["busbw_gbps"]]
+        for o in others:
+            a, b = by.get(("ciuic", n)), by.get((o, n))
+            if a and b and a["busbw_gbps"] > 0 and b["busbw_gbps"] > 0:
+                cells.append("%.2f×" % (a["busbw_gbps"] / b["busbw_gbps"]))
+            elif a and b and a["time_us"] > 0:
+                cells.append("%.2f×" % (b["time_us"] / a["time_us"]))
+            else:
+                cells.append("-")
+        print("| " + " | ".join(cells) + " |")
+    traffic = doc.get("link_traffic")
+    if traffic:
+        print()
+        print("veth tx per run (MB, node 0 / node 1 ...): " + "; ".join(
+            "%s rep %d %s" % (LABEL[t["system"]], t["rep"],
+                              "/".join("%.0f" % (b / 1e6) for b in t["tx_bytes"] if b is not None))
+            for t in traffic))
+
+
+def train(doc):
+    print("train, 2 namespaces × 1 rank, links %s; %s" % (doc["link_rate"], " ".join(
+        "%s=%s" % (k, doc["config"][k]) for k in ("steps", "reps", "hidden", "layers",
+                                                  "train_threads"))))
+    print()
+    print("| row | median step s | final loss | status | veth tx MB (node0/node1) |")
+    print("|---|---:|---:|---|---:|")
+    for row in doc["summary"]:
+        rs = [r for r in doc["results"] if r["row"] == row["row"]]
+        loss = next((r.get("final_loss") for r in reversed(rs)
+                     if r.get("final_loss") is not None), None)
+        tx = rs[-1]["link_tx_bytes"] if rs else []
+        print("| %s | %s | %s | %s | %s |" % (
+            row["row"], "%.3f" % row["median_step_s"] if row["median_step_s"] else "-",
+            "%.6f" % loss if loss is not None else "-", row["status"],
+            "/".join("%.0f" % (b / 1e6) for b in tx if b is not None)))
+
+
+def main(paths):
+    for i, p in enumerate(paths):
+        with open(p) as f:
+            doc = json.load(f)
+        if i:
+            print()
+        if doc.get("scenario") == "train":
+            train(doc)
+        else:
+            collective(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
