@@ -1,10 +1,18 @@
 #!/usr/bin/python3
 """Data-parallel training of an MLP with DDP, gradients over gloo or ciuicd.
 
-    # its own launcher: N processes on this machine (starts a ciuicd of its
+    # its own launcher: processes on this machine (starts a ciuicd of its
     # own unless --socket or $CIUIC_SOCKET names one)
     PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --nprocs 2 --backend ciuic
     PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --nprocs 2 --backend gloo
+
+    # "nodes" on this machine: --nodes N starts N ciuicd (each its own socket
+    # and peer port, UCX over TCP between them) and --nprocs ranks on each,
+    # node-major; node 0's peer service is the coordinator
+    PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --nodes 2 --nprocs 1
+
+    # the compute alone: one process, no DDP, same model, data and steps
+    PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --compute-only
 
     # or torchrun (one process per rank; ciuicd must be running: --socket/$CIUIC_SOCKET)
     CIUIC_SOCKET=/tmp/x/ciuicd.sock PYTHONPATH=build/python \\
@@ -22,13 +30,18 @@ goes through ciuic.torch.allreduce_hook instead.
 
 Prints rank 0's loss and the step time per step, then the median step time
 (the first step, which includes DDP's bucket rebuild and first-touch costs,
-is reported apart) and the final loss averaged over the ranks.
+is reported apart) and the final loss averaged over the ranks. The last line
+on stdout is one JSON object for benchmark drivers:
+{"backend": "gloo"|"ciuic"|"none", "nodes", "ranks", "median_step_s",
+"final_loss", ...} (also "hook_mode", "params", "steps", "first_step_s",
+"threads", "rank0_losses").
 """
 
 import argparse
 import json
 import os
 import pathlib
+import queue
 import signal
 import socket
 import statistics
@@ -40,30 +53,56 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+# name -> (hidden width, hidden layers); with --in-dim 256 and --out-dim 16:
+# small 0.40M parameters, base 5.14M, large 25.7M (103 MB of float32
+# gradients per step: communication-heavy).
+MODEL_SIZES = {"small": (512, 2), "base": (1536, 3), "large": (2048, 7)}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("gloo", "ciuic"), default="ciuic")
     p.add_argument("--hook-mode", choices=("shm", "staging"), default="shm",
                    help="ciuic hook memory path (see ciuic/torch.py)")
-    p.add_argument("--nprocs", type=int, default=2, help="processes (own launcher)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="own launcher: nodes simulated on this host (ciuic: one ciuicd each)")
+    p.add_argument("--nprocs", "--nproc-per-node", type=int, default=2,
+                   help="own launcher: ranks per node")
+    p.add_argument("--compute-only", action="store_true",
+                   help="one process, no DDP: the compute-alone baseline of a rank")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="base",
+                   help="preset of --hidden/--layers: " + ", ".join(
+                       f"{k} {h}x{n}" for k, (h, n) in sorted(MODEL_SIZES.items())))
     p.add_argument("--in-dim", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--layers", type=int, default=3, help="hidden layers")
+    p.add_argument("--hidden", type=int, default=None, help="width (default: --model-size)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="hidden layers (default: --model-size)")
     p.add_argument("--out-dim", type=int, default=16)
     p.add_argument("--samples", type=int, default=1024, help="dataset size")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per rank (0: cores / ranks)")
+                   help="torch threads per rank (0: cores / ranks on this host; "
+                        "--compute-only: as for one of --nodes x --nprocs ranks)")
     p.add_argument("--arena-mb", type=int, default=0,
                    help="ciuic shared memory per rank (0: 4x the gradients + 64 MiB)")
     p.add_argument("--socket", default=None, help="ciuicd control socket")
     p.add_argument("--ciuicd", default=None, help="ciuicd binary for the own launcher")
-    p.add_argument("--json", action="store_true", help="print a JSON summary line at the end")
-    return p.parse_args(argv)
+    p.add_argument("--ucx-tls", default=os.environ.get("UCX_TLS") or "tcp",
+                   help="UCX_TLS of the launcher's daemons with --nodes > 1 (default: "
+                        "$UCX_TLS, else tcp: the inter-node path over the network stack)")
+    args = p.parse_args(argv)
+    hidden, layers = MODEL_SIZES[args.model_size]
+    args.hidden = hidden if args.hidden is None else args.hidden
+    args.layers = layers if args.layers is None else args.layers
+    if args.nodes < 1 or args.nprocs < 1:
+        p.error("--nodes and --nprocs must be at least 1")
+    if args.nodes > 1 and args.socket:
+        p.error("--socket names one daemon; --nodes > 1 starts its own")
+    return args
 
 
 # ------------------------------------------------------------------ model
@@ -92,37 +131,11 @@ def make_dataset(args):
 
 # ------------------------------------------------------------------ a rank
 
-def train(args):
+def run_steps(args, model, x, y, rank, world, log):
+    """Trains `args.steps` steps on rank's batches of a `world`-rank job;
+    returns (step times in s, losses)."""
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-    x, y = make_dataset(args)
-    torch.manual_seed(args.seed)
-    net = mlp(args.in_dim, args.hidden, args.layers, args.out_dim)
-    nparams = sum(p.numel() for p in net.parameters())
-    model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
-
-    comm = None
-    if args.backend == "ciuic":
-        import ciuic
-        import ciuic.torch
-        arena = (args.arena_mb << 20) or (4 * 4 * nparams + (64 << 20))
-        comm = ciuic.init(socket=args.socket, arena_bytes=arena)
-        model.register_comm_hook(ciuic.torch.CiuicHookState(comm, mode=args.hook_mode),
-                                 ciuic.torch.allreduce_hook)
-
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if rank == 0:
-        print(f"train_ddp: {world} ranks, backend {args.backend}"
-              f"{' (' + args.hook_mode + ')' if comm else ''}, {nparams / 1e6:.2f}M params, "
-              f"batch {args.batch}/rank, {torch.get_num_threads()} threads/rank", flush=True)
-
     times, losses = [], []
     for step in range(args.steps):
         start = ((step * world + rank) * args.batch) % args.samples
@@ -136,24 +149,91 @@ def train(args):
         dt = time.perf_counter() - t0
         times.append(dt)
         losses.append(loss.item())
-        if rank == 0:
+        if log:
             print(f"step {step:4d}  loss {losses[-1]:.6f}  time {dt * 1e3:8.1f} ms", flush=True)
+    return times, losses
+
+
+def summarize(args, backend, nodes, world, nparams, threads, times, losses, final):
+    warm = times[1:] or times
+    return {
+        "backend": backend, "nodes": nodes, "ranks": world,
+        "median_step_s": statistics.median(warm), "final_loss": final,
+        "hook_mode": args.hook_mode if backend == "ciuic" else None,
+        "params": nparams, "steps": args.steps, "first_step_s": times[0], "threads": threads,
+        "rank0_losses": losses,
+    }
+
+
+def report(summary):
+    print(f"median step {summary['median_step_s'] * 1e3:.1f} ms "
+          f"(first {summary['first_step_s'] * 1e3:.1f} ms); "
+          f"final loss (mean over ranks) {summary['final_loss']:.6f}", flush=True)
+
+
+def compute_only(args):
+    """Rank 0's compute of a --nodes x --nprocs job, alone: no DDP, no
+    communication (same model, data, batches and steps)."""
+    import torch
+    world = args.nodes * args.nprocs
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    x, y = make_dataset(args)
+    torch.manual_seed(args.seed)
+    net = mlp(args.in_dim, args.hidden, args.layers, args.out_dim)
+    nparams = sum(p.numel() for p in net.parameters())
+    print(f"train_ddp: compute only (rank 0 of {world}), {nparams / 1e6:.2f}M params, "
+          f"batch {args.batch}, {threads} threads", flush=True)
+    times, losses = run_steps(args, net, x, y, 0, world, True)
+    summary = summarize(args, "none", 1, 1, nparams, threads, times, losses, losses[-1])
+    report(summary)
+    return summary
+
+
+def train(args):
+    """One rank of the job described by torchrun's environment."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = world // local_world if world % local_world == 0 else None
+    threads = args.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    x, y = make_dataset(args)
+    torch.manual_seed(args.seed)
+    net = mlp(args.in_dim, args.hidden, args.layers, args.out_dim)
+    nparams = sum(p.numel() for p in net.parameters())
+    model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
+
+    comm = None
+    if args.backend == "ciuic":
+        import ciuic
+        import ciuic.torch
+        arena = (args.arena_mb << 20) or (4 * 4 * nparams + (64 << 20))
+        # rank, sizes, job, socket and (several nodes) the coordinator from the environment
+        comm = ciuic.init(socket=args.socket, arena_bytes=arena)
+        model.register_comm_hook(ciuic.torch.CiuicHookState(comm, mode=args.hook_mode),
+                                 ciuic.torch.allreduce_hook)
+
+    if rank == 0:
+        print(f"train_ddp: {world} ranks on {nodes or '?'} node(s), backend {args.backend}"
+              f"{' (' + args.hook_mode + ')' if comm else ''}, {nparams / 1e6:.2f}M params, "
+              f"batch {args.batch}/rank, {threads} threads/rank"
+              f"{', coordinator ' + comm.coordinator if comm and comm.coordinator else ''}",
+              flush=True)
+
+    times, losses = run_steps(args, model, x, y, rank, world, rank == 0)
 
     final = torch.tensor([losses[-1]])
     dist.all_reduce(final)
     final = final.item() / world
-    warm = times[1:] or times
-    summary = {
-        "backend": args.backend if comm is None else f"ciuic/{args.hook_mode}",
-        "ranks": world, "params": nparams, "steps": args.steps,
-        "median_step_ms": statistics.median(warm) * 1e3, "first_step_ms": times[0] * 1e3,
-        "final_loss": final, "rank0_losses": losses,
-    }
+    summary = summarize(args, args.backend, nodes, world, nparams, threads, times, losses, final)
     if rank == 0:
-        print(f"median step {summary['median_step_ms']:.1f} ms (first {times[0] * 1e3:.1f} ms); "
-              f"final loss (mean over ranks) {final:.6f}", flush=True)
-        if args.json:
-            print("JSON " + json.dumps(summary), flush=True)
+        report(summary)
     if comm is not None:
         comm.close()
     dist.destroy_process_group()
@@ -175,71 +255,154 @@ def find_ciuicd(args):
     sys.exit("train_ddp: no ciuicd binary (build it, or pass --ciuicd PATH or --socket PATH)")
 
 
-def start_daemon(binary):
+def start_daemon(binary, node_name, listen=None, env=None):
+    """A ciuicd in a temp dir: (process, socket path, dir, peer address or None)."""
     d = tempfile.mkdtemp(prefix="train-ddp-")
     sock = os.path.join(d, "ciuicd.sock")
-    proc = subprocess.Popen([binary, "--socket", sock, "--node-name", "train-ddp",
-                             "--log-level", "warn"], start_new_session=True)
+    cmd = [binary, "--socket", sock, "--node-name", node_name, "--log-level", "warn"]
+    if listen:
+        cmd += ["--listen", listen]
+    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, **(env or {})))
     deadline = time.monotonic() + 20
     while not (os.path.exists(sock) and os.path.exists(sock + ".session")):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             sys.exit(f"train_ddp: {binary} did not start")
         time.sleep(0.02)
-    return proc, sock, d
+    return proc, sock, d, listen
 
 
-def _rank_main(rank, world, env, args):
+def stop_daemon(daemon):
+    proc, sock, d, _ = daemon
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for f in (sock, sock + ".session"):
+        if os.path.exists(f):
+            os.unlink(f)
+    os.rmdir(d)
+
+
+def _rank_main(env, args, results):
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world))
     try:
-        train(args)
+        summary = train(args)
+        if int(env["RANK"]) == 0:
+            results.put(summary)
+            results.close()
+            results.join_thread()
     except KeyboardInterrupt:
         sys.exit(130)
 
 
+def supervise(procs, results, grace_s=20):
+    """Waits for the ranks; returns (rank 0's summary or None, exit code).
+
+    Rank 0's summary is read while waiting (a queue's writer only exits once
+    its data is read). A rank that fails gets the others terminated (they
+    would wait for it forever); ranks still alive `grace_s` after the summary
+    (hung at exit) are terminated too.
+    """
+    summary, rc, done_at = None, 0, None
+    while any(p.is_alive() for p in procs):
+        try:
+            summary = results.get(timeout=0.2)
+            done_at = time.monotonic()
+        except queue.Empty:
+            pass
+        failed = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+        late = done_at is not None and time.monotonic() - done_at > grace_s
+        if failed or late:
+            if failed:
+                rc = failed[0].exitcode if failed[0].exitcode > 0 else 1
+                print(f"train_ddp: {failed[0].name} failed ({failed[0].exitcode}); "
+                      "stopping the others", file=sys.stderr, flush=True)
+            else:
+                print(f"train_ddp: ranks still running {grace_s} s after the end; stopping them",
+                      file=sys.stderr, flush=True)
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            break
+    for p in procs:
+        p.join()
+    if summary is None:
+        try:
+            summary = results.get(timeout=1)
+        except queue.Empty:
+            pass
+    if rc == 0 and summary is None:
+        rc = next((p.exitcode for p in procs if p.exitcode), 1)
+    return summary, rc
+
+
 def launch(args):
+    """Own launcher: --nodes x --nprocs ranks on this host, node-major (rank
+    r on node r // nprocs). With ciuic, one daemon per node (unless one is
+    named for a single node); gloo ranks simply all run on this host."""
     import multiprocessing as mp
-    daemon = None
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    if args.backend == "ciuic":
-        env["CIUIC_JOB"] = f"train-ddp-{os.getpid()}-{env['MASTER_PORT']}"
-        if args.socket is None and not os.environ.get("CIUIC_SOCKET"):
-            daemon = start_daemon(find_ciuicd(args))
-            args.socket = daemon[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, args.nprocs, env, args))
-             for r in range(args.nprocs)]
+    world = args.nodes * args.nprocs
+    if not args.threads:  # all ranks share this host's cores
+        args.threads = max(1, (os.cpu_count() or 1) // world)
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    daemons, sockets = [], [None] * args.nodes
     rc = 0
     try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            rc = rc or p.exitcode
-    except KeyboardInterrupt:
-        rc = 130
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+        if args.backend == "ciuic":
+            base["CIUIC_JOB"] = f"train-ddp-{os.getpid()}-{base['MASTER_PORT']}"
+            if args.nodes > 1:
+                binary = find_ciuicd(args)
+                env = {"UCX_TLS": args.ucx_tls, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+                for k in range(args.nodes):
+                    daemons.append(start_daemon(binary, f"train-ddp-node{k}",
+                                                f"127.0.0.1:{free_port()}", env))
+                sockets = [dm[1] for dm in daemons]
+                base["CIUIC_COORDINATOR"] = daemons[0][3]
+            elif args.socket is None and not os.environ.get("CIUIC_SOCKET"):
+                daemons.append(start_daemon(find_ciuicd(args), "train-ddp"))
+                sockets = [daemons[0][1]]
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = []
+        for r in range(world):
+            env = dict(base, RANK=str(r), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(r % args.nprocs), LOCAL_WORLD_SIZE=str(args.nprocs))
+            if sockets[r // args.nprocs]:
+                env["CIUIC_SOCKET"] = sockets[r // args.nprocs]
+            procs.append(ctx.Process(target=_rank_main, args=(env, args, results),
+                                     name=f"rank{r}"))
+        summary = None
+        try:
+            for p in procs:
+                p.start()
+            summary, rc = supervise(procs, results)
+        except KeyboardInterrupt:
+            rc = 130
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.terminate()
     finally:
-        if daemon is not None:
-            proc, sock, d = daemon
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=10)
-            for f in (sock, sock + ".session"):
-                if os.path.exists(f):
-                    os.unlink(f)
-            os.rmdir(d)
+        for dm in daemons:
+            stop_daemon(dm)
+    if summary is not None and rc == 0:
+        print(json.dumps(summary), flush=True)  # the last line: for benchmark drivers
     return rc
 
 
 def main():
     args = parse_args()
+    if args.compute_only:
+        print(json.dumps(compute_only(args)), flush=True)
+        return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        train(args)
+        summary = train(args)
+        if summary and int(os.environ["RANK"]) == 0:
+            print(json.dumps(summary), flush=True)
         return 0
     return launch(args)
 

@@ -34,7 +34,8 @@ from .errors import Error, InvalidArgumentError, StatusCode, _make_error, error_
 _ciuic._set_error_factory(_make_error)
 
 __all__ = ["init", "Communicator", "Work", "Error", "StatusCode", "error_class",
-           "default_socket_path", "DTYPES", "REDUCE_OPS"]
+           "default_socket_path", "resolve_coordinator", "DEFAULT_PEER_PORT", "DTYPES",
+           "REDUCE_OPS"]
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
@@ -264,11 +265,14 @@ class Communicator:
     local_size = property(lambda self: self._impl.local_size)
     job_id = property(lambda self: self._impl.job_id)
     node_name = property(lambda self: self._impl.node_name)
+    #: peer address ("host:port") of the coordinator daemon; "" for a one-node job
+    coordinator = property(lambda self: self._impl.coordinator)
     closed = property(lambda self: self._impl.closed)
 
     def __repr__(self):
         return (f"<ciuic.Communicator job={self.job_id!r} rank={self.rank}/{self.world_size} "
                 f"local={self.local_rank}/{self.local_size} node={self.node_name!r}"
+                f"{' coordinator=' + self.coordinator if self.coordinator else ''}"
                 f"{' closed' if self.closed else ''}>")
 
     # -- memory
@@ -315,6 +319,28 @@ class Communicator:
         return self._impl.is_shared(buf)
 
     # -- collectives
+    def _stage_apart(self, ibuf, obuf):
+        """The input, copied into shared memory when input and output are two
+        separate private arrays.
+
+        Works around the C++ SDK (sdk/src/client.cc, Submit): for a private
+        send and a private recv it stages one region spanning both, i.e. as
+        large as the distance between the two arrays in the address space,
+        which can exceed the arena (RESOURCE_EXHAUSTED for a few MiB of data).
+        With the input shared, only the output is staged. Same copies as
+        before: this copy replaces the SDK's copy-in.
+        """
+        if not (isinstance(ibuf, np.ndarray) and isinstance(obuf, np.ndarray)):
+            return ibuf
+        if ibuf.nbytes == 0 or obuf.nbytes == 0 or np.may_share_memory(ibuf, obuf):
+            return ibuf
+        if self._impl.is_shared(ibuf) or self._impl.is_shared(obuf):
+            return ibuf
+        staged = np.frombuffer(self._impl.allocate(ibuf.nbytes), dtype=ibuf.dtype,
+                               count=ibuf.size).reshape(ibuf.shape)
+        np.copyto(staged, ibuf)
+        return staged
+
     def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None):
         buf, dtype = _as_buffer(t, "allreduce")
         h = self._impl.allreduce(buf, op=op, dtype=dtype, name=name or "",
@@ -332,6 +358,7 @@ class Communicator:
         obuf, odtype = _as_buffer(output, "reduce_scatter output")
         if dtype != odtype:
             raise InvalidArgumentError("reduce_scatter: input and output dtypes differ")
+        ibuf = self._stage_apart(ibuf, obuf)
         h = self._impl.reduce_scatter(ibuf, obuf, op=op, dtype=dtype, name=name or "",
                                       priority=priority, timeout_ms=_timeout_ms(timeout))
         return Work(h, output, self)
@@ -347,6 +374,7 @@ class Communicator:
         obuf, odtype = _as_buffer(output, "allgather output")
         if dtype != odtype:
             raise InvalidArgumentError("allgather: input and output dtypes differ")
+        ibuf = self._stage_apart(ibuf, obuf)
         h = self._impl.allgather(ibuf, obuf, dtype=dtype, name=name or "", priority=priority,
                                  timeout_ms=_timeout_ms(timeout))
         return Work(h, output, self)
@@ -407,8 +435,37 @@ def _env_int(name):
     return int(v) if v not in (None, "") else None
 
 
+DEFAULT_PEER_PORT = 7361
+
+
+def resolve_coordinator(coordinator=None, world_size=1, local_size=None, environ=None):
+    """The coordinator ``init()`` hands to the daemon: "host:port" or "".
+
+    ``coordinator`` if given (any job); otherwise, only for a job spanning
+    several nodes (``local_size < world_size``): $CIUIC_COORDINATOR, else
+    $MASTER_ADDR + ":" + ($CIUIC_PEER_PORT or 7361). "" for a one-node job,
+    which needs none. A multi-node job with none of these raises
+    InvalidArgumentError.
+    """
+    if coordinator:
+        return str(coordinator)
+    env = os.environ if environ is None else environ
+    if local_size is None or int(local_size) >= int(world_size):
+        return ""
+    c = env.get("CIUIC_COORDINATOR")
+    if c:
+        return c
+    addr = env.get("MASTER_ADDR")
+    if addr:
+        return f"{addr}:{env.get('CIUIC_PEER_PORT') or DEFAULT_PEER_PORT}"
+    raise InvalidArgumentError(
+        f"the job spans several nodes (world size {world_size}, local size {local_size}) but "
+        f"names no coordinator: pass coordinator='host:port', or set CIUIC_COORDINATOR=host:port, "
+        f"or MASTER_ADDR (and CIUIC_PEER_PORT, default {DEFAULT_PEER_PORT})")
+
+
 def init(rank=None, world_size=None, local_rank=None, local_size=None, job=None, socket=None,
-         arena_bytes=None):
+         arena_bytes=None, coordinator=None):
     """Joins a job through the node's ciuicd; returns a :class:`Communicator`.
 
     Defaults come from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK,
@@ -418,6 +475,12 @@ def init(rank=None, world_size=None, local_rank=None, local_size=None, job=None,
     $CIUIC_SOCKET, else /run/ciuic/ciuicd.sock. ``arena_bytes``: shared memory
     of this communicator (else $CIUIC_ARENA_BYTES, else 512 MiB), mapped and
     populated at once.
+
+    A job spans several nodes when ``local_size < world_size``; it then needs
+    the coordinator, the peer service ("host:port") of the daemon that hosts
+    rank 0: ``coordinator``, else $CIUIC_COORDINATOR, else
+    "$MASTER_ADDR:$CIUIC_PEER_PORT" (port default 7361); see
+    :func:`resolve_coordinator`. Every rank of a job must name the same one.
     """
     env = os.environ
     rank = _env_int("RANK") if rank is None else rank
@@ -441,9 +504,10 @@ def init(rank=None, world_size=None, local_rank=None, local_size=None, job=None,
                     "MASTER_ADDR and MASTER_PORT")
     if socket is None:
         socket = env.get("CIUIC_SOCKET") or ""
+    coordinator = resolve_coordinator(coordinator, world_size, local_size)
     impl = _ciuic.Communicator(
         socket=str(socket), job=str(job), rank=rank, world_size=world_size,
         local_rank=-1 if local_rank is None else int(local_rank),
         local_size=-1 if local_size is None else int(local_size),
-        arena_bytes=int(arena_bytes or 0))
+        arena_bytes=int(arena_bytes or 0), coordinator=coordinator)
     return Communicator(impl)

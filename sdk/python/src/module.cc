@@ -246,7 +246,8 @@ struct PyHandle {
 
 class PyComm {
  public:
-  explicit PyComm(std::unique_ptr<Communicator> comm) : comm_(std::move(comm)) {
+  PyComm(std::unique_ptr<Communicator> comm, std::string coordinator)
+      : comm_(std::move(comm)), coordinator_(std::move(coordinator)) {
     rank_ = comm_->rank();
     world_size_ = comm_->world_size();
     local_rank_ = comm_->local_rank();
@@ -261,6 +262,7 @@ class PyComm {
   int local_size() const { return local_size_; }
   const std::string& job_id() const { return job_id_; }
   const std::string& node_name() const { return node_name_; }
+  const std::string& coordinator() const { return coordinator_; }
   bool closed() {
     std::shared_lock lock(mu_);
     return comm_ == nullptr;
@@ -441,11 +443,12 @@ class PyComm {
   std::vector<Pending> pending_;         // GIL-protected
   int rank_ = 0, world_size_ = 1, local_rank_ = 0, local_size_ = 1;
   std::string job_id_, node_name_;
+  std::string coordinator_;  // as passed to JobOptions (empty: the SDK's default)
 };
 
 std::shared_ptr<PyComm> CreateComm(const std::string& socket, const std::string& job, int rank,
                                    int world_size, int local_rank, int local_size,
-                                   uint64_t arena_bytes) {
+                                   uint64_t arena_bytes, const std::string& coordinator) {
   JobOptions o;
   o.socket_path = socket;
   o.job_id = job;
@@ -454,6 +457,7 @@ std::shared_ptr<PyComm> CreateComm(const std::string& socket, const std::string&
   o.local_rank = local_rank;
   o.local_size = local_size;
   o.arena_bytes = arena_bytes;
+  o.coordinator = coordinator;
   std::unique_ptr<Communicator> comm;
   Status s;
   {
@@ -461,7 +465,7 @@ std::shared_ptr<PyComm> CreateComm(const std::string& socket, const std::string&
     s = Communicator::Create(o, &comm);
   }
   if (!s.ok()) ThrowStatus(s);
-  return std::make_shared<PyComm>(std::move(comm));
+  return std::make_shared<PyComm>(std::move(comm), coordinator);
 }
 
 }  // namespace
@@ -514,13 +518,15 @@ PYBIND11_MODULE(_ciuic, m) {
   py::class_<PyComm, std::shared_ptr<PyComm>>(m, "Communicator")
       .def(py::init(&CreateComm), py::kw_only(), py::arg("socket") = "", py::arg("job"),
            py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("local_rank") = -1,
-           py::arg("local_size") = -1, py::arg("arena_bytes") = 0)
+           py::arg("local_size") = -1, py::arg("arena_bytes") = 0,
+           py::arg("coordinator") = "")
       .def_property_readonly("rank", &PyComm::rank)
       .def_property_readonly("world_size", &PyComm::world_size)
       .def_property_readonly("local_rank", &PyComm::local_rank)
       .def_property_readonly("local_size", &PyComm::local_size)
       .def_property_readonly("job_id", &PyComm::job_id)
       .def_property_readonly("node_name", &PyComm::node_name)
+      .def_property_readonly("coordinator", &PyComm::coordinator)
       .def_property_readonly("closed", &PyComm::closed)
       .def("allocate", &PyComm::Allocate, py::arg("nbytes"))
       .def("is_shared", &PyComm::IsShared, py::arg("buffer"))

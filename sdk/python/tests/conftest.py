@@ -17,6 +17,7 @@ import os
 import pathlib
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,23 +50,47 @@ def ciuicd_binary():
     return path
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Daemon:
-    def __init__(self, binary):
+    """A ciuicd on a socket in a temp dir. ``listen``: "host:port" of its peer
+    service (multi-node jobs), else none."""
+
+    def __init__(self, binary, node_name="pytest", listen=None, env=None):
         self.dir = tempfile.mkdtemp(prefix="ciuic-pytest-")
         self.socket = os.path.join(self.dir, "ciuicd.sock")
         self.log_path = os.path.join(self.dir, "ciuicd.log")
+        self.node_name = node_name
+        self.listen = listen
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, "--socket", self.socket, "--node-name", "pytest", "--log-level", "warn"],
-            stdout=self._log, stderr=subprocess.STDOUT)
+        cmd = [binary, "--socket", self.socket, "--node-name", node_name, "--log-level", "warn"]
+        if listen:
+            cmd += ["--listen", listen]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **(env or {})))
         deadline = time.monotonic() + 20
-        while not (os.path.exists(self.socket) and os.path.exists(self.socket + ".session")):
+        while not (os.path.exists(self.socket) and os.path.exists(self.socket + ".session")
+                   and self._listening()):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ciuicd exited ({self.proc.returncode}): {self.log()}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"ciuicd did not create its sockets: {self.log()}")
             time.sleep(0.02)
+
+    def _listening(self):
+        if not self.listen:
+            return True
+        host, port = self.listen.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return True
+        except OSError:
+            return False
 
     def log(self):
         with open(self.log_path, "rb") as f:
@@ -187,3 +212,131 @@ def pool(daemon, _pool_holder):
         _pool_holder["pool"] = p
     return p
 
+
+
+# ------------------------------------------------------------- multi-node
+#
+# ``cluster``: two ciuicd ("nodes" node0, node1) on this host, each with its
+# own socket and peer service (--listen 127.0.0.1:<free port>), UCX forced
+# onto TCP so that the inter-node path is the network path; stopped with
+# SIGTERM at the end of the session.
+# ``mn_pool``: 4 rank processes, process p on node p // 2 as local rank
+# p % 2, kept for the session. ``mn_pool.run((nodes, ranks_per_node), fn,
+# *args)`` runs fn(ctx, *args) on the processes of that shape (2 x 1: local
+# rank 0 of each node; 2 x 2: all four), with the communicator of that
+# shape's job (made on first use), and returns the results by rank.
+
+MN_NODES = 2
+MN_MAX_RANKS_PER_NODE = 2
+MN_ARENA_BYTES = 64 << 20
+MN_DAEMON_ENV = {"UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+class Cluster:
+    def __init__(self, binary, nodes=MN_NODES):
+        self.nodes = []
+        try:
+            for k in range(nodes):
+                self.nodes.append(Daemon(binary, node_name=f"node{k}",
+                                         listen=f"127.0.0.1:{free_port()}", env=MN_DAEMON_ENV))
+        except BaseException:
+            self.stop()
+            raise
+        self.sockets = [d.socket for d in self.nodes]
+        self.coordinator = self.nodes[0].listen
+
+    def dead(self):
+        return [d.node_name for d in self.nodes if d.proc.poll() is not None]
+
+    def stop(self):
+        for d in self.nodes:
+            d.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    c = Cluster(ciuicd_binary())
+    yield c
+    dead = c.dead()
+    logs = {d.node_name: d.log() for d in c.nodes}
+    c.stop()
+    assert not dead, f"ciuicd died during the tests: {dead}: {logs}"
+
+
+class MultiNodePool:
+    def __init__(self, cluster, arena_bytes=MN_ARENA_BYTES):
+        self.job = f"pytest-mn-{uuid.uuid4().hex[:8]}"
+        self.broken = False
+        spec = {"sockets": cluster.sockets, "coordinator": cluster.coordinator,
+                "job": self.job, "arena_bytes": arena_bytes}
+        ctx = mp.get_context("spawn")
+        n = MN_NODES * MN_MAX_RANKS_PER_NODE
+        self.where = [(p // MN_MAX_RANKS_PER_NODE, p % MN_MAX_RANKS_PER_NODE) for p in range(n)]
+        self.inq = [ctx.Queue() for _ in range(n)]
+        self.outq = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=ranks.mn_worker_main,
+                        args=(p, node, local, spec, self.inq[p], self.outq),
+                        daemon=True, name=f"node{node}.local{local}")
+            for p, (node, local) in enumerate(self.where)]
+        for p in self.procs:
+            p.start()
+        self._collect("start", {p: p for p in range(n)}, TASK_TIMEOUT_S)
+
+    def _collect(self, what, rank_of, timeout):
+        """Answers of the processes in rank_of (process -> rank), by rank."""
+        results = [None] * len(rank_of)
+        errors = []
+        pending = set(rank_of)
+        deadline = time.monotonic() + timeout
+        while pending:
+            try:
+                proc, status, payload = self.outq.get(
+                    timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                dead = [self.procs[p].name for p in pending if not self.procs[p].is_alive()]
+                if dead or time.monotonic() >= deadline:
+                    self.broken = True
+                    raise RankError(f"{what}: no answer from {sorted(pending)} within "
+                                    f"{timeout} s (dead: {dead})")
+                continue
+            pending.discard(proc)
+            if status == "ok":
+                results[rank_of[proc]] = payload
+            else:
+                errors.append(f"--- {self.procs[proc].name} ---\n{payload}")
+        if errors:
+            self.broken = True
+            raise RankError(f"{what} failed:\n" + "\n".join(errors))
+        return results
+
+    def run(self, shape, fn, *args, timeout=TASK_TIMEOUT_S):
+        nodes, per_node = shape
+        assert nodes <= MN_NODES and per_node <= MN_MAX_RANKS_PER_NODE
+        rank_of = {p: node * per_node + local for p, (node, local) in enumerate(self.where)
+                   if node < nodes and local < per_node}
+        for p in rank_of:
+            self.inq[p].put((tuple(shape), fn.__name__, args))
+        return self._collect(f"{fn.__name__} on {nodes}x{per_node}", rank_of, timeout)
+
+    def close(self):
+        RankPool.close(self)
+
+
+@pytest.fixture(scope="session")
+def _mn_pool_holder(cluster):
+    holder = {}
+    yield holder
+    if holder.get("pool"):
+        holder["pool"].close()
+
+
+@pytest.fixture
+def mn_pool(cluster, _mn_pool_holder):
+    p = _mn_pool_holder.get("pool")
+    if p is None or p.broken:
+        if p is not None:
+            p.close()
+        p = MultiNodePool(cluster)
+        _mn_pool_holder["pool"] = p
+    return p

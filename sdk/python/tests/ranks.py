@@ -403,3 +403,161 @@ def ddp_losses(ctx, port, steps, modes):
         return losses, buckets, checksum
 
     return {mode: train(mode) for mode in ("gloo",) + tuple(modes)}
+
+
+# ------------------------------------------------------------- multi-node
+#
+# Processes of conftest.MultiNodePool: one per (node, local rank), holding a
+# communicator per job shape (nodes, ranks per node). The 2 x 1 job finds its
+# coordinator through $MASTER_ADDR and $CIUIC_PEER_PORT, the 2 x 2 job gets
+# it as the explicit coordinator= argument.
+
+MN_SMALL_SIZES = (0, 1, 1001)
+MN_BIG = (1 << 20) + 1  # about 1M elements, odd
+
+
+class _Env:
+    """Sets (value) or removes (None) environment variables for a while."""
+
+    def __init__(self, **changes):
+        self.changes, self.saved = changes, {}
+
+    def __enter__(self):
+        for k, v in self.changes.items():
+            self.saved[k] = os.environ.get(k)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _mn_ctx(spec, shape, node, local):
+    import ciuic
+    nodes, per_node = shape
+    rank, world = node * per_node + local, nodes * per_node
+    job = f"{spec['job']}-{nodes}x{per_node}"
+    socket = spec["sockets"][node]
+    kw = dict(rank=rank, world_size=world, local_rank=local, local_size=per_node, job=job,
+              socket=socket, arena_bytes=spec["arena_bytes"])
+    if per_node == 1:
+        host, port = spec["coordinator"].rsplit(":", 1)
+        with _Env(CIUIC_COORDINATOR=None, MASTER_ADDR=host, CIUIC_PEER_PORT=port):
+            comm = ciuic.init(**kw)
+    else:
+        comm = ciuic.init(coordinator=spec["coordinator"], **kw)
+    ctx = Ctx(rank, world, socket, job, comm)
+    ctx.node, ctx.local, ctx.local_size = node, local, per_node
+    ctx.coordinator = spec["coordinator"]
+    return ctx
+
+
+def mn_worker_main(proc, node, local, spec, inq, outq):
+    try:
+        import torch
+        torch.set_num_threads(1)
+        import ciuic  # noqa: F401
+        outq.put((proc, "ok", None))
+    except BaseException:  # noqa: BLE001
+        outq.put((proc, "err", traceback.format_exc()))
+        return
+    ctxs = {}
+    while True:
+        item = inq.get()
+        if item is None:
+            break
+        shape, fn, args = item
+        try:
+            if shape not in ctxs:
+                ctxs[shape] = _mn_ctx(spec, shape, node, local)
+            outq.put((proc, "ok", globals()[fn](ctxs[shape], *args)))
+        except BaseException:  # noqa: BLE001
+            outq.put((proc, "err", traceback.format_exc()))
+    for ctx in ctxs.values():
+        ctx.comm.close()
+
+
+def mn_identity(ctx):
+    c = ctx.comm
+    return (c.rank, c.world_size, c.local_rank, c.local_size, c.node_name, c.coordinator)
+
+
+def mn_values(seed, rank, n, dtype, op):
+    """values(), except for prod: +-1 and +-2 (exact in every dtype and
+    order for 4 ranks; wrap-around of the integer types aside)."""
+    if op != "prod":
+        return values(seed, rank, n, dtype)
+    rng = np.random.default_rng(seed * 1013 + rank)
+    choices = [1, 2] if dtype == "uint8" else [-2, -1, 1, 2]
+    v = rng.choice(np.array(choices), n)
+    return v.astype(np.float64) if is_float(dtype) else v.astype(np.int64)
+
+
+def mn_collectives(ctx, lib, dtype, seed, big):
+    """allreduce (every op), reduce_scatter (every op), allgather and
+    broadcast (a root on each node) of sizes 0, 1, odd and, with `big`, about
+    1M elements (sum only for the reductions), against numpy references."""
+    world, rank = ctx.world, ctx.rank
+    checks = 0
+
+    def big_or_none(n):
+        return (n,) if big else ()
+
+    for op in OPS:
+        for n in MN_SMALL_SIZES + (big_or_none(MN_BIG) if op == "sum" else ()):
+            inputs = [mn_values(seed + n, r, n, dtype, op) for r in range(world)]
+            t = make(inputs[rank], dtype, lib)
+            ctx.comm.allreduce(t, op=op, name=ctx.name(f"mn.ar.{lib}.{dtype}.{op}.{n}"))
+            expect_equal(t, reference(inputs, op), dtype, lib, f"allreduce {op} n={n}")
+            checks += 1
+    for op in OPS:
+        for n in MN_SMALL_SIZES + (big_or_none(MN_BIG // world) if op == "sum" else ()):
+            inputs = [mn_values(seed + n, r, n * world, dtype, op) for r in range(world)]
+            src = make(inputs[rank], dtype, lib)
+            out = empty_like_lib(n, dtype, lib)
+            ctx.comm.reduce_scatter(out, src, op=op, name=ctx.name(f"mn.rs.{lib}.{dtype}.{op}.{n}"))
+            want = reference(inputs, op)[rank * n:(rank + 1) * n]
+            expect_equal(out, want, dtype, lib, f"reduce_scatter {op} n={n}")
+            checks += 1
+    for n in MN_SMALL_SIZES + big_or_none(MN_BIG // world):
+        inputs = [values(seed + n, r, n, dtype) for r in range(world)]
+        src = make(inputs[rank], dtype, lib)
+        out = empty_like_lib(n * world, dtype, lib)
+        ctx.comm.allgather(out, src, name=ctx.name(f"mn.ag.{lib}.{dtype}.{n}"))
+        expect_equal(out, np.concatenate(inputs), dtype, lib, f"allgather n={n}")
+        checks += 1
+    for root in sorted({0, world - 1}):  # node 0 and the last node
+        for n in MN_SMALL_SIZES + big_or_none(MN_BIG):
+            inputs = [values(seed + n + root, r, n, dtype) for r in range(world)]
+            t = make(inputs[rank], dtype, lib)
+            ctx.comm.broadcast(t, root=root, name=ctx.name(f"mn.bc.{lib}.{dtype}.{root}.{n}"))
+            expect_equal(t, inputs[root], dtype, lib, f"broadcast root={root} n={n}")
+            checks += 1
+    return checks
+
+
+def mn_mismatch(ctx):
+    """A fresh job of the same shape, its coordinator from $CIUIC_COORDINATOR;
+    the ranks of node k submit count 3 + k: the nodes disagree (the ranks of
+    one node agree), and every rank must get InvalidArgumentError."""
+    import ciuic
+    import torch
+    job = ctx.job + "-" + ctx.name("mismatch")
+    with _Env(CIUIC_COORDINATOR=ctx.coordinator, MASTER_ADDR=None, CIUIC_PEER_PORT=None):
+        comm = ciuic.init(rank=ctx.rank, world_size=ctx.world, local_rank=ctx.local,
+                          local_size=ctx.local_size, job=job, socket=ctx.socket,
+                          arena_bytes=16 << 20)
+    with comm:
+        assert comm.coordinator == ctx.coordinator, comm.coordinator
+        t = torch.ones(3 + ctx.node)
+        try:
+            comm.allreduce(t, name="grads.mismatch.nodes", timeout=20)
+        except ciuic.InvalidArgumentError as e:
+            return (type(e).__name__, int(e.code), e.message)
+    raise AssertionError("no error for counts mismatched across nodes")

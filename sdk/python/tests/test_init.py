@@ -7,7 +7,8 @@ import torch
 import ciuic
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-       "CIUIC_JOB", "TORCHELASTIC_RUN_ID", "CIUIC_SOCKET")
+       "CIUIC_JOB", "TORCHELASTIC_RUN_ID", "CIUIC_SOCKET", "CIUIC_COORDINATOR",
+       "CIUIC_PEER_PORT")
 
 
 @pytest.fixture
@@ -71,3 +72,35 @@ def test_default_socket(env, daemon):
     assert ciuic.default_socket_path() == daemon.socket  # $CIUIC_SOCKET
     env.delenv("CIUIC_SOCKET")
     assert ciuic.default_socket_path() == "/run/ciuic/ciuicd.sock"
+
+
+def test_resolve_coordinator():
+    resolve = ciuic.resolve_coordinator
+    env = {"CIUIC_COORDINATOR": "10.0.0.9:9000", "MASTER_ADDR": "10.0.0.1",
+           "CIUIC_PEER_PORT": "7400"}
+    # Explicit wins, for any job.
+    assert resolve("h:1", 4, 2, env) == "h:1"
+    assert resolve("h:1", 2, None, env) == "h:1"
+    # One node (local_size unknown or == world_size): none needed, env ignored.
+    assert resolve(None, 4, None, env) == ""
+    assert resolve(None, 4, 4, env) == ""
+    # Several nodes: $CIUIC_COORDINATOR, else $MASTER_ADDR:$CIUIC_PEER_PORT (default 7361).
+    assert resolve(None, 4, 2, env) == "10.0.0.9:9000"
+    assert resolve(None, 4, 2, {"MASTER_ADDR": "10.0.0.1", "CIUIC_PEER_PORT": "7400"}) == \
+        "10.0.0.1:7400"
+    assert resolve(None, 4, 1, {"MASTER_ADDR": "10.0.0.1"}) == "10.0.0.1:7361"
+    assert ciuic.DEFAULT_PEER_PORT == 7361
+    with pytest.raises(ciuic.InvalidArgumentError, match="coordinator"):
+        resolve(None, 4, 2, {"MASTER_PORT": "29500"})
+
+
+def test_multinode_without_coordinator(env):
+    env.delenv("CIUIC_COORDINATOR", raising=False)
+    with pytest.raises(ciuic.InvalidArgumentError, match="CIUIC_COORDINATOR"):
+        ciuic.init(rank=0, world_size=2, local_rank=0, local_size=1, job="no-coordinator")
+
+
+def test_single_node_has_no_coordinator(env):
+    env.setenv("CIUIC_COORDINATOR", "10.9.9.9:1")  # not used: the job spans one node
+    with ciuic.init(rank=0, world_size=1, job="one-node") as comm:
+        assert comm.coordinator == ""
