@@ -918,10 +918,12 @@ EnginePeers Engine::Peers() {
 void Engine::Shutdown() {
   if (shutdown_started_.exchange(true)) return;
   spdlog::info("engine draining");
-  shutdown(listen_fd_, SHUT_RDWR);
-  if (acceptor_.joinable()) acceptor_.join();
-  close(listen_fd_);
-  unlink(options_.session_socket_path.c_str());
+  if (listen_fd_ >= 0) {  // only remove a socket this engine listens on
+    shutdown(listen_fd_, SHUT_RDWR);
+    if (acceptor_.joinable()) acceptor_.join();
+    close(listen_fd_);
+    unlink(options_.session_socket_path.c_str());
+  }
   Post([this] {
     stopping_ = true;
     for (auto& [key, job] : jobs_) {

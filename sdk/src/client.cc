@@ -108,7 +108,8 @@ struct Handle::State {
   std::atomic<bool> done{false};
   Status status;  // written before done is set
   // Staging for buffers outside shared memory: copied out at completion.
-  Buffer staging;
+  Buffer staging;      // send (or send and recv, when they overlap)
+  Buffer staging_out;  // recv, when apart from send
   const uint8_t* staging_recv = nullptr;
   void* user_recv = nullptr;
   size_t recv_bytes = 0;
@@ -143,6 +144,7 @@ struct Core {
       std::memcpy(st.user_recv, st.staging_recv, st.recv_bytes);
     }
     st.staging = Buffer();
+    st.staging_out = Buffer();
     st.status = std::move(status);
     st.done.store(true, std::memory_order_release);
   }
@@ -497,41 +499,53 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
     if (send.bytes > 0) e.send_offset = c.arena->OffsetOf(send.ptr);
     if (recv.bytes > 0) e.recv_offset = c.arena->OffsetOf(recv.ptr);
   } else {
+    // Buffers outside shared memory are copied through staging buffers; if
+    // send and recv overlap (in place), one staging buffer covers both so
+    // that the layout stays in place.
     auto* sp = static_cast<const uint8_t*>(send.ptr);
     auto* rp = static_cast<const uint8_t*>(recv.ptr);
-    const uint8_t* lo = nullptr;
-    const uint8_t* hi = nullptr;
-    auto cover = [&](const uint8_t* p, size_t n) {
-      if (n == 0) return;
-      lo = lo ? std::min(lo, p) : p;
-      hi = hi ? std::max(hi, p + n) : p + n;
-    };
     const bool overlap = send.bytes > 0 && recv.bytes > 0 && sp < rp + recv.bytes &&
                          rp < sp + send.bytes;
-    if (!send_shared) cover(sp, send.bytes);
-    if (!recv_shared) cover(rp, recv.bytes);
+    auto stage = [&](const uint8_t* lo, size_t bytes, Buffer* into, uint64_t* off) -> Status {
+      Status s = c.arena->Allocate(bytes, off);
+      if (!s.ok()) return Status(s.code(), "operation '" + name + "': " + s.message());
+      *into = BufferAccess::Make(c.arena, *off, bytes);
+      return Status::Ok();
+    };
     if (overlap) {
-      cover(sp, send.bytes);
-      cover(rp, recv.bytes);
-    }
-    uint64_t off = 0;
-    Status s = c.arena->Allocate(hi - lo, &off);
-    if (!s.ok()) return Failed(Status(s.code(), "operation '" + name + "': " + s.message()));
-    st->staging = BufferAccess::Make(c.arena, off, hi - lo);
-    uint8_t* stage = c.arena->base + off;
-    if (!send_shared || overlap) {
-      std::memcpy(stage + (sp - lo), sp, send.bytes);
+      const uint8_t* lo = std::min(sp, rp);
+      const uint8_t* hi = std::max(sp + send.bytes, rp + recv.bytes);
+      uint64_t off = 0;
+      Status s = stage(lo, hi - lo, &st->staging, &off);
+      if (!s.ok()) return Failed(s);
+      uint8_t* base = c.arena->base + off;
+      std::memcpy(base + (sp - lo), sp, send.bytes);
       e.send_offset = off + (sp - lo);
-    } else if (send.bytes > 0) {
-      e.send_offset = c.arena->OffsetOf(send.ptr);
-    }
-    if (!recv_shared || overlap) {
       e.recv_offset = off + (rp - lo);
-      st->staging_recv = stage + (rp - lo);
+      st->staging_recv = base + (rp - lo);
       st->user_recv = user_recv;
       st->recv_bytes = recv.bytes;
-    } else if (recv.bytes > 0) {
-      e.recv_offset = c.arena->OffsetOf(recv.ptr);
+    } else {
+      if (send.bytes > 0 && !send_shared) {
+        uint64_t off = 0;
+        Status s = stage(sp, send.bytes, &st->staging, &off);
+        if (!s.ok()) return Failed(s);
+        std::memcpy(c.arena->base + off, sp, send.bytes);
+        e.send_offset = off;
+      } else if (send.bytes > 0) {
+        e.send_offset = c.arena->OffsetOf(send.ptr);
+      }
+      if (recv.bytes > 0 && !recv_shared) {
+        uint64_t off = 0;
+        Status s = stage(rp, recv.bytes, &st->staging_out, &off);
+        if (!s.ok()) return Failed(s);
+        e.recv_offset = off;
+        st->staging_recv = c.arena->base + off;
+        st->user_recv = user_recv;
+        st->recv_bytes = recv.bytes;
+      } else if (recv.bytes > 0) {
+        e.recv_offset = c.arena->OffsetOf(recv.ptr);
+      }
     }
   }
 
@@ -546,6 +560,7 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
     std::lock_guard<std::mutex> reap_lock(c.reap_mu);
     if (!c.dead.ok()) {
       st->staging = Buffer();
+      st->staging_out = Buffer();
       st->status = c.dead;
       st->done.store(true);
       return Handle(st);

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -132,6 +133,29 @@ TEST(OperabilityTest, LiveTuningAppliesAndIsValidated) {
   }
   EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(120)), 0);
   EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(120)), 0);
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// A second daemon on the same socket refuses to start and leaves the first
+// one's sockets alone.
+TEST(OperabilityTest, SecondDaemonOnTheSameSocketLeavesTheFirstAlone) {
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  std::string out;
+  int code = RunCommand(std::string(CIUICD_PATH) + " --socket " + daemon->socket() +
+                            " --listen 127.0.0.1:0",
+                        &out);
+  EXPECT_NE(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "already listening")) << out;
+  struct stat st;
+  EXPECT_EQ(stat((daemon->socket() + ".session").c_str(), &st), 0) << "session socket removed";
+  EXPECT_EQ(stat(daemon->socket().c_str(), &st), 0) << "control socket removed";
+  auto codes = RunRanks(1, [&](int) {
+    auto comm = JoinJob(daemon->socket(), UniqueJobId("first-still-serves"), 0, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    return comm->Barrier().Wait().ok() ? 0 : 1;
+  });
+  EXPECT_EQ(codes[0], 0);
   EXPECT_EQ(daemon->Stop(), 0);
 }
 

@@ -232,6 +232,29 @@ TEST_F(SemanticsTest, BarrierWaitsForTheSlowestRank) {
   }));
 }
 
+// Buffers outside shared memory are staged one by one: two private buffers
+// far apart in memory need only their own sizes in the arena.
+TEST_F(SemanticsTest, PrivateBuffersFarApartAreStagedSeparately) {
+  const std::string job = UniqueJobId("apart");
+  ExpectAllZero(RunRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon_->socket(), job, rank, 2, 8 << 20);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> memory((48 << 20) / 4);  // send at the start, recv 40 MiB further
+    const size_t n = 1 << 18;                    // 1 MiB per rank
+    float* send = memory.data();
+    float* recv = memory.data() + (40 << 20) / 4;
+    for (size_t i = 0; i < n; ++i) send[i] = static_cast<float>(rank * 10 + i % 7);
+    Status s = comm->Allgather(send, recv, n, DataType::kFloat32).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    for (int r = 0; r < 2; ++r) {
+      for (size_t i = 0; i < n; i += 4097) {
+        CHILD_CHECK(recv[r * n + i] == static_cast<float>(r * 10 + i % 7), "block %d element %zu", r, i);
+      }
+    }
+    return 0;
+  }));
+}
+
 TEST_F(SemanticsTest, JoinErrorsAreClear) {
   const std::string job = UniqueJobId("join");
   ExpectAllZero(RunRanks(1, [&](int) {
