@@ -124,7 +124,7 @@ void ClusterJob::Push(Event e) {
 }
 
 void ClusterJob::Submit(ClusterOp op) {
-  Event e{Event::kSubmit};
+  Event e{Event::kSubmit, {}, {}, {}};
   e.op = std::move(op);
   Push(std::move(e));
 }
