@@ -104,6 +104,7 @@ absl::Status Errno(absl::string_view what) {
 
 // Ring polls per spinning round before the loop looks at its sockets.
 constexpr int kFastPolls = 512;
+constexpr int kYieldMask = 3;
 
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -526,7 +527,7 @@ void Engine::Loop() {
         }
         if (posted_count_.load(std::memory_order_relaxed) != 0) break;
         CpuRelax();
-        if ((i & 31) == 31) sched_yield();  // let a trainer on this core run
+        if ((i & kYieldMask) == kYieldMask) sched_yield();  // let a trainer on this core run
       }
     } else {
       ArmDoorbellsOnLoop(true);

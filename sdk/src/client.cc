@@ -48,6 +48,10 @@ uint64_t ArenaBytesFromEnv() {
   return v == 0 ? (512ull << 20) : v * mult;
 }
 
+// Spin-wait granularity: a pause is ~40 ns, so the trainer offers its core
+// to others (the daemon, when cores are few) every ~0.5 us.
+constexpr int kPausesPerYield = 12;
+
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -216,7 +220,6 @@ struct Core {
   template <typename Pred>
   bool WaitUntil(Pred pred, Clock::time_point until) {
     const Clock::time_point spin_end = Clock::now() + std::chrono::microseconds(spin_us);
-    int rounds = 0;
     while (true) {
       Reap();
       if (pred()) return true;
@@ -225,14 +228,14 @@ struct Core {
       if (now < spin_end) {
         // Watch the ring without locks or syscalls; yield now and then so
         // the daemon gets a core when cores are few.
-        for (int i = 0; i < 64; ++i) {
+        for (int i = 0; i < kPausesPerYield; ++i) {
           if (header->cq_tail.load(std::memory_order_acquire) !=
               header->cq_head.load(std::memory_order_relaxed)) {
             break;
           }
           CpuRelax();
         }
-        if ((++rounds & 3) == 0) sched_yield();
+        sched_yield();
         continue;
       }
       uint32_t seen = header->cq_tail.load(std::memory_order_acquire);
