@@ -39,21 +39,14 @@ import subprocess
 import sys
 import time
 
+import benchlib
+from benchlib import BUS_FACTOR, ELEMENT_SIZE, parse_size, shape_for
+
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
 DTYPES = ("float32", "float64", "int32")
-ELEMENT_SIZE = {"float32": 4, "float64": 8, "int32": 4}
 CHUNK = 1 << 22  # elements per step when filling/checking big buffers
 
 
-def parse_size(text):
-    """'64K' -> 65536; suffixes K, M, G are powers of 1024, a trailing B is allowed."""
-    text = text.strip().upper()
-    if len(text) > 1 and text.endswith("B"):
-        text = text[:-1]
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    if mult != 1:
-        text = text[:-1]
-    return int(text) * mult
 
 
 def parse_args(argv):
@@ -124,34 +117,7 @@ def launch(args, argv):
             prefix = ["ip", "netns", "exec", args.netns_list[rank // args.ranks_per_node]]
         procs.append(subprocess.Popen(prefix + [sys.executable, os.path.abspath(__file__)]
                                       + argv, env=env, stdout=out))
-    deadline = time.monotonic() + args.timeout
-    rc = 0
-    try:
-        pending = list(procs)
-        while pending:
-            for p in list(pending):
-                code = p.poll()
-                if code is None:
-                    continue
-                pending.remove(p)
-                if code != 0 and rc == 0:
-                    rc = code if code > 0 else 1
-                    print("gloo_bench: a rank exited with %d; stopping the others" % code,
-                          file=sys.stderr)
-                    for q in pending:
-                        q.terminate()
-            if pending and time.monotonic() > deadline:
-                print("gloo_bench: timed out after %.0f s" % args.timeout, file=sys.stderr)
-                for q in pending:
-                    q.kill()
-                rc = 124
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return rc
+    return benchlib.supervise(procs, args.timeout, "gloo_bench")
 
 
 # ------------------------------------------------------------------ worker
@@ -162,28 +128,8 @@ def fill_value(torch, rank, start, count):
     return (idx * 3 + rank * 5) % 17 - 8
 
 
-def shape_for(op, dtype, nbytes, n):
-    """(send elements, recv elements, bytes reported), nccl-tests style."""
-    es = ELEMENT_SIZE[dtype]
-    if op in ("allreduce", "broadcast"):
-        count = max(1, nbytes // es)
-        return count, count, count * es
-    if op == "reduce_scatter":
-        count = max(1, nbytes // es // n)
-        return count * n, count, count * n * es
-    if op == "allgather":
-        count = max(1, nbytes // es // n)
-        return count, count * n, count * n * es
-    return 0, 0, 0
 
 
-BUS_FACTOR = {
-    "allreduce": lambda n: 2.0 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "barrier": lambda n: 0.0,
-}
 
 
 class SizeRun:

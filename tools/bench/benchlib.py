@@ -1,0 +1,75 @@
+"""What the Python benchmarks share: size parsing, nccl-tests shapes and
+bus-bandwidth factors, and supervising rank processes."""
+
+import sys
+import time
+
+ELEMENT_SIZE = {"float32": 4, "float64": 8, "int32": 4}
+
+BUS_FACTOR = {
+    "allreduce": lambda n: 2.0 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+def parse_size(text):
+    """'64K' -> 65536; suffixes K, M, G are powers of 1024, a trailing B is allowed."""
+    text = text.strip().upper()
+    if len(text) > 1 and text.endswith("B"):
+        text = text[:-1]
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    if mult != 1:
+        text = text[:-1]
+    return int(text) * mult
+
+
+def shape_for(op, dtype, nbytes, n):
+    """(send elements, recv elements, bytes reported), nccl-tests style."""
+    es = ELEMENT_SIZE[dtype]
+    if op in ("allreduce", "broadcast"):
+        count = max(1, nbytes // es)
+        return count, count, count * es
+    if op == "reduce_scatter":
+        count = max(1, nbytes // es // n)
+        return count * n, count, count * n * es
+    if op == "allgather":
+        count = max(1, nbytes // es // n)
+        return count, count * n, count * n * es
+    return 0, 0, 0
+
+
+def supervise(procs, timeout, name):
+    """Waits for rank processes; if one fails the others are stopped, and all
+    are killed after `timeout` seconds. Returns the first failure's code
+    (124 on timeout), else 0."""
+    deadline = time.monotonic() + timeout
+    rc = 0
+    try:
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                code = p.poll()
+                if code is None:
+                    continue
+                pending.remove(p)
+                if code != 0 and rc == 0:
+                    rc = code if code > 0 else 1
+                    print("%s: a rank exited with %d; stopping the others" % (name, code),
+                          file=sys.stderr)
+                    for q in pending:
+                        q.terminate()
+            if pending and time.monotonic() > deadline:
+                print("%s: timed out after %.0f s" % (name, timeout), file=sys.stderr)
+                for q in pending:
+                    q.kill()
+                rc = 124
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return rc
