@@ -62,6 +62,9 @@ MODEL_SIZES = {"small": (512, 2), "base": (1536, 3), "large": (2048, 7)}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("gloo", "ciuic"), default="ciuic")
+    p.add_argument("--compression", default=None,
+                   help="ciuic backend: codec for gradients crossing the network between "
+                        "nodes (fp16, bf16, int8, topk:RATIO, none), with error feedback")
     p.add_argument("--hook-mode", choices=("shm", "staging"), default="shm",
                    help="ciuic hook memory path (see ciuic/torch.py)")
     p.add_argument("--nodes", type=int, default=1,
@@ -160,6 +163,7 @@ def summarize(args, backend, nodes, world, nparams, threads, times, losses, fina
         "backend": backend, "nodes": nodes, "ranks": world,
         "median_step_s": statistics.median(warm), "final_loss": final,
         "hook_mode": args.hook_mode if backend == "ciuic" else None,
+        "compression": getattr(args, "compression", None) if backend == "ciuic" else None,
         "params": nparams, "steps": args.steps, "first_step_s": times[0], "threads": threads,
         "rank0_losses": losses,
     }
@@ -216,7 +220,8 @@ def train(args):
         arena = (args.arena_mb << 20) or (4 * 4 * nparams + (64 << 20))
         # rank, sizes, job, socket and (several nodes) the coordinator from the environment
         comm = ciuic.init(socket=args.socket, arena_bytes=arena)
-        model.register_comm_hook(ciuic.torch.CiuicHookState(comm, mode=args.hook_mode),
+        model.register_comm_hook(ciuic.torch.CiuicHookState(comm, mode=args.hook_mode,
+                                                            compression=args.compression),
                                  ciuic.torch.allreduce_hook)
 
     if rank == 0:

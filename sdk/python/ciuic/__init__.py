@@ -341,26 +341,33 @@ class Communicator:
         np.copyto(staged, ibuf)
         return staged
 
-    def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None):
+    def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None,
+                        compression=None):
         buf, dtype = _as_buffer(t, "allreduce")
         h = self._impl.allreduce(buf, op=op, dtype=dtype, name=name or "",
-                                 priority=priority, timeout_ms=_timeout_ms(timeout))
+                                 priority=priority, timeout_ms=_timeout_ms(timeout),
+                                 compression=compression or "")
         return Work(h, t, self)
 
-    def allreduce(self, t, op="sum", name=None, priority=0, timeout=None):
-        """In place: every rank's ``t`` becomes the reduction (op) of all ranks'."""
-        self.allreduce_async(t, op, name, priority, timeout).wait()
+    def allreduce(self, t, op="sum", name=None, priority=0, timeout=None, compression=None):
+        """In place: every rank's ``t`` becomes the reduction (op) of all ranks'.
+
+        ``compression`` ("none", "fp16", "bf16", "int8", "topk:RATIO"; None:
+        the daemon's setting) applies to what crosses the network between
+        nodes, for float sum/avg; every rank must pass the same."""
+        self.allreduce_async(t, op, name, priority, timeout, compression).wait()
         return t
 
     def reduce_scatter_async(self, output, input, op="sum", name=None, priority=0,
-                             timeout=None):
+                             timeout=None, compression=None):
         ibuf, dtype = _as_buffer(input, "reduce_scatter input")
         obuf, odtype = _as_buffer(output, "reduce_scatter output")
         if dtype != odtype:
             raise InvalidArgumentError("reduce_scatter: input and output dtypes differ")
         ibuf = self._stage_apart(ibuf, obuf)
         h = self._impl.reduce_scatter(ibuf, obuf, op=op, dtype=dtype, name=name or "",
-                                      priority=priority, timeout_ms=_timeout_ms(timeout))
+                                      priority=priority, timeout_ms=_timeout_ms(timeout),
+                                      compression=compression or "")
         return Work(h, output, self)
 
     def reduce_scatter(self, output, input, op="sum", name=None, priority=0, timeout=None):

@@ -55,9 +55,15 @@ class CiuicHookState:
         ranks build their models in the same order).
     priority: None (-bucket index) or callable(bucket) -> int.
     timeout: seconds per operation (None: the daemon's default).
+    compression: codec for what crosses the network between nodes ("fp16",
+        "bf16", "int8", "topk:RATIO", "none"; None: the daemon's setting).
+        With a codec, each bucket's operation keeps one name across steps
+        ("<prefix>.b<index>") so that the daemon's error feedback carries
+        what compression dropped in one step into the next.
     """
 
-    def __init__(self, comm, mode="shm", op="avg", prefix=None, priority=None, timeout=None):
+    def __init__(self, comm, mode="shm", op="avg", prefix=None, priority=None, timeout=None,
+                 compression=None):
         if mode not in ("shm", "staging"):
             raise ValueError(f"mode must be 'shm' or 'staging', not {mode!r}")
         self.comm = comm
@@ -66,6 +72,7 @@ class CiuicHookState:
         self.prefix = prefix if prefix is not None else f"ddp{next(_state_ids)}"
         self.priority = priority
         self.timeout = timeout
+        self.compression = compression
         self.calls = {}   # bucket index -> calls so far
         self.shm = {}     # bucket index -> shared-memory tensor (mode "shm")
 
@@ -90,7 +97,7 @@ def allreduce_hook(state, bucket):
     index = bucket.index()
     n = state.calls.get(index, 0)
     state.calls[index] = n + 1
-    name = f"{state.prefix}.b{index}.{n}"
+    name = f"{state.prefix}.b{index}" if state.compression else f"{state.prefix}.b{index}.{n}"
     priority = -index if state.priority is None else int(state.priority(bucket))
     grads = bucket.buffer()
     if state.mode == "shm":
@@ -99,5 +106,5 @@ def allreduce_hook(state, bucket):
     else:
         target = grads
     work = state.comm.allreduce_async(target, op=state.op, name=name, priority=priority,
-                                      timeout=state.timeout)
+                                      timeout=state.timeout, compression=state.compression)
     return work.get_future()

@@ -177,11 +177,13 @@ ReduceOp ParseOp(const std::string& name) {
   return op;
 }
 
-OpOptions MakeOptions(const std::string& name, int32_t priority, uint32_t timeout_ms) {
+OpOptions MakeOptions(const std::string& name, int32_t priority, uint32_t timeout_ms,
+                      const std::string& compression = "") {
   OpOptions o;
   o.name = name;
   o.priority = priority;
   o.timeout_ms = timeout_ms;
+  o.compression = compression;
   return o;
 }
 
@@ -288,7 +290,7 @@ class PyComm {
 
   PyHandle Allreduce(py::handle send, py::object recv, const std::string& op,
                      std::optional<std::string> dtype, const std::string& name,
-                     int32_t priority, uint32_t timeout_ms) {
+                     int32_t priority, uint32_t timeout_ms, const std::string& compression) {
     const ReduceOp rop = ParseOp(op);
     auto rv = GetView(recv.is_none() ? send : recv, true, recv.is_none() ? "tensor" : "output");
     auto sv = recv.is_none() ? rv : GetView(send, false, "input");
@@ -302,7 +304,7 @@ class PyComm {
       ThrowInvalid("allreduce: input and output differ (" + Describe(sdt, scount) + " vs " +
                    Describe(dt, count) + ")");
     }
-    const OpOptions o = MakeOptions(name, priority, timeout_ms);
+    const OpOptions o = MakeOptions(name, priority, timeout_ms, compression);
     return Submit(name, sv, rv, [&](Communicator& c) {
       return c.Allreduce(sv->data(), rv->data(), count, dt, rop, o);
     });
@@ -310,7 +312,7 @@ class PyComm {
 
   PyHandle ReduceScatter(py::handle send, py::handle recv, const std::string& op,
                          std::optional<std::string> dtype, const std::string& name,
-                         int32_t priority, uint32_t timeout_ms) {
+                         int32_t priority, uint32_t timeout_ms, const std::string& compression) {
     const ReduceOp rop = ParseOp(op);
     auto sv = GetView(send, false, "input");
     auto rv = GetView(recv, true, "output");
@@ -325,7 +327,7 @@ class PyComm {
                    std::to_string(world_size_) + ") times the output's elements of the same "
                    "dtype; input " + Describe(sdt, scount) + ", output " + Describe(dt, count));
     }
-    const OpOptions o = MakeOptions(name, priority, timeout_ms);
+    const OpOptions o = MakeOptions(name, priority, timeout_ms, compression);
     return Submit(name, sv, rv, [&](Communicator& c) {
       return c.ReduceScatter(sv->data(), rv->data(), count, dt, rop, o);
     });
@@ -532,10 +534,12 @@ PYBIND11_MODULE(_ciuic, m) {
       .def("is_shared", &PyComm::IsShared, py::arg("buffer"))
       .def("allreduce", &PyComm::Allreduce, py::arg("send"), py::arg("recv") = py::none(),
            py::kw_only(), py::arg("op") = "sum", py::arg("dtype") = py::none(),
-           py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0)
+           py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0,
+           py::arg("compression") = "")
       .def("reduce_scatter", &PyComm::ReduceScatter, py::arg("send"), py::arg("recv"),
            py::kw_only(), py::arg("op") = "sum", py::arg("dtype") = py::none(),
-           py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0)
+           py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0,
+           py::arg("compression") = "")
       .def("allgather", &PyComm::Allgather, py::arg("send"), py::arg("recv"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("name") = "", py::arg("priority") = 0,
            py::arg("timeout_ms") = 0)
