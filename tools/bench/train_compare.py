@@ -7,6 +7,7 @@ Rows, each run --reps times (interleaved), every one with a time limit:
   compute       one process, no DDP (train_hooks.py --mode compute): compute alone
   gloo          plain DDP over gloo
   gloo+fp16     DDP + torch's fp16_compress_hook (gloo)
+  ciuic+CODEC   the ciuic hook with that codec (fp16, int8, topk:0.01) and error feedback
   gloo+powerSGD DDP + torch's powerSGD_hook (gloo); it may hang or crash over
                 gloo (MACHINE-NOTES), reported as "hung" / "crashed"
   ciuic         DDP + ciuic.torch.allreduce_hook through one ciuicd per namespace
@@ -40,9 +41,11 @@ import compare
 import netns
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROWS = ("compute", "gloo", "gloo+fp16", "gloo+powerSGD", "ciuic")
+ROWS = ("compute", "gloo", "gloo+fp16", "gloo+powerSGD", "ciuic", "ciuic+fp16", "ciuic+int8",
+        "ciuic+topk:0.01")
 MODE = {"compute": "compute", "gloo": "plain", "gloo+fp16": "fp16",
-        "gloo+powerSGD": "powersgd", "ciuic": "plain"}
+        "gloo+powerSGD": "powersgd", "ciuic": "plain", "ciuic+fp16": "plain",
+        "ciuic+int8": "plain", "ciuic+topk:0.01": "plain"}
 
 
 def log(msg):
@@ -84,7 +87,7 @@ def run_row(row, args, topo, sockets, flags, port, rep, timeout):
     world = 1 if row == "compute" else 2
     base = [args.python, os.path.join(HERE, "train_hooks.py"), "--mode", MODE[row],
             "--script", args.train_script, "--"]
-    targs = ["--backend", "ciuic" if row == "ciuic" else "gloo", "--steps", str(args.steps),
+    targs = ["--backend", "ciuic" if row.startswith("ciuic") else "gloo", "--steps", str(args.steps),
              "--seed", str(args.seed)]
     for flag, value in (("--hidden", args.hidden), ("--layers", args.layers),
                         ("--threads", args.train_threads)):
@@ -104,7 +107,9 @@ def run_row(row, args, topo, sockets, flags, port, rep, timeout):
                 "GLOO_SOCKET_IFNAME": netns.IFNAME, "OMP_NUM_THREADS": str(args.train_threads),
             })
             a = list(targs)
-            if row == "ciuic":
+            if row.startswith("ciuic+") and "--compression" in flags:
+                a += ["--compression", row.split("+", 1)[1]]  # the hook's codec
+            if row.startswith("ciuic"):
                 env["CIUIC_JOB"] = "train-%d-%d" % (os.getpid(), port)
                 env["CIUIC_COORDINATOR"] = "%s:%d" % (topo.addr(0),
                                                       compare.NetnsScenario.PEER_PORT)
@@ -197,7 +202,8 @@ def main(args):
     for n in notes:
         print("NOTE: " + n)
 
-    args.system_list = ["ciuic"] if "ciuic" in rows else []  # daemons only when needed
+    # daemons only when needed
+    args.system_list = ["ciuic"] if any(r.startswith("ciuic") for r in rows) else []
     scen = compare.NetnsScenario(2, 1, args.link_rate)
     results = []
     try:
@@ -209,9 +215,9 @@ def main(args):
             " --hidden %d" % args.hidden if args.hidden else "",
             " --layers %d" % args.layers if args.layers else "", args.train_threads))
         sys.stdout.flush()
-        if scen.ciuic_error and "ciuic" in rows:
-            print("NOTE: ciuic row not run: %s" % scen.ciuic_error)
-            rows.remove("ciuic")
+        if scen.ciuic_error and args.system_list:
+            print("NOTE: ciuic rows not run: %s" % scen.ciuic_error)
+            rows = [r for r in rows if not r.startswith("ciuic")]
         port = 29400 + os.getpid() % 500
         for rep in range(1, args.reps + 1):
             for row in rows:
