@@ -139,6 +139,42 @@ inline void FillInput(DataType t, ReduceOp op, int rank, void* out, size_t count
   }
 }
 
+enum class Coll { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
+
+// What rank `rank` of `world` must receive from `coll` of `count` elements
+// (per rank block for reduce_scatter / allgather) when rank r's send buffer
+// is what fill(r, out, elements) writes; root is broadcast's.
+template <typename Fill>
+std::vector<uint8_t> ReferenceCollective(Coll coll, DataType t, ReduceOp op, int world, int rank,
+                                         int root, size_t count, Fill fill) {
+  const size_t es = DataTypeSize(t);
+  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
+  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
+  std::vector<std::vector<uint8_t>> in(world);
+  for (int r = 0; r < world; ++r) {
+    in[r].resize(send_count * es + 1);
+    fill(r, in[r].data(), send_count);
+  }
+  std::vector<uint8_t> want(recv_count * es + 1);
+  std::vector<const void*> ptrs;
+  switch (coll) {
+    case Coll::kAllreduce:
+    case Coll::kReduceScatter: {
+      const size_t offset = coll == Coll::kReduceScatter ? rank * count * es : 0;
+      for (int r = 0; r < world; ++r) ptrs.push_back(in[r].data() + offset);
+      ReferenceReduce(t, op, ptrs, want.data(), count);
+      break;
+    }
+    case Coll::kAllgather:
+      for (int r = 0; r < world; ++r) std::memcpy(want.data() + r * count * es, in[r].data(), count * es);
+      break;
+    case Coll::kBroadcast:
+      std::memcpy(want.data(), in[root].data(), count * es);
+      break;
+  }
+  return want;
+}
+
 inline constexpr DataType kAllDataTypes[] = {
     DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16,
     DataType::kInt8,    DataType::kUInt8,   DataType::kInt32,   DataType::kInt64};

@@ -21,7 +21,6 @@ constexpr char kSmallChunks[] =
     "  chunk_bytes: 64K\n"
     "  small_op_bytes: 0\n";
 
-enum class Coll { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
 const char* Name(Coll c) {
   switch (c) {
     case Coll::kAllreduce: return "allreduce";
@@ -106,31 +105,9 @@ int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
   CHILD_CHECK(s.ok(), "%s: %s", name.c_str(), s.ToString().c_str());
 
   // Expected output, from every rank's regenerated input.
-  std::vector<std::vector<uint8_t>> inputs(world);
-  std::vector<const void*> ptrs;
-  for (int r = 0; r < world; ++r) {
-    inputs[r].resize(send_count * es + 1);
-    FillInput(t, op, r, inputs[r].data(), send_count);
-  }
-  std::vector<uint8_t> want(recv_count * es + 1);
-  switch (coll) {
-    case Coll::kAllreduce:
-      for (int r = 0; r < world; ++r) ptrs.push_back(inputs[r].data());
-      ReferenceReduce(t, op, ptrs, want.data(), count);
-      break;
-    case Coll::kReduceScatter:
-      for (int r = 0; r < world; ++r) ptrs.push_back(inputs[r].data() + rank * count * es);
-      ReferenceReduce(t, op, ptrs, want.data(), count);
-      break;
-    case Coll::kAllgather:
-      for (int r = 0; r < world; ++r) {
-        std::memcpy(want.data() + r * count * es, inputs[r].data(), count * es);
-      }
-      break;
-    case Coll::kBroadcast:
-      std::memcpy(want.data(), inputs[root].data(), count * es);
-      break;
-  }
+  const std::vector<uint8_t> want = ReferenceCollective(
+      coll, t, op, world, rank, root, count,
+      [&](int r, void* out, size_t n) { FillInput(t, op, r, out, n); });
   const uint8_t* got = recv_arg;
   if (in_place && coll == Coll::kAllgather) got = recv;
   for (size_t i = 0; i < recv_count; ++i) {

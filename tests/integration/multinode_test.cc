@@ -80,7 +80,9 @@ struct Cluster {
   }
   void StopAll() {
     for (auto& d : nodes) {
-      if (d && d->Alive()) EXPECT_EQ(d->Stop(), 0);
+      if (d && d->Alive()) {
+        EXPECT_EQ(d->Stop(), 0);
+      }
     }
   }
 };
@@ -106,7 +108,6 @@ void FillSmall(DataType t, ReduceOp op, int rank, void* out, size_t count) {
   }
 }
 
-enum class Coll { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
 
 int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
            const std::string& name) {
@@ -134,29 +135,9 @@ int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
   }
   s = h.Wait();
   CHILD_CHECK(s.ok(), "%s: %s", name.c_str(), s.ToString().c_str());
-  std::vector<std::vector<uint8_t>> in(world);
-  std::vector<const void*> ptrs;
-  for (int r = 0; r < world; ++r) {
-    in[r].resize(send_count * es + 1);
-    FillSmall(t, op, r, in[r].data(), send_count);
-  }
-  std::vector<uint8_t> want(recv_count * es + 1);
-  switch (coll) {
-    case Coll::kAllreduce:
-      for (int r = 0; r < world; ++r) ptrs.push_back(in[r].data());
-      ReferenceReduce(t, op, ptrs, want.data(), count);
-      break;
-    case Coll::kReduceScatter:
-      for (int r = 0; r < world; ++r) ptrs.push_back(in[r].data() + rank * count * es);
-      ReferenceReduce(t, op, ptrs, want.data(), count);
-      break;
-    case Coll::kAllgather:
-      for (int r = 0; r < world; ++r) std::memcpy(want.data() + r * count * es, in[r].data(), count * es);
-      break;
-    case Coll::kBroadcast:
-      std::memcpy(want.data(), in[root].data(), count * es);
-      break;
-  }
+  const std::vector<uint8_t> want = ReferenceCollective(
+      coll, t, op, world, rank, root, count,
+      [&](int r, void* out, size_t n) { FillSmall(t, op, r, out, n); });
   if (std::memcmp(rb.data(), want.data(), recv_count * es) != 0) {
     size_t i = 0;
     while (std::memcmp(static_cast<uint8_t*>(rb.data()) + i * es, want.data() + i * es, es) == 0) ++i;

@@ -45,8 +45,6 @@ OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
 DTYPES = ("float32", "float64", "int32")
 
 
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", required=True, choices=OPS)
@@ -99,7 +97,6 @@ def launch(args, argv):
 
 
 # ------------------------------------------------------------------ worker
-
 
 
 def fill_value(np, rank, count, start=0):

@@ -47,8 +47,6 @@ DTYPES = ("float32", "float64", "int32")
 CHUNK = 1 << 22  # elements per step when filling/checking big buffers
 
 
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", required=True, choices=OPS)
@@ -126,10 +124,6 @@ def fill_value(torch, rank, start, count):
     """FillValue(rank, i) of ciuic-mpi-bench for i in [start, start+count)."""
     idx = torch.arange(start, start + count, dtype=torch.int64)
     return (idx * 3 + rank * 5) % 17 - 8
-
-
-
-
 
 
 class SizeRun:
