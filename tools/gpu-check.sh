@@ -31,6 +31,10 @@
 #
 # Output: everything is printed and, when $OUT is set, also written to
 # $OUT/gpu-check.log.
+#
+# Environment: CIUIC_GPU_BUILD_DIR (default build-gpu), CIUIC_GPU_BUILD_TYPE
+# (default Release), CIUIC_CUDA_ARCHITECTURES (default "80;90"),
+# CIUIC_GPU_USE_BUNDLE=1 (skip the build and use .gpu-bundle/).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bundle=$root/.gpu-bundle
@@ -47,9 +51,10 @@ say() { printf '\n=== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
 configure_and_build() {
   local cuda_arch=${CIUIC_CUDA_ARCHITECTURES:-80;90}
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCIUIC_CUDA=ON \
+  mkdir -p "$build"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${CIUIC_GPU_BUILD_TYPE:-Release}" -DCIUIC_CUDA=ON \
     "-DCMAKE_CUDA_ARCHITECTURES=$cuda_arch" -DCIUIC_WITH_MPI_BASELINE=OFF \
-    -DPython_EXECUTABLE="$(command -v python3)" >"$build.configure.log" 2>&1 || return 1
+    -DPython_EXECUTABLE="$(command -v python3)" >"$build/ciuic-configure.log" 2>&1 || return 1
   cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 }
 
@@ -57,7 +62,7 @@ if [ "${1:-}" = "bundle" ]; then
   say "building the bundle in $build"
   mkdir -p "$build"
   if ! configure_and_build; then
-    cat "$build.configure.log"
+    cat "$build/ciuic-configure.log"
     exit 1
   fi
   rm -rf "$bundle"
@@ -72,11 +77,17 @@ if [ "${1:-}" = "bundle" ]; then
   for t in "${targets[@]}"; do ldd "$bundle/bin/$t"; done | awk '/=> \//{print $3}' | sort -u |
     grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux-x86-64|libstdc\+\+|libgcc_s)\.so' |
     while read -r lib; do cp -L "$lib" "$bundle/lib/"; done
-  ucx_modules=$(dirname "$(ldd "$bundle/bin/ciuicd" | awk '/libucp/{print $3}')")/ucx
+  # UCX loads its transports (tcp, shared memory, cma) as modules from a
+  # directory compiled into it; the run points UCX_MODULE_DIR here instead.
+  libucp=$(ldd "$bundle/bin/ciuicd" | awk '/libucp/{print $3}')
+  ucx_modules=$(dirname "$(readlink -f "$libucp")")/ucx
   if [ -d "$ucx_modules" ]; then
     mkdir -p "$bundle/lib/ucx"
-    cp -L "$ucx_modules"/*.so* "$bundle/lib/ucx/" 2>/dev/null || true
+    cp -L "$ucx_modules"/*.so* "$bundle/lib/ucx/"
+  else
+    echo "gpu-check: UCX modules not found next to $libucp" >&2
   fi
+  strip --strip-debug "$bundle"/lib/*.so* "$bundle"/lib/ucx/*.so* 2>/dev/null
   du -sh "$bundle"
   echo "bundle ready: carry .gpu-bundle (and run tools/gpu-check.sh there)"
   exit 0
@@ -85,18 +96,21 @@ fi
 say "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || true
 command -v nvcc >/dev/null && nvcc --version | tail -n 2
+uname -srm; ldd --version 2>&1 | head -n 1
 
 bin=""
 ctest_dir=""
 say "build (Release, CIUIC_CUDA=ON, -j$jobs)"
 start=$SECONDS
-if configure_and_build; then
+if [ "${CIUIC_GPU_USE_BUNDLE:-0}" != 1 ] && configure_and_build; then
   bin=$build
   ctest_dir=$build
   echo "built in $((SECONDS - start)) s"
 elif [ -x "$bundle/bin/ciuicd" ]; then
-  echo "configure here failed (missing build dependencies; see $build.configure.log):"
-  grep -m 3 -iE 'could not find|error' "$build.configure.log" || true
+  if [ "${CIUIC_GPU_USE_BUNDLE:-0}" != 1 ]; then
+    echo "configure here failed (missing build dependencies; see $build/ciuic-configure.log):"
+    grep -m 3 -iE 'could not find|error' "$build/ciuic-configure.log" || true
+  fi
   echo "using the prebuilt bundle in $bundle"
   bin=$bundle/bin
   export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -107,7 +121,7 @@ elif [ -x "$bundle/bin/ciuicd" ]; then
   fi
 else
   echo "gpu-check: no build: configure failed and there is no .gpu-bundle"
-  tail -n 20 "$build.configure.log"
+  tail -n 20 "$build/ciuic-configure.log"
   exit 1
 fi
 find_bin() { find "$bin" -name "$1" -type f -perm -u+x | head -n 1; }
@@ -116,7 +130,8 @@ status=0
 say "GPU tests (every kernel against its CPU reference)"
 if [ -n "$ctest_dir" ]; then
   (cd "$ctest_dir" && ctest -L gpu --output-on-failure --timeout 300) || status=1
-  (cd "$ctest_dir" && ctest -R 'cuda_launch|GpuInfo' --output-on-failure --timeout 60) || status=1
+  (cd "$ctest_dir" && ctest -L unit -R 'GridFor|ItemsFor|CudaStatus|ArgumentTest|NoDevice|GpuInfo' \
+     --output-on-failure --timeout 60) || status=1
 else
   "$(find_bin cuda_kernels_test)" || status=1
   "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1

@@ -69,7 +69,9 @@ class DeviceBuffer {
     ptr_ = static_cast<unsigned char*>(base_) + offset;
   }
   DeviceBuffer(const void* host, size_t bytes, size_t offset = 0) : DeviceBuffer(bytes, offset) {
-    if (bytes != 0) EXPECT_EQ(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    if (bytes != 0) {
+      EXPECT_EQ(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    }
   }
   ~DeviceBuffer() { cudaFree(base_); }
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -77,7 +79,9 @@ class DeviceBuffer {
   void* get() const { return ptr_; }
   std::vector<unsigned char> Download(size_t bytes) const {
     std::vector<unsigned char> out(bytes);
-    if (bytes != 0) EXPECT_EQ(cudaMemcpy(out.data(), ptr_, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    if (bytes != 0) {
+      EXPECT_EQ(cudaMemcpy(out.data(), ptr_, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
     return out;
   }
   std::vector<unsigned char> Download() const { return Download(bytes_); }
