@@ -199,12 +199,20 @@ __global__ void Int8QuantizeKernel(const typename F::Storage* x, size_t count, s
   }
 }
 
-// Pass 2, only when some block is raw: every block again, at the offsets of
-// the prefix sum of the block sizes.
+// Before pass 1: the extra last entry of the block sizes (so that their
+// exclusive prefix sum ends with the total) and the raw flag.
+__global__ void Int8InitKernel(uint64_t* last_size, unsigned* any_raw) {
+  *last_size = 0;
+  *any_raw = 0;
+}
+
+// Pass 2: publishes the total size and, only when some block is raw, writes
+// every block again at the offsets of the prefix sum of the block sizes.
 template <typename F>
 __global__ void Int8RelayoutKernel(const typename F::Storage* x, size_t count, size_t nblocks,
                                    unsigned char* out, const uint64_t* offsets,
-                                   const unsigned* any_raw) {
+                                   const unsigned* any_raw, uint64_t* encoded_bytes) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *encoded_bytes = offsets[nblocks];
   if (*any_raw == 0) return;
   using T = typename F::Storage;
   const unsigned lane = threadIdx.x & 31u;
@@ -637,15 +645,8 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
     const size_t nblocks = Int8Blocks(count);
     const auto* in = static_cast<const T*>(device_in);
     auto* out = static_cast<unsigned char*>(device_out);
-    if (absl::Status st = CudaStatus(cudaMemsetAsync(sizes + nblocks, 0, sizeof(uint64_t), s),
-                                     "int8 encode");
-        !st.ok()) {
-      return st;
-    }
-    if (absl::Status st = CudaStatus(cudaMemsetAsync(any_raw, 0, sizeof(unsigned), s), "int8 encode");
-        !st.ok()) {
-      return st;
-    }
+    Int8InitKernel<<<1, 1, 0, s>>>(sizes + nblocks, any_raw);
+    if (absl::Status st = LastLaunch("int8 init launch"); !st.ok()) return st;
     const LaunchShape g = GridFor(nblocks * 32);
     Int8QuantizeKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, out, sizes, any_raw);
     if (absl::Status st = LastLaunch("int8 quantize launch"); !st.ok()) return st;
@@ -657,11 +658,9 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
         !st.ok()) {
       return st;
     }
-    Int8RelayoutKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, out, sizes, any_raw);
-    if (absl::Status st = LastLaunch("int8 relayout launch"); !st.ok()) return st;
-    return CudaStatus(cudaMemcpyAsync(device_encoded_bytes, sizes + nblocks, sizeof(uint64_t),
-                                      cudaMemcpyDeviceToDevice, s),
-                      "int8 encoded size");
+    Int8RelayoutKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, out, sizes, any_raw,
+                                                         device_encoded_bytes);
+    return LastLaunch("int8 relayout launch");
   });
 }
 
