@@ -73,6 +73,13 @@ class Codec {
     return MaxEncodedBytes(dtype, count);
   }
 
+  // g > 0 if the encoding is a concatenation: for any a that is a multiple
+  // of g, Encode(x[0, n)) is byte for byte Encode(x[0, a)) followed by
+  // Encode(x[a, n)). Callers may then encode (and decode) a chunk in
+  // cache-sized pieces. 0: not splittable (top-k selects over the whole
+  // input). none, fp16, bf16: 1; int8: its block, 256.
+  virtual size_t SplitGranule() const { return 0; }
+
   // Encodes `count` elements of `dtype` from `in` into `out`, which has room
   // for MaxEncodedBytes(dtype, count) bytes, and returns the number of bytes
   // written (<= that bound). Requires Supports(dtype).ok() and, for top-k,

@@ -193,6 +193,8 @@ class Int8Codec final : public Codec {
     return (count + kBlock - 1) / kBlock * kHeader + count * size;
   }
 
+  size_t SplitGranule() const override { return kBlock; }
+
   size_t TypicalEncodedBytes(wire::DataType dtype, size_t count) const override {
     if (MaxEncodedBytes(dtype, count) == 0) return 0;
     return (count + kBlock - 1) / kBlock * kHeader + count;  // every block quantised
