@@ -28,6 +28,9 @@ Scenarios (how ranks are placed and which transport the baselines use):
             tx byte counters are printed per run.
   train     2 namespaces x 1 rank as netns; DDP training (examples/train_ddp.py)
             instead of a collective; see train_compare.py.
+--codecs none,fp16,int8,topk:0.01 runs the ciuic system once per codec
+(rows ciuic, ciuic+fp16, ...; lossy rows report max_rel_error) and adds a
+table of each codec's busbw against ciuic uncompressed from the same run.
 A new scenario is one more Scenario subclass (see below).
 """
 
