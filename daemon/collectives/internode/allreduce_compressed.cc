@@ -33,6 +33,10 @@
 // its segment; the peer tells segments apart). Channel: (chunk + owner) mod
 // channels.
 //
+// Threads: everything (posting, encoding, decoding, error feedback) runs on
+// the calling thread; transfer callbacks, on the transport's threads, only
+// queue an event for it.
+//
 // Ordering (no deadlock over a rendezvous transport): sends and receives are
 // posted in the order of a key shared by all nodes, (phase, chunk), and a
 // window holds at least N-1 slots, as many as the transfers of one key in one
@@ -199,7 +203,8 @@ absl::Status Pipeline::Prepare() {
   // and few enough chunks per segment for the tag's chunk field.
   elems_ = std::max<size_t>(1, std::min<uint64_t>(ctx_.chunk_bytes, kMaxChunkBytes) / es_);
   if (elems_ > kInt8Block) elems_ = elems_ / kInt8Block * kInt8Block;
-  const size_t max_len = Len(n_ - 1);  // segments differ by at most one element
+  size_t max_len = 0;
+  for (int j = 0; j < n_; ++j) max_len = std::max(max_len, Len(j));
   const size_t max_chunks = size_t{1} << kChunkBits;
   if ((max_len + elems_ - 1) / elems_ > max_chunks) {
     elems_ = (max_len + max_chunks - 1) / max_chunks;
