@@ -465,7 +465,10 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
       absl::Status s;
       if (*codec != nullptr) {
         CompressionStats stats;
-        s = AllreduceCompressed(ctx, **codec, tuning.error_feedback ? &feedback_ : nullptr,
+        // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so
+        // a residual would only cost a fresh allocation and evict others'.
+        const bool feedback = tuning.error_feedback && (op.name.empty() || op.name[0] != '#');
+        s = AllreduceCompressed(ctx, **codec, feedback ? &feedback_ : nullptr,
                                 op.name, dtype, node, count, &stats);
         compressed_ops_.fetch_add(1, std::memory_order_relaxed);
         raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);

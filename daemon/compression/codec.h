@@ -64,6 +64,22 @@ class Codec {
   // raw size (int8: blocks holding NaN/Inf travel raw, plus their header).
   virtual size_t MaxEncodedBytes(wire::DataType dtype, size_t count) const = 0;
 
+  // What Encode writes for `count` elements of `dtype` in the usual case: the
+  // exact size for every codec but int8, whose blocks holding NaN/Inf (or
+  // values outside its scale range) travel raw and make the result larger.
+  // Pipelined collectives size their fixed-length messages by this and send
+  // any excess separately. <= MaxEncodedBytes; 0 if !Supports(dtype).ok().
+  virtual size_t TypicalEncodedBytes(wire::DataType dtype, size_t count) const {
+    return MaxEncodedBytes(dtype, count);
+  }
+
+  // g > 0 if the encoding is a concatenation: for any a that is a multiple
+  // of g, Encode(x[0, n)) is byte for byte Encode(x[0, a)) followed by
+  // Encode(x[a, n)). Callers may then encode (and decode) a chunk in
+  // cache-sized pieces. 0: not splittable (top-k selects over the whole
+  // input). none, fp16, bf16: 1; int8: its block, 256.
+  virtual size_t SplitGranule() const { return 0; }
+
   // Encodes `count` elements of `dtype` from `in` into `out`, which has room
   // for MaxEncodedBytes(dtype, count) bytes, and returns the number of bytes
   // written (<= that bound). Requires Supports(dtype).ok() and, for top-k,

@@ -29,6 +29,8 @@ class CastCodec final : public Codec {
     return Supports(dtype).ok() ? 2 * count : 0;
   }
 
+  size_t SplitGranule() const override { return 1; }
+
   size_t Encode(wire::DataType dtype, const void* in, size_t count, void* out) const override {
     if (dtype == Narrow::kType) {
       if (count != 0) std::memcpy(out, in, 2 * count);

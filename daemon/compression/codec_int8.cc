@@ -193,6 +193,13 @@ class Int8Codec final : public Codec {
     return (count + kBlock - 1) / kBlock * kHeader + count * size;
   }
 
+  size_t SplitGranule() const override { return kBlock; }
+
+  size_t TypicalEncodedBytes(wire::DataType dtype, size_t count) const override {
+    if (MaxEncodedBytes(dtype, count) == 0) return 0;
+    return (count + kBlock - 1) / kBlock * kHeader + count;  // every block quantised
+  }
+
   size_t Encode(wire::DataType dtype, const void* in, size_t count, void* out) const override {
     constexpr size_t kBad = SIZE_MAX;
     const size_t bytes = VisitFloat(dtype, kBad, [&](auto f) {

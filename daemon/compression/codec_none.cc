@@ -21,6 +21,8 @@ class NoneCodec final : public Codec {
     return ElementSize(dtype) * count;
   }
 
+  size_t SplitGranule() const override { return 1; }
+
   size_t Encode(wire::DataType dtype, const void* in, size_t count, void* out) const override {
     const size_t bytes = ElementSize(dtype) * count;
     if (bytes == 0 && count != 0) BrokenInvariant("none", "Encode of an unsupported dtype");

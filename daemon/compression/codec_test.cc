@@ -586,6 +586,49 @@ TEST(TopKCodecTest, BadIndices) {
       << "more entries than elements";
 }
 
+// SplitGranule: where a codec says it is splittable, encoding two pieces
+// cut at a multiple of the granule gives the bytes of encoding the whole
+// (also with NaN/Inf, tiny and huge blocks, which int8 sends raw), and the
+// typical size is exact unless something travels raw.
+TEST(CodecTest, SplitGranuleConcatenatesAndTypicalSizeHolds) {
+  for (const char* name : {"none", "fp16", "bf16", "int8", "topk:0.01"}) {
+    auto codec = Make(name);
+    const size_t g = codec->SplitGranule();
+    if (std::string(name) == "topk:0.01") {
+      EXPECT_EQ(g, 0u);
+      continue;
+    }
+    ASSERT_GT(g, 0u) << name;
+    for (DataType dtype : kFloatTypes) {
+      if (!codec->Supports(dtype).ok()) continue;
+      for (size_t count : {size_t{1}, size_t{300}, size_t{1000}, size_t{4099}}) {
+        for (bool special : {false, true}) {
+          Elements in = RandomElements(dtype, count, 11 + count);
+          if (special && count > 600) {
+            in.Set(3, kNaN);
+            in.Set(count - 1, -kInf);
+            for (size_t i = 256; i < 512; ++i) in.Set(i, 1e-35 * (i % 3));  // tiny block
+          }
+          const std::vector<unsigned char> whole = Encode(*codec, dtype, in);
+          if (!special) {
+            EXPECT_EQ(whole.size(), codec->TypicalEncodedBytes(dtype, count)) << name;
+          }
+          EXPECT_LE(codec->TypicalEncodedBytes(dtype, count), codec->MaxEncodedBytes(dtype, count));
+          for (size_t a = 0; a <= count; a += g * (count > 1000 ? 3 : 1)) {
+            Elements head(dtype, a), tail(dtype, count - a);
+            for (size_t i = 0; i < a; ++i) head.Set(i, in.Get(i));
+            for (size_t i = a; i < count; ++i) tail.Set(i - a, in.Get(i));
+            std::vector<unsigned char> joined = Encode(*codec, dtype, head);
+            const std::vector<unsigned char> t = Encode(*codec, dtype, tail);
+            joined.insert(joined.end(), t.begin(), t.end());
+            ASSERT_EQ(joined, whole) << name << " count " << count << " split at " << a;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CodecTest, ZeroLength) {
   for (const char* name : {"none", "fp16", "bf16", "int8", "topk:0.01"}) {
     const auto codec = Make(name);
@@ -746,6 +789,46 @@ TEST(ErrorFeedbackTest, ResidualIsWhatWasDropped) {
   ef.Apply("a", next.data(), 4);
   EXPECT_EQ(next, Floats({10.5f, 10, 9, 10}));
   EXPECT_EQ(ef.GetStats().bytes, 0u);
+}
+
+// ApplyRange / UpdateRange over the pieces of a buffer give what Apply /
+// Update over the whole give, in any piece order; a new residual starts at
+// zero outside the written range; a count change resets.
+TEST(ErrorFeedbackTest, RangesMatchWholeBufferOperations) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0, 1);
+  const size_t n = 1000;
+  std::vector<float> data(n), decoded(n);
+  for (size_t i = 0; i < n; ++i) {
+    data[i] = normal(rng);
+    decoded[i] = data[i] + 0.01f * normal(rng);
+  }
+  ErrorFeedback whole(1 << 20), ranges(1 << 20);
+  whole.Update("w", data.data(), decoded.data(), n);
+  const size_t cuts[] = {0, 1, 300, 301, 777, 1000};
+  for (int k = 4; k >= 0; --k) {  // pieces in reverse order
+    const size_t a = cuts[k], b = cuts[k + 1];
+    ranges.UpdateRange("w", n, a, data.data() + a, decoded.data() + a, b - a);
+  }
+  std::vector<float> x(n, 1.0f), y(n, 1.0f);
+  whole.Apply("w", x.data(), n);
+  for (int k = 0; k < 5; ++k) ranges.ApplyRange("w", n, cuts[k], y.data() + cuts[k], cuts[k + 1] - cuts[k]);
+  EXPECT_EQ(x, y);
+  // A fresh residual written only on [10, 20): zero elsewhere.
+  ErrorFeedback part(1 << 20);
+  part.UpdateRange("p", n, 10, data.data(), decoded.data(), 10);
+  std::vector<float> z(n, 2.0f);
+  part.ApplyRange("p", n, 0, z.data(), n);
+  for (size_t i = 0; i < n; ++i) {
+    const float want = i >= 10 && i < 20 ? 2.0f + (data[i - 10] - decoded[i - 10]) : 2.0f;
+    ASSERT_EQ(z[i], want) << i;
+  }
+  // Another count for the same name resets it.
+  std::vector<float> w(10, 3.0f);
+  part.ApplyRange("p", n + 1, 0, w.data(), 10);
+  EXPECT_EQ(w, std::vector<float>(10, 3.0f));
+  EXPECT_EQ(part.GetStats().size_resets, 1u);
+  EXPECT_EQ(part.GetStats().names, 0u);
 }
 
 TEST(ErrorFeedbackTest, LeastRecentlyUsedWithinTheCap) {

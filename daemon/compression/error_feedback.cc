@@ -44,6 +44,36 @@ void ErrorFeedback::Apply(const std::string& name, float* data, size_t count) {
 void ErrorFeedback::Update(const std::string& name, const float* original_with_residual,
                            const float* decoded, size_t count) {
   absl::MutexLock lock(&mu_);
+  std::vector<float>* residual = ResidualForUpdateLocked(name, count);
+  if (residual != nullptr) Difference(original_with_residual, decoded, residual->data(), count);
+}
+
+void ErrorFeedback::ApplyRange(const std::string& name, size_t count, size_t offset, float* data,
+                               size_t n) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(name);
+  if (it == entries_.end()) return;
+  if (it->second.residual.size() != count) {
+    ++stats_.size_resets;
+    EraseLocked(it);
+    return;
+  }
+  lru_.splice(lru_.begin(), lru_, it->second.lru);
+  AddInto(it->second.residual.data() + offset, data, n);
+}
+
+void ErrorFeedback::UpdateRange(const std::string& name, size_t count, size_t offset,
+                                const float* original_with_residual, const float* decoded,
+                                size_t n) {
+  absl::MutexLock lock(&mu_);
+  std::vector<float>* residual = ResidualForUpdateLocked(name, count);
+  if (residual != nullptr) {
+    Difference(original_with_residual, decoded, residual->data() + offset, n);
+  }
+}
+
+std::vector<float>* ErrorFeedback::ResidualForUpdateLocked(const std::string& name,
+                                                           size_t count) {
   auto it = entries_.find(name);
   if (it != entries_.end() && it->second.residual.size() != count) {
     ++stats_.size_resets;
@@ -53,7 +83,7 @@ void ErrorFeedback::Update(const std::string& name, const float* original_with_r
   if (BytesOf(count) > max_bytes_) {
     if (it != entries_.end()) EraseLocked(it);
     ++stats_.too_large;
-    return;
+    return nullptr;
   }
   if (it == entries_.end()) {
     // Make room first, then insert (never evicts the entry being written).
@@ -68,7 +98,7 @@ void ErrorFeedback::Update(const std::string& name, const float* original_with_r
   } else {
     lru_.splice(lru_.begin(), lru_, it->second.lru);
   }
-  Difference(original_with_residual, decoded, it->second.residual.data(), count);
+  return &it->second.residual;
 }
 
 void ErrorFeedback::Forget(const std::string& name) {

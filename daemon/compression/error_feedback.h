@@ -57,6 +57,16 @@ class ErrorFeedback {
   void Update(const std::string& name, const float* original_with_residual, const float* decoded,
               size_t count);
 
+  // The same for the elements [offset, offset + n) of an operation of
+  // `count` elements, so that a pipelined collective can apply and update
+  // its residual chunk by chunk (each chunk: ApplyRange, encode, decode,
+  // UpdateRange). A residual whose size is not `count` resets as above;
+  // UpdateRange creates a missing residual as zeros and writes only its
+  // range. Requires offset + n <= count.
+  void ApplyRange(const std::string& name, size_t count, size_t offset, float* data, size_t n);
+  void UpdateRange(const std::string& name, size_t count, size_t offset,
+                   const float* original_with_residual, const float* decoded, size_t n);
+
   // Drops the residual of `name` (an operation that will not come back).
   void Forget(const std::string& name);
 
@@ -76,6 +86,10 @@ class ErrorFeedback {
   };
 
   void EraseLocked(std::unordered_map<std::string, Entry>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The residual of `name` sized `count` (created as zeros, evicting others,
+  // if missing or of another size); nullptr if count alone exceeds the cap.
+  std::vector<float>* ResidualForUpdateLocked(const std::string& name, size_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const size_t max_bytes_;

@@ -25,7 +25,12 @@ same method as gloo_bench.py:
   - time_us = median over iterations of the max over ranks (the per-op times
     are reduced with a ciuic allreduce op="max" after the timing);
   - --check refills (rank r's element i is ((3*i + 5*r) mod 17) - 8), runs one
-    more op and counts mismatching output elements over all ranks.
+    more op and counts mismatching output elements over all ranks; with a
+    lossy --compression it reports max_rel_error = max |result - exact| /
+    max |exact| (max over ranks) instead, as ciuic-bench does.
+--compression CODEC (none, fp16, bf16, int8, topk:RATIO) is passed to every
+allreduce / reduce_scatter as the per-operation codec (the daemon's
+min_compress_bytes still applies).
 allreduce and broadcast are in place (the SDK's form).
 """
 
@@ -61,6 +66,9 @@ def parse_args(argv):
     p.add_argument("--coordinator", default="",
                    help="host:port of node 0's daemon peer service (needed for --nodes > 1)")
     p.add_argument("--job", default="", help="job id (default: a fresh one)")
+    p.add_argument("--compression", default="",
+                   help="per-operation codec: none, fp16, bf16, int8, topk:RATIO "
+                        "(default: the daemon's)")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds before the ranks are killed (default 600)")
     args = p.parse_args(argv)
@@ -73,9 +81,31 @@ def parse_args(argv):
         args.size_list = [parse_size(s) for s in args.sizes.split(",") if s]
     except ValueError:
         p.error("bad --sizes %s" % args.sizes)
+    if args.compression and not valid_codec(args.compression):
+        p.error("unknown compression codec '%s' (none, fp16, bf16, int8, topk:RATIO with "
+                "0 < RATIO <= 1)" % args.compression)
+    if args.compression and args.op not in ("allreduce", "reduce_scatter"):
+        p.error("--compression applies to allreduce and reduce_scatter, not %s" % args.op)
     if args.iters < 1 or args.warmup < 0 or args.nodes < 1 or args.ranks_per_node < 1:
         p.error("--iters, --nodes, --ranks-per-node must be >= 1, --warmup >= 0")
     return args
+
+
+def valid_codec(text):
+    text = text.strip().lower()
+    if text in ("none", "fp16", "bf16", "int8"):
+        return True
+    if text.startswith("topk:"):
+        try:
+            r = float(text[5:])
+        except ValueError:
+            return False
+        return 0 < r <= 1
+    return False
+
+
+def lossy(args):
+    return bool(args.compression) and args.compression.strip().lower() != "none"
 
 
 # ---------------------------------------------------------------- launcher
@@ -113,6 +143,7 @@ class SizeRun:
                                                                  nbytes, world)
         op = args.op
         self.buf = self.out = None
+        self.checking = False  # the --check op runs under its own name (no residual)
         if op != "barrier":
             self.buf = comm.empty(self.send_count, self.dtype)
         if op in ("reduce_scatter", "allgather"):
@@ -133,10 +164,15 @@ class SizeRun:
 
     def run(self):
         c, op = self.comm, self.args.op
+        codec = self.args.compression or None
+        # A stable name, as a training loop's gradient buckets have: error
+        # feedback keeps one residual per name (an unnamed op gets a fresh
+        # "#N" name each time, hence a fresh residual allocation per op).
+        name = "bench.%s.%d%s" % (op, self.bytes, ".check" if self.checking else "")
         if op == "allreduce":
-            c.allreduce(self.buf)
+            c.allreduce(self.buf, name=name, compression=codec)
         elif op == "reduce_scatter":
-            c.reduce_scatter(self.out, self.buf)
+            c.reduce_scatter_async(self.out, self.buf, name=name, compression=codec).wait()
         elif op == "allgather":
             c.allgather(self.out, self.buf)
         elif op == "broadcast":
@@ -145,6 +181,7 @@ class SizeRun:
             c.barrier()
 
     def count_errors(self):
+        """Mismatching elements; with a lossy codec max |got - want| / max |want|."""
         np, op = self.np, self.args.op
         if op == "barrier":
             return 0
@@ -163,6 +200,11 @@ class SizeRun:
             src = idx // self.send_count
             want = ((idx % self.send_count) * 3 + src * 5) % 17 - 8
             got = self.out
+        if lossy(self.args):
+            diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+            scale = float(np.abs(want).max()) if want.size else 0.0
+            worst = float(diff.max()) if diff.size else 0.0
+            return worst / scale if scale > 0 else worst
         return int((got != want.astype(self.dtype)).sum())
 
 
@@ -180,7 +222,7 @@ def worker(args):
                       job=os.environ["CIUIC_PYBENCH_JOB"],
                       socket=args.socket_list[rank // rpn], arena_bytes=arena)
     times = comm.empty(args.iters + 1, np.float64)
-    err = comm.empty(1, np.int64)
+    err = comm.empty(1, np.float64 if lossy(args) else np.int64)
     sizes = [0] if args.op == "barrier" else args.size_list
     for nbytes in sizes:
         s = SizeRun(np, comm, args, rank, world, nbytes)
@@ -200,11 +242,16 @@ def worker(args):
         errors = None
         if args.check:
             s.fill()
+            s.checking = True
             comm.barrier()
             s.run()
             err[0] = s.count_errors()
-            comm.allreduce(err)
-            errors = int(err[0])
+            if lossy(args):
+                comm.allreduce(err, op="max")
+                errors = float(err[0])
+            else:
+                comm.allreduce(err)
+                errors = int(err[0])
         if rank == 0:
             med_us = statistics.median(times[:args.iters].tolist()) * 1e6
             print_row(args, world, s, med_us, float(times[args.iters]) * 1e6, errors)
@@ -215,16 +262,22 @@ def worker(args):
 def print_row(args, world, s, time_us, cold_us, errors):
     algbw = s.bytes / (time_us * 1e3) if time_us > 0 else 0.0
     busbw = algbw * BUS_FACTOR[args.op](world)
+    check = {"errors": errors}
+    if lossy(args) and errors is not None:
+        check = {"max_rel_error": float("%.3e" % errors)}
     if args.json:
-        print(json.dumps({"op": args.op, "dtype": args.dtype, "bytes": s.bytes,
-                          "ranks": world, "nodes": args.nodes, "time_us": round(time_us, 3),
-                          "algbw_gbps": float("%.6g" % algbw),
-                          "busbw_gbps": float("%.6g" % busbw), "errors": errors,
-                          "cold_us": round(cold_us, 3)}))
+        row = {"op": args.op, "dtype": args.dtype, "bytes": s.bytes,
+               "ranks": world, "nodes": args.nodes, "time_us": round(time_us, 3),
+               "algbw_gbps": float("%.6g" % algbw),
+               "busbw_gbps": float("%.6g" % busbw), "cold_us": round(cold_us, 3),
+               "compression": args.compression or "default"}
+        row.update(check)
+        print(json.dumps(row))
     else:
         print("  %10d %8s %10.2f %10.2f %8.3f %8.3f %7s"
               % (s.bytes, args.dtype, time_us, cold_us, algbw, busbw,
-                 "N/A" if errors is None else errors))
+                 "N/A" if errors is None else
+                 ("%.2e" % errors if lossy(args) else errors)))
     sys.stdout.flush()
 
 

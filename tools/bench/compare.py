@@ -28,6 +28,9 @@ Scenarios (how ranks are placed and which transport the baselines use):
             tx byte counters are printed per run.
   train     2 namespaces x 1 rank as netns; DDP training (examples/train_ddp.py)
             instead of a collective; see train_compare.py.
+--codecs none,fp16,int8,topk:0.01 runs the ciuic system once per codec
+(rows ciuic, ciuic+fp16, ...; lossy rows report max_rel_error) and adds a
+table of each codec's busbw against ciuic uncompressed from the same run.
 A new scenario is one more Scenario subclass (see below).
 """
 
@@ -47,6 +50,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 SYSTEMS = ("ciuic", "mpi", "mpi_tuned", "gloo")
 LABEL = {"ciuic": "ciuic", "mpi": "OpenMPI", "mpi_tuned": "OpenMPI+malloc", "gloo": "gloo"}
+# --codecs turns the ciuic system into one row per codec: "ciuic" (codec none)
+# and "ciuic+CODEC"; CODEC_OF maps each such row to the --compression it runs.
+CODEC_OF = {}
+
+
+def base_system(system):
+    """'ciuic+int8' -> 'ciuic'; other names unchanged."""
+    return system.split("+", 1)[0]
+
+
+def valid_codec(text):
+    text = text.strip().lower()
+    if text in ("none", "fp16", "bf16", "int8"):
+        return True
+    if text.startswith("topk:"):
+        try:
+            return 0 < float(text[5:]) <= 1
+        except ValueError:
+            return False
+    return False
 
 # OpenMPI's allreduce mallocs a temporary buffer (half the message for 2 ranks)
 # on every call. Above 32 MiB glibc maps it fresh, and with only the mmap
@@ -292,7 +315,7 @@ class NetnsScenario(Scenario):
         for line in self.topo.qdiscs():
             log("  " + line)
         self.tmp = tempfile.mkdtemp(prefix="ciuic-netns-")
-        if "ciuic" in args.system_list:
+        if any(base_system(s) == "ciuic" for s in args.system_list):
             try:
                 self.start_daemons(args)
             except RuntimeError as e:
@@ -392,7 +415,7 @@ class NetnsScenario(Scenario):
 
     def extra_env(self, system):
         env = {}
-        if system == "ciuic":
+        if base_system(system) == "ciuic":
             pp = os.path.abspath(os.path.join("build", "python"))
             env["PYTHONPATH"] = pp + (":" + os.environ["PYTHONPATH"]
                                       if os.environ.get("PYTHONPATH") else "")
@@ -441,7 +464,8 @@ def env_for(args, system):
             target, kv = None, item
         if target is not None and target not in SYSTEMS:
             sys.exit("compare.py: --env %s: unknown system %s" % (item, target))
-        if target in (None, system) or (target == "mpi" and system == "mpi_tuned"):
+        if (target in (None, system, base_system(system)) or
+                (target == "mpi" and system == "mpi_tuned")):
             key, _, value = kv.partition("=")
             extra[key] = value
     return extra
@@ -450,6 +474,9 @@ def env_for(args, system):
 def command_for(system, args, scenario):
     """The argv for one run of `system`, or (None, reason) if it cannot run."""
     common = bench_flags(args) + scenario.placement_flags()
+    if system in CODEC_OF:  # a ciuic row of --codecs
+        common += ["--compression", CODEC_OF[system]]
+        system = base_system(system)
     placed = scenario.command(system, args, common)
     if placed is not None:
         return placed
@@ -600,12 +627,14 @@ def summarize(rows, systems):
         t = [r["time_us"] for r in rs]
         b = [r["busbw_gbps"] for r in rs]
         errs = [r["errors"] for r in rs if r.get("errors") is not None]
+        rel = [r["max_rel_error"] for r in rs if r.get("max_rel_error") is not None]
         out[key] = {
             "system": key[0], "bytes": key[1], "reps": len(rs),
             "time_us": statistics.median(t), "time_us_min": min(t), "time_us_max": max(t),
             "busbw_gbps": statistics.median(b), "busbw_gbps_min": min(b),
             "busbw_gbps_max": max(b),
             "errors": sum(errs) if errs else None,
+            "max_rel_error": max(rel) if rel else None,
             "impl": rs[0].get("impl"),
         }
     return out
@@ -643,12 +672,27 @@ def print_table(stats, systems):
             if st["impl"]:
                 mark = " *"
                 notes.add("* %s: %s (emulated)" % (LABEL[s], st["impl"]))
+            check = "-" if st["errors"] is None else st["errors"]
+            if st.get("max_rel_error") is not None:
+                check = "rel %.1e" % st["max_rel_error"]  # lossy codec: max |err| / max |exact|
             print("%10s  %-14s %10.2f  (%8.2f..%8.2f) %9.3f  (%7.3f..%7.3f) %6s%s" % (
                 human_bytes(n), LABEL[s], st["time_us"], st["time_us_min"],
                 st["time_us_max"], st["busbw_gbps"], st["busbw_gbps_min"],
-                st["busbw_gbps_max"], "-" if st["errors"] is None else st["errors"], mark))
+                st["busbw_gbps_max"], check, mark))
+    codec_rows = [s for s in systems if s in CODEC_OF and s != "ciuic"]
+    if codec_rows and "ciuic" in systems:
+        print()
+        print("codecs: busbw ratio against ciuic uncompressed, same run (median; > 1: faster)")
+        heads = [LABEL[c] + "/ciuic" for c in codec_rows]
+        print("%10s  " % "bytes" + "  ".join("%16s" % h for h in heads))
+        for n in sizes:
+            cells = []
+            for c, h in zip(codec_rows, heads):
+                r = ratio(stats, c, "ciuic", n)
+                cells.append("%*s" % (max(16, len(h)), "-" if r is None else "%.2fx" % r))
+            print("%10s  " % human_bytes(n) + "  ".join(cells))
     if "ciuic" in systems and len(systems) > 1 and any(k[0] == "ciuic" for k in stats):
-        others = [s for s in systems if s != "ciuic"]
+        others = [s for s in systems if base_system(s) != "ciuic"]
         print()
         print("busbw ratio (median; > 1 means ciuic is faster)")
         heads = ["ciuic/" + LABEL[o] for o in others]
@@ -726,6 +770,10 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     p.add_argument("--systems", default="ciuic,mpi,gloo")
+    p.add_argument("--codecs", default="",
+                   help="run the ciuic system once per codec, interleaved, e.g. "
+                        "none,fp16,int8,topk:0.01: rows ciuic (none), ciuic+fp16, ... "
+                        "(passed as --compression; lossy rows report max_rel_error)")
     p.add_argument("--scenario", default="local",
                    choices=("local", "loopback", "netns", "train"))
     p.add_argument("--link-rate", default="1gbit",
@@ -774,6 +822,25 @@ def parse_args(argv):
     for s in args.system_list:
         if s not in SYSTEMS:
             p.error("unknown system %s (choose from %s)" % (s, ",".join(SYSTEMS)))
+    if args.codecs:
+        codecs = [c.strip().lower() for c in args.codecs.split(",") if c.strip()]
+        for c in codecs:
+            if not valid_codec(c):
+                p.error("unknown codec %s in --codecs (none, fp16, bf16, int8, topk:RATIO "
+                        "with 0 < RATIO <= 1)" % c)
+        if "ciuic" not in args.system_list:
+            p.error("--codecs needs the ciuic system in --systems")
+        if args.op not in ("allreduce", "reduce_scatter"):
+            p.error("--codecs applies to allreduce and reduce_scatter, not %s" % args.op)
+        rows = []
+        for c in codecs:
+            row = "ciuic" if c == "none" else "ciuic+" + c
+            if row not in rows:
+                rows.append(row)
+                CODEC_OF[row] = c
+                LABEL[row] = row
+        i = args.system_list.index("ciuic")
+        args.system_list[i:i + 1] = rows
     if args.reps < 1 or args.iters < 1 or args.warmup < 0:
         p.error("--reps and --iters must be >= 1, --warmup >= 0")
     return args

@@ -3,7 +3,9 @@
 // error feedback makes the running sum of results track the exact one.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -12,6 +14,7 @@
 
 #include "collectives/internode/in_process_transport.h"
 #include "collectives/internode/internode.h"
+#include "reduce/half.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -137,6 +140,418 @@ TEST(CompressedAllreduceFeedbackTest, RunningSumTracksTheExactSum) {
     EXPECT_LT(gap_100, 3 * gap_10 + 0.05) << name << ": " << gap_10 << " -> " << gap_100;
     EXPECT_LT(gap_100, 30.0) << name;
   }
+}
+
+// ---------------------------------------------------------------------------
+// The pipelined algorithm over every codec, dtype, node count and size class.
+//
+// Error bound tested, per element i, with x_k the node inputs (as stored),
+// A_i = sum_k |x_k,i|, s_i = sum_k x_k,i, M_k = max_i |x_k,i|, u_d the
+// dtype's unit roundoff (float32 2^-24, float64 2^-53, float16 2^-11,
+// bfloat16 2^-8) and u_c the cast codec's (fp16 2^-11, bf16 2^-8, 0 when the
+// dtype travels as it is):
+//   |result_i - s_i| <= (N+1) u_d (A_i + |s_i|) + u_c (A_i + |s_i|) + N 2^-25
+//                       [+ int8: (sum_k M_k + max|s|) / 254]
+// i.e. one compression of each contribution plus one of the sum, however
+// many nodes: relative to the contributions, the bound does not grow with N.
+// top-k: ||result - s||_2 <= sqrt(1 - R) (sum_k ||x_k||_2 + ||s||_2) plus the
+// same arithmetic term (per chunk, top-k drops at most a 1 - k/m share of
+// the squared norm, and k/m >= R).
+
+struct DtypeInfo {
+  wire::DataType dtype;
+  const char* name;
+  double u;  // unit roundoff
+};
+
+const DtypeInfo kDtypes[] = {{wire::DataType::kFloat32, "float32", 0x1p-24},
+                             {wire::DataType::kFloat64, "float64", 0x1p-53},
+                             {wire::DataType::kFloat16, "float16", 0x1p-11},
+                             {wire::DataType::kBFloat16, "bfloat16", 0x1p-8}};
+
+// Values as stored in `dtype` (raw bytes) and as doubles.
+struct Buffer {
+  std::vector<uint8_t> bytes;
+  std::vector<double> values;
+};
+
+Buffer MakeBuffer(wire::DataType dtype, size_t count, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  const size_t es = wire::DataTypeSize(static_cast<uint32_t>(dtype));
+  Buffer b;
+  b.bytes.resize(count * es + 8);  // + 8: never a zero-sized vector's nullptr
+  b.values.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    const float x = d(rng);
+    uint8_t* at = b.bytes.data() + i * es;
+    switch (dtype) {
+      case wire::DataType::kFloat32: std::memcpy(at, &x, 4); b.values[i] = x; break;
+      case wire::DataType::kFloat64: {
+        const double v = static_cast<double>(x) * (1.0 + 1e-9 * (i % 7));
+        std::memcpy(at, &v, 8);
+        b.values[i] = v;
+        break;
+      }
+      case wire::DataType::kFloat16: {
+        const uint16_t h = FloatToHalf(x);
+        std::memcpy(at, &h, 2);
+        b.values[i] = HalfToFloat(h);
+        break;
+      }
+      case wire::DataType::kBFloat16: {
+        const uint16_t h = FloatToBFloat16(x);
+        std::memcpy(at, &h, 2);
+        b.values[i] = BFloat16ToFloat(h);
+        break;
+      }
+      default: ADD_FAILURE() << "dtype";
+    }
+  }
+  return b;
+}
+
+double ValueAt(wire::DataType dtype, const uint8_t* p, size_t i) {
+  switch (dtype) {
+    case wire::DataType::kFloat32: { float v; std::memcpy(&v, p + 4 * i, 4); return v; }
+    case wire::DataType::kFloat64: { double v; std::memcpy(&v, p + 8 * i, 8); return v; }
+    case wire::DataType::kFloat16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); return HalfToFloat(h); }
+    case wire::DataType::kBFloat16: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); return BFloat16ToFloat(h); }
+    default: return 0;
+  }
+}
+
+// Runs one compressed allreduce of bufs[k] on node k (in place), with
+// chunk_bytes[k] (all equal unless a test wants a disagreement).
+std::vector<absl::Status> RunCompressed(InProcessHub& hub, const Codec& codec,
+                                        std::vector<std::unique_ptr<ErrorFeedback>>* fb,
+                                        const std::string& name, wire::DataType dtype,
+                                        std::vector<std::vector<uint8_t>>& bufs, size_t count,
+                                        uint64_t chunk_bytes, uint64_t seq, int max_inflight = 3,
+                                        std::vector<ScratchBuffer>* keep_scratch = nullptr,
+                                        std::vector<CompressionStats>* stats_out = nullptr) {
+  const int n = hub.num_nodes();
+  std::vector<absl::Status> status(n);
+  std::vector<ScratchBuffer> local_scratch(keep_scratch ? 0 : n);
+  std::vector<ScratchBuffer>& scratch = keep_scratch ? *keep_scratch : local_scratch;
+  std::vector<CompressionStats> stats(n);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{hub.transport(k), seq << 24, chunk_bytes, max_inflight,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                           &scratch[k]};
+      status[k] = AllreduceCompressed(ctx, codec, fb ? (*fb)[k].get() : nullptr, name, dtype,
+                                      bufs[k].data(), count, &stats[k]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (stats_out) *stats_out = stats;
+  return status;
+}
+
+struct MatrixCase {
+  std::string codec;
+  wire::DataType dtype;
+};
+
+std::string MatrixName(const ::testing::TestParamInfo<MatrixCase>& info) {
+  std::string c = info.param.codec;
+  for (char& ch : c) {
+    if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  for (const DtypeInfo& d : kDtypes) {
+    if (d.dtype == info.param.dtype) return c + "_" + d.name;
+  }
+  return c;
+}
+
+class PipelinedCompressedTest : public ::testing::TestWithParam<MatrixCase> {};
+
+TEST_P(PipelinedCompressedTest, EveryNodeCountSizeAndOp) {
+  const MatrixCase mc = GetParam();
+  auto codec = MakeCodec(*ParseCodec(mc.codec));
+  ASSERT_TRUE(codec->Supports(mc.dtype).ok());
+  const DtypeInfo* di = nullptr;
+  for (const DtypeInfo& d : kDtypes) {
+    if (d.dtype == mc.dtype) di = &d;
+  }
+  const size_t es = wire::DataTypeSize(static_cast<uint32_t>(mc.dtype));
+  const auto spec = *ParseCodec(mc.codec);
+  const bool passthrough16 = (spec.kind == CodecKind::kFp16 && mc.dtype == wire::DataType::kFloat16) ||
+                             (spec.kind == CodecKind::kBf16 && mc.dtype == wire::DataType::kBFloat16);
+  double uc = 0;
+  if (spec.kind == CodecKind::kFp16 && !passthrough16) uc = 0x1p-11;
+  if (spec.kind == CodecKind::kBf16 && !passthrough16) uc = 0x1p-8;
+  const bool int8 = spec.kind == CodecKind::kInt8;
+  const bool topk = spec.kind == CodecKind::kTopK;
+  // 1 KiB chunks: the large size is tens of chunks per segment.
+  const uint64_t chunk_bytes = 1024;
+  uint64_t seq = 1;
+  for (int n : {2, 3, 4, 5}) {
+    InProcessHub hub(n, 2);
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1003}, size_t{40011}}) {
+      for (bool avg : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << mc.codec << " " << di->name << " nodes " << n
+                                          << " count " << count << (avg ? " avg" : " sum"));
+        std::vector<Buffer> in;
+        std::vector<std::vector<uint8_t>> bufs;
+        for (int k = 0; k < n; ++k) {
+          in.push_back(MakeBuffer(mc.dtype, count, 1000 * n + 17 * k + count));
+          bufs.push_back(in.back().bytes);
+        }
+        std::vector<absl::Status> st = RunCompressed(hub, *codec, nullptr, "t", mc.dtype, bufs,
+                                                     count, chunk_bytes, seq++);
+        for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << "node " << k << ": " << st[k];
+        if (avg) {
+          for (int k = 0; k < n; ++k) DivideInPlace(mc.dtype, bufs[k].data(), count, n);
+        }
+        for (int k = 1; k < n; ++k) {
+          ASSERT_EQ(0, std::memcmp(bufs[0].data(), bufs[k].data(), count * es))
+              << "node " << k << " differs from node 0";
+        }
+        double sum_m = 0, max_s = 0, sum_l2 = 0;
+        std::vector<double> exact(count, 0.0), abs_sum(count, 0.0);
+        for (int k = 0; k < n; ++k) {
+          double m = 0, l2 = 0;
+          for (size_t i = 0; i < count; ++i) {
+            const double v = in[k].values[i];
+            exact[i] += v;
+            abs_sum[i] += std::fabs(v);
+            m = std::max(m, std::fabs(v));
+            l2 += v * v;
+          }
+          sum_m += m;
+          sum_l2 += std::sqrt(l2);
+        }
+        double s_l2 = 0;
+        for (size_t i = 0; i < count; ++i) {
+          max_s = std::max(max_s, std::fabs(exact[i]));
+          s_l2 += exact[i] * exact[i];
+        }
+        s_l2 = std::sqrt(s_l2);
+        const double scale = avg ? 1.0 / n : 1.0;
+        double err_l2 = 0, worst = 0, arith_l2 = 0;
+        for (size_t i = 0; i < count; ++i) {
+          const double got = ValueAt(mc.dtype, bufs[0].data(), i);
+          ASSERT_TRUE(std::isfinite(got)) << "element " << i;
+          const double err = std::fabs(got - exact[i] * scale);
+          const double mag = abs_sum[i] + std::fabs(exact[i]);
+          const double arith = (n + 1) * di->u * mag * scale + (avg ? 2 * di->u * std::fabs(got) : 0);
+          arith_l2 += arith * arith;
+          err_l2 += err * err;
+          if (topk) continue;
+          double bound = arith + (uc * mag + n * 0x1p-25) * scale;
+          if (int8) bound += (sum_m + max_s) / 254.0 * scale;
+          bound *= 1.01;
+          worst = std::max(worst, err / bound);
+          ASSERT_LE(err, bound) << "element " << i << ": got " << got << ", exact "
+                                << exact[i] * scale;
+        }
+        if (topk && count > 0) {
+          const double ratio = spec.topk_ratio;
+          const double bound = (std::sqrt(std::max(0.0, 1.0 - ratio)) * (sum_l2 + s_l2) * scale +
+                                std::sqrt(arith_l2)) * 1.01;
+          EXPECT_LE(std::sqrt(err_l2), bound);
+        }
+      }
+    }
+  }
+}
+
+std::vector<MatrixCase> AllSupported() {
+  std::vector<MatrixCase> out;
+  for (const char* c : {"none", "fp16", "bf16", "int8", "topk:0.01", "topk:0.3", "topk:1"}) {
+    auto codec = MakeCodec(*ParseCodec(c));
+    for (const DtypeInfo& d : kDtypes) {
+      if (codec->Supports(d.dtype).ok()) out.push_back({c, d.dtype});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCodecsAndDtypes, PipelinedCompressedTest,
+                         ::testing::ValuesIn(AllSupported()), MatrixName);
+
+// The same input on every node: the exact sum is N x, and the error relative
+// to it stays within two compressions' worth whatever N is (a ring that
+// re-compressed partial sums at each hop would add a compression per hop).
+TEST(PipelinedCompressedBoundTest, RelativeErrorDoesNotGrowWithNodeCount) {
+  for (const char* c : {"fp16", "bf16", "int8"}) {
+    auto codec = MakeCodec(*ParseCodec(c));
+    const double bound = std::string(c) == "int8" ? 2.0 / 254 * 1.01
+                         : std::string(c) == "fp16" ? 2 * 0x1p-11 * 1.01
+                                                    : 2 * 0x1p-8 * 1.01;
+    const size_t count = 30001;
+    for (int n : {2, 3, 4, 5, 6}) {
+      InProcessHub hub(n, 2);
+      Buffer x = MakeBuffer(wire::DataType::kFloat32, count, 5);
+      std::vector<std::vector<uint8_t>> bufs(n, x.bytes);
+      auto st = RunCompressed(hub, *codec, nullptr, "same", wire::DataType::kFloat32, bufs,
+                              count, 4096, 1);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      double max_err = 0, max_s = 0;
+      for (size_t i = 0; i < count; ++i) {
+        const double s = n * x.values[i];
+        max_s = std::max(max_s, std::fabs(s));
+        max_err = std::max(max_err, std::fabs(ValueAt(wire::DataType::kFloat32, bufs[0].data(), i) - s));
+      }
+      EXPECT_LE(max_err / max_s, bound) << c << " nodes " << n;
+    }
+  }
+}
+
+// Chunk size changes between operations (every node agrees on each one),
+// error feedback keeps tracking (residuals are kept per element, not per
+// chunk), and the scratch buffer is reused across operations. Over T steps
+// the running sum of results differs from T x the exact sum by the last
+// residuals only: sum_k r_k + r_owner, each one compression's error, so
+//   int8: |gap_i| <= (sum_k max|x_k + r_k| + max|s + r_o|) / 254, which we
+//         bound by 1.05 (sum_k M_k + max|s|) / 254, plus float rounding of
+//         the running sums (T * 2^-22 * A_i);
+//   topk:R: ||gap||_2 <= q/(1-q) (sum_k ||x_k||_2 + ||s||_2), q = sqrt(1-R)
+//         (README of compression/), and it must not grow with T.
+TEST(PipelinedCompressedFeedbackTest, RunningSumTracksExactSumWhileChunkSizeChanges) {
+  const uint64_t chunk_sizes[] = {4096, 1024, 65536, 256, 3000, 1 << 20};
+  for (const char* c : {"int8", "fp16", "topk:0.05"}) {
+    for (int n : {2, 3}) {
+      SCOPED_TRACE(::testing::Message() << c << " nodes " << n);
+      auto codec = MakeCodec(*ParseCodec(c));
+      const size_t count = 12345;
+      InProcessHub hub(n, 2);
+      std::vector<std::unique_ptr<ErrorFeedback>> fb;
+      std::vector<ScratchBuffer> scratch(n);
+      std::vector<Buffer> g;
+      std::vector<double> exact(count, 0.0), abs_sum(count, 0.0);
+      double sum_m = 0, sum_l2 = 0;
+      for (int k = 0; k < n; ++k) {
+        fb.push_back(std::make_unique<ErrorFeedback>(64 << 20));
+        g.push_back(MakeBuffer(wire::DataType::kFloat32, count, 77 + k));
+        double m = 0, l2 = 0;
+        for (size_t i = 0; i < count; ++i) {
+          exact[i] += g[k].values[i];
+          abs_sum[i] += std::fabs(g[k].values[i]);
+          m = std::max(m, std::fabs(g[k].values[i]));
+          l2 += g[k].values[i] * g[k].values[i];
+        }
+        sum_m += m;
+        sum_l2 += std::sqrt(l2);
+      }
+      double max_s = 0, s_l2 = 0;
+      for (double e : exact) {
+        max_s = std::max(max_s, std::fabs(e));
+        s_l2 += e * e;
+      }
+      s_l2 = std::sqrt(s_l2);
+      std::vector<double> applied(count, 0.0);
+      double gap_20 = 0;
+      const int steps = 60;
+      for (int step = 1; step <= steps; ++step) {
+        std::vector<std::vector<uint8_t>> bufs;
+        for (int k = 0; k < n; ++k) bufs.push_back(g[k].bytes);
+        const uint64_t chunk = chunk_sizes[step % 6];
+        auto st = RunCompressed(hub, *codec, &fb, "w", wire::DataType::kFloat32, bufs, count,
+                                chunk, step, 2 + step % 3, &scratch);
+        for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+        for (int k = 1; k < n; ++k) {
+          ASSERT_EQ(0, std::memcmp(bufs[0].data(), bufs[k].data(), count * 4));
+        }
+        double gap2 = 0, worst = 0;
+        for (size_t i = 0; i < count; ++i) {
+          applied[i] += ValueAt(wire::DataType::kFloat32, bufs[0].data(), i);
+          const double gap = applied[i] - step * exact[i];
+          gap2 += gap * gap;
+          worst = std::max(worst, std::fabs(gap) - step * 0x1p-22 * abs_sum[i]);
+        }
+        const double gap_l2 = std::sqrt(gap2);
+        if (std::string(c) == "int8") {
+          ASSERT_LE(worst, 1.05 * (sum_m + max_s) / 254) << "step " << step;
+        } else if (std::string(c) == "fp16") {
+          ASSERT_LE(worst, 1.05 * 0x1p-11 * (sum_m + max_s)) << "step " << step;
+        } else {
+          const double q = std::sqrt(1 - 0.05);
+          ASSERT_LE(gap_l2, q / (1 - q) * (sum_l2 + s_l2)) << "step " << step;
+        }
+        if (step == 20) gap_20 = gap_l2;
+        if (step == steps) {
+          // Without feedback the gap grows linearly (x3 from step 20 to 60).
+          EXPECT_LT(gap_l2, 1.5 * gap_20 + 1e-3) << gap_20 << " -> " << gap_l2;
+        }
+      }
+      for (int k = 0; k < n; ++k) EXPECT_EQ(fb[k]->GetStats().size_resets, 0u);
+    }
+  }
+}
+
+// NaN and Inf reach every node (int8 sends their blocks raw: the overflow
+// message path), and the result is the same on all nodes.
+TEST(PipelinedCompressedTest, NonFiniteValuesTravelAndOverflowMessagesWork) {
+  auto codec = MakeCodec(*ParseCodec("int8"));
+  for (int n : {2, 3}) {
+    InProcessHub hub(n, 2);
+    const size_t count = 5000;
+    std::vector<std::vector<uint8_t>> bufs;
+    for (int k = 0; k < n; ++k) {
+      Buffer b = MakeBuffer(wire::DataType::kFloat32, count, 3 + k);
+      float* f = reinterpret_cast<float*>(b.bytes.data());
+      if (k == 0) {
+        for (size_t i = 0; i < count; i += 97) f[i] = std::numeric_limits<float>::infinity();
+      }
+      if (k == n - 1) f[4321] = std::numeric_limits<float>::quiet_NaN();
+      bufs.push_back(b.bytes);
+    }
+    std::vector<CompressionStats> stats;
+    auto st = RunCompressed(hub, *codec, nullptr, "nf", wire::DataType::kFloat32, bufs, count,
+                            2048, 9, 3, nullptr, &stats);
+    for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+    for (int k = 1; k < n; ++k) ASSERT_EQ(0, std::memcmp(bufs[0].data(), bufs[k].data(), count * 4));
+    const float* r = reinterpret_cast<const float*>(bufs[0].data());
+    for (size_t i = 0; i < count; i += 97) {
+      if (i != 4321) EXPECT_TRUE(std::isinf(r[i]) && r[i] > 0) << i;
+    }
+    EXPECT_TRUE(std::isnan(r[4321]));
+    // Raw blocks: more than the typical 1.016 bytes per element went out.
+    EXPECT_GT(stats[0].wire_bytes, stats[0].raw_bytes / 4 * 1.03);
+  }
+}
+
+// Nodes that disagree on the chunk size see messages of other sizes: an
+// error on every node (the transport's DATA_LOSS), not a hang or a crash.
+TEST(PipelinedCompressedTest, DisagreeingChunkSizesGiveAnError) {
+  auto codec = MakeCodec(*ParseCodec("fp16"));
+  InProcessHub hub(2, 1);
+  const size_t count = 10000;
+  std::vector<std::vector<uint8_t>> bufs(2, MakeBuffer(wire::DataType::kFloat32, count, 1).bytes);
+  std::vector<absl::Status> status(2);
+  std::vector<ScratchBuffer> scratch(2);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 2; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{hub.transport(k), uint64_t{3} << 24, k == 0 ? 4096u : 8192u, 2,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(3),
+                           &scratch[k]};
+      CompressionStats stats;
+      status[k] = AllreduceCompressed(ctx, *codec, nullptr, "x", wire::DataType::kFloat32,
+                                      bufs[k].data(), count, &stats);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_FALSE(status[0].ok());
+  EXPECT_FALSE(status[1].ok());
+}
+
+TEST(PipelinedCompressedTest, UnsupportedDtypeIsAClearError) {
+  auto codec = MakeCodec(*ParseCodec("fp16"));
+  InProcessHub hub(2, 1);
+  ScratchBuffer scratch;
+  InterNodeContext ctx{hub.transport(0), uint64_t{1} << 24, 4096, 2,
+                       std::chrono::steady_clock::now() + std::chrono::seconds(3), &scratch};
+  std::vector<double> d(10, 1.0);
+  CompressionStats stats;
+  absl::Status s = AllreduceCompressed(ctx, *codec, nullptr, "x", wire::DataType::kFloat64,
+                                       d.data(), d.size(), &stats);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("float64"), absl::string_view::npos) << s;
 }
 
 TEST(CompressedAllreduceFaultTest, KilledNodeGivesAnErrorNotAHang) {

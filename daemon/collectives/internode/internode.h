@@ -79,10 +79,16 @@ struct CompressionStats {
 // direct reduce-scatter (each segment encoded once, sent to its owner, which
 // decodes and adds the contributions exactly, in node order) then an
 // allgather of each owner's sum, encoded once. Two compressions per element
-// whatever the node count; every node ends with the same bits. With
-// `feedback` (float32 only), what each compression dropped is kept under
-// `name` (and `name#owner`) and added to the next operation of that name.
-// See daemon/compression/README.md for each codec's error bound.
+// whatever the node count; every node ends with the same bits. Pipelined in
+// chunks of min(chunk_bytes, 1 MiB) raw bytes with max(max_inflight, N-1)
+// chunks in flight per direction: a chunk is encoded while earlier ones
+// travel and decoded as it arrives; the allgather of a chunk starts as soon
+// as its sum is complete. With `feedback` (float32 only), what each
+// compression dropped is kept under `name` (contributions, per element) and
+// `name#owner` (the owned segment's sum) and added to the next operation of
+// that name. `stats` (may be null) gets raw and wire bytes sent. Steps,
+// bytes on the wire and error bounds: ../README.md; codecs:
+// daemon/compression/README.md.
 absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec,
                                  ErrorFeedback* feedback, const std::string& name,
                                  wire::DataType dtype, void* data, size_t count,
