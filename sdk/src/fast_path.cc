@@ -287,7 +287,10 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     Wait(*oldest, Clock::now() + std::chrono::milliseconds(100), 0, [] { return Status::Ok(); });
     lock.lock();
   }
-  NameState& ns = names_[name];
+  // Unnamed operations ("#N", numbered by the SDK) never repeat a name:
+  // their n is always 0 and they need no entry.
+  NameState unnamed;
+  NameState& ns = !name.empty() && name[0] == '#' ? unnamed : names_[name];
   if (auto last = ns.last.lock(); last && !last->finished.load(std::memory_order_acquire) &&
                                   SlotAt(last->slot)->status.load(std::memory_order_acquire) ==
                                       static_cast<uint32_t>(wire::FastOpStatus::kPending)) {
