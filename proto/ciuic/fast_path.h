@@ -30,7 +30,9 @@
 // with the same reduction kernels as the daemon (proto/reduce) and marks the
 // slot done; the others spin briefly, then sleep on the slot's status futex.
 // Every rank copies its result out and departs; the last to depart frees the
-// slot. The table has room for 2 * world_size * max_inflight_per_rank keys;
+// slot (stores kTombstone, no lock needed: nobody looks for a key all ranks
+// have left); a claimer that walks into an empty slot turns the tombstones
+// just before it back into empty ones. The table has room for 2 * world_size * max_inflight_per_rank keys;
 // a rank keeps at most max_inflight_per_rank fast-path operations in flight,
 // so a rank never finds the table full of live operations.
 //
@@ -58,7 +60,7 @@ namespace ciuic::wire {
 
 inline constexpr uint64_t kFastPathMagic = 0x31765f7473616663ULL;  // "cfast_v1"
 inline constexpr uint32_t kFastPathVersion = 1;
-inline constexpr uint32_t kMaxFastPathRanks = 64;
+inline constexpr uint32_t kMaxFastPathRanks = 32;
 // The segment never exceeds this; jobs that would need more get none.
 inline constexpr uint64_t kMaxFastPathSegmentBytes = 64ull << 20;
 inline constexpr uint32_t kMaxFastPathInflight = 256;  // per rank
@@ -101,13 +103,16 @@ enum class FastOpStatus : uint32_t { kPending = 0, kDone = 1, kFailed = 2 };
 
 // One key of the table, followed in the segment by its data: world_size
 // input areas of payload_bytes each, then one result area of payload_bytes.
-// Fields marked "lock" change only under the table lock.
+// Fields marked "lock" change only under the table lock. What a submission
+// touches comes first, packed into few cache lines (ranks on different cores
+// pay a line transfer for each); the error text comes last.
 struct alignas(64) FastSlot {
-  uint32_t state;        // FastSlotState (lock)
-  uint32_t name_len;     // (lock)
-  uint64_t seq;          // the n of (name, n) (lock)
-  char name[kMaxOpName]; // (lock)
-  // The signature of the first rank that claimed the slot (lock).
+  // Line 0: the key's state and the signature of the first rank that
+  // claimed the slot (lock).
+  uint32_t state;        // FastSlotState (lock; the last rank to leave
+                         // stores kTombstone without it, see fast_path.h)
+  uint32_t name_len;
+  uint64_t seq;          // the n of (name, n)
   uint32_t collective;
   uint32_t dtype;
   uint32_t reduce_op;
@@ -116,16 +121,18 @@ struct alignas(64) FastSlot {
   uint32_t codec;
   float codec_ratio;
   int32_t first_rank;
-  uint32_t joined;                 // ranks that joined with a matching signature (lock)
+  uint32_t joined;                 // ranks that joined (lock)
   uint64_t first_submit_ns;        // CLOCK_MONOTONIC (lock)
+  char name[kMaxOpName];           // (lock)
+  // Its own line: what the ranks of an operation update as they go.
   alignas(64) std::atomic<uint32_t> arrived;   // inputs copied in
   std::atomic<uint32_t> departed;              // results copied out / gave up
   std::atomic<uint32_t> status;                // FastOpStatus; futex word
   std::atomic<uint32_t> waiters;               // ranks asleep on `status`
+  uint8_t ranks_joined[kMaxFastPathRanks];     // 1: that rank joined (lock)
   int32_t error_code;                          // written before status = kFailed
   uint32_t error_len;
   char error[kMaxMessage];
-  uint8_t ranks_joined[kMaxFastPathRanks];     // 1: that rank joined (lock)
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);

@@ -27,6 +27,9 @@ inline void CpuRelax() {
 #endif
 }
 
+// Microseconds a waiter spins without yielding (see Wait).
+constexpr int kQuietSpinUs = 5;
+
 uint64_t MonotonicNs() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -231,27 +234,18 @@ void FastPath::FailSlotLocked(wire::FastSlot& s, StatusCode code, const std::str
   FutexWake(&s.status);
 }
 
-// The last rank to leave a slot frees it. A tombstone keeps the probe
-// chains through it intact; when the next slot is empty no chain passes
-// here, so this slot and the tombstones just before it become empty again.
+// The last rank to leave a slot frees it: a tombstone, so that probe chains
+// through it stay intact. No lock: no rank looks for this key again, and a
+// claimer under the lock that reads the old state sees a used slot with a
+// key nobody asks for, or the tombstone; either is right.
 void FastPath::Depart(uint32_t slot) {
   wire::FastSlot& s = *SlotAt(slot);
   if (s.departed.fetch_add(1, std::memory_order_acq_rel) + 1 !=
       static_cast<uint32_t>(world_size_)) {
     return;
   }
-  if (!LockTable()) return;  // aborted: the job is over, nothing to reuse
-  const uint32_t mask = slot_count_ - 1;
-  s.state = static_cast<uint32_t>(wire::FastSlotState::kTombstone);
-  if (SlotAt((slot + 1) & mask)->state == static_cast<uint32_t>(wire::FastSlotState::kEmpty)) {
-    uint32_t i = slot;
-    for (uint32_t n = 0; n < slot_count_; ++n, i = (i - 1) & mask) {
-      wire::FastSlot& t = *SlotAt(i);
-      if (t.state != static_cast<uint32_t>(wire::FastSlotState::kTombstone)) break;
-      t.state = static_cast<uint32_t>(wire::FastSlotState::kEmpty);
-    }
-  }
-  UnlockTable();
+  std::atomic_ref<uint32_t>(s.state).store(static_cast<uint32_t>(wire::FastSlotState::kTombstone),
+                                           std::memory_order_release);
 }
 
 // --------------------------------------------------------------- operations
@@ -312,8 +306,20 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   int64_t found = -1, reusable = -1;
   for (uint32_t n = 0; n < slot_count_; ++n, i = (i + 1) & mask) {
     wire::FastSlot& s = *SlotAt(i);
-    const auto state = static_cast<wire::FastSlotState>(s.state);
+    const auto state = static_cast<wire::FastSlotState>(
+        std::atomic_ref<uint32_t>(s.state).load(std::memory_order_acquire));
     if (state == wire::FastSlotState::kEmpty) {
+      // No chain goes past an empty slot: the tombstones just before it
+      // belong to none, and become empty (except the one we may claim).
+      for (uint32_t t = (i - 1) & mask, k = 0; k < n; ++k, t = (t - 1) & mask) {
+        wire::FastSlot& ts = *SlotAt(t);
+        if (std::atomic_ref<uint32_t>(ts.state).load(std::memory_order_acquire) !=
+            static_cast<uint32_t>(wire::FastSlotState::kTombstone)) {
+          break;
+        }
+        if (static_cast<int64_t>(t) == reusable) break;
+        ts.state = static_cast<uint32_t>(wire::FastSlotState::kEmpty);
+      }
       if (reusable < 0) reusable = i;
       break;
     }
@@ -363,7 +369,8 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     s.error_code = 0;
     std::memset(s.ranks_joined, 0, sizeof(s.ranks_joined));
     s.status.store(static_cast<uint32_t>(wire::FastOpStatus::kPending), std::memory_order_release);
-    s.state = static_cast<uint32_t>(wire::FastSlotState::kUsed);
+    std::atomic_ref<uint32_t>(s.state).store(static_cast<uint32_t>(wire::FastSlotState::kUsed),
+                                             std::memory_order_release);
   }
   op->slot = slot;
   wire::FastSlot& s = *SlotAt(slot);
@@ -470,7 +477,7 @@ void FastPath::CheckDeadlineLocked(FastOp& op) {
   UnlockTable();
 }
 
-bool FastPath::Poll(FastOp& op) {
+bool FastPath::Progress(FastOp& op, bool check_deadline) {
   if (op.finished.load(std::memory_order_acquire)) return true;
   std::lock_guard<std::mutex> lock(op.mu);
   if (op.finished.load(std::memory_order_acquire)) return true;
@@ -488,6 +495,7 @@ bool FastPath::Poll(FastOp& op) {
                       inflight_.end());
       return true;
     }
+    if (!check_deadline) return false;
     CheckDeadlineLocked(op);
     status = static_cast<wire::FastOpStatus>(s.status.load(std::memory_order_acquire));
     if (status == wire::FastOpStatus::kPending) return false;
@@ -522,19 +530,30 @@ bool FastPath::Poll(FastOp& op) {
 
 bool FastPath::Wait(FastOp& op, Clock::time_point until, uint32_t spin_us,
                     const std::function<Status()>& check) {
-  if (Poll(op)) return true;
+  if (Progress(op, false)) return true;
   wire::FastSlot& s = *SlotAt(op.slot);
   const uint32_t pending = static_cast<uint32_t>(wire::FastOpStatus::kPending);
-  const Clock::time_point spin_end = Clock::now() + std::chrono::microseconds(spin_us);
-  // Spin: nothing but loads, a pause, and a yield now and then so that the
-  // rank we wait for gets the core when cores are few.
-  while (Clock::now() < spin_end && Clock::now() < until) {
-    for (int i = 0; i < 12; ++i) {
-      if (s.status.load(std::memory_order_acquire) != pending) break;
-      CpuRelax();
+  // Spin: loads and pauses (a pause is ~40 ns), the clock read every 64
+  // pauses. For the first few microseconds nothing else: a peer on another
+  // core answers within that, and a yield would hand our core to an
+  // unrelated process. After that, a yield every 64 pauses, so that a peer
+  // that shares our core (cores are few) gets it. The deadline is looked at
+  // once the spin is over (Poll).
+  if (spin_us > 0) {
+    Clock::time_point quiet_end{}, spin_end{};
+    for (bool first = true;; first = false) {
+      for (int i = 0; i < 64; ++i) {
+        if (s.status.load(std::memory_order_acquire) != pending) return Progress(op, false);
+        CpuRelax();
+      }
+      const Clock::time_point now = Clock::now();
+      if (first) {
+        quiet_end = now + std::chrono::microseconds(kQuietSpinUs);
+        spin_end = now + std::chrono::microseconds(spin_us);
+      }
+      if (now >= spin_end || now >= until) break;
+      if (now >= quiet_end) sched_yield();
     }
-    if (s.status.load(std::memory_order_acquire) != pending) return Poll(op);
-    sched_yield();
   }
   while (true) {
     if (Poll(op)) return true;

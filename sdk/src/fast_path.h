@@ -95,7 +95,8 @@ class FastPath {
                uint64_t send_bytes, void* recv, uint32_t timeout_ms,
                std::shared_ptr<FastOp>* out);
   // Completes `op` if it can without waiting; true once it is finished.
-  bool Poll(FastOp& op);
+  // Also fails it (for every rank) once its deadline has passed.
+  bool Poll(FastOp& op) { return Progress(op, true); }
   // Completes `op`, waiting until `until` (spins up to spin_us, then sleeps
   // on the slot's futex in slices of at most 100 ms). `check` is called once
   // per slice; an error from it (daemon gone) fails the operation. True
@@ -128,6 +129,8 @@ class FastPath {
   // Finishes `op` from its slot's final state; op.mu held.
   void FinishLocked(FastOp& op, Status status);
   void CheckDeadlineLocked(FastOp& op);
+  // Poll(), optionally without the deadline check (it reads the clock).
+  bool Progress(FastOp& op, bool check_deadline);
 
   uint8_t* base_;
   uint64_t bytes_;
