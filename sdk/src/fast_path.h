@@ -43,7 +43,8 @@ struct FastOp {
   int32_t root = 0;
   std::string name;
   void* recv = nullptr;  // the caller's, written at completion
-  Clock::time_point started;
+  std::chrono::milliseconds timeout{0};
+  Clock::time_point started;   // set once it has to wait for other ranks
   Clock::time_point deadline;
 
   std::mutex mu;  // completion
