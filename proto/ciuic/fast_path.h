@@ -96,6 +96,9 @@ struct alignas(64) FastPathCounters {
   std::atomic<uint64_t> ops_completed;
   std::atomic<uint64_t> ops_failed;
   std::atomic<uint64_t> bytes;  // counted like the daemon's bytes_reduced
+  // The CPU the rank last submitted from: a waiter whose peer runs on its
+  // own CPU yields at once instead of spinning (SDK only).
+  std::atomic<int32_t> cpu;
 };
 
 enum class FastSlotState : uint32_t { kEmpty = 0, kUsed = 1, kTombstone = 2 };

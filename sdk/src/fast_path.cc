@@ -282,6 +282,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   };
   Status why;
   if (Aborted(&why)) return finish_now(why);
+  counters()->cpu.store(sched_getcpu(), std::memory_order_relaxed);
 
   // At most max_inflight_ of ours in flight, so the table never fills with
   // live operations (see fast_path.h).
@@ -565,7 +566,8 @@ bool FastPath::Wait(FastOp& op, Clock::time_point until, uint32_t spin_us,
       }
       const Clock::time_point now = Clock::now();
       if (first) {
-        quiet_end = now + std::chrono::microseconds(kQuietSpinUs);
+        // A peer on our own CPU cannot answer while we spin: yield at once.
+        quiet_end = PeerOnMyCpu() ? now : now + std::chrono::microseconds(kQuietSpinUs);
         spin_end = now + std::chrono::microseconds(spin_us);
       }
       if (now >= spin_end || now >= until) break;
@@ -598,6 +600,15 @@ bool FastPath::Wait(FastOp& op, Clock::time_point until, uint32_t spin_us,
     }
     s.waiters.fetch_sub(1, std::memory_order_seq_cst);
   }
+}
+
+bool FastPath::PeerOnMyCpu() const {
+  const int me = sched_getcpu();
+  const auto* c = reinterpret_cast<const wire::FastPathCounters*>(base_ + counters_offset_);
+  for (int r = 0; r < world_size_; ++r) {
+    if (r != rank_ && c[r].cpu.load(std::memory_order_relaxed) == me) return true;
+  }
+  return false;
 }
 
 void FastPath::CancelAll(const Status& why) {

@@ -123,6 +123,8 @@ class FastPath {
   wire::FastPathCounters* counters() const;
 
   bool Aborted(Status* why) const;
+  // Whether another rank last submitted from the CPU we run on.
+  bool PeerOnMyCpu() const;
   bool LockTable();  // false: the segment was aborted meanwhile
   void UnlockTable();
   void FailSlotLocked(wire::FastSlot& s, StatusCode code, const std::string& message);
