@@ -12,7 +12,8 @@
 // other users out of the job, hence out of its segment. The limit is fixed
 // into the header when the segment is made, so every rank of a job decides
 // identically which operations take the fast path; a later change of the
-// setting applies to jobs formed later.
+// setting applies to jobs formed later. So does op_timeout_ms, the timeout
+// of fast-path operations that set none.
 //
 // Which operations. Those whose payload per rank (max of send and recv
 // bytes, as the daemon counts them) is at most header.payload_bytes, of every
