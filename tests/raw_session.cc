@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "ciuic/control.grpc.pb.h"
+#include "ciuic/fast_path.h"
 #include "grpcpp/grpcpp.h"
 
 namespace ciuic::testing {
@@ -72,6 +73,27 @@ int RawSession::Join(const std::string& socket_path, const std::string& job, int
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::Status s = stub->JoinJob(&ctx, req, &reply);
   if (message) *message = s.error_message();
+  if (s.ok() && reply.fast_path_bytes() > 0) {
+    // The job's fast-path segment waits on the session socket; a raw
+    // session uses the rings only, so it takes the datagram and drops the fd.
+    wire::FastPathHello hello{};
+    iovec iov{&hello, sizeof(hello)};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) == static_cast<ssize_t>(sizeof(hello))) {
+      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+          int fd = -1;
+          std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+          if (fd >= 0) close(fd);
+        }
+      }
+    }
+  }
   return s.error_code();
 }
 

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "ciuic/fast_path.h"
 #include "cuda/gpu_info.h"
 #include "reduce/reduce.h"
 #include "shm/session_memory.h"
@@ -11,24 +12,8 @@
 namespace ciuic::daemon {
 
 std::string OpSignature::ToString() const {
-  const char* c = wire::CollectiveName(collective);
-  std::string out = c ? c : absl::StrCat("collective#", collective);
-  if (static_cast<wire::Collective>(collective) == wire::Collective::kBarrier) return out;
-  const char* d = wire::DataTypeName(dtype);
-  absl::StrAppend(&out, " ", d ? d : absl::StrCat("dtype#", dtype), " count=", count);
-  if (reduce_op != 0) {
-    const char* r = wire::ReduceOpName(reduce_op);
-    absl::StrAppend(&out, " op=", r ? r : absl::StrCat("#", reduce_op));
-  }
-  if (static_cast<wire::Collective>(collective) == wire::Collective::kBroadcast) {
-    absl::StrAppend(&out, " root=", root);
-  }
-  static const char* kCodecs[] = {"", "none", "fp16", "bf16", "int8", "topk"};
-  if (codec != 0) {
-    absl::StrAppend(&out, " compression=", codec < 6 ? kCodecs[codec] : "?");
-    if (static_cast<wire::Codec>(codec) == wire::Codec::kTopK) absl::StrAppend(&out, ":", codec_ratio);
-  }
-  return out;
+  // Shared with the SDK's fast path, so a mismatch reads the same on both.
+  return wire::SignatureString(collective, dtype, reduce_op, root, count, codec, codec_ratio);
 }
 
 namespace {

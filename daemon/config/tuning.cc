@@ -167,6 +167,10 @@ const std::vector<Field>& Table() {
                 "Fail operations the codec cannot take (integer dtypes, min/max/prod) instead of "
                 "sending them uncompressed",
                 &Tuning::compression_strict),
+      SizeField("fast_path_bytes",
+                "Single-node jobs run operations up to this payload per rank among their "
+                "trainers, without the daemon (0 = off; fixed per job when it forms)",
+                &Tuning::fast_path_bytes, 0, 256 * kKiB),
   };
   return *table;
 }

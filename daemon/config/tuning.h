@@ -52,6 +52,11 @@ struct Tuning {
   // What to do with an operation the codec cannot take (integer dtypes,
   // min/max/prod): skip compression for it, or fail it.
   bool compression_strict = false;
+  // Single-node jobs run operations of at most this many payload bytes per
+  // rank among their trainers, in a segment shared by the job, without the
+  // daemon (proto/ciuic/fast_path.h). Fixed per job when it forms: a change
+  // applies to jobs formed later. 0 = off. 0..256K.
+  uint64_t fast_path_bytes = uint64_t{4} << 10;
 
   friend bool operator==(const Tuning&, const Tuning&) = default;
 };

@@ -51,9 +51,9 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
   }
   EXPECT_THAT(keys, ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms",
                                 "channels", "algorithm", "compression", "min_compress_bytes",
-                                "error_feedback", "compression_strict"));
+                                "error_feedback", "compression_strict", "fast_path_bytes"));
   EXPECT_THAT(values, ElementsAre("4M", "256K", "50", "60000", "2", "auto", "none", "64K", "on",
-                                  "off"));
+                                  "off", "4K"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
   EXPECT_THAT((*entries)[0].description, HasSubstr("default 4M"));

@@ -52,8 +52,12 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext*, const proto::JoinJobR
   r.local_rank = req->local_rank();
   r.local_size = req->local_size();
   r.coordinator = req->coordinator();
-  absl::Status s = engine_->Join(r);
-  if (s.ok()) reply->set_node_name(node_name_);
+  uint64_t fast_path_bytes = 0;
+  absl::Status s = engine_->Join(r, &fast_path_bytes);
+  if (s.ok()) {
+    reply->set_node_name(node_name_);
+    reply->set_fast_path_bytes(fast_path_bytes);
+  }
   return ToGrpc(s);
 }
 

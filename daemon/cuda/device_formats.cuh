@@ -32,7 +32,7 @@ struct Plain {
 struct HalfReduce {
   using Storage = uint16_t;
   using Acc = float;
-  __device__ static Acc Load(uint16_t x) { return half_internal::HalfToFloatKeepSignaling(x); }
+  __device__ static Acc Load(uint16_t x) { return reduce::half_internal::HalfToFloatKeepSignaling(x); }
   __device__ static uint16_t Store(Acc a) { return FloatToHalf(a); }
 };
 

@@ -19,6 +19,7 @@
 #include "collectives/local.h"
 #include "collectives/op.h"
 #include "engine/worker_pool.h"
+#include "shm/fast_path_segment.h"
 #include "shm/rings.h"
 #include "shm/session_memory.h"
 #include "shm/session_socket.h"
@@ -82,6 +83,7 @@ struct Job {
   int local_size = 0;
   std::string coordinator;               // multi-node jobs only
   std::unique_ptr<ClusterJob> cluster;   // multi-node jobs, once all local ranks joined
+  std::unique_ptr<FastPathSegment> fast;  // single-node jobs with fast_path_bytes > 0
   std::map<uint64_t, std::shared_ptr<PendingOp>> in_cluster;  // handed to `cluster`
   uint64_t next_cluster_key = 1;
   std::map<int, std::shared_ptr<Session>> ranks;
@@ -306,9 +308,11 @@ void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const s
 
 // -------------------------------------------------------------------- join
 
-absl::Status Engine::Join(const JoinRequest& request) {
+absl::Status Engine::Join(const JoinRequest& request, uint64_t* fast_path_bytes) {
   uid_t uid = 0;
-  absl::Status s = RunOnLoop<absl::Status>([&] { return JoinOnLoop(request, &uid); });
+  uint64_t fast = 0;
+  absl::Status s = RunOnLoop<absl::Status>([&] { return JoinOnLoop(request, &uid, &fast); });
+  if (fast_path_bytes != nullptr) *fast_path_bytes = s.ok() ? fast : 0;
   if (s.ok()) {
     spdlog::info("rank {}/{} (local {}/{}) of job '{}' (uid {}) joined", request.rank,
                  request.world_size, request.local_rank, request.local_size, request.job_id,
@@ -317,7 +321,7 @@ absl::Status Engine::Join(const JoinRequest& request) {
   return s;
 }
 
-absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
+absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out, uint64_t* fast_out) {
   if (stopping_) return absl::UnavailableError("ciuicd is shutting down");
   auto sit = sessions_by_token_.find(r.session_token);
   if (sit == sessions_by_token_.end()) {
@@ -362,6 +366,18 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
     slot->uid = session.peer.uid;
     slot->world_size = r.world_size;
     slot->local_size = r.local_size;
+    const config::Tuning tuning = options_.tuning->Snapshot();
+    if (!multi_node && tuning.fast_path_bytes > 0) {
+      // Fixed here for the job's life, so that every rank routes alike.
+      auto fast = FastPathSegment::Create(static_cast<uint32_t>(r.world_size),
+                                          tuning.fast_path_bytes, tuning.op_timeout_ms);
+      if (fast.ok()) {
+        slot->fast = std::move(*fast);
+      } else {
+        spdlog::info("job '{}' runs without a fast path: {}", r.job_id,
+                     std::string(fast.status().message()));
+      }
+    }
   }
   Job& job = *slot;
   if (job.ranks.empty()) job.coordinator = multi_node ? r.coordinator : "";
@@ -391,6 +407,21 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
     return absl::AlreadyExistsError(absl::StrCat("rank ", r.rank, " of job '", r.job_id,
                                                  "' is already joined by pid ",
                                                  it->second->peer.pid));
+  }
+  if (job.fast) {
+    // The segment goes out before the JoinJob reply, so the SDK finds it
+    // waiting on its session socket once the reply says it is there.
+    wire::FastPathHello hello{};
+    hello.magic = wire::kFastPathMagic;
+    hello.segment_bytes = job.fast->size();
+    hello.payload_bytes = job.fast->payload_bytes();
+    const int fd = job.fast->fd();
+    absl::Status sent = SendWithFds(session.sock_fd, &hello, sizeof(hello), &fd, 1);
+    if (!sent.ok()) {
+      drop_if_empty();
+      return sent;
+    }
+    *fast_out = job.fast->payload_bytes();
   }
   job.ranks[r.rank] = sit->second;
   session.job_key = key;
@@ -446,6 +477,12 @@ void Engine::EraseJobOnLoop(const std::string& key) {
     reapers_.emplace_back([cluster = std::move(it->second->cluster)]() mutable { cluster.reset(); });
   }
   running_ops_ -= static_cast<int>(it->second->in_cluster.size());
+  if (it->second->fast) {  // the totals keep what the job did on its fast path
+    const FastPathSegment::Counters c = it->second->fast->ReadCounters();
+    ops_completed_ += c.ops_completed;
+    ops_failed_ += c.ops_failed;
+    bytes_ += c.bytes;
+  }
   jobs_.erase(it);
 }
 
@@ -712,6 +749,7 @@ void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
   }
   for (auto& [name, op] : job.pending) FailPendingOnLoop(job, *op, status);
   job.pending.clear();
+  if (job.fast) job.fast->Abort(job.failure);
   if (job.cluster) job.cluster->Abort(status);  // its operations come back failed
 }
 
@@ -867,6 +905,15 @@ EngineStatus Engine::StatusOnLoop() {
     row.ops_completed = job->ops_completed;
     row.ops_failed = job->ops_failed;
     row.bytes = job->bytes;
+    if (job->fast) {  // counted by the trainers; plain numbers
+      const FastPathSegment::Counters c = job->fast->ReadCounters();
+      row.ops_completed += c.ops_completed;
+      row.ops_failed += c.ops_failed;
+      row.bytes += c.bytes;
+      st.ops_completed += c.ops_completed;
+      st.ops_failed += c.ops_failed;
+      st.bytes += c.bytes;
+    }
     if (job->cluster) {
       const ClusterJob::CompressionCounters c = job->cluster->compression();
       row.ops_compressed = c.ops;
@@ -887,6 +934,19 @@ EngineStatus Engine::StatusOnLoop() {
       }
       p.age_seconds = std::chrono::duration<double>(now - op->first_submit).count();
       row.pending.push_back(std::move(p));
+    }
+    if (job->fast && !job->fast->aborted()) {
+      for (auto& f : job->fast->ReadPending()) {
+        EngineStatus::PendingRow p;
+        p.name = std::move(f.name);
+        const char* c = wire::CollectiveName(f.collective);
+        p.collective = c ? c : "?";
+        p.bytes = f.bytes;
+        p.submitted = std::move(f.submitted);
+        p.waiting = std::move(f.waiting);
+        p.age_seconds = f.age_seconds;
+        row.pending.push_back(std::move(p));
+      }
     }
     st.jobs.push_back(std::move(row));
   }

@@ -133,8 +133,10 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Start(const Options& options);
   ~Engine();  // Shutdown() if not done
 
-  // Binds a session (by its token) to a rank of a job. Any thread.
-  absl::Status Join(const JoinRequest& request);
+  // Binds a session (by its token) to a rank of a job. Any thread. When the
+  // job has a fast-path segment, it has been sent on the session socket and
+  // *fast_path_bytes is its payload limit (else 0).
+  absl::Status Join(const JoinRequest& request, uint64_t* fast_path_bytes = nullptr);
   EngineStatus Status();
   EnginePeers Peers();
 
@@ -167,7 +169,7 @@ class Engine {
   void StartClusterOnLoop(Job& job);
   void ClusterDoneOnLoop(const std::string& job_key, uint64_t op_key, const absl::Status& status);
   void EraseJobOnLoop(const std::string& key);
-  absl::Status JoinOnLoop(const JoinRequest& request, uid_t* uid_out);
+  absl::Status JoinOnLoop(const JoinRequest& request, uid_t* uid_out, uint64_t* fast_out);
   EngineStatus StatusOnLoop();
 
   const Options options_;

@@ -21,10 +21,12 @@
 #include <vector>
 
 #include "arena.h"
+#include "fast_path.h"
 #include "ciuic/ciuic.h"
 #include "ciuic/control.grpc.pb.h"
 #include "ciuic/shm_layout.h"
 #include "grpcpp/grpcpp.h"
+#include "reduce/reduce.h"
 
 namespace ciuic {
 
@@ -117,6 +119,9 @@ struct Handle::State {
   const uint8_t* staging_recv = nullptr;
   void* user_recv = nullptr;
   size_t recv_bytes = 0;
+  // Set for an operation on the job's fast path (fast_path.h) instead of
+  // the daemon's rings; `done` and `status` are then unused.
+  std::shared_ptr<FastOp> fast;
 };
 
 struct Core {
@@ -137,6 +142,10 @@ struct Core {
   std::unordered_map<uint64_t, std::shared_ptr<Handle::State>> inflight;
   std::atomic<uint32_t> inflight_count{0};
   Status dead;  // set once the session is gone; guarded by reap_mu
+
+  // The job's fast path, when the daemon gave it one (set before the
+  // Communicator is returned, constant afterwards).
+  std::unique_ptr<FastPath> fast;
 
   ~Core() {
     if (sock_fd >= 0) close(sock_fd);
@@ -252,6 +261,16 @@ struct Core {
 
 static Status WaitState(Handle::State* st, Clock::time_point until) {
   if (st == nullptr) return Status(StatusCode::kFailedPrecondition, "invalid (empty) handle");
+  if (st->fast) {
+    Core& c = *st->core;
+    if (!c.fast->Wait(*st->fast, until, c.spin_us, [&c] {
+          c.CheckDaemon();
+          return c.DeadStatus();
+        })) {
+      return Status(StatusCode::kDeadlineExceeded, "operation still in progress");
+    }
+    return st->fast->status;
+  }
   if (!st->done.load(std::memory_order_acquire)) {
     bool done = st->core->WaitUntil([st] { return st->done.load(std::memory_order_acquire); },
                                     until);
@@ -270,6 +289,7 @@ Status Handle::WaitFor(std::chrono::milliseconds timeout) {
 
 bool Handle::Test() {
   if (!state_) return false;
+  if (state_->fast) return state_->core->fast->Poll(*state_->fast);
   if (state_->done.load(std::memory_order_acquire)) return true;
   state_->core->Reap();
   return state_->done.load(std::memory_order_acquire);
@@ -299,6 +319,50 @@ class Communicator::Impl {
 
   Handle Submit(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
                 size_t count, Span send, Span recv, void* user_recv, const OpOptions& opts);
+
+  // Whether a submission goes on the job's fast path: small enough, and
+  // valid the way the daemon checks a submission (ValidateSubmission), so
+  // that whatever the daemon would refuse still goes to the daemon and gets
+  // the daemon's error. Every rank of a job decides alike for the same
+  // (valid, matching) operation: the limit is the job's.
+  bool FastEligible(const wire::SubmissionEntry& e, Span send, Span recv) const {
+    const int w = options.world_size;
+    const auto collective = static_cast<wire::Collective>(e.collective);
+    if (collective == wire::Collective::kBarrier) return true;
+    const uint64_t es = wire::DataTypeSize(e.dtype);
+    if (es == 0) return false;
+    const uint64_t limit = core->fast->payload_limit();
+    // limit <= 64 MiB, so once count <= limit none of the products overflow.
+    if (e.count > limit) return false;
+    const uint64_t block = e.count * es;
+    uint64_t payload = block;
+    if (collective == wire::Collective::kReduceScatter ||
+        collective == wire::Collective::kAllgather) {
+      payload = block * static_cast<uint64_t>(w);
+    }
+    if (payload > limit) return false;
+    if (collective == wire::Collective::kAllreduce ||
+        collective == wire::Collective::kReduceScatter) {
+      if (!reduce::CheckReducible(e.dtype, e.reduce_op).ok()) return false;
+    }
+    if (collective == wire::Collective::kBroadcast && (e.root < 0 || e.root >= w)) return false;
+    // Aliasing as the daemon allows it: exactly in place, or apart.
+    auto* sp = static_cast<const uint8_t*>(send.ptr);
+    auto* rp = static_cast<const uint8_t*>(recv.ptr);
+    if (send.bytes > 0 && recv.bytes > 0 && sp < rp + recv.bytes && rp < sp + send.bytes) {
+      const uint64_t me = static_cast<uint64_t>(options.rank);
+      bool in_place = false;
+      switch (collective) {
+        case wire::Collective::kAllreduce:
+        case wire::Collective::kBroadcast: in_place = sp == rp; break;
+        case wire::Collective::kReduceScatter: in_place = rp == sp + me * block; break;
+        case wire::Collective::kAllgather: in_place = sp == rp + me * block; break;
+        case wire::Collective::kBarrier: break;
+      }
+      if (!in_place) return false;
+    }
+    return true;
+  }
 };
 
 Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -307,7 +371,9 @@ Communicator::~Communicator() {
   if (impl_ && impl_->core) {
     // Closing the socket tells the daemon; our own pending handles fail.
     shutdown(impl_->core->sock_fd, SHUT_RDWR);
-    impl_->core->MarkDead(Status(StatusCode::kCancelled, "the communicator was destroyed"));
+    const Status cancelled(StatusCode::kCancelled, "the communicator was destroyed");
+    impl_->core->MarkDead(cancelled);
+    if (impl_->core->fast) impl_->core->fast->CancelAll(cancelled);
   }
 }
 
@@ -395,6 +461,36 @@ static Status OpenSession(const std::string& path, uint64_t arena_bytes, Core* c
   return Status::Ok();
 }
 
+// The job's fast-path segment, sent by the daemon on the session socket
+// before it answered JoinJob (proto/ciuic/fast_path.h).
+static Status ReceiveFastPath(int sock, uint64_t payload_bytes, const JobOptions& o,
+                              std::unique_ptr<FastPath>* out) {
+  wire::FastPathHello hello{};
+  iovec iov{&hello, sizeof(hello)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  int fd = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); n > 0 && c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS &&
+        c->cmsg_len == CMSG_LEN(sizeof(int))) {
+      std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+    }
+  }
+  if (n != static_cast<ssize_t>(sizeof(hello)) || fd < 0 || hello.magic != wire::kFastPathMagic ||
+      hello.payload_bytes != payload_bytes) {
+    if (fd >= 0) close(fd);
+    return Status(StatusCode::kInternal,
+                  "ciuicd announced a fast-path segment for job '" + o.job_id +
+                      "' but did not send a valid one");
+  }
+  return FastPath::Open(fd, hello.segment_bytes, o.rank, o.world_size, o.job_id, out);
+}
+
 Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>* out) {
   auto impl = std::make_unique<Impl>();
   impl->options = in;
@@ -438,6 +534,10 @@ Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>*
     return Status(static_cast<StatusCode>(gs.error_code()), msg);
   }
   impl->node_name = reply.node_name();
+  if (reply.fast_path_bytes() > 0) {
+    s = ReceiveFastPath(impl->core->sock_fd, reply.fast_path_bytes(), o, &impl->core->fast);
+    if (!s.ok()) return s;
+  }
   out->reset(new Communicator(std::move(impl)));
   return Status::Ok();
 }
@@ -493,6 +593,27 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   }
   e.name_len = static_cast<uint32_t>(name.size());
   std::memcpy(e.name, name.data(), name.size());
+
+  if (c.fast && FastEligible(e, send, recv)) {
+    FastPath::Signature sig;
+    sig.collective = e.collective;
+    sig.dtype = e.dtype;
+    sig.reduce_op = e.reduce_op;
+    sig.root = e.root;
+    sig.count = e.count;
+    sig.codec = e.codec;
+    sig.codec_ratio = e.codec_ratio;
+    if (collective == wire::Collective::kBarrier) sig.dtype = 0;
+    if (collective != wire::Collective::kAllreduce &&
+        collective != wire::Collective::kReduceScatter) {
+      sig.reduce_op = 0;
+    }
+    if (collective != wire::Collective::kBroadcast) sig.root = 0;
+    Status started = c.fast->Start(name, sig, send.ptr, send.bytes, user_recv, e.timeout_ms,
+                                   &st->fast);
+    if (!started.ok()) return Failed(started);
+    return Handle(st);
+  }
 
   // Buffers outside shared memory go through one staging region that
   // covers both (so in-place layouts stay in place).

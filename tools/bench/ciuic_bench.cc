@@ -19,6 +19,7 @@
 #include <sys/socket.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -55,6 +56,7 @@ struct Flags {
   std::string ciuicd;
   std::string daemon_config;  // --config for the daemons ciuic-bench starts
   std::string compression;    // OpOptions::compression; empty: the daemon's
+  bool bind_to_core = false;  // --bind-to core: rank r on CPU r mod online CPUs
 };
 
 [[noreturn]] void Usage(const std::string& error) {
@@ -66,6 +68,7 @@ struct Flags {
           "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
           "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n"
           "                   [--daemon-config FILE] [--compression none|fp16|bf16|int8|topk:R]\n"
+          "                   [--bind-to none|core]\n"
           "Without --socket it starts one ciuicd per node (--ciuicd, $CIUICD, or the build\n"
           "tree's), with --daemon-config as their config file.\n");
   exit(error.empty() ? 0 : 64);
@@ -120,6 +123,11 @@ Flags ParseFlags(int argc, char** argv) {
     else if (a == "--iters") f.iters = integer(1, 1000000);
     else if (a == "--warmup") f.warmup = integer(0, 1000000);
     else if (a == "--check") f.check = true;
+    else if (a == "--bind-to") {
+      const std::string v = value();
+      if (v != "none" && v != "core") Usage("--bind-to takes none or core");
+      f.bind_to_core = v == "core";
+    }
     else if (a == "--json") f.json = true;
     else if (a == "--socket") f.socket = value();
     else if (a == "--ciuicd") f.ciuicd = value();
@@ -556,6 +564,12 @@ int main(int argc, char** argv) {
     pid_t pid = fork();
     if (pid == 0) {
       close(p[0]);
+      if (f.bind_to_core) {  // as mpirun --bind-to core places its ranks
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(r % std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)), &set);
+        sched_setaffinity(0, sizeof(set), &set);
+      }
       _exit(RunRank(f, sockets[r / f.ranks_per_node], coordinator, job, r, world, p[1]));
     }
     close(p[1]);

@@ -1,12 +1,17 @@
 // Element-wise reduction of several equally typed buffers: the arithmetic
 // step of every reducing collective (allreduce, reduce_scatter).
 //
-// The collectives call Reduce from their I/O or worker threads on buffers they
-// own for the duration of the call; the functions keep no state and are safe
-// to call concurrently on disjoint outputs. The dtype and op of an operation
-// come from untrusted shared memory: the daemon validates them once with
-// CheckReducible when it accepts a submission, and Reduce treats an invalid
-// value as a broken invariant (it stops the process).
+// Part of the contract between processes (it lives beside the shared-memory
+// layout, not in the daemon): ciuicd reduces with it on its data path, and
+// the SDK reduces with it on the single-node small-operation fast path
+// (proto/ciuic/fast_path.h), so both paths give bit-for-bit the same result.
+//
+// Callers run Reduce from any thread on buffers they own for the duration of
+// the call; the functions keep no state and are safe to call concurrently on
+// disjoint outputs. The dtype and op of an operation come from untrusted
+// shared memory: callers validate them once with CheckReducible when they
+// accept a submission, and Reduce treats an invalid value as a broken
+// invariant (it stops the process).
 //
 // Semantics (pinned down by reduce_test.cc, summarised in README.md):
 //   out[i] = in[0][i] op in[1][i] op ... op in[n-1][i], folded left to right.
@@ -30,7 +35,7 @@
 #include "absl/status/status.h"
 #include "ciuic/shm_layout.h"
 
-namespace ciuic::daemon {
+namespace ciuic::reduce {
 
 // OK if Reduce supports `op` on `dtype` (every DataType x ReduceOp pair
 // defined in shm_layout.h); INVALID_ARGUMENT naming the offending raw value
@@ -46,4 +51,10 @@ absl::Status CheckReducible(uint32_t dtype, uint32_t op);
 void Reduce(wire::DataType dtype, wire::ReduceOp op, const void* const* inputs,
             int num_inputs, void* out, size_t count);
 
+}  // namespace ciuic::reduce
+
+// The daemon's code calls these unqualified from namespace ciuic::daemon.
+namespace ciuic::daemon {
+using reduce::CheckReducible;
+using reduce::Reduce;
 }  // namespace ciuic::daemon

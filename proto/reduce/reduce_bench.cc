@@ -10,7 +10,7 @@
 
 #include "reduce/reduce.h"
 
-namespace ciuic::daemon {
+namespace ciuic::reduce {
 namespace {
 
 void BM_ReduceFloat32Sum2(benchmark::State& state) {
@@ -74,6 +74,6 @@ BENCHMARK(BM_Memcpy)->CIUIC_SIZES;
 #undef CIUIC_SIZES
 
 }  // namespace
-}  // namespace ciuic::daemon
+}  // namespace ciuic::reduce
 
 BENCHMARK_MAIN();

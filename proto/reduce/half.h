@@ -28,7 +28,7 @@
 #include <bit>
 #include <cstdint>
 
-namespace ciuic::daemon {
+namespace ciuic::reduce {
 namespace half_internal {
 
 // c ? a : b, computed without a branch.
@@ -119,4 +119,12 @@ constexpr uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>(((x + bias) | (nan & 0x00400000u)) >> 16);  // one shift, see above
 }
 
+}  // namespace ciuic::reduce
+
+// The daemon's code calls these unqualified from namespace ciuic::daemon.
+namespace ciuic::daemon {
+using reduce::BFloat16ToFloat;
+using reduce::FloatToBFloat16;
+using reduce::FloatToHalf;
+using reduce::HalfToFloat;
 }  // namespace ciuic::daemon

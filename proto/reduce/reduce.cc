@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "reduce/half.h"
 
-namespace ciuic::daemon {
+namespace ciuic::reduce {
 namespace {
 
 using wire::DataType;
@@ -213,7 +213,7 @@ void DispatchOp(ReduceOp op, const void* const* inputs, int n, void* out,
 }
 
 [[noreturn]] void Die(const std::string& message) {
-  std::fprintf(stderr, "ciuic::daemon::Reduce: %s\n", message.c_str());
+  std::fprintf(stderr, "ciuic::reduce::Reduce: %s\n", message.c_str());
   std::fflush(stderr);
   std::abort();
 }
@@ -260,4 +260,4 @@ void Reduce(DataType dtype, ReduceOp op, const void* const* inputs,
   }
 }
 
-}  // namespace ciuic::daemon
+}  // namespace ciuic::reduce

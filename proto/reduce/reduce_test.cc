@@ -14,7 +14,7 @@
 
 #include "reduce/half.h"
 
-namespace ciuic::daemon {
+namespace ciuic::reduce {
 namespace {
 
 using wire::DataType;
@@ -718,4 +718,4 @@ TEST(ReduceSemanticsTest, ZeroCountTouchesNothing) {
 }
 
 }  // namespace
-}  // namespace ciuic::daemon
+}  // namespace ciuic::reduce

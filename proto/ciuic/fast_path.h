@@ -1,0 +1,232 @@
+// The small-operation fast path of single-node jobs: one shared segment per
+// job in which the job's trainers run small collectives among themselves,
+// without a round trip through ciuicd.
+//
+// Who makes it. When the first rank of a job whose ranks all live on this
+// node (local_size == world_size) joins, and the daemon's `fast_path_bytes`
+// setting is not 0, ciuicd creates one memfd for the job (mode 0600, size
+// sealed, mapped once and pre-faulted), writes the FastPathHeader, and sends
+// the fd to every session that joins the job (SCM_RIGHTS on its session
+// socket, one FastPathHello datagram, before the JoinJob reply goes out;
+// JoinJobReply.fast_path_bytes says it is there). The uid check of Join keeps
+// other users out of the job, hence out of its segment. The limit is fixed
+// into the header when the segment is made, so every rank of a job decides
+// identically which operations take the fast path; a later change of the
+// setting applies to jobs formed later. So does op_timeout_ms, the timeout
+// of fast-path operations that set none.
+//
+// Which operations. Those whose payload per rank (max of send and recv
+// bytes, as the daemon counts them) is at most header.payload_bytes, of every
+// collective, dtype and reduce op. Larger ones, and every operation of a job
+// without a segment, go through the daemon's rings as before.
+//
+// How an operation runs (the SDK, sdk/src/fast_path.h). Operations are keyed
+// by (name, n) where n counts this rank's fast-path submissions of that name,
+// so ranks may submit names in any order and a name may be reused at once.
+// Under the table lock a rank finds the key's slot or claims one (open
+// addressing, linear probing, tombstones; the whole table is probed under one
+// lock, so a key is never in two slots), compares the operation's signature
+// with the slot's (a mismatch fails the slot for every rank), copies its
+// input into the slot, and arrives. The last arriver computes the result
+// with the same reduction kernels as the daemon (proto/reduce) and marks the
+// slot done; the others spin briefly, then sleep on the slot's status futex.
+// Every rank copies its result out and departs; the last to depart frees the
+// slot (stores kTombstone, no lock needed: nobody looks for a key all ranks
+// have left); a claimer that walks into an empty slot turns the tombstones
+// just before it back into empty ones. The table has room for 2 * world_size * max_inflight_per_rank keys;
+// a rank keeps at most max_inflight_per_rank fast-path operations in flight,
+// so a rank never finds the table full of live operations.
+//
+// Faults. A rank whose wait passes its operation's deadline fails the slot
+// (timeout) for every rank. When a session of the job closes (trainer died),
+// or the job fails, the daemon writes abort_code/abort_message, sets
+// `aborted`, and wakes every slot's futex: every rank's pending and later
+// fast-path operations fail with that error.
+//
+// Trust. Any trainer of the job can write anything here. The daemon never
+// follows or trusts anything in the segment: it writes the abort fields and
+// FUTEX_WAKEs addresses it computed itself, and reads counters and slot
+// fields only as plain numbers and bounded bytes for `ciuicctl status`.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "ciuic/shm_layout.h"
+
+namespace ciuic::wire {
+
+inline constexpr uint64_t kFastPathMagic = 0x31765f7473616663ULL;  // "cfast_v1"
+inline constexpr uint32_t kFastPathVersion = 1;
+inline constexpr uint32_t kMaxFastPathRanks = 32;
+// The segment never exceeds this; jobs that would need more get none.
+inline constexpr uint64_t kMaxFastPathSegmentBytes = 64ull << 20;
+inline constexpr uint32_t kMaxFastPathInflight = 256;  // per rank
+inline constexpr uint32_t kMinFastPathInflight = 16;
+
+struct alignas(64) FastPathHeader {
+  uint64_t magic;  // kFastPathMagic
+  uint32_t version;
+  uint32_t world_size;
+  uint64_t segment_bytes;
+  uint64_t payload_bytes;          // per rank and operation
+  uint32_t slot_count;             // power of two
+  uint32_t max_inflight_per_rank;
+  uint64_t slot_stride;
+  uint64_t slots_offset;
+  uint64_t counters_offset;
+  uint32_t op_timeout_ms;          // for operations without their own timeout
+  uint32_t reserved0;
+
+  // Written by the daemon only: abort_code and abort_message first, then
+  // `aborted` = 1 (release), then FUTEX_WAKE on every slot's status.
+  alignas(64) std::atomic<uint32_t> aborted;
+  int32_t abort_code;
+  uint32_t abort_message_len;
+  char abort_message[kMaxMessage];
+
+  alignas(64) std::atomic<uint32_t> table_lock;  // 0 free, 1 held (SDK only)
+};
+static_assert(sizeof(FastPathHeader) <= 4096);
+
+// Per-rank counters, bumped by that rank's SDK, read by the daemon.
+struct alignas(64) FastPathCounters {
+  std::atomic<uint64_t> ops_completed;
+  std::atomic<uint64_t> ops_failed;
+  std::atomic<uint64_t> bytes;  // counted like the daemon's bytes_reduced
+  // The CPU the rank last submitted from: a waiter whose peer runs on its
+  // own CPU yields at once instead of spinning (SDK only).
+  std::atomic<int32_t> cpu;
+};
+
+enum class FastSlotState : uint32_t { kEmpty = 0, kUsed = 1, kTombstone = 2 };
+enum class FastOpStatus : uint32_t { kPending = 0, kDone = 1, kFailed = 2 };
+
+// One key of the table, followed in the segment by its data: world_size
+// input areas of payload_bytes each, then one result area of payload_bytes.
+// Fields marked "lock" change only under the table lock. What a submission
+// touches comes first, packed into few cache lines (ranks on different cores
+// pay a line transfer for each); the error text comes last.
+struct alignas(64) FastSlot {
+  // Line 0: the key's state and the signature of the first rank that
+  // claimed the slot (lock).
+  uint32_t state;        // FastSlotState (lock; the last rank to leave
+                         // stores kTombstone without it, see fast_path.h)
+  uint32_t name_len;
+  uint64_t seq;          // the n of (name, n)
+  uint32_t collective;
+  uint32_t dtype;
+  uint32_t reduce_op;
+  int32_t root;
+  uint64_t count;
+  uint32_t codec;
+  float codec_ratio;
+  int32_t first_rank;
+  uint32_t joined;                 // ranks that joined (lock)
+  uint64_t first_submit_ns;        // CLOCK_MONOTONIC (lock)
+  char name[kMaxOpName];           // (lock)
+  // Its own line: what the ranks of an operation update as they go.
+  alignas(64) std::atomic<uint32_t> arrived;   // inputs copied in
+  std::atomic<uint32_t> departed;              // results copied out / gave up
+  std::atomic<uint32_t> status;                // FastOpStatus; futex word
+  std::atomic<uint32_t> waiters;               // ranks asleep on `status`
+  uint8_t ranks_joined[kMaxFastPathRanks];     // 1: that rank joined (lock)
+  int32_t error_code;                          // written before status = kFailed
+  uint32_t error_len;
+  char error[kMaxMessage];
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+
+// Where everything goes for a job of `world_size` ranks and `payload_bytes`
+// per rank. Both sides compute it from those two numbers alone, so neither
+// trusts the other's offsets. valid == false: the job gets no segment.
+struct FastPathGeometry {
+  bool valid = false;
+  uint32_t slot_count = 0;
+  uint32_t max_inflight_per_rank = 0;
+  uint64_t slot_stride = 0;
+  uint64_t slots_offset = 0;
+  uint64_t counters_offset = 0;
+  uint64_t segment_bytes = 0;
+};
+
+inline constexpr uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// The most operations in flight per rank, at most `max_inflight`, for which
+// the segment stays within kMaxFastPathSegmentBytes. The daemon makes no
+// segment when that is below kMinFastPathInflight (tests go lower to force
+// collisions in a tiny table).
+inline FastPathGeometry ComputeFastPathGeometry(uint32_t world_size, uint64_t payload_bytes,
+                                                uint32_t max_inflight = kMaxFastPathInflight) {
+  FastPathGeometry g;
+  if (world_size < 1 || world_size > kMaxFastPathRanks || payload_bytes == 0 ||
+      payload_bytes > kMaxFastPathSegmentBytes || max_inflight < 1 ||
+      max_inflight > kMaxFastPathInflight) {
+    return g;
+  }
+  payload_bytes = AlignUp(payload_bytes, 64);
+  g.slot_stride = AlignUp(sizeof(FastSlot), 64) + (uint64_t{world_size} + 1) * payload_bytes;
+  g.counters_offset = 4096;
+  g.slots_offset = AlignUp(g.counters_offset + sizeof(FastPathCounters) * world_size, 4096);
+  uint32_t inflight = max_inflight;
+  while (inflight >= 1) {
+    uint64_t slots = 1;
+    while (slots < 2ull * world_size * inflight) slots <<= 1;
+    const uint64_t bytes = AlignUp(g.slots_offset + slots * g.slot_stride, 4096);
+    if (bytes <= kMaxFastPathSegmentBytes) {
+      g.valid = true;
+      g.slot_count = static_cast<uint32_t>(slots);
+      g.max_inflight_per_rank = inflight;
+      g.segment_bytes = bytes;
+      return g;
+    }
+    inflight /= 2;
+  }
+  return g;
+}
+
+// Sent on the session socket with the segment's fd (SCM_RIGHTS).
+struct FastPathHello {
+  uint64_t magic;          // kFastPathMagic
+  uint64_t segment_bytes;
+  uint64_t payload_bytes;
+};
+
+// "allreduce float32 count=100 op=sum" style, for error messages; the daemon
+// and the SDK word mismatches the same way.
+inline std::string SignatureString(uint32_t collective, uint32_t dtype, uint32_t reduce_op,
+                                   int32_t root, uint64_t count, uint32_t codec,
+                                   float codec_ratio) {
+  const char* c = CollectiveName(collective);
+  std::string out = c ? c : "collective#" + std::to_string(collective);
+  if (static_cast<Collective>(collective) == Collective::kBarrier) return out;
+  const char* d = DataTypeName(dtype);
+  out += " ";
+  out += d ? d : "dtype#" + std::to_string(dtype);
+  out += " count=" + std::to_string(count);
+  if (reduce_op != 0) {
+    const char* r = ReduceOpName(reduce_op);
+    out += " op=";
+    out += r ? r : "#" + std::to_string(reduce_op);
+  }
+  if (static_cast<Collective>(collective) == Collective::kBroadcast) {
+    out += " root=" + std::to_string(root);
+  }
+  static const char* kCodecs[] = {"", "none", "fp16", "bf16", "int8", "topk"};
+  if (codec != 0) {
+    out += " compression=";
+    out += codec < 6 ? kCodecs[codec] : "?";
+    if (static_cast<Codec>(codec) == Codec::kTopK) {
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), ":%g", static_cast<double>(codec_ratio));
+      out += buf;
+    }
+  }
+  return out;
+}
+
+}  // namespace ciuic::wire
