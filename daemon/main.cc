@@ -206,7 +206,7 @@ int Main(int argc, char** argv) {
     (*engine)->Shutdown();
     return 1;
   }
-  Coordinator coordinator(cluster_token);
+  Coordinator coordinator(cluster_token, &tuning);  // fusion and cycle time for its jobs
   PeerService peer_service(&coordinator);
   std::unique_ptr<grpc::Server> peer_server;
   if (!cfg.listen.empty()) {

@@ -167,6 +167,15 @@ const std::vector<Field>& Table() {
                 "Fail operations the codec cannot take (integer dtypes, min/max/prod) instead of "
                 "sending them uncompressed",
                 &Tuning::compression_strict),
+      SizeField("fusion_threshold_bytes",
+                "Ready allreduces queued behind running ones are fused into one inter-node "
+                "allreduce of at most this size (0: no fusion; the coordinator's setting decides "
+                "for the job)",
+                &Tuning::fusion_threshold_bytes, 0, kGiB),
+      IntegerField("cycle_time_us",
+                   "How long the coordinator holds an operation that could start at once, to "
+                   "fuse and order it with others (0: never wait)",
+                   "microseconds", &Tuning::cycle_time_us, 0, 1000000),
   };
   return *table;
 }

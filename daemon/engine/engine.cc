@@ -721,7 +721,10 @@ void Engine::CheckDeadlinesOnLoop() {
   // else times them out (after formation the coordinator does).
   std::vector<std::pair<std::string, uint64_t>> expired;
   for (auto& [key, job] : jobs_) {
-    if (!job->cluster || job->in_cluster.empty() || job->cluster->state() != "forming") continue;
+    if (!job->cluster || job->in_cluster.empty() ||
+        job->cluster->state() != ClusterJob::State::kForming) {
+      continue;
+    }
     for (auto& [op_key, op] : job->in_cluster) {
       if (now >= op->deadline) expired.emplace_back(key, op_key);
     }
@@ -860,7 +863,7 @@ EngineStatus Engine::StatusOnLoop() {
     } else if (static_cast<int>(job->ranks.size()) < job->local_size) {
       row.state = "forming";
     } else if (job->cluster) {
-      row.state = job->cluster->state();
+      row.state = job->cluster->StateText();
     } else {
       row.state = "running";
     }
@@ -872,6 +875,9 @@ EngineStatus Engine::StatusOnLoop() {
       row.ops_compressed = c.ops;
       row.bytes_before_compression = c.raw_bytes;
       row.bytes_after_compression = c.wire_bytes;
+      const ClusterJob::FusionCounters f = job->cluster->fusion();
+      row.ops_fused = f.ops;
+      row.fused_runs = f.runs;
     }
     std::vector<std::shared_ptr<PendingOp>> ops;
     for (auto& [name, op] : job->pending) ops.push_back(op);
@@ -903,7 +909,7 @@ EnginePeers Engine::Peers() {
       j.id = job->id;
       j.uid = job->uid;
       j.coordinator = job->coordinator;
-      j.state = job->cluster ? job->cluster->state() : "forming";
+      j.state = job->cluster ? job->cluster->StateText() : "forming";
       if (job->cluster) {
         for (auto& row : job->cluster->Peers()) {
           j.peers.push_back(EnginePeers::Peer{row.node_name, row.ranks, row.self, row.state,

@@ -104,6 +104,8 @@ struct EngineStatus {
     uint64_t ops_compressed = 0;
     uint64_t bytes_before_compression = 0;
     uint64_t bytes_after_compression = 0;
+    uint64_t ops_fused = 0;   // multi-node: operations fused with others
+    uint64_t fused_runs = 0;  // and the fused allreduces they made
     std::vector<PendingRow> pending;
   };
   double uptime_seconds = 0;

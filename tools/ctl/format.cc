@@ -173,10 +173,16 @@ std::string FormatJobs(const proto::StatusReply& status) {
   }
   std::string out = jobs.Render();
   for (const proto::JobInfo& job : status.jobs()) {
-    if (job.ops_compressed() == 0) continue;
-    absl::StrAppend(&out, "compression: job ", Sanitize(job.job_id()), ": ", job.ops_compressed(),
-                    " operations, ", HumanBytes(job.bytes_before_compression()), " -> ",
-                    HumanBytes(job.bytes_after_compression()), " on the wire\n");
+    if (job.ops_compressed() != 0) {
+      absl::StrAppend(&out, "compression: job ", Sanitize(job.job_id()), ": ",
+                      job.ops_compressed(), " operations, ",
+                      HumanBytes(job.bytes_before_compression()), " -> ",
+                      HumanBytes(job.bytes_after_compression()), " on the wire\n");
+    }
+    if (job.ops_fused() != 0) {
+      absl::StrAppend(&out, "fusion: job ", Sanitize(job.job_id()), ": ", job.ops_fused(),
+                      " operations fused into ", job.fused_runs(), " allreduces\n");
+    }
   }
   out += "\nPENDING OPERATIONS\n";
   out += pending.rows() == 0 ? "  (none)\n" : pending.Render();
