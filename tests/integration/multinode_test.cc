@@ -442,9 +442,11 @@ long long OpsFused(const std::string& socket, const std::string& job) {
   if (RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket + " status", &out) != 0) {
     return -1;
   }
-  const size_t at = out.find("\"jobId\":\"" + job + "\"");
+  const size_t jobs = out.find("\"jobs\":[");
+  if (jobs == std::string::npos) return -1;
+  const size_t at = out.find("\"jobId\":\"" + job + "\"", jobs);
   if (at == std::string::npos) return -1;
-  const size_t end = out.find('}', at);
+  const size_t end = out.find("\"jobId\"", at + 1);  // the next job's, or npos
   const std::string key = "\"opsFused\":\"";
   const size_t v = out.find(key, at);
   if (v == std::string::npos || v > end) return 0;  // proto3 JSON omits zeros
@@ -516,6 +518,7 @@ TEST_P(MultiNodeFusionTest, FusedResultsEqualUnfusedAndTheReference) {
     };
     // One round: submit everything in this rank's order, wait, check.
     std::vector<std::vector<uint8_t>> first_round;
+    long long fused_in_first_round = 0;  // rank 0 only
     for (int round = 0; round < 2; ++round) {
       std::vector<size_t> order(ops.size());
       std::iota(order.begin(), order.end(), 0);
@@ -554,9 +557,8 @@ TEST_P(MultiNodeFusionTest, FusedResultsEqualUnfusedAndTheReference) {
       if (rank == 0) {
         const long long fused = OpsFused(coordinator_socket, job);
         CHILD_CHECK(fused > 0, "round %d: %lld operations fused", round, fused);
-        static long long after_first = 0;
         if (round == 0) {
-          after_first = fused;
+          fused_in_first_round = fused;
           std::string out;
           CHILD_CHECK(RunCommand(std::string(CIUICCTL_PATH) + " --socket " + coordinator_socket + " status", &out) == 0 &&
                           Contains(out, "operations fused into"), "%s", out.c_str());
@@ -564,7 +566,8 @@ TEST_P(MultiNodeFusionTest, FusedResultsEqualUnfusedAndTheReference) {
           CHILD_CHECK(RunCommand(std::string(CIUICCTL_PATH) + " --socket " + coordinator_socket +
                                      " tune set fusion_threshold_bytes=0", &out) == 0, "%s", out.c_str());
         } else {
-          CHILD_CHECK(fused == after_first, "fusion off, yet %lld more operations fused", fused - after_first);
+          CHILD_CHECK(fused == fused_in_first_round, "fusion off, yet %lld more operations fused",
+                      fused - fused_in_first_round);
         }
       }
       s = comm->Barrier().Wait();
