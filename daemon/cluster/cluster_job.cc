@@ -310,6 +310,15 @@ void ClusterJob::LaneLoop(Lane& lane) {
       run = std::move(announced_.front());
       announced_.pop_front();
       for (const auto& op : run.ops) ++running_names_[op.name];
+      lane.busy = true;
+      lane.priority = run.ops.front().priority;
+      for (const auto& op : run.ops) lane.priority = std::max(lane.priority, op.priority);
+      for (auto& other : lanes_) {
+        if (other.get() != &lane && other->busy && other->priority < lane.priority) {
+          other->yield.fetch_add(1, std::memory_order_relaxed);
+          lane.yielding.push_back(other.get());
+        }
+      }
     }
     lanes_cv_.notify_all();  // the next run may start in another lane
     absl::Status s = run.ops.size() == 1 ? Execute(run.ops.front(), run.seq, lane)
@@ -320,6 +329,9 @@ void ClusterJob::LaneLoop(Lane& lane) {
       for (const auto& op : run.ops) {
         if (--running_names_[op.name] == 0) running_names_.erase(op.name);
       }
+      for (Lane* other : lane.yielding) other->yield.fetch_sub(1, std::memory_order_relaxed);
+      lane.yielding.clear();
+      lane.busy = false;
     }
     lanes_cv_.notify_all();
     proto::NodeEvent done;
@@ -570,6 +582,7 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
   ctx.max_inflight = 4;
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   ctx.scratch = &lane.scratch;
+  ctx.yield = &lane.yield;
   return ctx;
 }
 

@@ -155,6 +155,12 @@ class ClusterJob {
     std::thread thread;
     ScratchBuffer scratch;  // the algorithms' receive space
     ScratchBuffer staging;  // the node's buffer when no rank's buffer serves
+    // > 0 while a run of higher priority runs in another lane: this lane's
+    // run keeps one send in flight (InterNodeContext::yield).
+    std::atomic<int> yield{0};
+    bool busy = false;             // guarded by mu_
+    int32_t priority = 0;          // guarded by mu_, of the run in progress
+    std::vector<Lane*> yielding;   // guarded by mu_: the lanes this run slowed
   };
   struct Announced {
     uint64_t seq = 0;
