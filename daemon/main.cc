@@ -27,6 +27,7 @@
 #include "cluster/coordinator.h"
 #include "cluster/ucx_transports.h"
 #include "control/control_service.h"
+#include "control/peer_client.h"
 #include "control/peer_service.h"
 #include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
@@ -194,6 +195,7 @@ int Main(int argc, char** argv) {
   options.node_name = cfg.node_name;
   options.cluster_token = cluster_token;
   options.transports = UcxTransportFactory();
+  options.coordinator_clients = GrpcCoordinatorClients();
   auto engine = Engine::Start(options);
   if (!engine.ok()) {
     spdlog::critical("{}", std::string(engine.status().message()));

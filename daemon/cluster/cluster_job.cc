@@ -4,10 +4,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "ciuic/peer.grpc.pb.h"
+#include "ciuic/peer.pb.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
-#include "grpcpp/grpcpp.h"
 #include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
 
@@ -72,22 +71,6 @@ class ClusterJob::CountingTransport final : public Transport {
 
 namespace {
 
-std::shared_ptr<grpc::Channel> PeerChannel(const std::string& address) {
-  grpc::ChannelArguments args;
-  // A vanished peer host is noticed within seconds even without a RST.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 3000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(context, s.error_message()));
-}
-
 InterNodeAlgorithm AlgorithmFor(config::Algorithm a) {
   switch (a) {
     case config::Algorithm::kRing: return InterNodeAlgorithm::kRing;
@@ -105,6 +88,7 @@ ClusterJob::ClusterJob(Options options, OpDone op_done, JobFailed job_failed)
       op_done_(std::move(op_done)),
       job_failed_(std::move(job_failed)),
       events_(new std::deque<Event>()) {
+  client_ = options_.coordinator_clients(options_.coordinator);
   thread_ = std::thread([this] { Run(); });
   pthread_setname_np(thread_.native_handle(), "ciuic-cluster");
 }
@@ -135,7 +119,7 @@ void ClusterJob::Abort(const absl::Status& why) {
   aborted_ = true;
   if (failure_.ok()) failure_ = why;
   events_->push_back(Event{Event::kAbort, {}, {}, why});
-  if (register_ctx_) static_cast<grpc::ClientContext*>(register_ctx_)->TryCancel();
+  client_->CancelRegister();
   if (transport_) {
     for (int p = 0; p < transport_->num_peers(); ++p) {
       if (p != transport_->self()) transport_->FailPeer(p, why);
@@ -185,24 +169,16 @@ absl::Status ClusterJob::Form() {
   for (const std::string& a : (*unconnected)->Addresses()) req.add_transport_addresses(a);
   req.set_channels(options_.channels);
 
-  auto stub = proto::Peer::NewStub(PeerChannel(options_.coordinator));
-  proto::Membership membership;
-  grpc::ClientContext ctx;
   const uint32_t timeout_ms = std::max<uint32_t>(options_.tuning->Snapshot().op_timeout_ms, 10000);
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
-    register_ctx_ = &ctx;
   }
-  grpc::Status gs = stub->RegisterNode(&ctx, req, &membership);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    register_ctx_ = nullptr;
-  }
-  if (!gs.ok()) {
-    return FromGrpc(gs, absl::StrCat("registering with coordinator ", options_.coordinator, ": "));
-  }
+  // Abort cancels it (also before it starts).
+  auto registered = client_->Register(
+      req, std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  if (!registered.ok()) return registered.status();
+  const proto::Membership& membership = *registered;
 
   std::vector<std::vector<std::string>> addresses;
   node_of_rank_.assign(options_.world_size, -1);
@@ -234,9 +210,9 @@ absl::Status ClusterJob::Form() {
                self_, membership.nodes_size(), options_.channels);
 
   // The ordering stream, read by its own thread.
-  auto* sctx = new grpc::ClientContext();
-  auto stream = std::shared_ptr<grpc::ClientReaderWriter<proto::NodeEvent, proto::CoordinatorEvent>>(
-      stub->OrderStream(sctx));
+  auto opened = client_->OpenStream();
+  if (!opened.ok()) return opened.status();
+  std::shared_ptr<OrderingStream> stream = std::move(*opened);
   proto::NodeEvent hello;
   auto* h = hello.mutable_hello();
   h->set_cluster_token(options_.cluster_token);
@@ -245,23 +221,18 @@ absl::Status ClusterJob::Form() {
   h->set_instance(membership.instance());
   h->set_node(self_);
   if (!stream->Write(hello)) {
-    delete sctx;
     return absl::UnavailableError(absl::StrCat("coordinator ", options_.coordinator,
                                                " closed the ordering stream"));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stream_ctx_ = sctx;
   }
   reader_ = std::thread([this, stream] {
     proto::CoordinatorEvent e;
     while (stream->Read(&e)) {
       Push(Event{Event::kCoordinator, {}, e, {}});
     }
-    grpc::Status s = stream->Finish();
+    absl::Status s = stream->Finish();
     Push(Event{Event::kBroken, {}, {}, absl::UnavailableError(absl::StrCat(
         "lost the coordinator ", options_.coordinator, " of job '", options_.job_id, "': ",
-        s.ok() ? "stream closed" : s.error_message()))});
+        s.ok() ? "stream closed" : s.message()))});
   });
   stream_ = stream;
   return absl::OkStatus();
@@ -496,15 +467,13 @@ void ClusterJob::Run() {
     why = failure_.ok() ? absl::CancelledError("job closed") : failure_;
   }
   FailAll(why);
-  if (stream_ctx_) static_cast<grpc::ClientContext*>(stream_ctx_)->TryCancel();
+  if (stream_) stream_->Cancel();
   if (reader_.joinable()) reader_.join();
   {
     std::lock_guard<std::mutex> lock(write_mu_);
     writes_closed_ = true;
     stream_.reset();
   }
-  delete static_cast<grpc::ClientContext*>(stream_ctx_);
-  stream_ctx_ = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   transport_.reset();
 }

@@ -43,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cluster/coordinator_client.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
 #include "collectives/op.h"
@@ -51,14 +52,6 @@
 #include "config/tuning.h"
 #include "transport/transport.h"
 
-namespace grpc {
-template <class W, class R>
-class ClientReaderWriter;
-}  // namespace grpc
-namespace ciuic::proto {
-class NodeEvent;
-class CoordinatorEvent;
-}  // namespace ciuic::proto
 
 namespace ciuic::daemon {
 
@@ -103,6 +96,7 @@ class ClusterJob {
     int channels = 1;
     config::TuningRegistry* tuning = nullptr;
     TransportFactory transports;
+    CoordinatorClientFactory coordinator_clients;  // control/peer_client.h's in ciuicd
   };
   using OpDone = std::function<void(uint64_t key, absl::Status status)>;
   using JobFailed = std::function<void(absl::Status status)>;
@@ -200,12 +194,12 @@ class ClusterJob {
   absl::Status failure_;           // guarded by mu_, sticky
   bool aborted_ = false;           // guarded by mu_
   std::vector<PeerRow> peers_;     // guarded by mu_ (counters read live)
-  void* register_ctx_ = nullptr;   // grpc::ClientContext* while registering
-  void* stream_ctx_ = nullptr;     // grpc::ClientContext* of the ordering stream
+  // Created before mu_ is first taken by Form; CancelRegister under mu_.
+  std::unique_ptr<CoordinatorClient> client_;
 
   // Owned by the ClusterJob thread (transport_ is also read under mu_).
   std::unique_ptr<CountingTransport> transport_;
-  std::shared_ptr<grpc::ClientReaderWriter<proto::NodeEvent, proto::CoordinatorEvent>> stream_;
+  std::shared_ptr<OrderingStream> stream_;  // written under write_mu_ once lanes run
   std::thread reader_;
   std::mutex write_mu_;
   bool writes_closed_ = false;        // guarded by write_mu_

@@ -350,7 +350,7 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out) {
         r.local_size, ") but names no coordinator (CIUIC_COORDINATOR=host:port, or "
         "MASTER_ADDR and MASTER_PORT)"));
   }
-  if (multi_node && !options_.transports) {
+  if (multi_node && (!options_.transports || !options_.coordinator_clients)) {
     return absl::UnimplementedError("this ciuicd has no inter-node transport");
   }
   const std::string key = JobKey(session.peer.uid, r.job_id);
@@ -411,6 +411,7 @@ void Engine::StartClusterOnLoop(Job& job) {
   o.channels = static_cast<int>(options_.tuning->Snapshot().channels);
   o.tuning = options_.tuning;
   o.transports = options_.transports;
+  o.coordinator_clients = options_.coordinator_clients;
   const std::string key = job.key;
   job.cluster = std::make_unique<ClusterJob>(
       std::move(o),
