@@ -337,12 +337,12 @@ void ClusterJob::Run() {
     }
   }
   if (formed.ok()) {
-    for (int i = 0; i < kLanes; ++i) {
-      auto lane = std::make_unique<Lane>();
+    // All lanes exist before any starts: a lane reads the others' state.
+    for (int i = 0; i < kLanes; ++i) lanes_.push_back(std::make_unique<Lane>());
+    for (auto& lane : lanes_) {
       Lane* l = lane.get();
       lane->thread = std::thread([this, l] { LaneLoop(*l); });
       pthread_setname_np(lane->thread.native_handle(), "ciuic-lane");
-      lanes_.push_back(std::move(lane));
     }
   }
   bool left = false;
