@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ciuic/shm_layout.h"
+#include "collectives/internode/internode.h"
 #include "spdlog/spdlog.h"
 
 namespace ciuic::daemon {
@@ -41,6 +42,18 @@ std::string SignatureText(const proto::OpSignature& s) {
     if (s.codec() == 5) absl::StrAppend(&out, ":", s.codec_ratio());
   }
   return out;
+}
+
+// The largest allreduce for which the auto rule picks halving-doubling on
+// `nodes` nodes (the rule is monotone: past it the ring wins for good).
+uint64_t HalvingDoublingLimit(int nodes) {
+  uint64_t lo = 0, hi = uint64_t{1} << 30;
+  if (ChooseAllreduceAlgorithm(nodes, 1) != InterNodeAlgorithm::kHalvingDoubling) return 0;
+  while (hi - lo > 1) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    (ChooseAllreduceAlgorithm(nodes, mid) == InterNodeAlgorithm::kHalvingDoubling ? lo : hi) = mid;
+  }
+  return lo;
 }
 
 bool SameSignature(const proto::OpSignature& a, const proto::OpSignature& b) {
@@ -332,7 +345,13 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
   if (!job.failure.ok() || job.backlog.empty()) return Clock::time_point::max();
   const config::Tuning tuning = tuning_ ? tuning_->Snapshot() : config::Tuning{};
   const auto hold = std::chrono::microseconds(tuning.cycle_time_us);
-  const uint64_t threshold = tuning.fusion_threshold_bytes;
+  uint64_t threshold = tuning.fusion_threshold_bytes;
+  // Fused runs use halving-doubling; with the auto rule, no bigger than the
+  // rule would let it carry (with 3 nodes it costs 3 full exchanges against
+  // the ring's 4/3 of the bytes: packing must not make the transfer dearer).
+  if (tuning.algorithm == config::Algorithm::kAuto) {
+    threshold = std::min(threshold, HalvingDoublingLimit(job.membership.nodes_size()));
+  }
   std::sort(job.backlog.begin(), job.backlog.end(), [](const Queued& a, const Queued& b) {
     return a.priority != b.priority ? a.priority > b.priority : a.order < b.order;
   });

@@ -279,6 +279,20 @@ TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
   for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
 }
 
+TEST(CoordinatorTest, FusedRunsStayWithinWhatTheAutoRuleGivesHalvingDoubling) {
+  Coordinator c("secret");  // defaults: 4M threshold, algorithm auto: 1 MiB on 2 nodes
+  Formed f;
+  Form(c, &f);
+  for (const char* name : {"busy0", "busy1", "a", "b", "c"}) {
+    BothReady(c, f, name, 96 * 1024, 0, true);  // 384 KiB of float32 each
+  }
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  // a+b is 768 KiB; with c it would pass 1 MiB.
+  const std::vector<std::string> want = {"busy0", "busy1", "a+b", "c"};
+  EXPECT_EQ(Runs(f.streams[0].WaitFor(want.size())), want);
+}
+
 TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());
