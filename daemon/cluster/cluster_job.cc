@@ -15,7 +15,8 @@ namespace ciuic::daemon {
 using Clock = std::chrono::steady_clock;
 
 struct ClusterJob::Event {
-  enum Kind { kSubmit, kCoordinator, kBroken, kAbort } kind;
+  // kBroken: the ordering stream ended; kRunFailed: a lane's run failed.
+  enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort } kind;
   ClusterOp op;
   proto::CoordinatorEvent coordinator;
   absl::Status status;
@@ -119,6 +120,7 @@ void ClusterJob::Abort(const absl::Status& why) {
   aborted_ = true;
   if (failure_.ok()) failure_ = why;
   events_->push_back(Event{Event::kAbort, {}, {}, why});
+  lanes_cv_.notify_all();  // WaitForAnnouncedRuns gives up
   client_->CancelRegister();
   if (transport_) {
     for (int p = 0; p < transport_->num_peers(); ++p) {
@@ -309,9 +311,21 @@ void ClusterJob::LaneLoop(Lane& lane) {
     done.mutable_done()->set_seq(run.seq);
     Write(done);  // a closed stream: the job is ending anyway
     if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) {
-      Push(Event{Event::kBroken, {}, {}, s});
+      Push(Event{Event::kRunFailed, {}, {}, s});
     }
   }
+}
+
+void ClusterJob::WaitForAnnouncedRuns() {
+  std::unique_lock<std::mutex> lock(mu_);
+  lanes_cv_.wait(lock, [&] {
+    if (lanes_stop_ || aborted_) return true;
+    if (!announced_.empty()) return false;
+    for (const auto& lane : lanes_) {
+      if (lane->busy) return false;
+    }
+    return true;
+  });
 }
 
 void ClusterJob::StopLanes() {
@@ -423,12 +437,17 @@ void ClusterJob::Run() {
             awaiting_.erase(it);
           }
         } else if (c.has_job_failed()) {
+          WaitForAnnouncedRuns();
           job_failure = absl::Status(static_cast<absl::StatusCode>(c.job_failed().code()),
                                      c.job_failed().message());
         }
         break;
       }
       case Event::kBroken:
+        WaitForAnnouncedRuns();
+        job_failure = e.status;
+        break;
+      case Event::kRunFailed:
         job_failure = e.status;
         break;
       case Event::kAbort: {

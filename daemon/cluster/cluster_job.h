@@ -165,6 +165,12 @@ class ClusterJob {
   absl::Status Form();
   void LaneLoop(Lane& lane);
   void StopLanes();
+  // Before a job failure from the coordinator or its stream is acted on:
+  // runs announced before it still run to their end, everywhere (a node
+  // whose rank finished and left must not cut off its partners' last
+  // transfers); those that cannot end fail on their transfers or deadline.
+  // Abort ends the wait.
+  void WaitForAnnouncedRuns();
   // Writes to the ordering stream (from the main thread and the lanes);
   // false once the stream is closed.
   bool Write(const proto::NodeEvent& event);
