@@ -29,10 +29,12 @@
 #include "control/control_service.h"
 #include "control/peer_client.h"
 #include "control/peer_service.h"
+#include "cuda/gpu_info.h"
 #include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
+#include "transport/ucx_transport.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -226,6 +228,10 @@ int Main(int argc, char** argv) {
     spdlog::info("peer service on {}:{}{}", host, port,
                  cluster_token.empty() ? " (no cluster token: any daemon may register)" : "");
   }
+  // Probed once here, so that `ciuicctl status` answers from the cache.
+  spdlog::info("GPUs: {} (built {} CUDA; UCX moves CUDA memory: {})",
+               DescribeGpus(ProbeGpus()), ProbeGpus().built_with_cuda ? "with" : "without",
+               UcxTransport::SupportsCudaMemory() ? "yes" : "no");
   spdlog::info("ciuicd {} ready on {} (node {}, {} worker threads)", CIUIC_VERSION,
                cfg.socket_path, cfg.node_name, workers);
   NotifySystemd("READY=1");

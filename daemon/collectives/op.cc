@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "cuda/gpu_info.h"
 #include "reduce/reduce.h"
 #include "shm/session_memory.h"
 
@@ -52,6 +53,19 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
   auto fail = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("operation '", op.name, "': ", what));
   };
+  if ((e.flags & wire::kSubmitFlagDeviceBuffers) != 0) {
+    const GpuProbe& gpus = ProbeGpus();
+    std::string why;
+    if (!gpus.built_with_cuda) {
+      why = "this ciuicd was built without CUDA";
+    } else if (gpus.devices.empty()) {
+      why = absl::StrCat("no CUDA device: ", gpus.unavailable);
+    } else {
+      why = "device buffers through the daemon are not implemented yet";
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("operation '", op.name, "': device (CUDA) buffers: ", why));
+  }
   if (e.flags != 0) return fail(absl::StrCat("reserved flags 0x", absl::Hex(e.flags), " set"));
   if (e.codec > static_cast<uint32_t>(wire::Codec::kTopK)) {
     return fail(absl::StrCat("unknown compression codec ", e.codec));

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cuda/gpu_info.h"
 #include "shm/session_memory.h"
 
 namespace ciuic::daemon {
@@ -74,6 +75,19 @@ TEST_F(ValidateTest, RejectsGarbageNamingTheField) {
   e = Entry(wire::Collective::kAllreduce, 10);
   e.flags = 4;
   expect_error(e, "reserved flags");
+  // Device buffers: FAILED_PRECONDITION saying why this daemon cannot take them.
+  e = Entry(wire::Collective::kAllreduce, 10);
+  e.flags = wire::kSubmitFlagDeviceBuffers;
+  {
+    const absl::Status s = Check(e, 2, 0);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("device (CUDA) buffers: "), absl::string_view::npos) << s;
+    const GpuProbe& gpus = ProbeGpus();
+    const char* why = !gpus.built_with_cuda      ? "built without CUDA"
+                      : gpus.devices.empty()     ? "no CUDA device: "
+                                                 : "not implemented yet";
+    EXPECT_NE(s.message().find(why), absl::string_view::npos) << s;
+  }
   e = Entry(wire::Collective::kAllreduce, 10);
   e.name_len = 0;
   expect_error(e, "name length 0");

@@ -8,8 +8,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/gpu_info.h"
 #include "grpcpp/grpcpp.h"
 #include "spdlog/spdlog.h"
+#include "transport/ucx_transport.h"
 
 namespace ciuic::daemon {
 
@@ -67,6 +69,18 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
   reply->set_ops_completed(st.ops_completed);
   reply->set_ops_failed(st.ops_failed);
   reply->set_bytes_reduced(st.bytes);
+  const GpuProbe& gpus = ProbeGpus();
+  reply->set_cuda_built(gpus.built_with_cuda);
+  for (const GpuDevice& d : gpus.devices) {
+    proto::GpuInfo* g = reply->add_gpus();
+    g->set_index(d.index);
+    g->set_name(d.name);
+    g->set_memory_bytes(d.memory_bytes);
+    g->set_compute_major(d.compute_major);
+    g->set_compute_minor(d.compute_minor);
+  }
+  reply->set_gpus_unavailable(gpus.unavailable);
+  reply->set_ucx_cuda_memory(UcxTransport::SupportsCudaMemory());
   for (const auto& s : st.sessions) {
     auto* out = reply->add_sessions();
     out->set_session_id(s.id);

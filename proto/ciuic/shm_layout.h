@@ -136,7 +136,7 @@ struct SubmissionEntry {
   uint64_t recv_offset;
   uint32_t timeout_ms;   // 0: the daemon's op_timeout_ms
   int32_t priority;      // higher goes first among ready operations
-  uint32_t flags;        // reserved, must be 0
+  uint32_t flags;        // kSubmitFlag* bits; the others are reserved (0)
   uint32_t name_len;     // bytes of name used, <= kMaxOpName
   // Compression of what crosses the network (multi-node float sum/avg):
   // 0 = the daemon's `compression` setting, else Codec.
@@ -145,6 +145,13 @@ struct SubmissionEntry {
   char name[kMaxOpName]; // matches the operation across ranks
 };
 static_assert(sizeof(SubmissionEntry) == 176);
+
+// SubmissionEntry.flags: the buffers are CUDA device memory, described by
+// records in the session arena that send_offset / recv_offset point at
+// (issue 7; the record format is not fixed yet). A daemon that cannot take
+// device buffers ends such an operation with FAILED_PRECONDITION saying why
+// (built without CUDA, no usable device, or not supported yet).
+inline constexpr uint32_t kSubmitFlagDeviceBuffers = 1u << 0;
 
 enum class Codec : uint32_t {
   kDefault = 0,

@@ -143,6 +143,18 @@ std::string FormatStatus(const proto::StatusReply& status) {
   field("operations",
         absl::StrCat(status.ops_completed(), " completed, ", status.ops_failed(), " failed"));
   field("bytes reduced", HumanBytes(status.bytes_reduced()));
+  field("cuda", status.cuda_built() ? "built with CUDA" : "built without CUDA");
+  if (status.gpus().empty()) {
+    field("gpus", absl::StrCat("none: ", OrDash(status.gpus_unavailable())));
+  } else {
+    for (const proto::GpuInfo& gpu : status.gpus()) {
+      field(gpu.index() == status.gpus(0).index() ? "gpus" : "",
+            absl::StrCat(gpu.index(), ": ", gpu.name(), " (", HumanBytes(gpu.memory_bytes()),
+                         ", sm_", gpu.compute_major(), gpu.compute_minor(), ")"));
+    }
+  }
+  field("ucx cuda memory", status.ucx_cuda_memory() ? "yes (this UCX build moves CUDA memory)"
+                                                    : "no (this UCX build has no CUDA support)");
 
   absl::StrAppend(&out, "\nSESSIONS (", status.sessions_size(), ")\n");
   if (status.sessions().empty()) {

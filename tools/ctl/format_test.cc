@@ -26,6 +26,15 @@ proto::StatusReply SampleStatus() {
   status.set_ops_completed(1234);
   status.set_ops_failed(2);
   status.set_bytes_reduced(uint64_t{3} << 30);
+  status.set_cuda_built(true);
+  for (int i : {0, 1}) {
+    proto::GpuInfo* gpu = status.add_gpus();
+    gpu->set_index(i);
+    gpu->set_name("NVIDIA H200");
+    gpu->set_memory_bytes(uint64_t{140} << 30);
+    gpu->set_compute_major(9);
+    gpu->set_compute_minor(0);
+  }
   proto::SessionInfo* session = status.add_sessions();
   session->set_session_id(17);
   session->set_uid(1000);
@@ -116,6 +125,10 @@ TEST(FormatStatusTest, ShowsSummarySessionsAndJobs) {
   EXPECT_THAT(text, HasSubstr("  worker threads  8\n"));
   EXPECT_THAT(text, HasSubstr("  operations      1234 completed, 2 failed\n"));
   EXPECT_THAT(text, HasSubstr("  bytes reduced   3.0 GiB\n"));
+  EXPECT_THAT(text, HasSubstr("  cuda            built with CUDA\n"));
+  EXPECT_THAT(text, HasSubstr("  gpus            0: NVIDIA H200 (140.0 GiB, sm_90)\n"
+                              "                  1: NVIDIA H200 (140.0 GiB, sm_90)\n"));
+  EXPECT_THAT(text, HasSubstr("  ucx cuda memory no (this UCX build has no CUDA support)\n"));
   EXPECT_THAT(text, HasSubstr("SESSIONS (2)\n"
                               "ID   UID   PID  JOB     RANK     ARENA\n"
                               "17  1000  4242  resnet     3   2.0 GiB\n"
@@ -133,6 +146,10 @@ TEST(FormatStatusTest, EmptyDaemon) {
   EXPECT_THAT(text, HasSubstr("SESSIONS (0)\n  (none)\n"));
   EXPECT_THAT(text, HasSubstr("JOBS (0)\n  (none)\n"));
   EXPECT_THAT(text, HasSubstr("bytes reduced   0 B"));
+  EXPECT_THAT(text, HasSubstr("  cuda            built without CUDA\n"));
+  EXPECT_THAT(text, HasSubstr("  gpus            none: -\n"));
+  status.set_gpus_unavailable("ciuicd was built without CUDA");
+  EXPECT_THAT(FormatStatus(status), HasSubstr("  gpus            none: ciuicd was built without CUDA\n"));
 }
 
 TEST(FormatJobsTest, ShowsJobsAndPendingOperations) {

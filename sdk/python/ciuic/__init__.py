@@ -76,7 +76,9 @@ def _as_buffer(obj, what):
     if _is_tensor(obj):
         torch = _torch()
         if obj.device.type != "cpu":
-            raise InvalidArgumentError(f"{what}: tensor on {obj.device}; only CPU tensors")
+            raise InvalidArgumentError(
+                f"{what}: tensor on {obj.device}; ciuic takes CPU tensors only (GPU tensors "
+                "through the daemon are not implemented yet: copy the tensor to the CPU)")
         if obj.layout != torch.strided:
             raise InvalidArgumentError(f"{what}: {obj.layout} tensors are not supported")
         if not obj.is_contiguous():

@@ -83,6 +83,17 @@ def test_local_argument_errors(solo):
         solo.broadcast(a, root=1)
     with pytest.raises(ciuic.InvalidArgumentError, match="buffer protocol"):
         solo._impl.allreduce([1.0, 2.0])
+    # A tensor that is not on the CPU (a CUDA tensor where torch has CUDA;
+    # "meta" stands in for it on CPU-only torch): a clear error, nothing sent.
+    if torch.cuda.is_available():
+        off_cpu = torch.zeros(3, device="cuda")
+    else:
+        off_cpu = torch.zeros(3, device="meta")
+    with pytest.raises(ciuic.InvalidArgumentError,
+                       match=f"tensor on {off_cpu.device}; ciuic takes CPU tensors only"):
+        solo.allreduce(off_cpu)
+    with pytest.raises(ciuic.InvalidArgumentError, match="CPU tensors only"):
+        solo.broadcast(off_cpu, root=0)
     ro = np.zeros(3, np.float32)
     ro.flags.writeable = False
     with pytest.raises(ciuic.InvalidArgumentError, match="read-only"):

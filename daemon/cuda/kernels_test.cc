@@ -1,0 +1,476 @@
+// The device kernels against their CPU references (kernels.h), on a GPU:
+// every dtype x reduce op, every codec and float format, sizes 0, 1, odd,
+// not a multiple of the vector or block width, and large. Labelled `gpu` in
+// ctest; without a usable device every test skips with "no CUDA device:
+// <reason>".
+#include "cuda/kernels.h"
+
+#include <cuda_runtime_api.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "compression/codec.h"
+#include "compression/error_feedback.h"
+#include "gtest/gtest.h"
+#include "reduce/half.h"
+#include "reduce/reduce.h"
+
+namespace ciuic::daemon::gpu {
+namespace {
+
+using wire::DataType;
+using wire::ReduceOp;
+
+constexpr DataType kAllTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
+                                  DataType::kBFloat16, DataType::kInt8,   DataType::kUInt8,
+                                  DataType::kInt32,   DataType::kInt64};
+constexpr DataType kFloatTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
+                                    DataType::kBFloat16};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
+                                ReduceOp::kProd};
+// 0, 1, odd, not a multiple of the 16-byte vectors or of the int8 blocks, and
+// large (several grid strides' worth for the reduction).
+constexpr size_t kCounts[] = {0, 1, 7, 255, 256, 257, 4099, 1000003};
+
+std::string NoDeviceReason() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (n == 0) return "cudaGetDeviceCount found 0 devices";
+  return "";
+}
+
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string reason = NoDeviceReason();
+    if (!reason.empty()) GTEST_SKIP() << "no CUDA device: " << reason;
+    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  void Sync() { ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess); }
+  cudaStream_t stream_ = nullptr;
+};
+
+// Device memory holding a copy of host bytes; `offset` shifts the start to
+// test unaligned buffers.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes, size_t offset = 0) : bytes_(bytes) {
+    EXPECT_EQ(cudaMalloc(&base_, bytes + offset + 16), cudaSuccess);
+    ptr_ = static_cast<unsigned char*>(base_) + offset;
+  }
+  DeviceBuffer(const void* host, size_t bytes, size_t offset = 0) : DeviceBuffer(bytes, offset) {
+    if (bytes != 0) {
+      EXPECT_EQ(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+  ~DeviceBuffer() { cudaFree(base_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  std::vector<unsigned char> Download(size_t bytes) const {
+    std::vector<unsigned char> out(bytes);
+    if (bytes != 0) {
+      EXPECT_EQ(cudaMemcpy(out.data(), ptr_, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    return out;
+  }
+  std::vector<unsigned char> Download() const { return Download(bytes_); }
+
+ private:
+  void* base_ = nullptr;
+  unsigned char* ptr_ = nullptr;
+  size_t bytes_;
+};
+
+size_t SizeOf(DataType t) { return wire::DataTypeSize(static_cast<uint32_t>(t)); }
+
+bool IsNaN(DataType t, const unsigned char* p) {
+  switch (t) {
+    case DataType::kFloat32: { float f; std::memcpy(&f, p, 4); return std::isnan(f); }
+    case DataType::kFloat64: { double d; std::memcpy(&d, p, 8); return std::isnan(d); }
+    case DataType::kFloat16: { uint16_t h; std::memcpy(&h, p, 2); return (h & 0x7fff) > 0x7c00; }
+    case DataType::kBFloat16: { uint16_t h; std::memcpy(&h, p, 2); return (h & 0x7fff) > 0x7f80; }
+    default: return false;
+  }
+}
+
+// Element-wise bit equality, except that any NaN equals any NaN (kernels.h).
+void ExpectSameElements(DataType t, const std::vector<unsigned char>& want,
+                        const std::vector<unsigned char>& got, const std::string& what) {
+  ASSERT_EQ(want.size(), got.size()) << what;
+  const size_t size = SizeOf(t);
+  size_t mismatches = 0;
+  for (size_t i = 0; i < want.size(); i += size) {
+    if (std::memcmp(&want[i], &got[i], size) == 0) continue;
+    if (IsNaN(t, &want[i]) && IsNaN(t, &got[i])) continue;
+    if (++mismatches <= 3) ADD_FAILURE() << what << ": element " << i / size << " differs";
+  }
+  EXPECT_EQ(mismatches, 0u) << what;
+}
+
+// Random elements of `t`: floats mostly normal-sized with a sprinkling of
+// zeros of both signs, subnormals, Inf and NaN (when `specials`); integers
+// over their whole range.
+std::vector<unsigned char> RandomElements(DataType t, size_t count, std::mt19937_64& rng,
+                                          bool specials = true, double scale = 10) {
+  std::vector<unsigned char> out(count * SizeOf(t));
+  std::normal_distribution<double> normal(0, scale);
+  std::uniform_int_distribution<int> pick(0, 999);
+  for (size_t i = 0; i < count; ++i) {
+    unsigned char* p = &out[i * SizeOf(t)];
+    double v = normal(rng);
+    if (specials) {
+      const int r = pick(rng);
+      if (r == 0) v = std::numeric_limits<double>::quiet_NaN();
+      else if (r == 1) v = std::numeric_limits<double>::infinity();
+      else if (r == 2) v = -0.0;
+      else if (r == 3) v = 1e-41;  // float subnormal; 0 in 16 bits
+      else if (r == 4) v = 3e-6;   // binary16 subnormal
+    }
+    switch (t) {
+      case DataType::kFloat32: { const float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
+      case DataType::kFloat64: std::memcpy(p, &v, 8); break;
+      case DataType::kFloat16: { const uint16_t h = FloatToHalf(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+      case DataType::kBFloat16: { const uint16_t h = FloatToBFloat16(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+      default: {
+        const uint64_t bits = rng();
+        std::memcpy(p, &bits, SizeOf(t));
+      }
+    }
+  }
+  return out;
+}
+
+std::string Name(DataType t) { return wire::DataTypeName(static_cast<uint32_t>(t)); }
+std::string Name(ReduceOp op) { return wire::ReduceOpName(static_cast<uint32_t>(op)); }
+
+// ----------------------------------------------------------------- reduce
+
+class DeviceReduceTest : public GpuTest {
+ protected:
+  // Reduces `n` random inputs on the GPU and on the CPU and compares.
+  // `offset` (bytes) misaligns every device buffer; in_place writes into
+  // input 0.
+  void Check(DataType t, ReduceOp op, int n, size_t count, size_t offset, bool in_place) {
+    const std::string what = Name(t) + " " + Name(op) + " n=" + std::to_string(n) +
+                             " count=" + std::to_string(count) + " offset=" + std::to_string(offset) +
+                             (in_place ? " in place" : "");
+    std::mt19937_64 rng(count * 131 + n * 7 + static_cast<int>(op) * 3 + static_cast<int>(t));
+    const size_t bytes = count * SizeOf(t);
+    std::vector<std::vector<unsigned char>> host;
+    std::vector<const void*> host_ptrs;
+    std::vector<std::unique_ptr<DeviceBuffer>> dev;
+    std::vector<const void*> dev_ptrs;
+    for (int k = 0; k < n; ++k) {
+      // prod over many inputs overflows quickly: keep values near 1 there.
+      host.push_back(RandomElements(t, count, rng, true, op == ReduceOp::kProd ? 1.5 : 10));
+    }
+    for (int k = 0; k < n; ++k) {
+      host_ptrs.push_back(host[k].data());
+      dev.push_back(std::make_unique<DeviceBuffer>(host[k].data(), bytes, offset));
+      dev_ptrs.push_back(dev.back()->get());
+    }
+    std::vector<unsigned char> want(bytes);
+    if (count != 0) Reduce(t, op, host_ptrs.data(), n, want.data(), count);
+    DeviceBuffer out(bytes, offset);
+    void* out_ptr = in_place ? dev[0]->get() : out.get();
+    ASSERT_TRUE(DeviceReduce(t, op, dev_ptrs.data(), n, out_ptr, count, stream_).ok()) << what;
+    Sync();
+    ExpectSameElements(t, want, in_place ? dev[0]->Download() : out.Download(), what);
+  }
+};
+
+TEST_F(DeviceReduceTest, EveryTypeOpAndSizeMatchesCpu) {
+  for (DataType t : kAllTypes) {
+    for (ReduceOp op : kAllOps) {
+      for (size_t count : kCounts) {
+        for (int n : {1, 2, 3, 5}) Check(t, op, n, count, 0, false);
+      }
+    }
+  }
+}
+
+TEST_F(DeviceReduceTest, InPlaceAndUnaligned) {
+  for (DataType t : kAllTypes) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+      for (size_t count : {size_t{1}, size_t{257}, size_t{100003}}) {
+        Check(t, op, 3, count, 0, true);
+        Check(t, op, 2, count, SizeOf(t), false);  // aligned to the element, not to 16
+        Check(t, op, 4, count, SizeOf(t), true);
+      }
+    }
+  }
+}
+
+TEST_F(DeviceReduceTest, ManyInputs) {
+  for (int n : {8, 17, kMaxReduceInputs}) {
+    Check(DataType::kFloat32, ReduceOp::kSum, n, 10007, 0, false);
+    Check(DataType::kBFloat16, ReduceOp::kAvg, n, 10007, 0, false);
+    Check(DataType::kInt32, ReduceOp::kMin, n, 10007, 0, false);
+  }
+}
+
+// ----------------------------------------------------------------- codecs
+
+std::unique_ptr<Codec> CpuCodec(const std::string& spec) {
+  absl::StatusOr<CodecSpec> parsed = ParseCodec(spec);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  return MakeCodec(*parsed);
+}
+
+class DeviceCodecTest : public GpuTest {
+ protected:
+  // Decodes `wire` on the GPU (into and added into a random accumulator) and
+  // on the CPU, and compares; both must agree on success or failure, and a
+  // failure leaves the GPU buffer untouched.
+  void CheckDecode(const std::string& spec, DataType t, const std::vector<unsigned char>& wire,
+                   size_t count, const std::string& what) {
+    std::mt19937_64 rng(count + wire.size());
+    const std::unique_ptr<Codec> cpu = CpuCodec(spec);
+    const std::vector<unsigned char> acc0 = RandomElements(t, count, rng, false);
+    const size_t bytes = count * SizeOf(t);
+    for (bool add : {false, true}) {
+      std::vector<unsigned char> want = acc0;
+      const absl::Status cs = add ? cpu->DecodeAdd(t, wire.data(), wire.size(), count, want.data())
+                                  : cpu->Decode(t, wire.data(), wire.size(), count, want.data());
+      DeviceBuffer dwire(wire.data(), wire.size());
+      DeviceBuffer dout(acc0.data(), bytes);
+      DeviceBuffer ws(std::max<size_t>(Int8DecodeWorkspaceBytes(count), 256));
+      absl::Status gs;
+      if (spec == "int8") {
+        gs = DeviceInt8Decode(t, dwire.get(), wire.size(), count, dout.get(), add, ws.get(),
+                              Int8DecodeWorkspaceBytes(count), stream_);
+      } else if (spec == "fp16" || spec == "bf16") {
+        gs = DeviceCastDecode(spec == "fp16" ? CastFormat::kFp16 : CastFormat::kBf16, t, dwire.get(),
+                              wire.size(), count, dout.get(), add, stream_);
+      } else {
+        gs = DeviceTopKDecode(t, dwire.get(), wire.size(), count, dout.get(), add, ws.get(),
+                              TopKDecodeWorkspaceBytes(), stream_);
+      }
+      Sync();
+      const std::string w = what + (add ? " decode-add" : " decode");
+      ASSERT_EQ(cs.ok(), gs.ok()) << w << ": cpu " << cs << " gpu " << gs;
+      if (!cs.ok()) {
+        EXPECT_EQ(gs.code(), absl::StatusCode::kInvalidArgument) << w << gs;
+        EXPECT_EQ(dout.Download(), acc0) << w << ": output touched on error";
+      } else {
+        ExpectSameElements(t, want, dout.Download(), w);
+      }
+    }
+  }
+
+  // Encodes on both and compares the bytes exactly; then decodes the CPU's
+  // bytes on the GPU. Returns the wire bytes.
+  std::vector<unsigned char> CheckRoundTrip(const std::string& spec, DataType t,
+                                            const std::vector<unsigned char>& host, size_t count,
+                                            const std::string& what) {
+    const std::unique_ptr<Codec> cpu = CpuCodec(spec);
+    std::vector<unsigned char> want(cpu->MaxEncodedBytes(t, count) + 1);
+    const size_t want_bytes = cpu->Encode(t, host.data(), count, want.data());
+    want.resize(want_bytes);
+    DeviceBuffer din(host.data(), host.size());
+    DeviceBuffer dout(std::max<size_t>(cpu->MaxEncodedBytes(t, count), 4));
+    size_t got_bytes = 0;
+    if (spec == "int8") {
+      absl::StatusOr<size_t> ws_bytes = Int8EncodeWorkspaceBytes(count);
+      EXPECT_TRUE(ws_bytes.ok()) << ws_bytes.status();
+      DeviceBuffer ws(*ws_bytes);
+      DeviceBuffer total(8);
+      EXPECT_TRUE(DeviceInt8Encode(t, din.get(), count, dout.get(), ws.get(), *ws_bytes,
+                                   static_cast<uint64_t*>(total.get()), stream_)
+                      .ok())
+          << what;
+      Sync();
+      const std::vector<unsigned char> tb = total.Download();
+      uint64_t n = 0;
+      std::memcpy(&n, tb.data(), 8);
+      got_bytes = n;
+    } else if (spec == "fp16" || spec == "bf16") {
+      EXPECT_TRUE(DeviceCastEncode(spec == "fp16" ? CastFormat::kFp16 : CastFormat::kBf16, t,
+                                   din.get(), count, dout.get(), stream_)
+                      .ok())
+          << what;
+      got_bytes = 2 * count;
+    } else {
+      const size_t k = want_bytes / (4 + SizeOf(t));
+      absl::StatusOr<size_t> ws_bytes = TopKEncodeWorkspaceBytes(count);
+      EXPECT_TRUE(ws_bytes.ok()) << ws_bytes.status();
+      DeviceBuffer ws(*ws_bytes);
+      EXPECT_TRUE(DeviceTopKEncode(t, din.get(), count, k, dout.get(), ws.get(), *ws_bytes, stream_)
+                      .ok())
+          << what;
+      got_bytes = k * (4 + SizeOf(t));
+    }
+    Sync();
+    EXPECT_EQ(got_bytes, want_bytes) << what;
+    const std::vector<unsigned char> got = dout.Download(std::min(got_bytes, want_bytes));
+    if (got != std::vector<unsigned char>(want.begin(), want.begin() + got.size())) {
+      size_t first = 0;
+      while (first < got.size() && got[first] == want[first]) ++first;
+      ADD_FAILURE() << what << ": encoded bytes differ from the CPU codec's, first at byte " << first;
+    }
+    CheckDecode(spec, t, want, count, what);
+    return want;
+  }
+};
+
+TEST_F(DeviceCodecTest, CastCodecsMatchCpu) {
+  for (const std::string spec : {"fp16", "bf16"}) {
+    const DataType narrow = spec == "fp16" ? DataType::kFloat16 : DataType::kBFloat16;
+    for (DataType t : {DataType::kFloat32, narrow}) {
+      for (size_t count : kCounts) {
+        std::mt19937_64 rng(count);
+        const auto host = RandomElements(t, count, rng, true, spec == "fp16" ? 1e4 : 1e30);
+        CheckRoundTrip(spec, t, host, count, spec + " " + Name(t) + " count=" + std::to_string(count));
+      }
+    }
+  }
+}
+
+TEST_F(DeviceCodecTest, Int8MatchesCpuBitForBit) {
+  for (DataType t : kFloatTypes) {
+    for (size_t count : kCounts) {
+      std::mt19937_64 rng(count * 3 + static_cast<int>(t));
+      const std::string what = "int8 " + Name(t) + " count=" + std::to_string(count);
+      // Finite values only: every block is quantised (the one-pass layout).
+      CheckRoundTrip("int8", t, RandomElements(t, count, rng, false), count, what + " finite");
+      // NaN/Inf/zero blocks: some blocks raw (the prefix-sum relayout).
+      CheckRoundTrip("int8", t, RandomElements(t, count, rng, true), count, what + " specials");
+    }
+    // Blocks of zeros (scale 0) and of tiny values (raw: below 2^-100, only
+    // representable in float32/float64).
+    const size_t count = 256 * 5 + 3;
+    std::vector<unsigned char> host(count * SizeOf(t), 0);
+    if (t == DataType::kFloat32 || t == DataType::kFloat64) {
+      for (size_t i = 512; i < 768; ++i) {
+        if (t == DataType::kFloat32) {
+          const float f = 1e-35f * static_cast<float>(i);
+          std::memcpy(&host[i * 4], &f, 4);
+        } else {
+          const double d = 1e-300 * static_cast<double>(i);
+          std::memcpy(&host[i * 8], &d, 8);
+        }
+      }
+    }
+    CheckRoundTrip("int8", t, host, count, "int8 " + Name(t) + " zero and tiny blocks");
+  }
+}
+
+TEST_F(DeviceCodecTest, Int8RejectsMalformedInput) {
+  for (DataType t : kFloatTypes) {
+    const size_t count = 1000;
+    std::mt19937_64 rng(5);
+    const auto host = RandomElements(t, count, rng, false);
+    const std::unique_ptr<Codec> cpu = CpuCodec("int8");
+    std::vector<unsigned char> wire(cpu->MaxEncodedBytes(t, count));
+    wire.resize(cpu->Encode(t, host.data(), count, wire.data()));
+    const std::string what = "int8 " + Name(t);
+    auto bad_scale = wire;
+    const float negative = -1;
+    std::memcpy(&bad_scale[260 * 2], &negative, 4);
+    CheckDecode("int8", t, bad_scale, count, what + " negative scale");
+    auto raw_header = wire;  // claims raw where the size says quantised
+    const float inf = std::numeric_limits<float>::infinity();
+    std::memcpy(&raw_header[260], &inf, 4);
+    CheckDecode("int8", t, raw_header, count, what + " raw header in a quantised layout");
+    auto truncated = wire;
+    truncated.resize(wire.size() - 3);
+    CheckDecode("int8", t, truncated, count, what + " truncated");
+    auto longer = wire;
+    longer.resize(wire.size() + 4 * SizeOf(t));
+    CheckDecode("int8", t, longer, count, what + " trailing bytes");
+  }
+}
+
+size_t TopKKept(double ratio, size_t count) {
+  if (count == 0) return 0;
+  const double k = std::ceil(ratio * static_cast<double>(count));
+  if (!(k < static_cast<double>(count))) return count;
+  return std::max<size_t>(1, static_cast<size_t>(k));
+}
+
+TEST_F(DeviceCodecTest, TopKMatchesCpuIncludingTies) {
+  for (const std::string spec : {"topk:0.01", "topk:0.3", "topk:1"}) {
+    for (DataType t : kFloatTypes) {
+      for (size_t count : kCounts) {
+        std::mt19937_64 rng(count + 11);
+        const std::string what = spec + " " + Name(t) + " count=" + std::to_string(count);
+        CheckRoundTrip(spec, t, RandomElements(t, count, rng, true), count, what);
+        // Many equal magnitudes: the k-th largest is tied and ties go by index.
+        std::vector<unsigned char> ties(count * SizeOf(t));
+        std::uniform_int_distribution<int> small(-3, 3);
+        for (size_t i = 0; i < count; ++i) {
+          const double v = small(rng);
+          switch (t) {
+            case DataType::kFloat32: { const float f = v; std::memcpy(&ties[4 * i], &f, 4); break; }
+            case DataType::kFloat64: std::memcpy(&ties[8 * i], &v, 8); break;
+            case DataType::kFloat16: { const uint16_t h = FloatToHalf(v); std::memcpy(&ties[2 * i], &h, 2); break; }
+            default: { const uint16_t h = FloatToBFloat16(v); std::memcpy(&ties[2 * i], &h, 2); break; }
+          }
+        }
+        CheckRoundTrip(spec, t, ties, count, what + " ties");
+      }
+    }
+  }
+  EXPECT_EQ(TopKKept(0.01, 1000003), 10001u);  // what CheckRoundTrip derives from the CPU size
+}
+
+TEST_F(DeviceCodecTest, TopKRejectsBadIndices) {
+  for (DataType t : kFloatTypes) {
+    const size_t count = 100;
+    const size_t k = 10;
+    std::vector<unsigned char> wire(k * (4 + SizeOf(t)), 0);
+    for (uint32_t j = 0; j < k; ++j) {
+      const uint32_t i = 3 * j;
+      std::memcpy(&wire[4 * j], &i, 4);
+    }
+    CheckDecode("topk:0.1", t, wire, count, "topk valid");
+    auto repeated = wire;
+    std::memcpy(&repeated[4 * 5], &repeated[4 * 4], 4);
+    CheckDecode("topk:0.1", t, repeated, count, "topk repeated index");
+    auto beyond = wire;
+    const uint32_t big = 100;
+    std::memcpy(&beyond[4 * 9], &big, 4);
+    CheckDecode("topk:0.1", t, beyond, count, "topk index out of range");
+  }
+}
+
+TEST_F(DeviceCodecTest, ErrorFeedbackMatchesCpu) {
+  for (size_t count : kCounts) {
+    std::mt19937_64 rng(count + 99);
+    const auto a = RandomElements(DataType::kFloat32, count, rng, true);
+    const auto b = RandomElements(DataType::kFloat32, count, rng, true);
+    const auto data = RandomElements(DataType::kFloat32, count, rng, true);
+    const auto* fa = reinterpret_cast<const float*>(a.data());
+    const auto* fb = reinterpret_cast<const float*>(b.data());
+    // CPU: residual = a - b (finite), then data += residual.
+    ErrorFeedback ef(size_t{1} << 30);
+    ef.Update("x", fa, fb, count);
+    std::vector<unsigned char> want = data;
+    ef.Apply("x", reinterpret_cast<float*>(want.data()), count);
+    DeviceBuffer da(a.data(), a.size()), db(b.data(), b.size()), dd(data.data(), data.size());
+    DeviceBuffer residual(count * 4);
+    ASSERT_TRUE(DeviceErrorFeedbackUpdate(static_cast<const float*>(da.get()),
+                                          static_cast<const float*>(db.get()),
+                                          static_cast<float*>(residual.get()), count, stream_)
+                    .ok());
+    ASSERT_TRUE(DeviceErrorFeedbackApply(static_cast<const float*>(residual.get()),
+                                         static_cast<float*>(dd.get()), count, stream_)
+                    .ok());
+    Sync();
+    ExpectSameElements(DataType::kFloat32, want, dd.Download(), "error feedback count=" + std::to_string(count));
+  }
+}
+
+}  // namespace
+}  // namespace ciuic::daemon::gpu

@@ -1,0 +1,39 @@
+#include "cuda/launch.h"
+
+#include <algorithm>
+
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace ciuic::daemon::gpu {
+
+LaunchShape GridFor(size_t items, unsigned threads_per_block, unsigned max_blocks) {
+  if (items == 0 || threads_per_block == 0 || max_blocks == 0) return {};
+  const size_t blocks = ItemsFor(items, threads_per_block);
+  return {static_cast<unsigned>(std::min<size_t>(blocks, max_blocks)), threads_per_block};
+}
+
+absl::Status CudaStatus(int error, absl::string_view what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  const auto code = static_cast<cudaError_t>(error);
+  const char* name = cudaGetErrorName(code);
+  const char* text = cudaGetErrorString(code);
+  switch (code) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorNotSupported:
+    case cudaErrorInvalidDevice:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorSystemNotReady:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+    case cudaErrorNoKernelImageForDevice:
+      return absl::FailedPreconditionError(
+          absl::StrCat("no CUDA device: ", text, " (", name, ", in ", what, ")"));
+    default:
+      return absl::InternalError(absl::StrCat(what, ": CUDA error ", name, ": ", text));
+  }
+}
+
+}  // namespace ciuic::daemon::gpu

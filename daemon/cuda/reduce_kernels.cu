@@ -1,0 +1,161 @@
+// DeviceReduce (kernels.h): one element-wise kernel per dtype x op, each
+// thread folding a 16-byte vector of elements of every input.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/device_formats.cuh"
+#include "cuda/kernels.h"
+#include "cuda/launch.h"
+
+namespace ciuic::daemon::gpu {
+namespace {
+
+using namespace cuda_internal;  // NOLINT: the formats and ops
+using wire::DataType;
+using wire::ReduceOp;
+
+// The input pointers travel by value as a kernel parameter.
+struct Inputs {
+  const void* ptr[kMaxReduceInputs];
+};
+
+template <typename T>
+struct alignas(16) Vec {
+  static constexpr int kN = 16 / sizeof(T);
+  T v[kN];
+};
+
+// Work item `item` covers elements [item * V, item * V + V) (V = 16 bytes of
+// elements); the last item may be short and so may the whole buffer be
+// unaligned: those take the element-by-element branch. Every thread reads all
+// inputs of its elements before it writes them, so out == inputs[k] is safe.
+template <typename F, typename Op>
+__global__ void ReduceKernel(Inputs in, int n, typename F::Storage* out, size_t count,
+                             bool aligned) {
+  using T = typename F::Storage;
+  using A = typename F::Acc;
+  constexpr int V = Vec<T>::kN;
+  const size_t items = ItemsFor(count, V);
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t item = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
+       item += stride) {
+    const size_t base = item * V;
+    if (aligned && base + V <= count) {
+      A acc[V];
+      {
+        const Vec<T> x = *reinterpret_cast<const Vec<T>*>(static_cast<const T*>(in.ptr[0]) + base);
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = F::Load(x.v[j]);
+      }
+      for (int k = 1; k < n; ++k) {
+        const Vec<T> x = *reinterpret_cast<const Vec<T>*>(static_cast<const T*>(in.ptr[k]) + base);
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = Op::Combine(acc[j], F::Load(x.v[j]));
+      }
+      Vec<T> o;
+#pragma unroll
+      for (int j = 0; j < V; ++j) o.v[j] = Op::template Finish<F>(acc[j], n);
+      *reinterpret_cast<Vec<T>*>(out + base) = o;
+    } else {
+      const size_t end = base + V < count ? base + V : count;
+      for (size_t i = base; i < end; ++i) {
+        A acc = F::Load(static_cast<const T*>(in.ptr[0])[i]);
+        for (int k = 1; k < n; ++k) {
+          acc = Op::Combine(acc, F::Load(static_cast<const T*>(in.ptr[k])[i]));
+        }
+        out[i] = Op::template Finish<F>(acc, n);
+      }
+    }
+  }
+}
+
+template <typename F, typename Op>
+absl::Status Launch(const Inputs& in, int n, void* out, size_t count, bool aligned,
+                    cudaStream_t stream) {
+  using T = typename F::Storage;
+  const LaunchShape shape = GridFor(ItemsFor(count, Vec<T>::kN));
+  ReduceKernel<F, Op><<<shape.blocks, shape.threads, 0, stream>>>(in, n, static_cast<T*>(out),
+                                                                   count, aligned);
+  return CudaStatus(cudaGetLastError(), "DeviceReduce launch");
+}
+
+template <typename F>
+absl::Status DispatchOp(ReduceOp op, const Inputs& in, int n, void* out, size_t count,
+                        bool aligned, cudaStream_t stream) {
+  switch (op) {
+    case ReduceOp::kSum: return Launch<F, SumOp>(in, n, out, count, aligned, stream);
+    case ReduceOp::kAvg: return Launch<F, AvgOp>(in, n, out, count, aligned, stream);
+    case ReduceOp::kMin: return Launch<F, MinOp>(in, n, out, count, aligned, stream);
+    case ReduceOp::kMax: return Launch<F, MaxOp>(in, n, out, count, aligned, stream);
+    case ReduceOp::kProd: return Launch<F, ProdOp>(in, n, out, count, aligned, stream);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("DeviceReduce: unknown reduce op ", static_cast<uint32_t>(op)));
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+absl::Status DeviceReduce(DataType dtype, ReduceOp op, const void* const* device_inputs,
+                          int num_inputs, void* device_out, size_t count, void* stream) {
+  const size_t size = wire::DataTypeSize(static_cast<uint32_t>(dtype));
+  if (size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: unknown data type ",
+                                                   static_cast<uint32_t>(dtype)));
+  }
+  if (wire::ReduceOpName(static_cast<uint32_t>(op)) == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DeviceReduce: unknown reduce op ", static_cast<uint32_t>(op)));
+  }
+  if (num_inputs < 1 || num_inputs > kMaxReduceInputs) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: ", num_inputs,
+                                                   " inputs (1 to ", kMaxReduceInputs, ")"));
+  }
+  if (count > SIZE_MAX / size) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: count ", count, " too large"));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (device_inputs == nullptr || device_out == nullptr) {
+    return absl::InvalidArgumentError("DeviceReduce: null buffer");
+  }
+  Inputs in{};
+  bool aligned = Aligned16(device_out);
+  for (int k = 0; k < num_inputs; ++k) {
+    if (device_inputs[k] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: input ", k, " is null"));
+    }
+    if (reinterpret_cast<uintptr_t>(device_inputs[k]) % size != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DeviceReduce: input ", k, " is not aligned to its ", size, "-byte elements"));
+    }
+    in.ptr[k] = device_inputs[k];
+    aligned = aligned && Aligned16(device_inputs[k]);
+  }
+  if (reinterpret_cast<uintptr_t>(device_out) % size != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DeviceReduce: output is not aligned to its ", size, "-byte elements"));
+  }
+  auto* s = static_cast<cudaStream_t>(stream);
+  if (num_inputs == 1 && op != ReduceOp::kAvg) {  // a copy, as on the CPU
+    if (device_out == device_inputs[0]) return absl::OkStatus();
+    return CudaStatus(
+        cudaMemcpyAsync(device_out, device_inputs[0], count * size, cudaMemcpyDeviceToDevice, s),
+        "DeviceReduce copy");
+  }
+  switch (dtype) {
+    case DataType::kFloat32: return DispatchOp<Plain<float>>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kFloat64: return DispatchOp<Plain<double>>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kFloat16: return DispatchOp<HalfReduce>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kBFloat16: return DispatchOp<BFloat16Reduce>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kInt8: return DispatchOp<Plain<int8_t>>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kUInt8: return DispatchOp<Plain<uint8_t>>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kInt32: return DispatchOp<Plain<int32_t>>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kInt64: return DispatchOp<Plain<int64_t>>(op, in, num_inputs, device_out, count, aligned, s);
+  }
+  return absl::InvalidArgumentError("DeviceReduce: unknown data type");
+}
+
+}  // namespace ciuic::daemon::gpu

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 7 in one run, for a machine with an NVIDIA GPU
+# (sized for about 8 minutes on one H200):
+#   1. build, Release, CIUIC_CUDA=ON, only the targets needed, all cores;
+#   2. the GPU tests (ctest -L gpu: every kernel against its CPU reference),
+#      and the CPU-side CUDA tests;
+#   3. the kernel benchmark: sum-reduce, int8/fp16 encode and int8 decode at
+#      256 MiB beside a device-to-device copy of the same size, measured in
+#      the same run (median of 15), with the targets (>= 80% of the copy);
+#   4. the allreduce benchmark, two trainer processes on one GPU through the
+#      daemon (float32, 8 B to 1 GiB; target: algbw at 1 GiB >= 50% of the
+#      copy's bandwidth) -- when ciuic-bench has --device cuda.
+#
+# Usage:
+#   tools/gpu-check.sh           run the checks (builds first, see below)
+#   tools/gpu-check.sh bundle    on a machine that has the build dependencies
+#                                (Debian 12: tools/install-deps.sh) but maybe
+#                                no GPU: build the binaries and the shared
+#                                libraries they need into .gpu-bundle/, to be
+#                                carried to a GPU machine that lacks them
+#
+# Build dependencies on the GPU machine: the checks need gRPC, Protobuf, UCX,
+# Abseil, spdlog, yaml-cpp and GoogleTest development files besides CUDA and
+# CMake. If a configure there fails (the lent H200 image has CUDA, CMake and
+# ninja but, as far as is known, none of the Debian -dev packages, and no
+# network to fetch them), the script uses .gpu-bundle/ built beforehand with
+# `tools/gpu-check.sh bundle` on a Debian 12 machine (this project's CI and
+# development machines), carried along: binaries built there run on the newer
+# glibc/libstdc++ of the GPU image, with their other libraries from the
+# bundle (LD_LIBRARY_PATH) and UCX's transport modules from it too.
+#
+# Output: everything is printed and, when $OUT is set, also written to
+# $OUT/gpu-check.log.
+#
+# Environment: CIUIC_GPU_BUILD_DIR (default build-gpu), CIUIC_GPU_BUILD_TYPE
+# (default Release), CIUIC_CUDA_ARCHITECTURES (default "80;90"),
+# CIUIC_GPU_USE_BUNDLE=1 (skip the build and use .gpu-bundle/).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bundle=$root/.gpu-bundle
+build=${CIUIC_GPU_BUILD_DIR:-$root/build-gpu}
+jobs=$(nproc)
+targets=(cuda_kernels_test cuda_launch_test gpu_info_test cuda_kernels_bench ciuicd ciuicctl ciuic-bench)
+
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  exec > >(tee "$OUT/gpu-check.log") 2>&1
+fi
+
+say() { printf '\n=== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+
+configure_and_build() {
+  local cuda_arch=${CIUIC_CUDA_ARCHITECTURES:-80;90}
+  mkdir -p "$build"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${CIUIC_GPU_BUILD_TYPE:-Release}" -DCIUIC_CUDA=ON \
+    "-DCMAKE_CUDA_ARCHITECTURES=$cuda_arch" -DCIUIC_WITH_MPI_BASELINE=OFF \
+    -DPython_EXECUTABLE="$(command -v python3)" >"$build/ciuic-configure.log" 2>&1 || return 1
+  cmake --build "$build" -j "$jobs" --target "${targets[@]}"
+}
+
+if [ "${1:-}" = "bundle" ]; then
+  say "building the bundle in $build"
+  mkdir -p "$build"
+  if ! configure_and_build; then
+    cat "$build/ciuic-configure.log"
+    exit 1
+  fi
+  rm -rf "$bundle"
+  mkdir -p "$bundle/bin" "$bundle/lib"
+  for t in "${targets[@]}"; do
+    f=$(find "$build" -name "$t" -type f -perm -u+x | head -n 1)
+    [ -n "$f" ] || { echo "gpu-check: $t not built" >&2; exit 1; }
+    cp "$f" "$bundle/bin/" && strip --strip-debug "$bundle/bin/$t"
+  done
+  # Shared libraries, except the C/C++ runtime, which the GPU image has
+  # (newer) itself.
+  for t in "${targets[@]}"; do ldd "$bundle/bin/$t"; done | awk '/=> \//{print $3}' | sort -u |
+    grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux-x86-64|libstdc\+\+|libgcc_s)\.so' |
+    while read -r lib; do cp -L "$lib" "$bundle/lib/"; done
+  # UCX loads its transports (tcp, shared memory, cma) as modules from a
+  # directory compiled into it; the run points UCX_MODULE_DIR here instead.
+  libucp=$(ldd "$bundle/bin/ciuicd" | awk '/libucp/{print $3}')
+  ucx_modules=$(dirname "$(readlink -f "$libucp")")/ucx
+  if [ -d "$ucx_modules" ]; then
+    mkdir -p "$bundle/lib/ucx"
+    cp -L "$ucx_modules"/*.so* "$bundle/lib/ucx/"
+  else
+    echo "gpu-check: UCX modules not found next to $libucp" >&2
+  fi
+  strip --strip-debug "$bundle"/lib/*.so* "$bundle"/lib/ucx/*.so* 2>/dev/null
+  du -sh "$bundle"
+  echo "bundle ready: carry .gpu-bundle (and run tools/gpu-check.sh there)"
+  exit 0
+fi
+
+say "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || true
+command -v nvcc >/dev/null && nvcc --version | tail -n 2
+uname -srm; ldd --version 2>&1 | head -n 1
+
+bin=""
+ctest_dir=""
+say "build (Release, CIUIC_CUDA=ON, -j$jobs)"
+start=$SECONDS
+if [ "${CIUIC_GPU_USE_BUNDLE:-0}" != 1 ] && configure_and_build; then
+  bin=$build
+  ctest_dir=$build
+  echo "built in $((SECONDS - start)) s"
+elif [ -x "$bundle/bin/ciuicd" ]; then
+  if [ "${CIUIC_GPU_USE_BUNDLE:-0}" != 1 ]; then
+    echo "configure here failed (missing build dependencies; see $build/ciuic-configure.log):"
+    grep -m 3 -iE 'could not find|error' "$build/ciuic-configure.log" || true
+  fi
+  echo "using the prebuilt bundle in $bundle"
+  bin=$bundle/bin
+  export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  [ -d "$bundle/lib/ucx" ] && export UCX_MODULE_DIR=$bundle/lib/ucx
+  missing=$(for t in "${targets[@]}"; do ldd "$bin/$t"; done | grep 'not found' | sort -u)
+  if [ -n "$missing" ]; then
+    echo "gpu-check: libraries missing for the bundle:"; echo "$missing"; exit 1
+  fi
+else
+  echo "gpu-check: no build: configure failed and there is no .gpu-bundle"
+  tail -n 20 "$build/ciuic-configure.log"
+  exit 1
+fi
+find_bin() { find "$bin" -name "$1" -type f -perm -u+x | head -n 1; }
+
+status=0
+say "GPU tests (every kernel against its CPU reference)"
+if [ -n "$ctest_dir" ]; then
+  (cd "$ctest_dir" && ctest -L gpu --output-on-failure --timeout 300) || status=1
+  (cd "$ctest_dir" && ctest -L unit -R 'GridFor|ItemsFor|CudaStatus|ArgumentTest|NoDevice|GpuInfo' \
+     --output-on-failure --timeout 60) || status=1
+else
+  "$(find_bin cuda_kernels_test)" || status=1
+  "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
+  "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
+fi
+
+say "daemon status on this machine"
+tmp=$(mktemp -d)
+trap 'kill "${daemon_pid:-}" 2>/dev/null; rm -rf "$tmp"' EXIT
+"$(find_bin ciuicd)" --socket "$tmp/ciuicd.sock" --node-name gpu-check --log-level info \
+  >"$tmp/ciuicd.log" 2>&1 &
+daemon_pid=$!
+for _ in $(seq 50); do [ -S "$tmp/ciuicd.sock" ] && break; sleep 0.1; done
+"$(find_bin ciuicctl)" --socket "$tmp/ciuicd.sock" status | sed -n '1,12p' || status=1
+kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null
+
+say "kernel benchmark (256 MiB, median of 15, interleaved with the copy)"
+"$(find_bin cuda_kernels_bench)" --bytes 256M --reps 15 --inner 10 --json || status=1
+
+say "allreduce benchmark: two trainer processes on one GPU through the daemon"
+bench=$(find_bin ciuic-bench)
+if "$bench" --help 2>&1 | grep -q -- '--device'; then
+  timeout 240 "$bench" --op allreduce --nodes 1 --ranks-per-node 2 --device cuda \
+    --sizes 8,64K,1M,16M,256M,1G --dtype float32 --iters 10 --warmup 3 --check \
+    --ciuicd "$(find_bin ciuicd)" || status=1
+  echo "target: algbw of the 1 GiB allreduce >= 50% of the d2d copy bandwidth above"
+else
+  echo "NOT RUN: this ciuic-bench has no --device cuda (device buffers through the daemon are"
+  echo "not implemented yet); the two-process GPU allreduce figures are owed."
+fi
+
+say "done (status $status)"
+exit $status
