@@ -27,6 +27,7 @@
 #include "cluster/coordinator.h"
 #include "cluster/ucx_transports.h"
 #include "control/control_service.h"
+#include "control/peer_client.h"
 #include "control/peer_service.h"
 #include "cuda/gpu_info.h"
 #include "engine/engine.h"
@@ -196,6 +197,7 @@ int Main(int argc, char** argv) {
   options.node_name = cfg.node_name;
   options.cluster_token = cluster_token;
   options.transports = UcxTransportFactory();
+  options.coordinator_clients = GrpcCoordinatorClients();
   auto engine = Engine::Start(options);
   if (!engine.ok()) {
     spdlog::critical("{}", std::string(engine.status().message()));
@@ -208,7 +210,7 @@ int Main(int argc, char** argv) {
     (*engine)->Shutdown();
     return 1;
   }
-  Coordinator coordinator(cluster_token);
+  Coordinator coordinator(cluster_token, &tuning);  // fusion and cycle time for its jobs
   PeerService peer_service(&coordinator);
   std::unique_ptr<grpc::Server> peer_server;
   if (!cfg.listen.empty()) {

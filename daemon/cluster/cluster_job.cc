@@ -4,10 +4,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "ciuic/peer.grpc.pb.h"
+#include "ciuic/peer.pb.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
-#include "grpcpp/grpcpp.h"
 #include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
 
@@ -16,7 +15,8 @@ namespace ciuic::daemon {
 using Clock = std::chrono::steady_clock;
 
 struct ClusterJob::Event {
-  enum Kind { kSubmit, kCoordinator, kBroken, kAbort } kind;
+  // kBroken: the ordering stream ended; kRunFailed: a lane's run failed.
+  enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort } kind;
   ClusterOp op;
   proto::CoordinatorEvent coordinator;
   absl::Status status;
@@ -72,22 +72,6 @@ class ClusterJob::CountingTransport final : public Transport {
 
 namespace {
 
-std::shared_ptr<grpc::Channel> PeerChannel(const std::string& address) {
-  grpc::ChannelArguments args;
-  // A vanished peer host is noticed within seconds even without a RST.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 3000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(context, s.error_message()));
-}
-
 InterNodeAlgorithm AlgorithmFor(config::Algorithm a) {
   switch (a) {
     case config::Algorithm::kRing: return InterNodeAlgorithm::kRing;
@@ -105,6 +89,7 @@ ClusterJob::ClusterJob(Options options, OpDone op_done, JobFailed job_failed)
       op_done_(std::move(op_done)),
       job_failed_(std::move(job_failed)),
       events_(new std::deque<Event>()) {
+  client_ = options_.coordinator_clients(options_.coordinator);
   thread_ = std::thread([this] { Run(); });
   pthread_setname_np(thread_.native_handle(), "ciuic-cluster");
 }
@@ -135,7 +120,8 @@ void ClusterJob::Abort(const absl::Status& why) {
   aborted_ = true;
   if (failure_.ok()) failure_ = why;
   events_->push_back(Event{Event::kAbort, {}, {}, why});
-  if (register_ctx_) static_cast<grpc::ClientContext*>(register_ctx_)->TryCancel();
+  lanes_cv_.notify_all();  // WaitForAnnouncedRuns gives up
+  client_->CancelRegister();
   if (transport_) {
     for (int p = 0; p < transport_->num_peers(); ++p) {
       if (p != transport_->self()) transport_->FailPeer(p, why);
@@ -144,9 +130,19 @@ void ClusterJob::Abort(const absl::Status& why) {
   cv_.notify_all();
 }
 
-std::string ClusterJob::state() {
+ClusterJob::State ClusterJob::state() {
   std::lock_guard<std::mutex> lock(mu_);
   return state_;
+}
+
+std::string ClusterJob::StateText() {
+  std::lock_guard<std::mutex> lock(mu_);
+  switch (state_) {
+    case State::kForming: return "forming";
+    case State::kRunning: return "running";
+    case State::kFailed: break;
+  }
+  return absl::StrCat("failed: ", failed_why_);
 }
 
 std::vector<ClusterJob::PeerRow> ClusterJob::Peers() {
@@ -175,24 +171,16 @@ absl::Status ClusterJob::Form() {
   for (const std::string& a : (*unconnected)->Addresses()) req.add_transport_addresses(a);
   req.set_channels(options_.channels);
 
-  auto stub = proto::Peer::NewStub(PeerChannel(options_.coordinator));
-  proto::Membership membership;
-  grpc::ClientContext ctx;
   const uint32_t timeout_ms = std::max<uint32_t>(options_.tuning->Snapshot().op_timeout_ms, 10000);
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
-    register_ctx_ = &ctx;
   }
-  grpc::Status gs = stub->RegisterNode(&ctx, req, &membership);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    register_ctx_ = nullptr;
-  }
-  if (!gs.ok()) {
-    return FromGrpc(gs, absl::StrCat("registering with coordinator ", options_.coordinator, ": "));
-  }
+  // Abort cancels it (also before it starts).
+  auto registered = client_->Register(
+      req, std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  if (!registered.ok()) return registered.status();
+  const proto::Membership& membership = *registered;
 
   std::vector<std::vector<std::string>> addresses;
   node_of_rank_.assign(options_.world_size, -1);
@@ -218,15 +206,15 @@ absl::Status ClusterJob::Form() {
     std::lock_guard<std::mutex> lock(mu_);
     transport_ = std::make_unique<CountingTransport>(std::move(*connected));
     peers_ = std::move(rows);
-    state_ = "running";
+    state_ = State::kRunning;
   }
   spdlog::info("job '{}': node {} of {} in the membership table, {} channel(s)", options_.job_id,
                self_, membership.nodes_size(), options_.channels);
 
   // The ordering stream, read by its own thread.
-  auto* sctx = new grpc::ClientContext();
-  auto stream = std::shared_ptr<grpc::ClientReaderWriter<proto::NodeEvent, proto::CoordinatorEvent>>(
-      stub->OrderStream(sctx));
+  auto opened = client_->OpenStream();
+  if (!opened.ok()) return opened.status();
+  std::shared_ptr<OrderingStream> stream = std::move(*opened);
   proto::NodeEvent hello;
   auto* h = hello.mutable_hello();
   h->set_cluster_token(options_.cluster_token);
@@ -235,23 +223,18 @@ absl::Status ClusterJob::Form() {
   h->set_instance(membership.instance());
   h->set_node(self_);
   if (!stream->Write(hello)) {
-    delete sctx;
     return absl::UnavailableError(absl::StrCat("coordinator ", options_.coordinator,
                                                " closed the ordering stream"));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stream_ctx_ = sctx;
   }
   reader_ = std::thread([this, stream] {
     proto::CoordinatorEvent e;
     while (stream->Read(&e)) {
       Push(Event{Event::kCoordinator, {}, e, {}});
     }
-    grpc::Status s = stream->Finish();
+    absl::Status s = stream->Finish();
     Push(Event{Event::kBroken, {}, {}, absl::UnavailableError(absl::StrCat(
         "lost the coordinator ", options_.coordinator, " of job '", options_.job_id, "': ",
-        s.ok() ? "stream closed" : s.error_message()))});
+        s.ok() ? "stream closed" : s.message()))});
   });
   stream_ = stream;
   return absl::OkStatus();
@@ -260,6 +243,100 @@ absl::Status ClusterJob::Form() {
 void ClusterJob::FailAll(const absl::Status& why) {
   for (auto& [name, op] : awaiting_) op_done_(op.key, why);
   awaiting_.clear();
+  std::deque<Announced> unstarted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    unstarted.swap(announced_);
+  }
+  for (auto& a : unstarted) {
+    for (auto& op : a.ops) op_done_(op.key, why);
+  }
+}
+
+bool ClusterJob::Write(const proto::NodeEvent& event) {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (writes_closed_ || !stream_) return false;
+  return stream_->Write(event);
+}
+
+void ClusterJob::CloseWrites() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (writes_closed_ || !stream_) return;
+  writes_closed_ = true;
+  stream_->WritesDone();
+}
+
+void ClusterJob::LaneLoop(Lane& lane) {
+  while (true) {
+    Announced run;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      lanes_cv_.wait(lock, [&] {
+        if (lanes_stop_) return true;
+        if (announced_.empty()) return false;
+        for (const auto& op : announced_.front().ops) {
+          if (running_names_.count(op.name)) return false;  // its earlier run first
+        }
+        return true;
+      });
+      if (lanes_stop_) return;
+      run = std::move(announced_.front());
+      announced_.pop_front();
+      for (const auto& op : run.ops) ++running_names_[op.name];
+      lane.busy = true;
+      lane.priority = run.ops.front().priority;
+      for (const auto& op : run.ops) lane.priority = std::max(lane.priority, op.priority);
+      for (auto& other : lanes_) {
+        if (other.get() != &lane && other->busy && other->priority < lane.priority) {
+          other->yield.fetch_add(1, std::memory_order_relaxed);
+          lane.yielding.push_back(other.get());
+        }
+      }
+    }
+    lanes_cv_.notify_all();  // the next run may start in another lane
+    absl::Status s = run.ops.size() == 1 ? Execute(run.ops.front(), run.seq, lane)
+                                         : ExecuteFused(run.ops, run.seq, lane);
+    for (const auto& op : run.ops) op_done_(op.key, s);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& op : run.ops) {
+        if (--running_names_[op.name] == 0) running_names_.erase(op.name);
+      }
+      for (Lane* other : lane.yielding) other->yield.fetch_sub(1, std::memory_order_relaxed);
+      lane.yielding.clear();
+      lane.busy = false;
+    }
+    lanes_cv_.notify_all();
+    proto::NodeEvent done;
+    done.mutable_done()->set_seq(run.seq);
+    Write(done);  // a closed stream: the job is ending anyway
+    if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) {
+      Push(Event{Event::kRunFailed, {}, {}, s});
+    }
+  }
+}
+
+void ClusterJob::WaitForAnnouncedRuns() {
+  std::unique_lock<std::mutex> lock(mu_);
+  lanes_cv_.wait(lock, [&] {
+    if (lanes_stop_ || aborted_) return true;
+    if (!announced_.empty()) return false;
+    for (const auto& lane : lanes_) {
+      if (lane->busy) return false;
+    }
+    return true;
+  });
+}
+
+void ClusterJob::StopLanes() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    lanes_stop_ = true;
+  }
+  lanes_cv_.notify_all();
+  for (auto& lane : lanes_) {
+    if (lane->thread.joinable()) lane->thread.join();
+  }
 }
 
 void ClusterJob::Run() {
@@ -268,8 +345,18 @@ void ClusterJob::Run() {
     spdlog::warn("job '{}': {}", options_.job_id, formed.ToString());
     {
       std::lock_guard<std::mutex> lock(mu_);
-      state_ = absl::StrCat("failed: ", formed.message());
+      state_ = State::kFailed;
+      failed_why_ = std::string(formed.message());
       if (failure_.ok()) failure_ = formed;
+    }
+  }
+  if (formed.ok()) {
+    // All lanes exist before any starts: a lane reads the others' state.
+    for (int i = 0; i < kLanes; ++i) lanes_.push_back(std::make_unique<Lane>());
+    for (auto& lane : lanes_) {
+      Lane* l = lane.get();
+      lane->thread = std::thread([this, l] { LaneLoop(*l); });
+      pthread_setname_np(lane->thread.native_handle(), "ciuic-lane");
     }
   }
   bool left = false;
@@ -305,11 +392,12 @@ void ClusterJob::Run() {
         sig->set_codec(e.op.sig.codec);
         sig->set_codec_ratio(e.op.sig.codec_ratio);
         r->set_priority(e.op.priority);
-        r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms
-                                          : options_.tuning->Snapshot().op_timeout_ms);
+        const config::Tuning tuning = options_.tuning->Snapshot();
+        r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms : tuning.op_timeout_ms);
+        r->set_fusable(Fusable(e.op, tuning));
         const std::string name = e.op.name;
         awaiting_.emplace(name, std::move(e.op));
-        if (!stream_->Write(ready)) {
+        if (!Write(ready)) {
           job_failure = absl::UnavailableError(absl::StrCat(
               "lost the coordinator ", options_.coordinator, " of job '", options_.job_id, "'"));
         }
@@ -318,17 +406,29 @@ void ClusterJob::Run() {
       case Event::kCoordinator: {
         const auto& c = e.coordinator;
         if (c.has_run()) {
-          auto it = awaiting_.find(c.run().name());
-          if (it == awaiting_.end()) {
-            job_failure = absl::InternalError(absl::StrCat(
-                "coordinator ran '", c.run().name(), "', which this node never readied"));
+          Announced run;
+          run.seq = c.run().seq();
+          std::vector<std::string> names = {c.run().name()};
+          names.insert(names.end(), c.run().fused_with().begin(), c.run().fused_with().end());
+          for (const std::string& name : names) {
+            auto it = awaiting_.find(name);
+            if (it == awaiting_.end()) {
+              job_failure = absl::InternalError(absl::StrCat(
+                  "coordinator ran '", name, "', which this node never readied"));
+              break;
+            }
+            run.ops.push_back(std::move(it->second));
+            awaiting_.erase(it);
+          }
+          if (!job_failure.ok()) {
+            for (auto& op : run.ops) op_done_(op.key, job_failure);
             break;
           }
-          ClusterOp op = std::move(it->second);
-          awaiting_.erase(it);
-          absl::Status s = Execute(op, c.run().seq());
-          op_done_(op.key, s);
-          if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) job_failure = s;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            announced_.push_back(std::move(run));
+          }
+          lanes_cv_.notify_all();
         } else if (c.has_fail()) {
           auto it = awaiting_.find(c.fail().name());
           if (it != awaiting_.end()) {
@@ -337,20 +437,25 @@ void ClusterJob::Run() {
             awaiting_.erase(it);
           }
         } else if (c.has_job_failed()) {
+          WaitForAnnouncedRuns();
           job_failure = absl::Status(static_cast<absl::StatusCode>(c.job_failed().code()),
                                      c.job_failed().message());
         }
         break;
       }
       case Event::kBroken:
+        WaitForAnnouncedRuns();
+        job_failure = e.status;
+        break;
+      case Event::kRunFailed:
         job_failure = e.status;
         break;
       case Event::kAbort: {
         if (!left) {
           proto::NodeEvent leave;
           leave.mutable_leave()->set_reason(std::string(e.status.message()));
-          stream_->Write(leave);
-          stream_->WritesDone();
+          Write(leave);
+          CloseWrites();
         }
         FailAll(e.status);
         left = true;
@@ -362,22 +467,32 @@ void ClusterJob::Run() {
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (failure_.ok()) failure_ = job_failure;
-        state_ = absl::StrCat("failed: ", job_failure.message());
+        state_ = State::kFailed;
+        failed_why_ = std::string(job_failure.message());
         for (int p = 0; p < transport_->num_peers(); ++p) {
           if (p != self_) transport_->FailPeer(p, job_failure);
         }
       }
       FailAll(job_failure);
       job_failed_(job_failure);
-      stream_->WritesDone();
+      CloseWrites();
     }
     if (left && e.kind == Event::kAbort) break;
   }
-  if (stream_ctx_) static_cast<grpc::ClientContext*>(stream_ctx_)->TryCancel();
+  StopLanes();  // the transport failed every peer: running runs end at once
+  absl::Status why;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    why = failure_.ok() ? absl::CancelledError("job closed") : failure_;
+  }
+  FailAll(why);
+  if (stream_) stream_->Cancel();
   if (reader_.joinable()) reader_.join();
-  stream_.reset();
-  delete static_cast<grpc::ClientContext*>(stream_ctx_);
-  stream_ctx_ = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    writes_closed_ = true;
+    stream_.reset();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   transport_.reset();
 }
@@ -395,6 +510,7 @@ absl::StatusOr<const Codec*> ClusterJob::CodecFor(const ClusterOp& op,
     case wire::Codec::kTopK: name = absl::StrCat("topk:", op.sig.codec_ratio); break;
   }
   if (name == "none" || bytes < tuning.min_compress_bytes) return nullptr;
+  std::lock_guard<std::mutex> lock(codecs_mu_);  // codecs are never removed: the pointer stays
   auto it = codecs_.find(name);
   if (it == codecs_.end()) {
     auto spec = ParseCodec(name);
@@ -419,7 +535,97 @@ ClusterJob::CompressionCounters ClusterJob::compression() const {
   return CompressionCounters{compressed_ops_.load(), raw_bytes_.load(), wire_bytes_.load()};
 }
 
-absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
+ClusterJob::FusionCounters ClusterJob::fusion() const {
+  return FusionCounters{fused_ops_.load(), fused_runs_.load()};
+}
+
+bool ClusterJob::Fusable(const ClusterOp& op, const config::Tuning& tuning) {
+  if (static_cast<wire::Collective>(op.sig.collective) != wire::Collective::kAllreduce) {
+    return false;
+  }
+  const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
+  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+  const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
+  if (!CheckReducible(dtype, wire_op).ok()) return false;
+  const size_t bytes = op.sig.count * op.sig.element_bytes();
+  auto codec = CodecFor(op, tuning, wire_op, bytes);
+  if (!codec.ok() || *codec != nullptr) return false;  // compressed ops run alone
+  InterNodeAlgorithm algo = AlgorithmFor(tuning.algorithm);
+  if (algo == InterNodeAlgorithm::kAuto) {
+    algo = ChooseAllreduceAlgorithm(transport_->num_peers(), bytes);
+  }
+  // Fused runs use halving-doubling, whose result for an element does not
+  // depend on where the element lies in the buffer: fused == unfused, bit
+  // for bit. The ring's does (each segment is reduced starting from another
+  // node), so operations the ring would carry stay unfused.
+  return algo == InterNodeAlgorithm::kHalvingDoubling;
+}
+
+InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
+                                        const config::Tuning& tuning, Lane& lane) {
+  InterNodeContext ctx;
+  ctx.transport = transport_.get();
+  ctx.tag_base = (seq & 0xffffff) << 24;
+  ctx.chunk_bytes = tuning.chunk_bytes;
+  ctx.max_inflight = 4;
+  ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  ctx.scratch = &lane.scratch;
+  ctx.yield = &lane.yield;
+  return ctx;
+}
+
+absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
+                                      Lane& lane) {
+  const config::Tuning tuning = options_.tuning->Snapshot();
+  const ClusterOp& head = ops.front();
+  for (const ClusterOp& op : ops) {
+    if (op.sig.collective != static_cast<uint32_t>(wire::Collective::kAllreduce) ||
+        op.sig.dtype != head.sig.dtype || op.sig.reduce_op != head.sig.reduce_op) {
+      return absl::InternalError(absl::StrCat("coordinator fused '", op.name, "' with '",
+                                              head.name, "', which do not match"));
+    }
+  }
+  const auto dtype = static_cast<wire::DataType>(head.sig.dtype);
+  const auto requested = static_cast<wire::ReduceOp>(head.sig.reduce_op);
+  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+  const size_t es = head.sig.element_bytes();
+  size_t total = 0;
+  uint32_t timeout_ms = 0;
+  for (const ClusterOp& op : ops) {
+    total += op.sig.count;
+    timeout_ms = std::max(timeout_ms, op.timeout_ms ? op.timeout_ms : tuning.op_timeout_ms);
+  }
+  uint8_t* node = lane.staging.Get(total * es + 1);
+  if (node == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map ", total * es, " bytes of staging space"));
+  }
+  // Pack: each operation's local reduction goes straight to its place.
+  std::vector<const void*> inputs;
+  size_t offset = 0;
+  for (const ClusterOp& op : ops) {
+    inputs.clear();
+    for (const auto& p : op.parts) inputs.push_back(p.send);
+    Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node + offset,
+           op.sig.count);
+    offset += op.sig.count * es;
+  }
+  InterNodeContext ctx = ContextFor(seq, timeout_ms, tuning, lane);
+  absl::Status s = Allreduce(ctx, InterNodeAlgorithm::kHalvingDoubling, dtype, wire_op, node, total);
+  if (!s.ok()) return s;
+  if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, total, options_.world_size);
+  offset = 0;
+  for (const ClusterOp& op : ops) {
+    const size_t bytes = op.sig.count * es;
+    for (const auto& p : op.parts) std::memcpy(p.recv, node + offset, bytes);
+    offset += bytes;
+  }
+  fused_ops_.fetch_add(ops.size(), std::memory_order_relaxed);
+  fused_runs_.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, Lane& lane) {
   const config::Tuning tuning = options_.tuning->Snapshot();
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto collective = static_cast<wire::Collective>(op.sig.collective);
@@ -428,14 +634,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
   const int world = options_.world_size;
   const size_t block = op.sig.count * es;
   const uint32_t timeout_ms = op.timeout_ms ? op.timeout_ms : tuning.op_timeout_ms;
-
-  InterNodeContext ctx;
-  ctx.transport = transport_.get();
-  ctx.tag_base = (seq & 0xffffff) << 24;
-  ctx.chunk_bytes = tuning.chunk_bytes;
-  ctx.max_inflight = 4;
-  ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-  ctx.scratch = &scratch_;
+  InterNodeContext ctx = ContextFor(seq, timeout_ms, tuning, lane);
 
   // The node's buffer is the first local rank's receive buffer where it is
   // big enough (it lives in that rank's shared memory): no staging copy,
@@ -456,7 +655,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq) {
       const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
       const bool all = collective == wire::Collective::kAllreduce;
       const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
-      uint8_t* node = all ? first.recv : staging_.Get(count * es + 1);
+      uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
       if (!(inputs.size() == 1 && inputs[0] == node)) {
         Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
       }

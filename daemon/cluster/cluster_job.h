@@ -13,8 +13,19 @@
 //   3. reports each operation's end (OpDone) and the job's failure
 //      (JobFailed) through callbacks that the engine posts onto its loop.
 //
-// Thread-safety: Submit, Abort and Peers may be called from any thread;
-// the callbacks run on the ClusterJob's threads.
+// Runs go to kLanes lane threads, each with its own scratch and staging
+// buffers (grown once, reused). Lanes start runs strictly in announced
+// order (a run whose operation name is still running in another lane waits,
+// and so does everything behind it), so a small urgent run announced after
+// a large one runs beside it, and the earliest unfinished run is always
+// started on every node: no deadlock. Each run's transfers carry its
+// sequence number in their tags. A run announced with fused_with is one
+// halving-doubling allreduce over the operations packed back to back in the
+// lane's staging buffer; each lane reports Done(seq) to the coordinator.
+//
+// Thread-safety: Submit, Abort, state and Peers may be called from any
+// thread; the callbacks run on the ClusterJob's threads (the main one and
+// the lanes).
 #pragma once
 
 #include <atomic>
@@ -32,6 +43,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cluster/coordinator_client.h"
+#include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
 #include "collectives/op.h"
 #include "compression/codec.h"
@@ -39,14 +52,6 @@
 #include "config/tuning.h"
 #include "transport/transport.h"
 
-namespace grpc {
-template <class W, class R>
-class ClientReaderWriter;
-}  // namespace grpc
-namespace ciuic::proto {
-class NodeEvent;
-class CoordinatorEvent;
-}  // namespace ciuic::proto
 
 namespace ciuic::daemon {
 
@@ -91,6 +96,7 @@ class ClusterJob {
     int channels = 1;
     config::TuningRegistry* tuning = nullptr;
     TransportFactory transports;
+    CoordinatorClientFactory coordinator_clients;  // control/peer_client.h's in ciuicd
   };
   using OpDone = std::function<void(uint64_t key, absl::Status status)>;
   using JobFailed = std::function<void(absl::Status status)>;
@@ -103,6 +109,15 @@ class ClusterJob {
   // future operations end with `why`.
   void Abort(const absl::Status& why);
 
+  // Lanes: runs in progress at once on this node (the coordinator allows
+  // Coordinator::kRunningRuns).
+  static constexpr int kLanes = 2;
+
+  enum class State { kForming, kRunning, kFailed };
+  State state();
+  // "forming", "running", "failed: <why>".
+  std::string StateText();
+
   struct PeerRow {
     std::string node_name;
     std::vector<int> ranks;
@@ -111,7 +126,6 @@ class ClusterJob {
     uint64_t bytes_sent = 0;
     uint64_t bytes_received = 0;
   };
-  std::string state();
   std::vector<PeerRow> Peers();
 
   struct CompressionCounters {
@@ -121,13 +135,52 @@ class ClusterJob {
   };
   CompressionCounters compression() const;
 
+  struct FusionCounters {
+    uint64_t ops = 0;   // operations that crossed the network fused with others
+    uint64_t runs = 0;  // fused allreduces they made
+  };
+  FusionCounters fusion() const;
+
  private:
   struct Event;
   class CountingTransport;
 
+  struct Lane {
+    std::thread thread;
+    ScratchBuffer scratch;  // the algorithms' receive space
+    ScratchBuffer staging;  // the node's buffer when no rank's buffer serves
+    // > 0 while a run of higher priority runs in another lane: this lane's
+    // run keeps one send in flight (InterNodeContext::yield).
+    std::atomic<int> yield{0};
+    bool busy = false;             // guarded by mu_
+    int32_t priority = 0;          // guarded by mu_, of the run in progress
+    std::vector<Lane*> yielding;   // guarded by mu_: the lanes this run slowed
+  };
+  struct Announced {
+    uint64_t seq = 0;
+    std::vector<ClusterOp> ops;  // one, or several fused
+  };
+
   void Run();
   absl::Status Form();
-  absl::Status Execute(const ClusterOp& op, uint64_t seq);
+  void LaneLoop(Lane& lane);
+  void StopLanes();
+  // Before a job failure from the coordinator or its stream is acted on:
+  // runs announced before it still run to their end, everywhere (a node
+  // whose rank finished and left must not cut off its partners' last
+  // transfers); those that cannot end fail on their transfers or deadline.
+  // Abort ends the wait.
+  void WaitForAnnouncedRuns();
+  // Writes to the ordering stream (from the main thread and the lanes);
+  // false once the stream is closed.
+  bool Write(const proto::NodeEvent& event);
+  void CloseWrites();
+  absl::Status Execute(const ClusterOp& op, uint64_t seq, Lane& lane);
+  absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq, Lane& lane);
+  InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const config::Tuning& tuning,
+                              Lane& lane);
+  // Whether `op` may be fused (see peer.proto's Ready.fusable).
+  bool Fusable(const ClusterOp& op, const config::Tuning& tuning);
   // The codec for `op` (nullptr: send as it is), by its own choice or the
   // tuning's; an error if compression_strict and the codec cannot take it.
   absl::StatusOr<const Codec*> CodecFor(const ClusterOp& op, const config::Tuning& tuning,
@@ -142,24 +195,33 @@ class ClusterJob {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Event>* events_;  // guarded by mu_
-  std::string state_ = "forming";  // guarded by mu_
+  State state_ = State::kForming;  // guarded by mu_
+  std::string failed_why_;         // guarded by mu_, with kFailed
   absl::Status failure_;           // guarded by mu_, sticky
   bool aborted_ = false;           // guarded by mu_
   std::vector<PeerRow> peers_;     // guarded by mu_ (counters read live)
-  void* register_ctx_ = nullptr;   // grpc::ClientContext* while registering
-  void* stream_ctx_ = nullptr;     // grpc::ClientContext* of the ordering stream
+  // Created before mu_ is first taken by Form; CancelRegister under mu_.
+  std::unique_ptr<CoordinatorClient> client_;
 
   // Owned by the ClusterJob thread (transport_ is also read under mu_).
   std::unique_ptr<CountingTransport> transport_;
-  std::shared_ptr<grpc::ClientReaderWriter<proto::NodeEvent, proto::CoordinatorEvent>> stream_;
+  std::shared_ptr<OrderingStream> stream_;  // written under write_mu_ once lanes run
   std::thread reader_;
-  ScratchBuffer scratch_;   // the algorithms' receive space
-  ScratchBuffer staging_;   // the node's buffer
-  std::map<std::string, std::unique_ptr<Codec>> codecs_;
+  std::mutex write_mu_;
+  bool writes_closed_ = false;        // guarded by write_mu_
+  std::condition_variable lanes_cv_;  // with mu_
+  std::deque<Announced> announced_;   // guarded by mu_: not yet started, in seq order
+  std::map<std::string, int> running_names_;  // guarded by mu_
+  bool lanes_stop_ = false;                   // guarded by mu_
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::mutex codecs_mu_;
+  std::map<std::string, std::unique_ptr<Codec>> codecs_;  // guarded by codecs_mu_
   ErrorFeedback feedback_{256ull << 20};
   std::atomic<uint64_t> compressed_ops_{0};
   std::atomic<uint64_t> raw_bytes_{0};
   std::atomic<uint64_t> wire_bytes_{0};
+  std::atomic<uint64_t> fused_ops_{0};
+  std::atomic<uint64_t> fused_runs_{0};
   std::map<std::string, ClusterOp> awaiting_;  // readied, waiting for Run/Fail
   int self_ = -1;
   std::vector<int> node_of_rank_;

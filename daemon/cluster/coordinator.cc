@@ -4,6 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "ciuic/shm_layout.h"
+#include "collectives/internode/internode.h"
 #include "spdlog/spdlog.h"
 
 namespace ciuic::daemon {
@@ -42,6 +44,18 @@ std::string SignatureText(const proto::OpSignature& s) {
   return out;
 }
 
+// The largest allreduce for which the auto rule picks halving-doubling on
+// `nodes` nodes (the rule is monotone: past it the ring wins for good).
+uint64_t HalvingDoublingLimit(int nodes) {
+  uint64_t lo = 0, hi = uint64_t{1} << 30;
+  if (ChooseAllreduceAlgorithm(nodes, 1) != InterNodeAlgorithm::kHalvingDoubling) return 0;
+  while (hi - lo > 1) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    (ChooseAllreduceAlgorithm(nodes, mid) == InterNodeAlgorithm::kHalvingDoubling ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 bool SameSignature(const proto::OpSignature& a, const proto::OpSignature& b) {
   return a.collective() == b.collective() && a.dtype() == b.dtype() &&
          a.reduce_op() == b.reduce_op() && a.root() == b.root() && a.count() == b.count() &&
@@ -50,7 +64,8 @@ bool SameSignature(const proto::OpSignature& a, const proto::OpSignature& b) {
 
 }  // namespace
 
-Coordinator::Coordinator(std::string cluster_token) : token_(std::move(cluster_token)) {
+Coordinator::Coordinator(std::string cluster_token, config::TuningRegistry* tuning)
+    : token_(std::move(cluster_token)), tuning_(tuning) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -246,6 +261,17 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
                          event.leave().reason()));
     return;
   }
+  if (event.has_done()) {
+    auto r = job.running.find(event.done().seq());
+    if (r == job.running.end() || r->second[node]) return;
+    r->second[node] = true;
+    if (std::count(r->second.begin(), r->second.end(), true) == nodes) {
+      job.running.erase(r);
+      Schedule(job, Clock::now());
+      changed_.notify_all();  // the timer recomputes its next decision
+    }
+    return;
+  }
   if (!event.has_ready()) return;
   const auto& ready = event.ready();
   if (!job.failure.ok()) {
@@ -266,7 +292,10 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     run.ready.assign(nodes, false);
     run.first_ready = now;
     run.deadline = now + timeout;
+    run.priority = ready.priority();
   }
+  run.priority = std::max(run.priority, ready.priority());
+  run.fusable = run.fusable && ready.fusable();
   auto send_fail = [&](int to, const absl::Status& s) {
     proto::CoordinatorEvent e;
     e.mutable_fail()->set_name(ready.name());
@@ -294,15 +323,68 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
   } else {
     run.deadline = std::min(run.deadline, now + timeout);
     if (run.ready_count == nodes) {
-      proto::CoordinatorEvent e;
-      e.mutable_run()->set_name(ready.name());
-      e.mutable_run()->set_seq(job.next_seq++);
-      SendAll(job, e);
+      Queued q;
+      q.name = ready.name();
+      q.signature = run.signature;
+      q.priority = run.priority;
+      q.fusable = run.fusable;
+      q.bytes = run.signature.count() * wire::DataTypeSize(run.signature.dtype());
+      q.order = job.next_order++;
+      q.ready_at = now;
+      job.backlog.push_back(std::move(q));
       job.pending.erase(it);
+      Schedule(job, now);
+      changed_.notify_all();  // the timer recomputes its next decision
       return;
     }
   }
   if (run.ready_count == nodes) job.pending.erase(it);
+}
+
+Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
+  if (!job.failure.ok() || job.backlog.empty()) return Clock::time_point::max();
+  const config::Tuning tuning = tuning_ ? tuning_->Snapshot() : config::Tuning{};
+  const auto hold = std::chrono::microseconds(tuning.cycle_time_us);
+  uint64_t threshold = tuning.fusion_threshold_bytes;
+  // Fused runs use halving-doubling; with the auto rule, no bigger than the
+  // rule would let it carry (with 3 nodes it costs 3 full exchanges against
+  // the ring's 4/3 of the bytes: packing must not make the transfer dearer).
+  if (tuning.algorithm == config::Algorithm::kAuto) {
+    threshold = std::min(threshold, HalvingDoublingLimit(job.membership.nodes_size()));
+  }
+  std::sort(job.backlog.begin(), job.backlog.end(), [](const Queued& a, const Queued& b) {
+    return a.priority != b.priority ? a.priority > b.priority : a.order < b.order;
+  });
+  const int nodes = job.membership.nodes_size();
+  while (!job.backlog.empty() && job.running.size() < static_cast<size_t>(kRunningRuns)) {
+    const Queued& head = job.backlog.front();
+    if (hold.count() > 0 && now < head.ready_at + hold) return head.ready_at + hold;
+    // The head, and the fusable operations like it that fit, in backlog order.
+    std::vector<size_t> group = {0};
+    const bool fuse = head.fusable && threshold > 0 && head.bytes <= threshold &&
+                      head.signature.collective() == static_cast<uint32_t>(wire::Collective::kAllreduce);
+    uint64_t total = head.bytes;
+    for (size_t i = 1; fuse && i < job.backlog.size(); ++i) {
+      const Queued& q = job.backlog[i];
+      if (q.fusable && q.signature.collective() == head.signature.collective() &&
+          q.signature.dtype() == head.signature.dtype() &&
+          q.signature.reduce_op() == head.signature.reduce_op() && total + q.bytes <= threshold) {
+        group.push_back(i);
+        total += q.bytes;
+      }
+    }
+    proto::CoordinatorEvent e;
+    auto* run = e.mutable_run();
+    run->set_name(head.name);
+    run->set_seq(job.next_seq++);
+    for (size_t g = 1; g < group.size(); ++g) run->add_fused_with(job.backlog[group[g]].name);
+    job.running.emplace(run->seq(), std::vector<bool>(nodes, false));
+    SendAll(job, e);
+    for (auto g = group.rbegin(); g != group.rend(); ++g) {
+      job.backlog.erase(job.backlog.begin() + static_cast<std::ptrdiff_t>(*g));
+    }
+  }
+  return Clock::time_point::max();
 }
 
 void Coordinator::Detach(uint64_t handle, const absl::Status& why) {
@@ -329,10 +411,13 @@ void Coordinator::Detach(uint64_t handle, const absl::Status& why) {
 
 void Coordinator::TimerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
+  Clock::time_point wake = Clock::now();
   while (!stopping_) {
-    changed_.wait_for(lock, std::chrono::milliseconds(100));
+    changed_.wait_until(lock, std::min(wake, Clock::now() + std::chrono::milliseconds(100)));
     const Clock::time_point now = Clock::now();
+    wake = now + std::chrono::milliseconds(100);
     for (auto& [key, job] : jobs_) {
+      wake = std::min(wake, Schedule(*job, now));
       for (auto& [name, run] : job->pending) {
         if (!run.failure.ok() || now < run.deadline) continue;
         std::vector<std::string> waiting;

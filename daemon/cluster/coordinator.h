@@ -12,6 +12,13 @@
 //      in. A signature that differs between nodes, or an operation some
 //      node never readies before its timeout, is sent as Fail to every node;
 //      a node that arrives later gets the same Fail at once.
+//      Scheduling (see README.md): at most kRunningRuns runs are announced
+//      and not yet Done on every node; operations ready beyond that wait in
+//      a backlog, from which the highest priority goes first (ties: the
+//      order they became ready), and fusable allreduces of one dtype and
+//      reduce op are packed into one Run up to fusion_threshold_bytes. With
+//      cycle_time_us > 0 a ready operation also waits that long in the
+//      backlog before it may start, to meet others.
 //   3. A stream that ends without Leave, or a Leave, fails the job on every
 //      other node (JobFailed, naming the node).
 //
@@ -38,6 +45,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "ciuic/peer.pb.h"
+#include "config/tuning.h"
 
 namespace ciuic::daemon {
 
@@ -50,7 +58,14 @@ class NodeStream {
 
 class Coordinator {
  public:
-  explicit Coordinator(std::string cluster_token);
+  // Runs announced and not yet Done on every node, per job: two, so that a
+  // small urgent operation starts beside a large one instead of behind it,
+  // and the next run is announced while the previous one still runs.
+  static constexpr int kRunningRuns = 2;
+
+  // `tuning` (may be null: defaults) gives fusion_threshold_bytes and
+  // cycle_time_us, read at every scheduling decision; it must outlive this.
+  explicit Coordinator(std::string cluster_token, config::TuningRegistry* tuning = nullptr);
   ~Coordinator();
 
   // Blocks until the job has formed, `deadline`, `cancelled()` turns true
@@ -80,6 +95,18 @@ class Coordinator {
     std::chrono::steady_clock::time_point first_ready;
     std::chrono::steady_clock::time_point deadline;
     absl::Status failure;  // poisoned: later nodes get it at once
+    int32_t priority = 0;  // the highest any node gave
+    bool fusable = true;   // AND over the nodes
+  };
+  // Ready on every node, waiting to be announced.
+  struct Queued {
+    std::string name;
+    proto::OpSignature signature;
+    int32_t priority = 0;
+    bool fusable = true;  // AND over the nodes
+    uint64_t bytes = 0;
+    uint64_t order = 0;   // when it became ready, for ties
+    std::chrono::steady_clock::time_point ready_at;
   };
   struct Job {
     std::string key;
@@ -95,6 +122,9 @@ class Coordinator {
     std::map<int, uint64_t> handles;     // node -> handle
     absl::Status failure;
     std::map<std::string, PendingRun> pending;
+    std::vector<Queued> backlog;
+    uint64_t next_order = 0;
+    std::map<uint64_t, std::vector<bool>> running;  // seq -> Done per node
     uint64_t next_seq = 0;
     int attached_ever = 0;
   };
@@ -104,12 +134,16 @@ class Coordinator {
   };
 
   void SendAll(Job& job, const proto::CoordinatorEvent& e);
+  // Announces what may start now; returns when the next decision is due
+  // (time_point::max() if none waits on a clock).
+  std::chrono::steady_clock::time_point Schedule(Job& job, std::chrono::steady_clock::time_point now);
   void FailJob(Job& job, int code, const std::string& message);
   void MaybeErase(const std::string& key);
   std::string NodeLabel(const Job& job, int node) const;
   void TimerLoop();
 
   const std::string token_;
+  config::TuningRegistry* const tuning_;
   std::mutex mu_;
   std::condition_variable changed_;
   std::map<std::string, std::unique_ptr<Job>> jobs_;

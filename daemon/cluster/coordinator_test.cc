@@ -51,15 +51,41 @@ proto::RegisterNodeRequest Reg(const std::string& node, std::vector<int> ranks, 
   return r;
 }
 
-proto::NodeEvent Ready(const std::string& name, uint64_t count, uint32_t timeout_ms = 0) {
+proto::NodeEvent Ready(const std::string& name, uint64_t count, uint32_t timeout_ms = 0,
+                       int32_t priority = 0, bool fusable = false, uint32_t dtype = 1) {
   proto::NodeEvent e;
   e.mutable_ready()->set_name(name);
   e.mutable_ready()->mutable_signature()->set_collective(1);
-  e.mutable_ready()->mutable_signature()->set_dtype(1);
+  e.mutable_ready()->mutable_signature()->set_dtype(dtype);
   e.mutable_ready()->mutable_signature()->set_reduce_op(1);
   e.mutable_ready()->mutable_signature()->set_count(count);
   e.mutable_ready()->set_timeout_ms(timeout_ms);
+  e.mutable_ready()->set_priority(priority);
+  e.mutable_ready()->set_fusable(fusable);
   return e;
+}
+
+proto::NodeEvent Done(uint64_t seq) {
+  proto::NodeEvent e;
+  e.mutable_done()->set_seq(seq);
+  return e;
+}
+
+// "name" or "name+other+..." for a Run, "fail:name" for a Fail.
+std::vector<std::string> Runs(const std::vector<proto::CoordinatorEvent>& events) {
+  std::vector<std::string> out;
+  for (const auto& e : events) {
+    if (e.has_run()) {
+      std::string s = e.run().name();
+      for (const auto& n : e.run().fused_with()) s += "+" + n;
+      out.push_back(s);
+    } else if (e.has_fail()) {
+      out.push_back("fail:" + e.fail().name());
+    } else {
+      out.push_back("job_failed");
+    }
+  }
+  return out;
 }
 
 // Two nodes form a job: ranks {2,3} and {0,1}; the table lists rank 0's node first.
@@ -187,6 +213,129 @@ TEST(CoordinatorTest, LostNodeFailsTheJobOnTheOthers) {
   EXPECT_TRUE(ev[1].has_fail());
   c.Detach(f.handles[0], absl::OkStatus());
   EXPECT_EQ(c.num_jobs(), 0u);
+}
+
+// Both nodes ready `name` with the same arguments.
+void BothReady(Coordinator& c, Formed& f, const std::string& name, uint64_t count,
+               int32_t priority = 0, bool fusable = false, uint32_t dtype = 1) {
+  for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], Ready(name, count, 0, priority, fusable, dtype));
+}
+
+void BothDone(Coordinator& c, Formed& f, uint64_t seq) {
+  for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], Done(seq));
+}
+
+TEST(CoordinatorTest, BacklogRunsHighestPriorityFirstTiesInReadyOrder) {
+  Coordinator c("secret");
+  Formed f;
+  Form(c, &f);
+  BothReady(c, f, "busy0", 10);
+  BothReady(c, f, "busy1", 10);  // both lanes taken
+  BothReady(c, f, "low", 10, -3);
+  BothReady(c, f, "tie_a", 10, 2);
+  BothReady(c, f, "high", 10, 7);
+  BothReady(c, f, "tie_b", 10, 2);
+  EXPECT_EQ(Runs(f.streams[0].WaitFor(2)), (std::vector<std::string>{"busy0", "busy1"}));
+  c.OnEvent(f.handles[0], Done(0));  // one node done is not enough
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(f.streams[0].events().size(), 2u);
+  c.OnEvent(f.handles[1], Done(0));
+  c.OnEvent(f.handles[1], Done(0));  // repeated: ignored
+  EXPECT_EQ(Runs(f.streams[1].WaitFor(3)), (std::vector<std::string>{"busy0", "busy1", "high"}));
+  BothDone(c, f, 1);
+  BothDone(c, f, 2);
+  BothDone(c, f, 3);
+  const std::vector<std::string> want = {"busy0", "busy1", "high", "tie_a", "tie_b", "low"};
+  for (auto& s : f.streams) {
+    auto ev = s.WaitFor(6);
+    EXPECT_EQ(Runs(ev), want);
+    for (size_t i = 0; i < ev.size(); ++i) EXPECT_EQ(ev[i].run().seq(), i);
+  }
+}
+
+TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
+  config::TuningRegistry tuning;
+  ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "12K").ok());
+  Coordinator c("secret", &tuning);
+  Formed f;
+  Form(c, &f);
+  BothReady(c, f, "busy0", 10, 0, true);
+  BothReady(c, f, "busy1", 10, 0, true);
+  BothReady(c, f, "a", 1024, 0, true);         // 4 KiB float32
+  BothReady(c, f, "i", 1024, 0, true, 7);      // int32: another dtype
+  BothReady(c, f, "b", 1024, 0, true);
+  c.OnEvent(f.handles[0], Ready("n", 1024, 0, 0, true));
+  c.OnEvent(f.handles[1], Ready("n", 1024, 0, 0, false));  // one node says no
+  BothReady(c, f, "d", 1024, 0, true);
+  BothReady(c, f, "e", 1024, 0, true);  // would pass 12 KiB
+  BothReady(c, f, "big", 4096, 0, true);  // 16 KiB alone: over the threshold
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  BothDone(c, f, 2);
+  BothDone(c, f, 3);
+  BothDone(c, f, 4);
+  BothDone(c, f, 5);
+  const std::vector<std::string> want = {"busy0", "busy1", "a+b+d", "i", "n", "e", "big"};
+  for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
+}
+
+TEST(CoordinatorTest, FusedRunsStayWithinWhatTheAutoRuleGivesHalvingDoubling) {
+  Coordinator c("secret");  // defaults: 4M threshold, algorithm auto: 1 MiB on 2 nodes
+  Formed f;
+  Form(c, &f);
+  for (const char* name : {"busy0", "busy1", "a", "b", "c"}) {
+    BothReady(c, f, name, 96 * 1024, 0, true);  // 384 KiB of float32 each
+  }
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  // a+b is 768 KiB; with c it would pass 1 MiB.
+  const std::vector<std::string> want = {"busy0", "busy1", "a+b", "c"};
+  EXPECT_EQ(Runs(f.streams[0].WaitFor(want.size())), want);
+}
+
+TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
+  config::TuningRegistry tuning;
+  ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());
+  Coordinator c("secret", &tuning);
+  Formed f;
+  Form(c, &f);
+  for (const char* name : {"busy0", "busy1", "a", "b"}) BothReady(c, f, name, 8, 0, true);
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  const std::vector<std::string> want = {"busy0", "busy1", "a", "b"};
+  EXPECT_EQ(Runs(f.streams[0].WaitFor(want.size())), want);
+}
+
+TEST(CoordinatorTest, CycleTimeHoldsAnOperationToMeetOthers) {
+  config::TuningRegistry tuning;
+  ASSERT_TRUE(tuning.Set("cycle_time_us", "400000").ok());
+  Coordinator c("secret", &tuning);
+  Formed f;
+  Form(c, &f);
+  const auto start = Clock::now();
+  BothReady(c, f, "a", 8, 0, true);
+  BothReady(c, f, "b", 8, 1, true);
+  BothReady(c, f, "c", 8, 0, false);
+  // Held: nothing announced although both lanes are free (the test would
+  // need 400 ms between these lines to see otherwise).
+  if (Clock::now() - start < std::chrono::milliseconds(300)) {
+    EXPECT_TRUE(f.streams[0].events().empty());
+  }
+  // After the hold: the highest priority first, with what fuses with it.
+  const std::vector<std::string> want = {"b+a", "c"};
+  EXPECT_EQ(Runs(f.streams[0].WaitFor(2)), want);
+  EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(400));
+}
+
+TEST(CoordinatorTest, WithoutCycleTimeAnIsolatedOperationStartsAtOnce) {
+  Coordinator c("secret");  // defaults: cycle_time_us 0
+  Formed f;
+  Form(c, &f);
+  BothReady(c, f, "alone", 8, 0, true);
+  auto ev = f.streams[0].events();  // synchronously, no wait
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].run().name(), "alone");
+  EXPECT_EQ(ev[0].run().fused_with_size(), 0);
 }
 
 }  // namespace

@@ -171,6 +171,15 @@ const std::vector<Field>& Table() {
                 "Single-node jobs run operations up to this payload per rank among their "
                 "trainers, without the daemon (0 = off; fixed per job when it forms)",
                 &Tuning::fast_path_bytes, 0, 256 * kKiB),
+      SizeField("fusion_threshold_bytes",
+                "Ready allreduces queued behind running ones are fused into one inter-node "
+                "allreduce of at most this size (0: no fusion; the coordinator's setting decides "
+                "for the job)",
+                &Tuning::fusion_threshold_bytes, 0, kGiB),
+      IntegerField("cycle_time_us",
+                   "How long the coordinator holds an operation that could start at once, to "
+                   "fuse and order it with others (0: never wait)",
+                   "microseconds", &Tuning::cycle_time_us, 0, 1000000),
   };
   return *table;
 }

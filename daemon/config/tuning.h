@@ -57,6 +57,16 @@ struct Tuning {
   // daemon (proto/ciuic/fast_path.h). Fixed per job when it forms: a change
   // applies to jobs formed later. 0 = off. 0..256K.
   uint64_t fast_path_bytes = uint64_t{4} << 10;
+  // Tensor fusion across nodes (decided by the job's coordinator daemon, for
+  // the whole job): ready allreduces of one dtype and reduce op that queue up
+  // behind running operations are packed into one inter-node allreduce of at
+  // most this many bytes. 0 disables fusion. 0..1G.
+  uint64_t fusion_threshold_bytes = uint64_t{4} << 20;
+  // How long the coordinator holds an operation that could start at once, to
+  // collect others that become ready meanwhile (fusion, priority order).
+  // 0: never wait (an isolated operation starts at once; only operations
+  // that queue behind running ones are fused and ordered). 0..1000000.
+  uint32_t cycle_time_us = 0;
 
   friend bool operator==(const Tuning&, const Tuning&) = default;
 };

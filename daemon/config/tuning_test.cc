@@ -51,9 +51,10 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
   }
   EXPECT_THAT(keys, ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms",
                                 "channels", "algorithm", "compression", "min_compress_bytes",
-                                "error_feedback", "compression_strict", "fast_path_bytes"));
+                                "error_feedback", "compression_strict", "fast_path_bytes",
+                                "fusion_threshold_bytes", "cycle_time_us"));
   EXPECT_THAT(values, ElementsAre("4M", "256K", "50", "60000", "2", "auto", "none", "64K", "on",
-                                  "off", "4K"));
+                                  "off", "4K", "4M", "0"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
   EXPECT_THAT((*entries)[0].description, HasSubstr("default 4M"));
@@ -183,7 +184,9 @@ TEST(TuningTest, UnknownKeySuggestsClosest) {
             "unknown tuning key 'op_timeout' (did you mean 'op_timeout_ms'?)");
   EXPECT_EQ(registry.Set("algoritm", "ring").message(),
             "unknown tuning key 'algoritm' (did you mean 'algorithm'?)");
-  EXPECT_EQ(registry.Set("fusion", "1").message(), "unknown tuning key 'fusion'");
+  EXPECT_EQ(registry.Set("fusion", "1").message(),
+            "unknown tuning key 'fusion' (did you mean 'fusion_threshold_bytes'?)");
+  EXPECT_EQ(registry.Set("quantum", "1").message(), "unknown tuning key 'quantum'");
   EXPECT_EQ(registry.Set("", "1").message(), "unknown tuning key ''");
 }
 
@@ -207,6 +210,15 @@ TEST(TuningTest, CompressionKeys) {
   EXPECT_FALSE(SetOne("error_feedback", "maybe", &tuning).ok());
   EXPECT_TRUE(SetOne("min_compress_bytes", "1M", &tuning).ok());
   EXPECT_EQ(tuning.min_compress_bytes, 1u << 20);
+  EXPECT_TRUE(SetOne("fusion_threshold_bytes", "0", &tuning).ok());
+  EXPECT_EQ(tuning.fusion_threshold_bytes, 0u);
+  EXPECT_TRUE(SetOne("fusion_threshold_bytes", "64M", &tuning).ok());
+  EXPECT_EQ(tuning.fusion_threshold_bytes, 64u << 20);
+  EXPECT_FALSE(SetOne("fusion_threshold_bytes", "2G", &tuning).ok());
+  EXPECT_TRUE(SetOne("cycle_time_us", "500", &tuning).ok());
+  EXPECT_EQ(tuning.cycle_time_us, 500u);
+  EXPECT_FALSE(SetOne("cycle_time_us", "-1", &tuning).ok());
+  EXPECT_FALSE(SetOne("cycle_time_us", "2000000", &tuning).ok());
 }
 
 TEST(TuningTest, ConcurrentSetAndSnapshot) {

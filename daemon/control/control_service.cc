@@ -108,6 +108,8 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
     out->set_ops_compressed(j.ops_compressed);
     out->set_bytes_before_compression(j.bytes_before_compression);
     out->set_bytes_after_compression(j.bytes_after_compression);
+    out->set_ops_fused(j.ops_fused);
+    out->set_fused_runs(j.fused_runs);
     for (const auto& p : j.pending) {
       auto* po = out->add_pending();
       po->set_name(p.name);

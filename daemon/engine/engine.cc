@@ -354,7 +354,7 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out, uint64_t* 
         r.local_size, ") but names no coordinator (CIUIC_COORDINATOR=host:port, or "
         "MASTER_ADDR and MASTER_PORT)"));
   }
-  if (multi_node && !options_.transports) {
+  if (multi_node && (!options_.transports || !options_.coordinator_clients)) {
     return absl::UnimplementedError("this ciuicd has no inter-node transport");
   }
   const std::string key = JobKey(session.peer.uid, r.job_id);
@@ -442,6 +442,7 @@ void Engine::StartClusterOnLoop(Job& job) {
   o.channels = static_cast<int>(options_.tuning->Snapshot().channels);
   o.tuning = options_.tuning;
   o.transports = options_.transports;
+  o.coordinator_clients = options_.coordinator_clients;
   const std::string key = job.key;
   job.cluster = std::make_unique<ClusterJob>(
       std::move(o),
@@ -759,7 +760,10 @@ void Engine::CheckDeadlinesOnLoop() {
   // else times them out (after formation the coordinator does).
   std::vector<std::pair<std::string, uint64_t>> expired;
   for (auto& [key, job] : jobs_) {
-    if (!job->cluster || job->in_cluster.empty() || job->cluster->state() != "forming") continue;
+    if (!job->cluster || job->in_cluster.empty() ||
+        job->cluster->state() != ClusterJob::State::kForming) {
+      continue;
+    }
     for (auto& [op_key, op] : job->in_cluster) {
       if (now >= op->deadline) expired.emplace_back(key, op_key);
     }
@@ -898,7 +902,7 @@ EngineStatus Engine::StatusOnLoop() {
     } else if (static_cast<int>(job->ranks.size()) < job->local_size) {
       row.state = "forming";
     } else if (job->cluster) {
-      row.state = job->cluster->state();
+      row.state = job->cluster->StateText();
     } else {
       row.state = "running";
     }
@@ -919,6 +923,9 @@ EngineStatus Engine::StatusOnLoop() {
       row.ops_compressed = c.ops;
       row.bytes_before_compression = c.raw_bytes;
       row.bytes_after_compression = c.wire_bytes;
+      const ClusterJob::FusionCounters f = job->cluster->fusion();
+      row.ops_fused = f.ops;
+      row.fused_runs = f.runs;
     }
     std::vector<std::shared_ptr<PendingOp>> ops;
     for (auto& [name, op] : job->pending) ops.push_back(op);
@@ -963,7 +970,7 @@ EnginePeers Engine::Peers() {
       j.id = job->id;
       j.uid = job->uid;
       j.coordinator = job->coordinator;
-      j.state = job->cluster ? job->cluster->state() : "forming";
+      j.state = job->cluster ? job->cluster->StateText() : "forming";
       if (job->cluster) {
         for (auto& row : job->cluster->Peers()) {
           j.peers.push_back(EnginePeers::Peer{row.node_name, row.ranks, row.self, row.state,

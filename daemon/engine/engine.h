@@ -104,6 +104,8 @@ struct EngineStatus {
     uint64_t ops_compressed = 0;
     uint64_t bytes_before_compression = 0;
     uint64_t bytes_after_compression = 0;
+    uint64_t ops_fused = 0;   // multi-node: operations fused with others
+    uint64_t fused_runs = 0;  // and the fused allreduces they made
     std::vector<PendingRow> pending;
   };
   double uptime_seconds = 0;
@@ -122,11 +124,13 @@ class Engine {
     int worker_threads = 2;
     uint64_t max_arena_bytes = 8ull << 30;
     config::TuningRegistry* tuning = nullptr;  // not owned; outlives the engine
-    // Multi-node jobs: this node's name, the cluster secret, and how to
-    // make a job's transport. Without a factory, multi-node jobs are refused.
+    // Multi-node jobs: this node's name, the cluster secret, how to make a
+    // job's transport and how to reach its coordinator. Without both
+    // factories, multi-node jobs are refused.
     std::string node_name;
     std::string cluster_token;
     TransportFactory transports;
+    CoordinatorClientFactory coordinator_clients;
   };
 
   // Listens on the session socket and starts the loop, acceptor and workers.

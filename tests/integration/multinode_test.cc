@@ -435,6 +435,210 @@ TEST(MultiNodeCompressionTest, CodecsBoundedSameBitsAndCounted) {
   cluster->StopAll();
 }
 
+// The operations count fused on the node of `socket` for the job, from
+// `ciuicctl --json status` (-1 if the job is not listed).
+long long OpsFused(const std::string& socket, const std::string& job) {
+  std::string out;
+  if (RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket + " status", &out) != 0) {
+    return -1;
+  }
+  const size_t jobs = out.find("\"jobs\":[");
+  if (jobs == std::string::npos) return -1;
+  const size_t at = out.find("\"jobId\":\"" + job + "\"", jobs);
+  if (at == std::string::npos) return -1;
+  const size_t end = out.find("\"jobId\"", at + 1);  // the next job's, or npos
+  const std::string key = "\"opsFused\":\"";
+  const size_t v = out.find(key, at);
+  if (v == std::string::npos || v > end) return 0;  // proto3 JSON omits zeros
+  return std::stoll(out.substr(v + key.size()));
+}
+
+// Many small named allreduces, every dtype and reduce op, submitted in a
+// different order on every rank, all in flight at once: with fusion on
+// (the coordinator's cycle collects them) they cross the network packed;
+// results equal the reference bit for bit, the same bits as the unfused
+// round after `tune set fusion_threshold_bytes=0`, and ciuicctl counts them.
+class MultiNodeFusionTest : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(MultiNodeFusionTest, FusedResultsEqualUnfusedAndTheReference) {
+  const Shape shape = GetParam();
+  auto cluster = Cluster::Start(shape.nodes, "tuning:\n  chunk_bytes: 64K\n  cycle_time_us: 20000\n");
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("fusion");
+  const int world = shape.nodes * shape.ranks_per_node;
+  const std::string coordinator_socket = cluster->nodes[0]->socket();
+  auto codes = RunRanks(world, [&](int rank) {
+    auto comm = cluster->Join(job, rank, shape.nodes, shape.ranks_per_node);
+    CHILD_CHECK(comm != nullptr, "join");
+    struct Op {
+      std::string name;
+      DataType t;
+      ReduceOp op;
+      size_t count;
+      bool smooth;  // sin data (rounding-sensitive) instead of small integers
+      Buffer send, recv;
+      Handle h;
+    };
+    std::vector<Op> ops;
+    for (DataType t : kAllDataTypes) {
+      for (ReduceOp op : kAllReduceOps) {
+        for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1001}, size_t{3000}}) {
+          ops.push_back(Op{std::string(DataTypeName(t)) + "/" + ReduceOpName(op) + "/" +
+                               std::to_string(count), t, op, count, false, {}, {}, {}});
+        }
+      }
+    }
+    for (DataType t : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+        ops.push_back(Op{std::string("smooth/") + DataTypeName(t) + "/" + ReduceOpName(op), t, op,
+                         4099, true, {}, {}, {}});
+      }
+    }
+    // Large enough for the ring: never fused, runs among the fused ones.
+    ops.push_back(Op{"ring", DataType::kFloat32, ReduceOp::kSum, 300007, false, {}, {}, {}});
+    for (auto& o : ops) {
+      const size_t bytes = o.count * DataTypeSize(o.t);
+      Status s = comm->Allocate(bytes, &o.send);
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+      s = comm->Allocate(bytes, &o.recv);
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    }
+    auto fill = [&](const Op& o, int r, void* out, size_t n) {
+      if (!o.smooth) return FillSmall(o.t, o.op, r, out, n);
+      for (size_t i = 0; i < n; ++i) {
+        const double v = std::sin(0.37 * i + 1.3 * r) * (1 + 0.25 * r);
+        switch (o.t) {
+          case DataType::kFloat32: static_cast<float*>(out)[i] = static_cast<float>(v); break;
+          case DataType::kFloat64: static_cast<double*>(out)[i] = v; break;
+          case DataType::kFloat16: static_cast<uint16_t*>(out)[i] = FloatToHalf(static_cast<float>(v)); break;
+          case DataType::kBFloat16: static_cast<uint16_t*>(out)[i] = FloatToBFloat(static_cast<float>(v)); break;
+          default: break;
+        }
+      }
+    };
+    // One round: submit everything in this rank's order, wait, check.
+    std::vector<std::vector<uint8_t>> first_round;
+    long long fused_in_first_round = 0;  // rank 0 only
+    for (int round = 0; round < 2; ++round) {
+      std::vector<size_t> order(ops.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::rotate(order.begin(), order.begin() + (rank * 37) % ops.size(), order.end());
+      if (rank % 2) std::reverse(order.begin(), order.end());
+      for (size_t i : order) {
+        Op& o = ops[i];
+        fill(o, rank, o.send.data(), o.count);
+        std::memset(o.recv.data(), 0x5a, o.count * DataTypeSize(o.t));
+        OpOptions opt;
+        opt.name = (round == 0 ? "on/" : "off/") + o.name;
+        o.h = comm->Allreduce(o.send.data(), o.recv.data(), o.count, o.t, o.op, opt);
+      }
+      for (size_t i = 0; i < ops.size(); ++i) {
+        Op& o = ops[i];
+        Status s = o.h.Wait();
+        CHILD_CHECK(s.ok(), "%s: %s", o.name.c_str(), s.ToString().c_str());
+        const size_t bytes = o.count * DataTypeSize(o.t);
+        const auto* got = static_cast<const uint8_t*>(o.recv.data());
+        if (!o.smooth) {
+          const std::vector<uint8_t> want = ReferenceCollective(
+              Coll::kAllreduce, o.t, o.op, world, rank, 0, o.count,
+              [&](int r, void* out, size_t n) { fill(o, r, out, n); });
+          CHILD_CHECK(std::memcmp(got, want.data(), bytes) == 0, "round %d %s rank %d: differs from the reference",
+                      round, o.name.c_str(), rank);
+        }
+        if (round == 0) {
+          first_round.emplace_back(got, got + bytes);
+        } else {
+          CHILD_CHECK(std::memcmp(got, first_round[i].data(), bytes) == 0,
+                      "%s rank %d: fused and unfused results differ", o.name.c_str(), rank);
+        }
+      }
+      Status s = comm->Barrier().Wait();
+      CHILD_CHECK(s.ok(), "barrier: %s", s.ToString().c_str());
+      if (rank == 0) {
+        const long long fused = OpsFused(coordinator_socket, job);
+        CHILD_CHECK(fused > 0, "round %d: %lld operations fused", round, fused);
+        if (round == 0) {
+          fused_in_first_round = fused;
+          std::string out;
+          CHILD_CHECK(RunCommand(std::string(CIUICCTL_PATH) + " --socket " + coordinator_socket + " status", &out) == 0 &&
+                          Contains(out, "operations fused into"), "%s", out.c_str());
+          // Fusion off for the job, live, at its coordinator.
+          CHILD_CHECK(RunCommand(std::string(CIUICCTL_PATH) + " --socket " + coordinator_socket +
+                                     " tune set fusion_threshold_bytes=0", &out) == 0, "%s", out.c_str());
+        } else {
+          CHILD_CHECK(fused == fused_in_first_round, "fusion off, yet %lld more operations fused",
+                      fused - fused_in_first_round);
+        }
+      }
+      s = comm->Barrier().Wait();
+      CHILD_CHECK(s.ok(), "barrier: %s", s.ToString().c_str());
+    }
+    return 0;
+  }, std::chrono::seconds(240));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  cluster->StopAll();
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MultiNodeFusionTest,
+                         ::testing::Values(Shape{2, 1}, Shape{2, 2}, Shape{3, 1}, Shape{3, 2}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.nodes) + "nodes_x" +
+                                  std::to_string(info.param.ranks_per_node) + "ranks";
+                         });
+
+// A small urgent operation announced after a large one runs beside it, not
+// behind it: it completes while the large one is still in flight.
+TEST(MultiNodePriorityTest, SmallUrgentOperationOvertakesALargeOne) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("prio");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1, 600 << 20);
+    CHILD_CHECK(comm != nullptr, "join");
+    const size_t big = (256u << 20) / 4;
+    Buffer large;
+    Status s = comm->Allocate(big * 4, &large);
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    auto* l = static_cast<float*>(large.data());
+    for (size_t i = 0; i < big; ++i) l[i] = static_cast<float>(i % 1000) + rank;
+    int overtook = 0;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      OpOptions lo;
+      lo.name = "large" + std::to_string(attempt);
+      lo.priority = 0;
+      Handle hl = comm->Allreduce(l, l, big, DataType::kFloat32, ReduceOp::kSum, lo);
+      // Every node readies the large one before the small one, so the
+      // coordinator announces it first; the pause lets it get going.
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      std::vector<int32_t> small(1000, rank + 1);
+      OpOptions so;
+      so.name = "urgent" + std::to_string(attempt);
+      so.priority = 100;
+      s = comm->Allreduce(small.data(), small.data(), small.size(), DataType::kInt32, ReduceOp::kSum, so).Wait();
+      CHILD_CHECK(s.ok() && small[999] == 3, "urgent: %s, %d", s.ToString().c_str(), small[999]);
+      if (!hl.Test()) ++overtook;
+      s = hl.Wait();
+      CHILD_CHECK(s.ok(), "large: %s", s.ToString().c_str());
+      // In place: each attempt sums the two ranks' values (exact in float32).
+      for (size_t i = 0; i < big; i += 4099) {
+        float base0 = static_cast<float>(i % 1000), base1 = base0 + 1;
+        float v0 = base0, v1 = base1;
+        for (int a = 0; a <= attempt; ++a) {
+          const float sum = v0 + v1;
+          v0 = v1 = sum;
+        }
+        CHILD_CHECK(l[i] == v0, "large[%zu] = %g, want %g", i, l[i], v0);
+      }
+    }
+    // Behind the large one (one run at a time) it could overtake none; a
+    // loaded machine may let the large one finish first once.
+    CHILD_CHECK(overtook >= 2, "the urgent operation overtook the large one %d of 3 times", overtook);
+    return comm->Barrier().Wait().ok() ? 0 : 1;
+  }, std::chrono::seconds(180));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  cluster->StopAll();
+}
+
 // Two "hosts": network namespaces joined by a veth pair, one daemon in each,
 // reaching the other only through its veth address. Created and removed by
 // the test (root only).

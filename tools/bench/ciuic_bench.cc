@@ -10,7 +10,11 @@
 // Per size: the median over iterations of the slowest rank's time per
 // operation, algbw = bytes / time, busbw = algbw * the nccl-tests factor
 // (allreduce 2(n-1)/n, reduce_scatter and allgather (n-1)/n, broadcast 1).
-// The first (cold) iteration is reported apart. With --check every rank
+// The first (cold) iteration is reported apart. With --burst K each
+// iteration submits K operations of the size at once (each on its own slice
+// of the buffers, each with its own name) and waits for all: the time is per
+// burst and the bytes are K times the size (tensor fusion's case: many small
+// gradients ready together). With --check every rank
 // compares its result, element by element, with an expectation computed
 // here by plain loops (never by ciuic code).
 #include <arpa/inet.h>
@@ -57,6 +61,7 @@ struct Flags {
   std::string daemon_config;  // --config for the daemons ciuic-bench starts
   std::string compression;    // OpOptions::compression; empty: the daemon's
   bool bind_to_core = false;  // --bind-to core: rank r on CPU r mod online CPUs
+  int burst = 1;              // operations submitted together per iteration
 };
 
 [[noreturn]] void Usage(const std::string& error) {
@@ -69,6 +74,7 @@ struct Flags {
           "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n"
           "                   [--daemon-config FILE] [--compression none|fp16|bf16|int8|topk:R]\n"
           "                   [--bind-to none|core]\n"
+          "                   [--burst K]\n"
           "Without --socket it starts one ciuicd per node (--ciuicd, $CIUICD, or the build\n"
           "tree's), with --daemon-config as their config file.\n");
   exit(error.empty() ? 0 : 64);
@@ -121,6 +127,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (a == "--nodes") f.nodes = integer(1, 1024);
     else if (a == "--ranks-per-node") f.ranks_per_node = integer(1, 256);
     else if (a == "--iters") f.iters = integer(1, 1000000);
+    else if (a == "--burst") f.burst = integer(1, 4096);
     else if (a == "--warmup") f.warmup = integer(0, 1000000);
     else if (a == "--check") f.check = true;
     else if (a == "--bind-to") {
@@ -298,18 +305,21 @@ uint64_t CountFor(const Flags& f, uint64_t bytes, int world) {
   return count;
 }
 
-ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send,
-                     const ciuic::Buffer& recv, uint64_t count) {
+// `offset`: bytes into both buffers (a burst's k-th operation).
+ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send_buffer,
+                     const ciuic::Buffer& recv_buffer, uint64_t count, uint64_t offset = 0) {
   ciuic::OpOptions o;
   o.compression = f.compression;
+  void* send = static_cast<uint8_t*>(send_buffer.data()) + offset;
+  void* recv = static_cast<uint8_t*>(recv_buffer.data()) + offset;
   if (f.op == "allreduce") {
-    return c.Allreduce(send.data(), recv.data(), count, f.dtype, f.reduce_op, o);
+    return c.Allreduce(send, recv, count, f.dtype, f.reduce_op, o);
   } else if (f.op == "reduce_scatter") {
-    return c.ReduceScatter(send.data(), recv.data(), count, f.dtype, f.reduce_op, o);
+    return c.ReduceScatter(send, recv, count, f.dtype, f.reduce_op, o);
   } else if (f.op == "allgather") {
-    return c.Allgather(send.data(), recv.data(), count, f.dtype);
+    return c.Allgather(send, recv, count, f.dtype);
   } else if (f.op == "broadcast") {
-    return c.Broadcast(send.data(), recv.data(), count, f.dtype, 0);
+    return c.Broadcast(send, recv, count, f.dtype, 0);
   }
   return c.Barrier();
 }
@@ -363,7 +373,7 @@ int RunRank(const Flags& f, const std::string& socket, const std::string& coordi
   o.local_rank = rank % f.ranks_per_node;
   o.local_size = f.ranks_per_node;
   o.coordinator = coordinator;
-  o.arena_bytes = 2 * max_bytes + (4 << 20);
+  o.arena_bytes = 2 * max_bytes * f.burst + (4 << 20);
   std::unique_ptr<ciuic::Communicator> comm;
   ciuic::Status s = ciuic::Communicator::Create(o, &comm);
   if (!s.ok()) {
@@ -371,20 +381,31 @@ int RunRank(const Flags& f, const std::string& socket, const std::string& coordi
     return 1;
   }
   ciuic::Buffer send, recv;
-  if (!(s = comm->Allocate(max_bytes, &send)).ok() ||
-      !(s = comm->Allocate(max_bytes, &recv)).ok()) {
+  if (!(s = comm->Allocate(max_bytes * f.burst, &send)).ok() ||
+      !(s = comm->Allocate(max_bytes * f.burst, &recv)).ok()) {
     fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
     return 1;
   }
-  memset(send.data(), 0, max_bytes);
-  memset(recv.data(), 0, max_bytes);
+  memset(send.data(), 0, max_bytes * f.burst);
+  memset(recv.data(), 0, max_bytes * f.burst);
   for (uint64_t bytes : f.sizes) {
     const uint64_t count = f.op == "barrier" ? 0 : CountFor(f, bytes, world);
     std::vector<double> times;
     times.reserve(f.iters + 1);
     for (int it = 0; it < f.warmup + f.iters + 1; ++it) {
       Clock::time_point t0 = Clock::now();
-      s = Launch(*comm, f, send, recv, count).Wait();
+      if (f.burst == 1) {
+        s = Launch(*comm, f, send, recv, count).Wait();
+      } else {
+        std::vector<ciuic::Handle> burst;
+        for (int k = 0; k < f.burst; ++k) {
+          burst.push_back(Launch(*comm, f, send, recv, count, static_cast<uint64_t>(k) * max_bytes));
+        }
+        for (auto& h : burst) {
+          ciuic::Status st = h.Wait();
+          if (s.ok()) s = st;
+        }
+      }
       double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
       if (!s.ok()) {
         fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
@@ -611,10 +632,10 @@ int main(int argc, char** argv) {
                                          : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
     const uint64_t count = f.op == "barrier" ? 0 : CountFor(f, bytes, world);
     const uint64_t es = ciuic::DataTypeSize(f.dtype);
-    const uint64_t moved = f.op == "barrier" ? 0
-                           : (f.op == "reduce_scatter" || f.op == "allgather")
-                               ? count * es * world
-                               : count * es;
+    const uint64_t moved = f.burst * (f.op == "barrier" ? 0
+                                      : (f.op == "reduce_scatter" || f.op == "allgather")
+                                          ? count * es * world
+                                          : count * es);
     const double algbw = med > 0 ? moved / (med * 1e3) : 0;  // bytes/us /1e3 = GB/s
     const double busbw = algbw * BusFactor(f.op, world);
     if (f.check && !lossy && wrong > 0) ++failures;

@@ -108,6 +108,28 @@ std::string Table::Render() const {
   return out;
 }
 
+namespace {
+
+// Per multi-node job: what compression and fusion saved on the network.
+std::string FormatNetworkSavings(const proto::StatusReply& status) {
+  std::string out;
+  for (const proto::JobInfo& job : status.jobs()) {
+    if (job.ops_compressed() != 0) {
+      absl::StrAppend(&out, "compression: job ", Sanitize(job.job_id()), ": ",
+                      job.ops_compressed(), " operations, ",
+                      HumanBytes(job.bytes_before_compression()), " -> ",
+                      HumanBytes(job.bytes_after_compression()), " on the wire\n");
+    }
+    if (job.ops_fused() != 0) {
+      absl::StrAppend(&out, "fusion: job ", Sanitize(job.job_id()), ": ", job.ops_fused(),
+                      " operations fused into ", job.fused_runs(), " allreduces\n");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string FormatStatus(const proto::StatusReply& status) {
   std::string out = absl::StrCat("ciuicd ", Sanitize(OrDash(status.version())), " on node ",
                                  Sanitize(OrDash(status.node_name())), "\n");
@@ -161,6 +183,7 @@ std::string FormatStatus(const proto::StatusReply& status) {
                    absl::StrCat(job.pending_size())});
     }
     out += jobs.Render();
+    out += FormatNetworkSavings(status);
   }
   return out;
 }
@@ -184,12 +207,7 @@ std::string FormatJobs(const proto::StatusReply& status) {
     }
   }
   std::string out = jobs.Render();
-  for (const proto::JobInfo& job : status.jobs()) {
-    if (job.ops_compressed() == 0) continue;
-    absl::StrAppend(&out, "compression: job ", Sanitize(job.job_id()), ": ", job.ops_compressed(),
-                    " operations, ", HumanBytes(job.bytes_before_compression()), " -> ",
-                    HumanBytes(job.bytes_after_compression()), " on the wire\n");
-  }
+  out += FormatNetworkSavings(status);
   out += "\nPENDING OPERATIONS\n";
   out += pending.rows() == 0 ? "  (none)\n" : pending.Render();
   return out;

@@ -164,6 +164,23 @@ TEST(FormatJobsTest, ShowsJobsAndPendingOperations) {
                               "resnet  grad.layer4  allreduce   4.0 MiB  2.2s  0-2        3\n"));
 }
 
+TEST(FormatStatusTest, CompressionAndFusionCountersOfMultiNodeJobs) {
+  proto::StatusReply status = SampleStatus();
+  EXPECT_THAT(FormatStatus(status), Not(HasSubstr("fusion:")));
+  EXPECT_THAT(FormatStatus(status), Not(HasSubstr("compression:")));
+  proto::JobInfo* job = status.mutable_jobs(0);
+  job->set_ops_compressed(10);
+  job->set_bytes_before_compression(64 << 20);
+  job->set_bytes_after_compression(16 << 20);
+  job->set_ops_fused(96);
+  job->set_fused_runs(7);
+  for (const std::string& text : {FormatStatus(status), FormatJobs(status)}) {
+    EXPECT_THAT(text, HasSubstr("compression: job resnet: 10 operations, 64.0 MiB -> 16.0 MiB on "
+                                "the wire\n"));
+    EXPECT_THAT(text, HasSubstr("fusion: job resnet: 96 operations fused into 7 allreduces\n"));
+  }
+}
+
 TEST(FormatJobsTest, NoJobsOrNothingPending) {
   EXPECT_EQ(FormatJobs(proto::StatusReply()), "no jobs\n");
   proto::StatusReply status = SampleStatus();

@@ -31,6 +31,7 @@
 // ../README.md; the tag layout is in schedule.h.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -55,6 +56,11 @@ struct InterNodeContext {
   int max_inflight;      // chunks in flight per direction (values < 1 mean 1)
   std::chrono::steady_clock::time_point deadline;  // give up with DEADLINE_EXCEEDED
   ScratchBuffer* scratch;  // reusable receive space (reducing algorithms only)
+  // While *yield > 0 (set by another thread: an operation of higher priority
+  // runs beside this one), at most one send of this operation is in flight,
+  // so the other's chunks wait behind at most one of this one's per link.
+  // Null: never yield.
+  const std::atomic<int>* yield = nullptr;
 };
 
 // A byte range of `data` that node `owner` holds before an allgather.

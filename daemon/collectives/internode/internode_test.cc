@@ -296,6 +296,81 @@ TEST_P(AllreduceTest, OneChunkInFlight) {
   for (int k = 0; k < n; ++k) ASSERT_EQ(data[k], ref) << "node " << k;
 }
 
+// Counts, per node, the sends posted and not yet completed.
+class InFlightCounter final : public Transport {
+ public:
+  explicit InFlightCounter(Transport* inner) : inner_(inner) {}
+  int self() const override { return inner_->self(); }
+  int num_peers() const override { return inner_->num_peers(); }
+  int num_channels() const override { return inner_->num_channels(); }
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    const int now = ++in_flight_;
+    int seen = max_seen_.load();
+    while (now > seen && !max_seen_.compare_exchange_weak(seen, now)) {
+    }
+    inner_->Send(peer, channel, tag, data, bytes, [this, done = std::move(done)](absl::Status s) {
+      --in_flight_;
+      done(std::move(s));
+    });
+  }
+  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+            TransferDone done) override {
+    inner_->Recv(peer, channel, tag, data, bytes, std::move(done));
+  }
+  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
+  int max_seen() const { return max_seen_.load(); }
+
+ private:
+  Transport* inner_;
+  std::atomic<int> in_flight_{0};
+  std::atomic<int> max_seen_{0};
+};
+
+TEST_P(AllreduceTest, YieldingKeepsOneSendInFlight) {
+  const auto [n, channels, algo] = GetParam();
+  InProcessHub hub(n, channels);
+  std::vector<std::unique_ptr<InFlightCounter>> counters;
+  for (int k = 0; k < n; ++k) counters.push_back(std::make_unique<InFlightCounter>(hub.transport(k)));
+  std::vector<ScratchBuffer> scratch(n);
+  const size_t count = 20011;
+  std::vector<int32_t> ref(count, 0);
+  for (int yield : {1, 0}) {
+    std::atomic<int> flag{yield};
+    std::vector<std::vector<int32_t>> data(n, std::vector<int32_t>(count));
+    for (int k = 0; k < n; ++k) {
+      for (size_t i = 0; i < count; ++i) data[k][i] = static_cast<int32_t>(i * 3 + k);
+    }
+    if (yield) {
+      for (size_t i = 0; i < count; ++i) {
+        for (int k = 0; k < n; ++k) ref[i] += data[k][i];
+      }
+    }
+    std::vector<absl::Status> result(n);
+    std::vector<std::thread> threads;
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    for (int k = 0; k < n; ++k) {
+      threads.emplace_back([&, k] {
+        InterNodeContext ctx{counters[k].get(), uint64_t{1 + static_cast<uint64_t>(yield == 0)} << 24,
+                             400, 4, deadline, &scratch[k]};
+        ctx.yield = &flag;
+        result[k] = Allreduce(ctx, algo, DataType::kInt32, ReduceOp::kSum, data[k].data(), count);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ExpectAllOk(result, yield ? "yielding" : "not yielding");
+    for (int k = 0; k < n; ++k) ASSERT_EQ(data[k], ref) << "node " << k;
+    int most = 0;
+    for (auto& c : counters) most = std::max(most, c->max_seen());
+    if (yield) {
+      EXPECT_EQ(most, n > 1 ? 1 : 0) << "a yielding operation had more than one send in flight";
+    } else if (n > 1) {
+      // The counter sees more than one when nobody yields (the test can fail).
+      EXPECT_GT(most, 1);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Nodes, AllreduceTest,
     ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8), ::testing::Values(1, 2),

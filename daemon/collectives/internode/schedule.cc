@@ -217,7 +217,9 @@ TransferDone Runner::Callback(uint32_t step, bool is_send, size_t chunk, int slo
 
 bool Runner::PostSends() {
   bool posted = false;
-  while (send_step_ < s_.steps.size() && sends_in_flight_ < max_inflight_) {
+  const int window =
+      ctx_.yield != nullptr && ctx_.yield->load(std::memory_order_relaxed) > 0 ? 1 : max_inflight_;
+  while (send_step_ < s_.steps.size() && sends_in_flight_ < window) {
     const Step& st = s_.steps[send_step_];
     if (send_chunk_ >= st.send.num_chunks()) {
       ++send_step_;

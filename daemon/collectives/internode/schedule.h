@@ -4,6 +4,9 @@
 // with up to max_inflight chunks in flight per direction, reducing each
 // received chunk as soon as it is in while the others travel.
 //
+// Window: up to max_inflight sends, or one while ctx.yield says a
+// higher-priority operation runs beside this one (re-read before each send).
+//
 // Ordering. Sends are posted in (step, chunk) order, and so are receives;
 // a send or receive that must wait (for a dependency, a free window place or
 // a scratch slot) holds back the ones after it. Since every node posts in the

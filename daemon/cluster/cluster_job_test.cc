@@ -1,0 +1,328 @@
+// ClusterJob without gRPC or UCX: a real Coordinator reached through a
+// CoordinatorClient that calls it directly, and the nodes' transports from
+// one InProcessHub. Each node has one local rank whose buffers are plain
+// memory.
+#include "cluster/cluster_job.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "cluster/coordinator.h"
+#include "collectives/internode/in_process_transport.h"
+
+namespace ciuic::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// An ordering stream straight into the Coordinator.
+class DirectStream final : public OrderingStream, public NodeStream {
+ public:
+  explicit DirectStream(Coordinator* c) : c_(c) {}
+  ~DirectStream() override { Close(absl::CancelledError("stream destroyed")); }
+
+  bool Write(const proto::NodeEvent& e) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (closed_) return false;
+    if (e.has_hello()) {
+      lock.unlock();
+      auto h = c_->Attach(e.hello(), this);
+      lock.lock();
+      if (!h.ok()) return false;
+      handle_ = *h;
+      attached_ = true;
+      return true;
+    }
+    const uint64_t handle = handle_;
+    lock.unlock();
+    c_->OnEvent(handle, e);  // may call Send
+    return true;
+  }
+  void Send(const proto::CoordinatorEvent& e) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(e);
+    cv_.notify_all();
+  }
+  bool Read(proto::CoordinatorEvent* e) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !events_.empty() || closed_; });
+    if (events_.empty()) return false;
+    *e = std::move(events_.front());
+    events_.pop_front();
+    return true;
+  }
+  void WritesDone() override { Close(absl::OkStatus()); }
+  absl::Status Finish() override { return absl::OkStatus(); }
+  void Cancel() override { Close(absl::CancelledError("cancelled")); }
+
+ private:
+  void Close(const absl::Status& why) {
+    bool detach;
+    uint64_t handle;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      detach = attached_;
+      attached_ = false;
+      closed_ = true;
+      handle = handle_;
+      cv_.notify_all();
+    }
+    if (detach) c_->Detach(handle, why);
+  }
+
+  Coordinator* const c_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<proto::CoordinatorEvent> events_;
+  bool closed_ = false;
+  bool attached_ = false;
+  uint64_t handle_ = 0;
+};
+
+class DirectClient final : public CoordinatorClient {
+ public:
+  explicit DirectClient(Coordinator* c) : c_(c) {}
+  absl::StatusOr<proto::Membership> Register(const proto::RegisterNodeRequest& request,
+                                             std::chrono::system_clock::time_point deadline) override {
+    return c_->Register(request, Clock::now() + (deadline - std::chrono::system_clock::now()),
+                        [this] { return cancelled_.load(); });
+  }
+  void CancelRegister() override { cancelled_ = true; }
+  absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream() override {
+    return std::make_unique<DirectStream>(c_);
+  }
+
+ private:
+  Coordinator* const c_;
+  std::atomic<bool> cancelled_{false};
+};
+
+// A hub transport, borrowed (the hub outlives the jobs).
+class Borrowed final : public Transport {
+ public:
+  explicit Borrowed(Transport* inner) : inner_(inner) {}
+  int self() const override { return inner_->self(); }
+  int num_peers() const override { return inner_->num_peers(); }
+  int num_channels() const override { return inner_->num_channels(); }
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    inner_->Send(peer, channel, tag, data, bytes, std::move(done));
+  }
+  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+            TransferDone done) override {
+    inner_->Recv(peer, channel, tag, data, bytes, std::move(done));
+  }
+  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
+
+ private:
+  Transport* inner_;
+};
+
+class HubUnconnected final : public UnconnectedTransport {
+ public:
+  explicit HubUnconnected(InProcessHub* hub) : hub_(hub) {}
+  std::vector<std::string> Addresses() const override { return {"hub"}; }
+  absl::StatusOr<std::unique_ptr<Transport>> Connect(
+      int self, const std::vector<std::vector<std::string>>&) override {
+    return std::make_unique<Borrowed>(hub_->transport(self));
+  }
+
+ private:
+  InProcessHub* hub_;
+};
+
+// Operation ends, in the order they came.
+struct Ends {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<uint64_t, absl::Status>> ends;
+  bool WaitFor(size_t n) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(30), [&] { return ends.size() >= n; });
+  }
+};
+
+// Two nodes, one rank each, their jobs and the coordinator.
+class TwoNodes {
+ public:
+  TwoNodes() : coordinator_("token", &tuning_), hub_(2, 1) {
+    for (int k = 0; k < 2; ++k) {
+      ClusterJob::Options o;
+      o.job_id = "job";
+      o.uid = 1;
+      o.world_size = 2;
+      o.local_ranks = {k};
+      o.node_name = "n" + std::to_string(k);
+      o.coordinator = "direct";
+      o.cluster_token = "token";
+      o.channels = 1;
+      o.tuning = &tuning_;
+      o.transports = [this](int) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
+        return std::make_unique<HubUnconnected>(&hub_);
+      };
+      o.coordinator_clients = [this](const std::string&) -> std::unique_ptr<CoordinatorClient> {
+        return std::make_unique<DirectClient>(&coordinator_);
+      };
+      Ends* ends = &ends_[k];
+      jobs_[k] = std::make_unique<ClusterJob>(
+          std::move(o),
+          [ends](uint64_t key, absl::Status s) {
+            std::lock_guard<std::mutex> lock(ends->mu);
+            ends->ends.emplace_back(key, std::move(s));
+            ends->cv.notify_all();
+          },
+          [](absl::Status) {});
+    }
+  }
+  ~TwoNodes() {
+    for (auto& j : jobs_) j.reset();
+  }
+  config::TuningRegistry& tuning() { return tuning_; }
+  ClusterJob& job(int k) { return *jobs_[k]; }
+  Ends& ends(int k) { return ends_[k]; }
+
+ private:
+  config::TuningRegistry tuning_;
+  Coordinator coordinator_;
+  InProcessHub hub_;
+  Ends ends_[2];
+  std::unique_ptr<ClusterJob> jobs_[2];
+};
+
+ClusterOp Allreduce(uint64_t key, const std::string& name, wire::DataType t, wire::ReduceOp op,
+                    size_t count, int rank, const void* send, void* recv, int32_t priority = 0) {
+  ClusterOp c;
+  c.key = key;
+  c.name = name;
+  c.sig.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
+  c.sig.dtype = static_cast<uint32_t>(t);
+  c.sig.reduce_op = static_cast<uint32_t>(op);
+  c.sig.count = count;
+  c.priority = priority;
+  c.parts.push_back(ClusterOp::Part{rank, static_cast<const uint8_t*>(send),
+                                    static_cast<uint8_t*>(recv)});
+  return c;
+}
+
+float Value(int rank, size_t op, size_t i) {
+  return static_cast<float>(std::sin(0.1 * i + 1.7 * op + 0.9 * rank) * (1 + rank));
+}
+
+// Rounds of many float32 allreduces (sum, avg, max; sizes 0..5000),
+// submitted in opposite orders on the two nodes: fused with a cycle that
+// collects them, then with fusion off. Every result is the plain loop's
+// (two nodes: one addition, the lower node's value first), fused results
+// are the unfused ones' bits, and the counters say what happened.
+TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
+  TwoNodes nodes;
+  ASSERT_TRUE(nodes.tuning().Set("cycle_time_us", "50000").ok());
+  const std::vector<size_t> sizes = {0, 1, 7, 1000, 5003, 1, 333, 4096};
+  const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg, wire::ReduceOp::kMax};
+  const size_t n_ops = sizes.size() * 3;
+  std::vector<std::vector<float>> send[2], recv[2][2];
+  for (int k = 0; k < 2; ++k) {
+    for (size_t o = 0; o < n_ops; ++o) {
+      const size_t count = sizes[o % sizes.size()];
+      send[k].emplace_back(count);
+      for (size_t i = 0; i < count; ++i) send[k][o][i] = Value(k, o, i);
+      for (int round = 0; round < 2; ++round) recv[round][k].emplace_back(count, -1.0f);
+    }
+  }
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) ASSERT_TRUE(nodes.tuning().Set("fusion_threshold_bytes", "0").ok());
+    for (int k = 0; k < 2; ++k) {
+      for (size_t j = 0; j < n_ops; ++j) {
+        const size_t o = k == 0 ? j : n_ops - 1 - j;
+        const auto op = ops[o / sizes.size()];
+        nodes.job(k).Submit(Allreduce(round * 1000 + o, "r" + std::to_string(round) + "/" + std::to_string(o),
+                                      wire::DataType::kFloat32, op, send[k][o].size(), k,
+                                      send[k][o].data(), recv[round][k][o].data()));
+      }
+    }
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_TRUE(nodes.ends(k).WaitFor((round + 1) * n_ops)) << "round " << round;
+    }
+    if (round == 0) {
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_GT(nodes.job(k).fusion().ops, 0u) << "node " << k;
+        EXPECT_GT(nodes.job(k).fusion().ops, nodes.job(k).fusion().runs);
+      }
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    for (auto& [key, status] : nodes.ends(k).ends) EXPECT_TRUE(status.ok()) << key << ": " << status;
+    for (size_t o = 0; o < n_ops; ++o) {
+      const auto op = ops[o / sizes.size()];
+      for (size_t i = 0; i < send[k][o].size(); ++i) {
+        const float a = send[0][o][i], b = send[1][o][i];
+        float want = op == wire::ReduceOp::kMax ? std::max(a, b) : a + b;
+        if (op == wire::ReduceOp::kAvg) want /= 2;
+        ASSERT_EQ(recv[0][k][o][i], want) << "fused round, node " << k << " op " << o << " i " << i;
+      }
+      ASSERT_EQ(std::memcmp(recv[0][k][o].data(), recv[1][k][o].data(), 4 * send[k][o].size()), 0)
+          << "node " << k << " op " << o << ": fused and unfused results differ";
+    }
+  }
+}
+
+TEST(ClusterJobTest, FusionOffCountsNothing) {
+  TwoNodes nodes;
+  ASSERT_TRUE(nodes.tuning().Set("cycle_time_us", "50000").ok());
+  ASSERT_TRUE(nodes.tuning().Set("fusion_threshold_bytes", "0").ok());
+  std::vector<float> data[2][10];
+  for (int k = 0; k < 2; ++k) {
+    for (int o = 0; o < 10; ++o) {
+      data[k][o].assign(100, static_cast<float>(k + o));
+      nodes.job(k).Submit(Allreduce(o, "x" + std::to_string(o), wire::DataType::kFloat32,
+                                    wire::ReduceOp::kSum, 100, k, data[k][o].data(),
+                                    data[k][o].data()));
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(10));
+    EXPECT_EQ(nodes.job(k).fusion().ops, 0u);
+    for (int o = 0; o < 10; ++o) EXPECT_EQ(data[k][o][99], static_cast<float>(2 * o + 1));
+  }
+}
+
+// A large low-priority allreduce, then a small high-priority one: the
+// small one ends first on both nodes (it runs in the other lane), and both
+// results are right.
+TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
+  TwoNodes nodes;
+  ASSERT_TRUE(nodes.tuning().Set("chunk_bytes", "256K").ok());
+  const size_t big = 24u << 20;  // 96 MiB of float32
+  std::vector<float> large[2], small[2];
+  for (int k = 0; k < 2; ++k) {
+    large[k].assign(big, static_cast<float>(k + 1));
+    small[k].assign(64, static_cast<float>(10 * (k + 1)));
+  }
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(1, "large", wire::DataType::kFloat32, wire::ReduceOp::kSum, big,
+                                  k, large[k].data(), large[k].data(), 0));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(2, "small", wire::DataType::kFloat32, wire::ReduceOp::kSum, 64,
+                                  k, small[k].data(), small[k].data(), 9));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(2));
+    const auto& ends = nodes.ends(k).ends;
+    EXPECT_EQ(ends[0].first, 2u) << "node " << k << ": the small run ended after the large one";
+    for (auto& [key, status] : ends) EXPECT_TRUE(status.ok()) << status;
+    EXPECT_EQ(small[k][63], 30.0f);
+    EXPECT_EQ(large[k][big - 1], 3.0f);
+    EXPECT_EQ(large[k][0], 3.0f);
+  }
+}
+
+}  // namespace
+}  // namespace ciuic::daemon
