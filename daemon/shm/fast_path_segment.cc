@@ -113,7 +113,9 @@ std::vector<FastPathSegment::PendingSlot> FastPathSegment::ReadPending() const {
       static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
   for (uint32_t i = 0; i < geometry_.slot_count; ++i) {
     const wire::FastSlot* s = slot(i);
+    // A kDaemon key only routes: its operation is pending in the daemon.
     if (s->state != static_cast<uint32_t>(wire::FastSlotState::kUsed) ||
+        s->route != static_cast<uint32_t>(wire::FastRoute::kFast) ||
         s->status.load(std::memory_order_relaxed) !=
             static_cast<uint32_t>(wire::FastOpStatus::kPending)) {
       continue;

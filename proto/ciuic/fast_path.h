@@ -21,8 +21,10 @@
 // without a segment, go through the daemon's rings as before.
 //
 // How an operation runs (the SDK, sdk/src/fast_path.h). Operations are keyed
-// by (name, n) where n counts this rank's fast-path submissions of that name,
-// so ranks may submit names in any order and a name may be reused at once.
+// by (name, n) where n counts this rank's submissions of that name, on
+// either path, so ranks may submit names in any order and a name may be
+// reused at once. (Submissions the SDK knows the daemon will refuse, such as
+// an unknown dtype, take no key and are not counted.)
 // Under the table lock a rank finds the key's slot or claims one (open
 // addressing, linear probing, tombstones; the whole table is probed under one
 // lock, so a key is never in two slots), compares the operation's signature
@@ -34,8 +36,41 @@
 // slot (stores kTombstone, no lock needed: nobody looks for a key all ranks
 // have left); a claimer that walks into an empty slot turns the tombstones
 // just before it back into empty ones. The table has room for 2 * world_size * max_inflight_per_rank keys;
-// a rank keeps at most max_inflight_per_rank fast-path operations in flight,
+// a rank keeps at most max_inflight_per_rank operations in flight (fast-path
+// ones, and daemon-bound ones that took a key),
 // so a rank never finds the table full of live operations.
+//
+// Ranks that would take different paths. Whether an operation fits depends
+// only on its signature, so ranks that submit the same signature take the
+// same path; ranks that do not (a count on each side of the limit, a dtype
+// or a collective that changes the size) must all get the mismatch error,
+// at once, not a timeout. So in a job with a segment every operation, large
+// ones too, takes its (name, n) key in the table, with its signature and its
+// route: kFast (it runs here) or kDaemon (it went to the daemon). A rank
+// arriving at a key:
+//  1. no key yet: it claims it with its own signature and route. A large
+//     operation (kDaemon) joins, leaves at once and goes to the daemon.
+//  2. kFast key, own operation fits, signatures equal: it runs here.
+//  3. kFast key, anything else (signatures differ, or ours is large): the
+//     key fails with the daemon's mismatch wording, naming the operation and
+//     both signatures; every waiter wakes with it, our operation fails with
+//     it locally (a large one is then never sent to the daemon), and so does
+//     every later arrival, whatever its size. A key failed earlier (timeout)
+//     fails a large arrival the same way.
+//  4. kDaemon key: some rank went to the daemon, so this one does too,
+//     whatever its size, and leaves at once; the daemon's own matching then
+//     reports the mismatch to every rank (or runs the operation when the
+//     signatures agree).
+// Every arrival order of 2 or 3+ ranks ends in one of: every rank runs it
+// here (all fit and agree), every rank goes to the daemon (the first
+// arriver was large), or every rank fails with the mismatch (a large or a
+// mismatching rank came while the key was kFast); a kFast key never turns
+// into kDaemon, so no rank waits here for one that went to the daemon.
+// A key is freed when all world_size ranks have left it, as before; a rank
+// arriving at a kDaemon key leaves at once. The in-flight limit below counts
+// a rank's daemon-bound operations too, until the daemon completes them
+// (which it does only once every rank has submitted, hence arrived here), so
+// kDaemon keys cannot fill the table either.
 //
 // Faults. A rank whose wait passes its operation's deadline fails the slot
 // (timeout) for every rank. When a session of the job closes (trainer died),
@@ -60,7 +95,7 @@
 namespace ciuic::wire {
 
 inline constexpr uint64_t kFastPathMagic = 0x31765f7473616663ULL;  // "cfast_v1"
-inline constexpr uint32_t kFastPathVersion = 1;
+inline constexpr uint32_t kFastPathVersion = 2;  // 2: FastSlot.route
 inline constexpr uint32_t kMaxFastPathRanks = 32;
 // The segment never exceeds this; jobs that would need more get none.
 inline constexpr uint64_t kMaxFastPathSegmentBytes = 64ull << 20;
@@ -104,6 +139,9 @@ struct alignas(64) FastPathCounters {
 
 enum class FastSlotState : uint32_t { kEmpty = 0, kUsed = 1, kTombstone = 2 };
 enum class FastOpStatus : uint32_t { kPending = 0, kDone = 1, kFailed = 2 };
+// Which path the key's first rank took (see "Ranks that would take
+// different paths" above).
+enum class FastRoute : uint32_t { kFast = 0, kDaemon = 1 };
 
 // One key of the table, followed in the segment by its data: world_size
 // input areas of payload_bytes each, then one result area of payload_bytes.
@@ -125,6 +163,7 @@ struct alignas(64) FastSlot {
   uint32_t codec;
   float codec_ratio;
   int32_t first_rank;
+  uint32_t route;                  // FastRoute of the first rank (lock)
   uint32_t joined;                 // ranks that joined (lock)
   uint64_t first_submit_ns;        // CLOCK_MONOTONIC (lock)
   char name[kMaxOpName];           // (lock)

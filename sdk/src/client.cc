@@ -325,22 +325,41 @@ class Communicator::Impl {
   // that whatever the daemon would refuse still goes to the daemon and gets
   // the daemon's error. Every rank of a job decides alike for the same
   // (valid, matching) operation: the limit is the job's.
-  bool FastEligible(const wire::SubmissionEntry& e, Span send, Span recv) const {
-    const int w = options.world_size;
+  // Whether the operation's payload per rank fits the fast path; depends on
+  // the signature alone, so ranks that agree on it take the same path.
+  bool FastFits(const wire::SubmissionEntry& e) const {
     const auto collective = static_cast<wire::Collective>(e.collective);
     if (collective == wire::Collective::kBarrier) return true;
     const uint64_t es = wire::DataTypeSize(e.dtype);
-    if (es == 0) return false;
     const uint64_t limit = core->fast->payload_limit();
     // limit <= 64 MiB, so once count <= limit none of the products overflow.
-    if (e.count > limit) return false;
+    if (es == 0 || e.count > limit) return false;
     const uint64_t block = e.count * es;
     uint64_t payload = block;
     if (collective == wire::Collective::kReduceScatter ||
         collective == wire::Collective::kAllgather) {
-      payload = block * static_cast<uint64_t>(w);
+      payload = block * static_cast<uint64_t>(options.world_size);
     }
-    if (payload > limit) return false;
+    return payload <= limit;
+  }
+
+  // Whether the daemon would accept the operation as far as the fast path
+  // can tell (known dtype, reducible, root in range, buffers in place or
+  // apart). Those it would refuse go to it without taking a key, so that
+  // they shift no rank's (name, n) (proto/ciuic/fast_path.h).
+  bool FastValid(const wire::SubmissionEntry& e, Span send, Span recv) const {
+    const int w = options.world_size;
+    const auto collective = static_cast<wire::Collective>(e.collective);
+    if (collective == wire::Collective::kBarrier) return true;
+    if (collective != wire::Collective::kAllreduce &&
+        collective != wire::Collective::kReduceScatter &&
+        collective != wire::Collective::kAllgather &&
+        collective != wire::Collective::kBroadcast) {
+      return false;
+    }
+    const uint64_t es = wire::DataTypeSize(e.dtype);
+    if (es == 0) return false;
+    const uint64_t block = e.count * es;
     if (collective == wire::Collective::kAllreduce ||
         collective == wire::Collective::kReduceScatter) {
       if (!reduce::CheckReducible(e.dtype, e.reduce_op).ok()) return false;
@@ -537,6 +556,11 @@ Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>*
   if (reply.fast_path_bytes() > 0) {
     s = ReceiveFastPath(impl->core->sock_fd, reply.fast_path_bytes(), o, &impl->core->fast);
     if (!s.ok()) return s;
+    // The core owns the fast path, so it outlives this.
+    Core* core = impl->core.get();
+    core->fast->SetDaemonWait([core](const std::atomic<bool>& done, Clock::time_point until) {
+      core->WaitUntil([&done] { return done.load(std::memory_order_acquire); }, until);
+    });
   }
   out->reset(new Communicator(std::move(impl)));
   return Status::Ok();
@@ -594,7 +618,10 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   e.name_len = static_cast<uint32_t>(name.size());
   std::memcpy(e.name, name.data(), name.size());
 
-  if (c.fast && FastEligible(e, send, recv)) {
+  // In a job with a fast path every valid operation takes its key there,
+  // large ones too, and learns its route (proto/ciuic/fast_path.h).
+  bool daemon_bound_key = false;
+  if (c.fast && FastValid(e, send, recv)) {
     FastPath::Signature sig;
     sig.collective = e.collective;
     sig.dtype = e.dtype;
@@ -609,10 +636,11 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
       sig.reduce_op = 0;
     }
     if (collective != wire::Collective::kBroadcast) sig.root = 0;
+    const bool fits = FastFits(e);
     Status started = c.fast->Start(name, sig, send.ptr, send.bytes, user_recv, e.timeout_ms,
-                                   &st->fast);
+                                   &st->fast, fits, &daemon_bound_key);
     if (!started.ok()) return Failed(started);
-    return Handle(st);
+    if (!daemon_bound_key) return Handle(st);
   }
 
   // Buffers outside shared memory go through one staging region that
@@ -693,6 +721,9 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
     e.op_id = st->op_id;
     c.inflight.emplace(st->op_id, st);
     c.inflight_count.fetch_add(1);
+  }
+  if (daemon_bound_key) {
+    c.fast->TrackDaemon(std::shared_ptr<const std::atomic<bool>>(st, &st->done));
   }
   std::memcpy(&c.sq[c.sq_tail & (c.header->sq_capacity - 1)], &e, sizeof(e));
   ++c.sq_tail;

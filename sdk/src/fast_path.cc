@@ -263,9 +263,24 @@ void FastPath::Depart(uint32_t slot) {
 
 // --------------------------------------------------------------- operations
 
+size_t FastPath::LiveDaemonOpsLocked() {
+  daemon_inflight_.erase(std::remove_if(daemon_inflight_.begin(), daemon_inflight_.end(),
+                                        [](const auto& d) {
+                                          return d->load(std::memory_order_acquire);
+                                        }),
+                         daemon_inflight_.end());
+  return daemon_inflight_.size();
+}
+
+void FastPath::TrackDaemon(std::shared_ptr<const std::atomic<bool>> done) {
+  std::lock_guard<std::mutex> lock(mu_);
+  daemon_inflight_.push_back(std::move(done));
+}
+
 Status FastPath::Start(const std::string& name, const Signature& sig, const void* send,
                        uint64_t send_bytes, void* recv, uint32_t timeout_ms,
-                       std::shared_ptr<FastOp>* out) {
+                       std::shared_ptr<FastOp>* out, bool fits, bool* to_daemon) {
+  if (to_daemon != nullptr) *to_daemon = false;
   auto op = std::make_shared<FastOp>();
   op->collective = static_cast<wire::Collective>(sig.collective);
   op->dtype = sig.dtype;
@@ -284,20 +299,34 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   if (Aborted(&why)) return finish_now(why);
   counters()->cpu.store(sched_getcpu(), std::memory_order_relaxed);
 
-  // At most max_inflight_ of ours in flight, so the table never fills with
-  // live operations (see fast_path.h).
+  // At most max_inflight_ of ours in flight, daemon-bound ones included, so
+  // the table never fills with live keys (see fast_path.h).
   std::unique_lock<std::mutex> lock(mu_);
-  while (inflight_.size() >= max_inflight_) {
+  while (inflight_.size() + (daemon_inflight_.empty() ? 0 : LiveDaemonOpsLocked()) >=
+         max_inflight_) {
+    const auto until = Clock::now() + std::chrono::milliseconds(100);
+    if (!daemon_inflight_.empty() && (inflight_.empty() || daemon_wait_)) {
+      std::shared_ptr<const std::atomic<bool>> oldest = daemon_inflight_.front();
+      lock.unlock();
+      if (daemon_wait_) {
+        daemon_wait_(*oldest, until);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      lock.lock();
+      continue;
+    }
     std::shared_ptr<FastOp> oldest = inflight_.front();
     lock.unlock();
-    Wait(*oldest, Clock::now() + std::chrono::milliseconds(100), 0, [] { return Status::Ok(); });
+    Wait(*oldest, until, 0, [] { return Status::Ok(); });
     lock.lock();
   }
   // Unnamed operations ("#N", numbered by the SDK) never repeat a name:
   // their n is always 0 and they need no entry.
   NameState unnamed;
   NameState& ns = !name.empty() && name[0] == '#' ? unnamed : names_[name];
-  if (auto last = ns.last.lock(); last && !last->finished.load(std::memory_order_acquire) &&
+  // Only the fast path checks this; the daemon checks its own.
+  if (auto last = ns.last.lock(); fits && last && !last->finished.load(std::memory_order_acquire) &&
                                   SlotAt(last->slot)->status.load(std::memory_order_acquire) ==
                                       static_cast<uint32_t>(wire::FastOpStatus::kPending)) {
     return Status(StatusCode::kFailedPrecondition,
@@ -354,8 +383,30 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
                                  "' is full (has a rank of the job written over it?)"));
   }
   ns.next_seq = seq + 1;
-  ns.last = op;
   uint32_t slot;
+  // Goes to the daemon after all (rule 4 of fast_path.h) or because it is
+  // large (rule 1): joins the key and leaves it at once.
+  auto route_to_daemon = [&](uint32_t at) {
+    wire::FastSlot& s = *SlotAt(at);
+    s.ranks_joined[rank_] = 1;
+    ++s.joined;
+    UnlockTable();
+    lock.unlock();
+    Depart(at);
+    *to_daemon = true;
+    out->reset();
+    return Status::Ok();
+  };
+  const bool found_daemon_bound =
+      found >= 0 && SlotAt(static_cast<uint32_t>(found))->route ==
+                        static_cast<uint32_t>(wire::FastRoute::kDaemon);
+  if ((found_daemon_bound || (found < 0 && !fits)) && to_daemon == nullptr) {
+    UnlockTable();
+    return finish_now(Status(StatusCode::kInternal,
+                             "operation '" + name + "' must go through ciuicd"));
+  }
+  if (found_daemon_bound) return route_to_daemon(static_cast<uint32_t>(found));
+  if (fits) ns.last = op;
   if (found >= 0) {
     slot = static_cast<uint32_t>(found);
   } else {
@@ -372,6 +423,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     s.codec = sig.codec;
     s.codec_ratio = sig.codec_ratio;
     s.first_rank = rank_;
+    s.route = static_cast<uint32_t>(fits ? wire::FastRoute::kFast : wire::FastRoute::kDaemon);
     s.joined = 0;
     s.first_submit_ns = MonotonicNs();
     s.arrived.store(0, std::memory_order_relaxed);
@@ -383,6 +435,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     s.status.store(static_cast<uint32_t>(wire::FastOpStatus::kPending), std::memory_order_release);
     std::atomic_ref<uint32_t>(s.state).store(static_cast<uint32_t>(wire::FastSlotState::kUsed),
                                              std::memory_order_release);
+    if (!fits) return route_to_daemon(slot);
   }
   op->slot = slot;
   wire::FastSlot& s = *SlotAt(slot);
@@ -392,8 +445,10 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
                        s.reduce_op == sig.reduce_op && s.root == sig.root &&
                        s.count == sig.count && s.codec == sig.codec &&
                        s.codec_ratio == sig.codec_ratio;
-  if (!matches) {
-    // Worded as the daemon words it (engine.cc).
+  if (!matches || !fits) {
+    // Worded as the daemon words it (engine.cc). A large operation with the
+    // signature of the key's cannot happen (whether it fits depends on the
+    // signature alone), but if it did it must fail here too (rule 3).
     FailSlotLocked(
         s, StatusCode::kInvalidArgument,
         "operation '" + name + "' mismatched across ranks: rank " + std::to_string(s.first_rank) +
@@ -402,7 +457,8 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
                                   s.codec_ratio) +
             ", rank " + std::to_string(rank_) + " submitted " +
             wire::SignatureString(sig.collective, sig.dtype, sig.reduce_op, sig.root, sig.count,
-                                  sig.codec, sig.codec_ratio));
+                                  sig.codec, sig.codec_ratio) +
+            (matches ? " too large for the fast path" : ""));
   }
   const bool failed = s.status.load(std::memory_order_acquire) ==
                       static_cast<uint32_t>(wire::FastOpStatus::kFailed);

@@ -8,6 +8,10 @@
 // result); Poll() and Wait() complete it: the result is copied out into the
 // caller's recv buffer, and the operation's status is final. Operations the
 // caller never waits for are completed by later calls (Start, Poll, Wait).
+// In a job with a segment every operation passes Start, large ones too: it
+// takes the operation's key and says which path it takes, so that ranks
+// whose operations would take different paths get a mismatch error rather
+// than wait for each other on both paths (proto/ciuic/fast_path.h).
 //
 // Threads: every method may be called from any thread; a FastPath's own
 // state is under a mutex, each operation's completion under its own, and the
@@ -15,6 +19,7 @@
 // never across a copy, a reduction or a wait).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -87,14 +92,30 @@ class FastPath {
   uint64_t payload_limit() const { return payload_limit_; }
   uint32_t max_inflight() const { return max_inflight_; }
 
-  // Submits. `send_bytes`/`recv_bytes` are as the daemon counts them (see
-  // shm_layout.h), both <= payload_limit(); the signature has passed the
-  // checks the daemon makes of a submission. Returns the operation, which
-  // may already be finished (mismatch, abort, a poisoned name). An error
-  // return (nothing submitted): the name is pending already on this rank.
+  // Submits, or routes to the daemon. The signature has passed the checks
+  // the daemon makes of a submission. `fits`: its payload per rank (max of
+  // send and recv bytes, as the daemon counts them, see shm_layout.h) is at
+  // most payload_limit(); then `send` holds send_bytes for the fast path.
+  // Returns either the operation in *out, which may already be finished
+  // (mismatch, abort, a poisoned name), or *to_daemon = true and no
+  // operation: the caller sends it to the daemon, then hands its completion
+  // flag to TrackDaemon (see proto/ciuic/fast_path.h on routes; a large
+  // operation may get an *out that failed, a small one *to_daemon). A
+  // caller that passes no to_daemon gets an error instead of that route. An
+  // error return (nothing submitted): the name is pending already on this
+  // rank.
   Status Start(const std::string& name, const Signature& sig, const void* send,
                uint64_t send_bytes, void* recv, uint32_t timeout_ms,
-               std::shared_ptr<FastOp>* out);
+               std::shared_ptr<FastOp>* out, bool fits = true, bool* to_daemon = nullptr);
+  // An operation Start sent to the daemon; `done` turns true when the
+  // daemon has completed it. Counted in the in-flight limit until then.
+  void TrackDaemon(std::shared_ptr<const std::atomic<bool>> done);
+  // How Start waits for the oldest daemon-bound operation when the
+  // in-flight limit is reached: until `done` or `until`. Set before the
+  // first Start (the client reaps its completion ring here).
+  using DaemonWait =
+      std::function<void(const std::atomic<bool>& done, Clock::time_point until)>;
+  void SetDaemonWait(DaemonWait wait) { daemon_wait_ = std::move(wait); }
   // Completes `op` if it can without waiting; true once it is finished.
   // Also fails it (for every rank) once its deadline has passed.
   bool Poll(FastOp& op) { return Progress(op, true); }
@@ -155,9 +176,14 @@ class FastPath {
     uint64_t next_seq = 0;
     std::weak_ptr<FastOp> last;
   };
-  std::mutex mu_;  // names_, inflight_
+  // Daemon-bound operations not yet complete (for the in-flight limit).
+  size_t LiveDaemonOpsLocked();
+
+  std::mutex mu_;  // names_, inflight_, daemon_inflight_
   std::unordered_map<std::string, NameState> names_;
   std::vector<std::shared_ptr<FastOp>> inflight_;
+  std::vector<std::shared_ptr<const std::atomic<bool>>> daemon_inflight_;
+  DaemonWait daemon_wait_;
 };
 
 }  // namespace ciuic
