@@ -529,5 +529,150 @@ TEST(FastPathTest, TimeoutNamesTheMissingRank) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// --------------------------------------------------- paths across the limit
+// Ranks whose operations of one name fall on different sides of the limit
+// (count limit vs limit + 1, a dtype that doubles the size, a collective
+// whose payload is world_size times larger) all get the mismatch error
+// naming the operation and both signatures, within a few seconds although
+// the op timeout is 60 s, in every arrival order; the job goes on.
+
+enum class Kind { kSmall, kLargeCount, kLargeDtype, kAllgather };
+
+// The signature as the error words it, and the submission.
+const char* Words(Kind k) {
+  switch (k) {
+    case Kind::kSmall: return "allreduce float32 count=1024 op=sum";  // 4096 B: fits
+    case Kind::kLargeCount: return "allreduce float32 count=1025 op=sum";
+    case Kind::kLargeDtype: return "allreduce float64 count=1024 op=sum";
+    case Kind::kAllgather: return "allgather float32 count=1024";  // 8192 B received
+  }
+  return "?";
+}
+
+Status SubmitKind(Communicator& comm, Kind k, const std::string& name) {
+  static_assert(kLimit == 4096);
+  std::vector<double> buf(1025 * 2, 1.0);
+  OpOptions o;
+  o.name = name;
+  switch (k) {
+    case Kind::kSmall:
+      return comm.Allreduce(buf.data(), buf.data(), 1024, DataType::kFloat32, ReduceOp::kSum, o)
+          .Wait();
+    case Kind::kLargeCount:
+      return comm.Allreduce(buf.data(), buf.data(), 1025, DataType::kFloat32, ReduceOp::kSum, o)
+          .Wait();
+    case Kind::kLargeDtype:
+      return comm.Allreduce(buf.data(), buf.data(), 1024, DataType::kFloat64, ReduceOp::kSum, o)
+          .Wait();
+    case Kind::kAllgather: {
+      std::vector<float> in(1024, 1.0f), out(1024 * comm.world_size());
+      return comm.Allgather(in.data(), out.data(), 1024, DataType::kFloat32, o).Wait();
+    }
+  }
+  return Status::Ok();
+}
+
+struct RouteCase {
+  std::string name;
+  std::vector<Kind> kinds;  // per rank
+  std::vector<int> delay;   // per rank, in steps of 400 ms: the arrival order
+};
+
+// Runs the cases in one job, then normal traffic of small and large
+// operations of many names in different orders on every rank.
+int RunRouteCases(const std::string& socket, const std::string& job, int rank, int world,
+                  const std::vector<RouteCase>& cases) {
+  auto comm = JoinJob(socket, job, rank, world);
+  CHILD_CHECK(comm != nullptr, "join");
+  for (const RouteCase& c : cases) {
+    // Line the ranks up first, so that the delays decide the arrival order.
+    CHILD_CHECK(comm->Barrier().Wait().ok(), "barrier before %s", c.name.c_str());
+    std::this_thread::sleep_for(std::chrono::milliseconds(400 * c.delay[rank]));
+    const auto t0 = Clock::now();
+    Status s = SubmitKind(*comm, c.kinds[rank], c.name);
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+    CHILD_CHECK(ms < 5000, "%s: the error took %lld ms", c.name.c_str(),
+                static_cast<long long>(ms));
+    CHILD_CHECK(s.code() == StatusCode::kInvalidArgument &&
+                    Contains(s.message(), "operation '" + c.name + "' mismatched across ranks"),
+                "%s rank %d: %s", c.name.c_str(), rank, s.ToString().c_str());
+    for (int r = 0; r < world; ++r) {
+      // Every distinct signature of the first two that differ is named.
+      if (c.kinds[r] != c.kinds[0]) {
+        CHILD_CHECK(Contains(s.message(), Words(c.kinds[0])) &&
+                        Contains(s.message(), Words(c.kinds[r])),
+                    "%s rank %d: %s", c.name.c_str(), rank, s.ToString().c_str());
+        break;
+      }
+    }
+  }
+  // Normal traffic: sizes on both sides of the limit, many names, each rank
+  // in its own order, names reused across rounds.
+  std::mt19937 rng(rank * 7 + 3);
+  for (int round = 0; round < 4; ++round) {
+    constexpr int kNames = 40;
+    std::vector<int> order(kNames);
+    for (int i = 0; i < kNames; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<std::vector<int32_t>> data(kNames);
+    std::vector<Handle> handles(kNames);
+    for (int n : order) {
+      const size_t count = (n + round) % 3 == 0 ? 1024 + 1 + n * 17 : 1 + n * 25;  // 4 B each
+      data[n].assign(count, (rank + 1) * (n + 1) + round);
+      OpOptions o;
+      o.name = "mixed." + std::to_string(n);
+      handles[n] = comm->Allreduce(data[n].data(), data[n].data(), count, DataType::kInt32,
+                                   ReduceOp::kSum, o);
+    }
+    const int32_t ranks_sum = world * (world + 1) / 2;
+    for (int n = 0; n < kNames; ++n) {
+      Status s = handles[n].Wait();
+      CHILD_CHECK(s.ok(), "mixed.%d: %s", n, s.ToString().c_str());
+      for (int32_t x : data[n]) {
+        CHILD_CHECK(x == ranks_sum * (n + 1) + world * round, "mixed.%d = %d", n, x);
+      }
+    }
+  }
+  return 0;
+}
+
+TEST(FastPathTest, CountsDtypesAndCollectivesAcrossTheLimitFailPromptlyOnEveryRank) {
+  auto daemon = DaemonProcess::Start(Config(kLimit, /*op_timeout_ms=*/60000));
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("fproute");
+  std::vector<RouteCase> cases;
+  for (Kind large : {Kind::kLargeCount, Kind::kLargeDtype, Kind::kAllgather}) {
+    const std::string what = large == Kind::kLargeCount   ? "count"
+                             : large == Kind::kLargeDtype ? "dtype"
+                                                          : "collective";
+    cases.push_back({what + ".small_first", {Kind::kSmall, large}, {0, 1}});
+    cases.push_back({what + ".large_first", {Kind::kSmall, large}, {1, 0}});
+  }
+  auto codes = RunRanks(2, [&](int rank) {
+    return RunRouteCases(daemon->socket(), job, rank, 2, cases);
+  });
+  for (int c : codes) EXPECT_EQ(c, 0) << daemon->Log();
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+TEST(FastPathTest, AcrossTheLimitWithThreeRanksInEveryOrder) {
+  auto daemon = DaemonProcess::Start(Config(kLimit, /*op_timeout_ms=*/60000));
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("fproute3");
+  const Kind S = Kind::kSmall, L = Kind::kLargeCount;
+  std::vector<RouteCase> cases = {
+      {"ssl", {S, S, L}, {0, 1, 2}}, {"sls", {S, S, L}, {0, 2, 1}},
+      {"lss", {S, S, L}, {1, 2, 0}}, {"sll", {S, L, L}, {0, 1, 2}},
+      {"lsl", {S, L, L}, {1, 0, 2}}, {"lls", {S, L, L}, {2, 0, 1}},
+      {"together", {L, S, S}, {0, 0, 0}},
+  };
+  auto codes = RunRanks(3, [&](int rank) {
+    return RunRouteCases(daemon->socket(), job, rank, 3, cases);
+  });
+  for (int c : codes) EXPECT_EQ(c, 0) << daemon->Log();
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 }  // namespace
 }  // namespace ciuic::testing
