@@ -71,6 +71,11 @@ TEST(FastPathSegmentTest, AbortWritesOnceAndGarbageIsHarmless) {
   auto rows = (*seg)->ReadPending();
   EXPECT_EQ(rows.size(), g.slot_count);
   for (const auto& row : rows) EXPECT_EQ(row.name.size(), wire::kMaxOpName);
+  // Keys that only route an operation to the daemon are not pending here
+  // (the daemon lists the operation itself).
+  reinterpret_cast<wire::FastSlot*>(static_cast<uint8_t*>(p) + g.slots_offset)->route =
+      static_cast<uint32_t>(wire::FastRoute::kDaemon);
+  EXPECT_EQ((*seg)->ReadPending().size(), g.slot_count - 1);
   (*seg)->Abort(absl::AbortedError("rank 1 left"));
   (*seg)->Abort(absl::UnavailableError("second"));
   const auto* h = static_cast<const wire::FastPathHeader*>(p);
