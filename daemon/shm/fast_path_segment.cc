@@ -115,7 +115,7 @@ std::vector<FastPathSegment::PendingSlot> FastPathSegment::ReadPending() const {
     const wire::FastSlot* s = slot(i);
     // A kDaemon key only routes: its operation is pending in the daemon.
     if (s->state != static_cast<uint32_t>(wire::FastSlotState::kUsed) ||
-        s->route != static_cast<uint32_t>(wire::FastRoute::kFast) ||
+        s->route == static_cast<uint32_t>(wire::FastRoute::kDaemon) ||
         s->status.load(std::memory_order_relaxed) !=
             static_cast<uint32_t>(wire::FastOpStatus::kPending)) {
       continue;
