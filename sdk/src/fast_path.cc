@@ -345,6 +345,12 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   const uint32_t mask = slot_count_ - 1;
   uint32_t i = HomeSlot(name, slot_count_);
   int64_t found = -1, reusable = -1;
+  // The run of tombstones seen last on this walk (`run` of them, ending just
+  // before slot i). Only slots this walk saw as tombstones may become empty:
+  // a slot it saw in use may have been freed since (departures take no
+  // lock), and emptying it would cut the chain of a key placed after it —
+  // possibly the key this walk is about to place at the empty slot.
+  uint32_t run = 0;
   for (uint32_t n = 0; n < slot_count_; ++n, i = (i + 1) & mask) {
     wire::FastSlot& s = *SlotAt(i);
     const auto state = static_cast<wire::FastSlotState>(
@@ -352,22 +358,20 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     if (state == wire::FastSlotState::kEmpty) {
       // No chain goes past an empty slot: the tombstones just before it
       // belong to none, and become empty (except the one we may claim).
-      for (uint32_t t = (i - 1) & mask, k = 0; k < n; ++k, t = (t - 1) & mask) {
-        wire::FastSlot& ts = *SlotAt(t);
-        if (std::atomic_ref<uint32_t>(ts.state).load(std::memory_order_acquire) !=
-            static_cast<uint32_t>(wire::FastSlotState::kTombstone)) {
-          break;
-        }
+      for (uint32_t t = (i - 1) & mask, k = 0; k < run; ++k, t = (t - 1) & mask) {
         if (static_cast<int64_t>(t) == reusable) break;
-        ts.state = static_cast<uint32_t>(wire::FastSlotState::kEmpty);
+        std::atomic_ref<uint32_t>(SlotAt(t)->state)
+            .store(static_cast<uint32_t>(wire::FastSlotState::kEmpty), std::memory_order_release);
       }
       if (reusable < 0) reusable = i;
       break;
     }
     if (state == wire::FastSlotState::kTombstone) {
       if (reusable < 0) reusable = i;
+      ++run;
       continue;
     }
+    run = 0;
     if (s.seq == seq && s.name_len == name.size() &&
         std::memcmp(s.name, name.data(), name.size()) == 0) {
       found = i;
