@@ -462,7 +462,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
             ", rank " + std::to_string(rank_) + " submitted " +
             wire::SignatureString(sig.collective, sig.dtype, sig.reduce_op, sig.root, sig.count,
                                   sig.codec, sig.codec_ratio) +
-            (matches ? " too large for the fast path" : ""));
+            (matches ? ", which does not take the fast path" : ""));
   }
   const bool failed = s.status.load(std::memory_order_acquire) ==
                       static_cast<uint32_t>(wire::FastOpStatus::kFailed);

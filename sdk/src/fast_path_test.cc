@@ -536,6 +536,29 @@ TEST(FastPathRouteTest, DtypeAndCollectiveDifferences) {
   EXPECT_EQ(seg.used_slots(), 0u);
 }
 
+// The same signature routed to the daemon by its caller for another reason
+// than its size (the client never does that today) still fails both ranks.
+TEST(FastPathRouteTest, SameSignatureOnTwoPathsFailsBoth) {
+  Segment seg(2, 256, 16);
+  auto r0 = seg.Rank(0);
+  auto r1 = seg.Rank(1);
+  std::vector<int64_t> d(4, 1);
+  std::shared_ptr<FastOp> a, b;
+  bool daemon = false;
+  ASSERT_TRUE(r0->Start("p", AllreduceInt64(4), d.data(), 32, d.data(), 0, &a, true, &daemon).ok());
+  ASSERT_TRUE(r1->Start("p", AllreduceInt64(4), nullptr, 0, nullptr, 0, &b, false, &daemon).ok());
+  EXPECT_FALSE(daemon);
+  for (auto* op : {a.get(), b.get()}) {
+    EXPECT_TRUE(op->finished.load() || r0->Poll(*op));
+    EXPECT_EQ(op->status.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(op->status.message().find("rank 1 submitted allreduce int64 count=4 op=sum, which "
+                                        "does not take the fast path"),
+              std::string::npos)
+        << op->status.ToString();
+  }
+  EXPECT_EQ(seg.used_slots(), 0u);
+}
+
 // Without a way to the daemon, a route there is an error, not a crash.
 TEST(FastPathRouteTest, DaemonRouteNeedsACaller) {
   Segment seg(2, 256, 16);
