@@ -302,10 +302,21 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   // At most max_inflight_ of ours in flight, daemon-bound ones included, so
   // the table never fills with live keys (see fast_path.h).
   std::unique_lock<std::mutex> lock(mu_);
-  while (inflight_.size() + (daemon_inflight_.empty() ? 0 : LiveDaemonOpsLocked()) >=
-         max_inflight_) {
-    const auto until = Clock::now() + std::chrono::milliseconds(100);
-    if (!daemon_inflight_.empty() && (inflight_.empty() || daemon_wait_)) {
+  // Fast-path operations finish on the slot without us; Poll reaps them.
+  // Otherwise the oldest of each kind is waited for in turn, in short
+  // slices, so that neither kind holds up the other.
+  for (int turn = 0; inflight_.size() + (daemon_inflight_.empty() ? 0 : LiveDaemonOpsLocked()) >=
+                     max_inflight_;
+       ++turn) {
+    if (turn > 0 && !inflight_.empty()) {
+      std::vector<std::shared_ptr<FastOp>> ours = inflight_;
+      lock.unlock();
+      for (auto& o : ours) Poll(*o);
+      lock.lock();
+      if (inflight_.size() + LiveDaemonOpsLocked() < max_inflight_) break;
+    }
+    const auto until = Clock::now() + std::chrono::milliseconds(10);
+    if (!daemon_inflight_.empty() && (inflight_.empty() || turn % 2 == 1)) {
       std::shared_ptr<const std::atomic<bool>> oldest = daemon_inflight_.front();
       lock.unlock();
       if (daemon_wait_) {

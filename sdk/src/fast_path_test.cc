@@ -607,6 +607,42 @@ TEST(FastPathRouteTest, DaemonBoundOpsCountInTheInflightLimit) {
   EXPECT_TRUE(daemon);
 }
 
+// A window full of daemon-bound operations that do not complete and one
+// fast-path operation that does: the next submission goes on once the fast
+// one is over, without waiting for the daemon.
+TEST(FastPathRouteTest, FastOpCompletingFreesRoomBesideStuckDaemonOps) {
+  Segment seg(2, 256, 4);
+  auto r0 = seg.Rank(0);
+  auto r1 = seg.Rank(1);
+  r0->SetDaemonWait([](const std::atomic<bool>& done, Clock::time_point until) {
+    while (!done.load() && Clock::now() < until) std::this_thread::yield();
+  });
+  auto never = std::make_shared<std::atomic<bool>>(false);
+  for (int i = 0; i < 3; ++i) {
+    std::shared_ptr<FastOp> op;
+    bool daemon = false;
+    ASSERT_TRUE(r0->Start("big" + std::to_string(i), AllreduceInt64(100), nullptr, 0, nullptr, 0,
+                          &op, false, &daemon).ok());
+    ASSERT_TRUE(daemon);
+    r0->TrackDaemon(never);
+  }
+  std::vector<int64_t> a(1, 1), b(1, 2), c(1, 3);
+  std::shared_ptr<FastOp> f, g, next;
+  ASSERT_TRUE(r0->Start("f", AllreduceInt64(1), a.data(), 8, a.data(), 0, &f).ok());
+  std::thread other([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE(r1->Start("f", AllreduceInt64(1), b.data(), 8, b.data(), 0, &g).ok());
+    EXPECT_TRUE(WaitOp(*r1, *g).ok());
+  });
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(r0->Start("g", AllreduceInt64(1), c.data(), 8, c.data(), 0, &next).ok());
+  other.join();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_TRUE(f->finished.load());
+  EXPECT_EQ(a[0], 3);
+  EXPECT_FALSE(next->finished.load());  // waits for rank 1's "g"
+}
+
 TEST(FastPathRouteTest, RandomMixOfSmallAndLargeManyNames) {
   constexpr int kWorld = 3, kNames = 12, kRounds = 40;
   Segment seg(kWorld, 256, 16);  // room for every name at once
