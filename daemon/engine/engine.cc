@@ -751,6 +751,11 @@ void Engine::CheckDeadlinesOnLoop() {
 }
 
 void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
+  if (op->sig.device) {
+    return FinishOnLoop(job.key, *op, absl::UnimplementedError(absl::StrCat(
+        "operation '", op->name, "': device (CUDA) buffers through the daemon are not "
+        "implemented yet")));
+  }
   if (job.cluster) {
     ClusterOp c;
     c.key = job.next_cluster_key++;
