@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "collectives/local.h"
 #include "collectives/op.h"
+#include "cuda/device_runner.h"
 #include "engine/worker_pool.h"
 #include "shm/rings.h"
 #include "shm/session_memory.h"
@@ -290,6 +291,7 @@ void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const s
   sessions_.erase(session->id);
   sessions_by_token_.erase(session->token);
   spdlog::info("session {} (pid {}) closed: {}", session->id, session->peer.pid, why);
+  if (device_runner_) device_runner_->CloseSession(session->id);
   if (!session->job_key.empty()) {
     auto it = jobs_.find(session->job_key);
     if (it != jobs_.end()) {
@@ -751,11 +753,7 @@ void Engine::CheckDeadlinesOnLoop() {
 }
 
 void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
-  if (op->sig.device) {
-    return FinishOnLoop(job.key, *op, absl::UnimplementedError(absl::StrCat(
-        "operation '", op->name, "': device (CUDA) buffers through the daemon are not "
-        "implemented yet")));
-  }
+  if (op->sig.device) return LaunchDeviceOnLoop(job, std::move(op));
   if (job.cluster) {
     ClusterOp c;
     c.key = job.next_cluster_key++;
@@ -800,6 +798,41 @@ void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
       }
     });
   }
+}
+
+void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
+  if (job.cluster) {
+    return FinishOnLoop(job.key, *op, absl::UnimplementedError(absl::StrCat(
+        "operation '", op->name, "': device (CUDA) buffers in a job that spans several nodes "
+        "are not implemented yet (single-node jobs only)")));
+  }
+  if (!device_runner_) {
+    auto runner = DeviceRunner::Create();
+    if (!runner.ok()) {
+      return FinishOnLoop(job.key, *op, absl::Status(runner.status().code(), absl::StrCat(
+          "operation '", op->name, "': ", runner.status().message())));
+    }
+    device_runner_ = std::move(*runner);
+  }
+  std::vector<DeviceRankBuffers> ranks(job.world_size);
+  for (int r = 0; r < job.world_size; ++r) {
+    const RankPart& part = *op->parts[r];
+    ranks[r].session_id = part.session->id;
+    ranks[r].send_bytes = part.op.send_bytes;
+    ranks[r].recv_bytes = part.op.recv_bytes;
+    ranks[r].send = part.op.send_device;
+    ranks[r].recv = part.op.recv_device;
+  }
+  ++running_ops_;
+  device_runner_->Run(op->sig, std::move(ranks), [this, op, key = job.key](absl::Status s) {
+    if (!s.ok()) {
+      s = absl::Status(s.code(), absl::StrCat("operation '", op->name, "': ", s.message()));
+    }
+    Post([this, op, key, s] {
+      --running_ops_;
+      FinishOnLoop(key, *op, s);
+    });
+  });
 }
 
 void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status) {
@@ -937,6 +970,7 @@ void Engine::Shutdown() {
     }
   });
   if (loop_.joinable()) loop_.join();
+  device_runner_.reset();  // idle: the loop waited for every running operation
   for (auto& t : reapers_) t.join();
   reapers_.clear();
   workers_.reset();
