@@ -241,15 +241,12 @@ class CudaDeviceRunner final : public DeviceRunner {
     std::vector<const void*> inputs(world);
     switch (static_cast<wire::Collective>(sig.collective)) {
       case wire::Collective::kAllreduce: {
-        // Reduce into rank 0's output, then copy it to the others'.
+        // One pass: every input read once, every output written once.
         for (int r = 0; r < world; ++r) inputs[r] = send[r];
-        absl::Status s = gpu::DeviceReduce(dtype, op, inputs.data(), world, recv[0], sig.count,
-                                           *stream);
+        std::vector<void*> outputs(recv.begin(), recv.end());
+        absl::Status s = gpu::DeviceReduceToAll(dtype, op, inputs.data(), world, outputs.data(),
+                                                world, sig.count, *stream);
         if (!s.ok()) return s;
-        for (int r = 1; r < world; ++r) {
-          s = copy(recv[r], recv[0]);
-          if (!s.ok()) return s;
-        }
         break;
       }
       case wire::Collective::kReduceScatter:
