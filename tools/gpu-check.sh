@@ -163,10 +163,18 @@ timeout 300 "$bench" --op allreduce --nodes 1 --ranks-per-node 2 --device cuda \
   --ciuicd "$(find_bin ciuicd)" | tee "$tmp/allreduce.txt" || status=1
 algbw=$(awk '$1 == 1073741824 {print $7}' "$tmp/allreduce.txt")
 if [ -n "$algbw" ] && [ -n "$copy_gbps" ]; then
+  # Two definitions of the copy's bandwidth, both printed: bytes read +
+  # written (the kernel benchmark's, and bandwidthTest's), and bytes copied
+  # per second (half that). A two-rank allreduce of S bytes reads 2 S and
+  # writes 2 S at least, so its algbw can reach half the bytes-copied rate:
+  # the 50% target, taken against the bytes-copied rate, means running at
+  # the copy's memory bandwidth (against read + written it could not exceed 25%).
   awk -v a="$algbw" -v c="$copy_gbps" 'BEGIN {
-    r = 100 * a / c
-    printf "1 GiB allreduce algbw %.1f GB/s; d2d copy %.1f GB/s (read + written); %.0f%%\n", a, c, r
-    printf "target: 1 GiB allreduce algbw >= 50%% of the d2d copy: %s\n", r >= 50 ? "MET" : "NOT MET"
+    printf "1 GiB allreduce algbw %.1f GB/s\n", a
+    printf "d2d copy: %.1f GB/s read + written = %.1f GB/s copied\n", c, c / 2
+    printf "algbw / copy (copied): %.0f%%; algbw / copy (read + written): %.0f%%\n", 200 * a / c, 100 * a / c
+    printf "target: 1 GiB allreduce algbw >= 50%% of the d2d copy (bytes copied per second): %s\n",
+           200 * a / c >= 50 ? "MET" : "NOT MET"
   }'
 else
   echo "no 1 GiB allreduce figure (or no copy figure): see the output above"

@@ -8,9 +8,9 @@
 // its own stream there (other ranks' memory is reached through peer access;
 // devices without it are an error), makes that stream wait for each rank's
 // IPC event (the trainer's stream up to the submission), enqueues the work
-// (DeviceReduce from kernels.h and device-to-device copies; the same
-// semantics and the same output layout as collectives/local.h), and records
-// an event. A completion thread polls those events in order and calls each
+// (DeviceReduceToAll / DeviceReduce from kernels.h and device-to-device
+// copies; the same semantics and the same output layout as
+// collectives/local.h), and records an event. A completion thread polls those events in order and calls each
 // operation's `done`, never the caller's thread: the engine loop never waits
 // for the GPU.
 //

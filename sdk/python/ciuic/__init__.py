@@ -274,7 +274,8 @@ class Communicator:
     """A rank's session with ciuicd for one job. Made by :func:`init`.
 
     Collectives work in place on numpy arrays and torch CPU tensors (C-contiguous)
-    of any SDK dtype; they accept ``name`` (matches the operation across ranks),
+    of any SDK dtype, and on torch CUDA tensors (device buffers, ordered after
+    the work on the current stream); they accept ``name`` (matches the operation across ranks),
     ``priority`` (higher first among ready operations) and ``timeout``
     (seconds; default: the daemon's op timeout). The plain call waits; the
     ``*_async`` call returns a :class:`Work` at once. The arrays of an
