@@ -4,6 +4,7 @@
 #include <cuda.h>  // driver types only; cuMemGetAddressRange comes through the runtime
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <condition_variable>
@@ -73,6 +74,52 @@ class Queue {
 
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
+// Pinned host buffers for staging, allocated once and reused: a released
+// buffer goes back here (from any thread) and serves a later request of at
+// most its size and at least half of it. Freed when the pool goes (after the
+// runner, as the buffers handed out keep it alive).
+class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
+ public:
+  ~PinnedPool() {
+    for (auto& [bytes, p] : free_) cudaFreeHost(p);
+  }
+
+  // A buffer of at least `bytes` (> 0) bytes at *data, held by the result.
+  absl::StatusOr<std::shared_ptr<void>> Take(uint64_t bytes, uint8_t** data) {
+    constexpr uint64_t kGranule = 2 << 20;
+    uint8_t* p = nullptr;
+    uint64_t size = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= std::max<uint64_t>(2 * bytes, kGranule)) {
+        size = it->first;
+        p = it->second;
+        free_.erase(it);
+      }
+    }
+    if (p == nullptr) {
+      size = (bytes + kGranule - 1) / kGranule * kGranule;
+      void* v = nullptr;
+      cudaError_t e = cudaHostAlloc(&v, size, cudaHostAllocPortable);
+      if (e != cudaSuccess) {
+        return Cuda(e, absl::StrCat("cudaHostAlloc of ", size, " bytes (staging)"));
+      }
+      p = static_cast<uint8_t*>(v);
+    }
+    *data = p;
+    std::shared_ptr<PinnedPool> self = shared_from_this();
+    return std::shared_ptr<void>(p, [self, size](void* q) {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->free_.emplace(size, static_cast<uint8_t*>(q));
+    });
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<uint64_t, uint8_t*> free_;  // by size
+};
+
 class CudaDeviceRunner final : public DeviceRunner {
  public:
   explicit CudaDeviceRunner(MemGetAddressRangeFn mem_get_address_range)
@@ -100,6 +147,37 @@ class CudaDeviceRunner final : public DeviceRunner {
            std::function<void(absl::Status)> done) override {
     tasks_.Push([this, sig, ranks = std::move(ranks), done = std::move(done)]() mutable {
       RunOnSubmit(sig, ranks, std::move(done));
+    });
+  }
+
+  void StageIn(std::vector<DeviceRankBuffers> ranks,
+               std::function<void(absl::StatusOr<std::shared_ptr<HostStaging>>)> done) override {
+    tasks_.Push([this, ranks = std::move(ranks), done = std::move(done)]() mutable {
+      auto staging = std::make_shared<HostStaging>();
+      Completion c;
+      c.done = [done = std::move(done), staging](absl::Status s) {
+        if (s.ok()) {
+          done(staging);
+        } else {
+          done(s);
+        }
+      };
+      cudaStream_t stream = nullptr;
+      absl::Status s = EnqueueStageIn(ranks, staging.get(), &c.event, &c.device, &stream);
+      Hand(std::move(c), s, stream);
+    });
+  }
+
+  void StageOut(std::vector<DeviceRankBuffers> ranks, std::shared_ptr<HostStaging> staging,
+                std::function<void(absl::Status)> done) override {
+    tasks_.Push([this, ranks = std::move(ranks), staging = std::move(staging),
+                 done = std::move(done)]() mutable {
+      Completion c;
+      // The staging stays alive until the copies out of it are complete.
+      c.done = [done = std::move(done), staging](absl::Status s) { done(s); };
+      cudaStream_t stream = nullptr;
+      absl::Status s = EnqueueStageOut(ranks, *staging, &c.event, &c.device, &stream);
+      Hand(std::move(c), s, stream);
     });
   }
 
@@ -166,6 +244,12 @@ class CudaDeviceRunner final : public DeviceRunner {
     c.done = std::move(done);
     cudaStream_t stream = nullptr;
     absl::Status s = Enqueue(sig, ranks, &c.event, &c.device, &stream);
+    Hand(std::move(c), s, stream);
+  }
+
+  // Hands an operation whose work was enqueued on `stream` (with status `s`)
+  // to the completion thread.
+  void Hand(Completion c, const absl::Status& s, cudaStream_t stream) {
     if (!s.ok()) {
       // Whatever was enqueued must be over before the ranks hear of the
       // failure (they may reuse their buffers then).
@@ -180,24 +264,11 @@ class CudaDeviceRunner final : public DeviceRunner {
   absl::Status Enqueue(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
                        cudaEvent_t* event, int* device_out, cudaStream_t* stream_out) {
     const int world = static_cast<int>(ranks.size());
-    if (world < 1 || world > gpu::kMaxReduceInputs) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device buffers: ", world, " ranks on one node (at most ", gpu::kMaxReduceInputs, ")"));
-    }
     if (sig.count == 0) return absl::OkStatus();  // nothing to read or write
-    for (const DeviceRankBuffers& r : ranks) {
-      auto it = sessions_.find(r.session_id);
-      if (it != sessions_.end() && it->second.memory.size() >= kMaxOpenPerSession) {
-        CloseSessionOnSubmit(r.session_id);
-      }
-    }
-    const int device = ranks[0].recv.device;
-    *device_out = device;
-    cudaError_t e = cudaSetDevice(device);
-    if (e != cudaSuccess) return Cuda(e, absl::StrCat("cudaSetDevice(", device, ")"));
-    auto stream = StreamFor(device);
+    auto stream = Begin(ranks, device_out);
     if (!stream.ok()) return stream.status();
     *stream_out = *stream;
+    const int device = *device_out;
 
     std::vector<uint8_t*> send(world, nullptr);
     std::vector<uint8_t*> recv(world, nullptr);
@@ -214,20 +285,8 @@ class CudaDeviceRunner final : public DeviceRunner {
       auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv");
       if (!p.ok()) return p.status();
       recv[r] = *p;
-      // The trainer's stream, up to its submission, goes first.
-      for (const wire::DeviceBufferDescriptor* d : {&b.send, &b.recv}) {
-        const uint64_t bytes = d == &b.send ? b.send_bytes : b.recv_bytes;
-        if (bytes == 0 || (d->flags & wire::kDeviceDescriptorEventValid) == 0) continue;
-        if (d == &b.recv && b.send_bytes > 0 &&
-            (b.send.flags & wire::kDeviceDescriptorEventValid) != 0 &&
-            std::memcmp(b.send.event_handle, b.recv.event_handle, wire::kCudaIpcHandleBytes) == 0) {
-          continue;  // the same event as the send buffer's
-        }
-        auto ev = OpenEvent(b.session_id, d->event_handle, r);
-        if (!ev.ok()) return ev.status();
-        e = cudaStreamWaitEvent(*stream, *ev, 0);
-        if (e != cudaSuccess) return Cuda(e, absl::StrCat("waiting for rank ", r, "'s stream"));
-      }
+      absl::Status waited = WaitForRank(b, r, *stream);
+      if (!waited.ok()) return waited;
     }
 
     const auto dtype = static_cast<wire::DataType>(sig.dtype);
@@ -278,12 +337,125 @@ class CudaDeviceRunner final : public DeviceRunner {
       case wire::Collective::kBarrier:
         return absl::InternalError("a barrier has no device buffers");
     }
-    e = cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+    return Finish(*stream, event);
+  }
+
+  // Makes `stream` wait for rank `r`'s event(s): the trainer's stream, up to
+  // its submission, goes first.
+  absl::Status WaitForRank(const DeviceRankBuffers& b, int r, cudaStream_t stream) {
+    for (const wire::DeviceBufferDescriptor* d : {&b.send, &b.recv}) {
+      const uint64_t bytes = d == &b.send ? b.send_bytes : b.recv_bytes;
+      if (bytes == 0 || (d->flags & wire::kDeviceDescriptorEventValid) == 0) continue;
+      if (d == &b.recv && b.send_bytes > 0 &&
+          (b.send.flags & wire::kDeviceDescriptorEventValid) != 0 &&
+          std::memcmp(b.send.event_handle, b.recv.event_handle, wire::kCudaIpcHandleBytes) == 0) {
+        continue;  // the same event as the send buffer's
+      }
+      auto ev = OpenEvent(b.session_id, d->event_handle, r);
+      if (!ev.ok()) return ev.status();
+      const cudaError_t e = cudaStreamWaitEvent(stream, *ev, 0);
+      if (e != cudaSuccess) return Cuda(e, absl::StrCat("waiting for rank ", r, "'s stream"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The runner's stream on rank 0's device, made current; the event to
+  // record at the end is created by Finish.
+  absl::StatusOr<cudaStream_t> Begin(const std::vector<DeviceRankBuffers>& ranks,
+                                     int* device_out) {
+    if (ranks.empty() || static_cast<int>(ranks.size()) > gpu::kMaxReduceInputs) {
+      return absl::InvalidArgumentError(absl::StrCat("device buffers: ", ranks.size(),
+                                                     " ranks on one node (1 to ",
+                                                     gpu::kMaxReduceInputs, ")"));
+    }
+    for (const DeviceRankBuffers& r : ranks) {
+      auto it = sessions_.find(r.session_id);
+      if (it != sessions_.end() && it->second.memory.size() >= kMaxOpenPerSession) {
+        CloseSessionOnSubmit(r.session_id);
+      }
+    }
+    const int device = ranks[0].recv.device;
+    *device_out = device;
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return Cuda(e, absl::StrCat("cudaSetDevice(", device, ")"));
+    return StreamFor(device);
+  }
+
+  // Records the event that tells the completion thread the work is done.
+  static absl::Status Finish(cudaStream_t stream, cudaEvent_t* event) {
+    cudaError_t e = cudaEventCreateWithFlags(event, cudaEventDisableTiming);
     if (e != cudaSuccess) {
       *event = nullptr;
       return Cuda(e, "cudaEventCreateWithFlags");
     }
-    return Cuda(cudaEventRecord(*event, *stream), "cudaEventRecord");
+    return Cuda(cudaEventRecord(*event, stream), "cudaEventRecord");
+  }
+
+  absl::Status EnqueueStageIn(const std::vector<DeviceRankBuffers>& ranks, HostStaging* staging,
+                              cudaEvent_t* event, int* device_out, cudaStream_t* stream_out) {
+    const int world = static_cast<int>(ranks.size());
+    staging->send.assign(world, nullptr);
+    staging->recv.assign(world, nullptr);
+    if (std::all_of(ranks.begin(), ranks.end(),
+                    [](const DeviceRankBuffers& b) { return b.recv_bytes == 0; })) {
+      return absl::OkStatus();  // count 0: nothing to copy
+    }
+    auto stream = Begin(ranks, device_out);
+    if (!stream.ok()) return stream.status();
+    *stream_out = *stream;
+    auto take = [&](uint64_t bytes, uint8_t** out) -> absl::Status {
+      auto memory = pool_->Take(bytes, out);
+      if (!memory.ok()) return memory.status();
+      staging->memory.push_back(std::move(*memory));
+      return absl::OkStatus();
+    };
+    for (int r = 0; r < world; ++r) {
+      const DeviceRankBuffers& b = ranks[r];
+      if (b.recv_bytes == 0) continue;
+      absl::Status s = take(b.recv_bytes, &staging->recv[r]);
+      if (!s.ok()) return s;
+      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, *device_out, r, "recv");
+      if (!recv.ok()) return recv.status();
+      s = WaitForRank(b, r, *stream);
+      if (!s.ok()) return s;
+      if (b.send_bytes == 0) continue;
+      s = take(b.send_bytes, &staging->send[r]);
+      if (!s.ok()) return s;
+      auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, *device_out, r, "send");
+      if (!send.ok()) return send.status();
+      s = Cuda(cudaMemcpyAsync(staging->send[r], *send, b.send_bytes, cudaMemcpyDeviceToHost,
+                               *stream),
+               "cudaMemcpyAsync device to host (staging)");
+      if (!s.ok()) return s;
+    }
+    return Finish(*stream, event);
+  }
+
+  absl::Status EnqueueStageOut(const std::vector<DeviceRankBuffers>& ranks,
+                               const HostStaging& staging, cudaEvent_t* event, int* device_out,
+                               cudaStream_t* stream_out) {
+    const int world = static_cast<int>(ranks.size());
+    if (staging.recv.size() != ranks.size()) {
+      return absl::InternalError("staging does not match the ranks");
+    }
+    if (std::all_of(ranks.begin(), ranks.end(),
+                    [](const DeviceRankBuffers& b) { return b.recv_bytes == 0; })) {
+      return absl::OkStatus();
+    }
+    auto stream = Begin(ranks, device_out);
+    if (!stream.ok()) return stream.status();
+    *stream_out = *stream;
+    for (int r = 0; r < world; ++r) {
+      const DeviceRankBuffers& b = ranks[r];
+      if (b.recv_bytes == 0) continue;
+      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, *device_out, r, "recv");
+      if (!recv.ok()) return recv.status();
+      absl::Status s = Cuda(cudaMemcpyAsync(*recv, staging.recv[r], b.recv_bytes,
+                                            cudaMemcpyHostToDevice, *stream),
+                            "cudaMemcpyAsync host to device (staging)");
+      if (!s.ok()) return s;
+    }
+    return Finish(*stream, event);
   }
 
   absl::StatusOr<cudaStream_t> StreamFor(int device) {
@@ -390,6 +562,7 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   const MemGetAddressRangeFn mem_get_address_range_;
+  const std::shared_ptr<PinnedPool> pool_ = std::make_shared<PinnedPool>();
   Queue<std::function<void()>> tasks_;
   Queue<Completion> completions_;
   // Submit-thread state.

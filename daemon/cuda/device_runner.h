@@ -19,8 +19,12 @@
 // asynchronous fault (a bad address in a kernel) breaks the CUDA context for
 // good: every later operation fails with it too (restart ciuicd).
 //
-// Threads: Run and CloseSession may be called from any one thread (the
-// engine loop); `done` runs on the runner's completion thread. The
+// Multi-node jobs: StageIn / StageOut copy the ranks' device buffers to and
+// from pinned host memory around the host's inter-node algorithm (whole
+// buffers, not yet chunked or overlapped with the network).
+//
+// Threads: Run, StageIn, StageOut and CloseSession may be called from any one
+// thread (the engine loop); `done` runs on the runner's completion thread. The
 // destructor lets queued work finish (every `done` is called) and closes
 // every handle. Built without CUDA, Create returns FAILED_PRECONDITION.
 #pragma once
@@ -46,6 +50,16 @@ struct DeviceRankBuffers {
   wire::DeviceBufferDescriptor recv{};
 };
 
+// Pinned host copies of device buffers, for multi-node jobs: per rank (in
+// the order the ranks were given) a send and a recv buffer, nullptr where the
+// rank has none. Owns that memory: it goes back to the runner's pool of
+// pinned buffers when the last reference is dropped (from any thread).
+struct HostStaging {
+  std::vector<uint8_t*> send;
+  std::vector<uint8_t*> recv;
+  std::vector<std::shared_ptr<void>> memory;
+};
+
 class DeviceRunner {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceRunner>> Create();
@@ -55,6 +69,17 @@ class DeviceRunner {
   // job's world size (single-node job). `done` is called exactly once.
   virtual void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
                    std::function<void(absl::Status)> done) = 0;
+
+  // Multi-node jobs (the inter-node algorithm runs on host memory): waits
+  // for each rank's event, copies every rank's send buffer into pinned host
+  // memory (pooled: allocated once, reused), and calls `done` with the
+  // staging once the copies are complete (or with the error).
+  virtual void StageIn(std::vector<DeviceRankBuffers> ranks,
+                       std::function<void(absl::StatusOr<std::shared_ptr<HostStaging>>)> done) = 0;
+  // Copies each rank's host recv buffer of `staging` into its device recv
+  // buffer; `done` once they are there.
+  virtual void StageOut(std::vector<DeviceRankBuffers> ranks, std::shared_ptr<HostStaging> staging,
+                        std::function<void(absl::Status)> done) = 0;
 
   // The session has ended: once the work queued before this call is done,
   // its handles are closed.

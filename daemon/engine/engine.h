@@ -160,6 +160,7 @@ class Engine {
   void SubmitOnLoop(const std::shared_ptr<Session>& session, const wire::SubmissionEntry& entry);
   void LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op);
   void LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op);
+  void SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op);
   void FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status);
   void FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& status);
   void FailJobOnLoop(Job& job, const absl::Status& status);

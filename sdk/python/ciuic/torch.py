@@ -31,7 +31,7 @@ Memory paths (``mode``), measured in sdk/python/README.md:
 - "staging": hands ``bucket.buffer()`` itself to the SDK, which copies it
   into a staging region of its arena and back on completion (one more copy).
 CUDA buckets (a model on a GPU) ignore ``mode``: the bucket is reduced in
-place in device memory by the daemon (CUDA IPC, single-node jobs; see the
+place in device memory by the daemon (CUDA IPC; see the
 README for what has run on a GPU).
 """
 
