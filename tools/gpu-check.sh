@@ -2,8 +2,9 @@
 # The GPU checks of issue 7 in one run, for a machine with an NVIDIA GPU
 # (sized for about 8 minutes on one H200):
 #   1. build, Release, CIUIC_CUDA=ON, only the targets needed, all cores;
-#   2. the GPU tests (ctest -L gpu: every kernel against its CPU reference),
-#      and the CPU-side CUDA tests;
+#   2. the GPU tests (ctest -L gpu: every kernel against its CPU reference,
+#      device buffers through the daemon on one and two nodes), the CPU-side
+#      CUDA tests, and the Python CUDA-tensor tests where torch has CUDA;
 #   3. the kernel benchmark: sum-reduce, int8/fp16 encode and int8 decode at
 #      256 MiB beside a device-to-device copy of the same size, measured in
 #      the same run (median of 15), with the targets (>= 80% of the copy);
@@ -138,6 +139,21 @@ else
   CIUICD_FOR_TESTS="$(find_bin ciuicd)" "$(find_bin integration_device_test)" || status=1
   "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
   "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
+fi
+
+say "Python: torch CUDA tensors through the daemon (sdk/python/tests/test_cuda.py)"
+# Needs the extension built for this machine's python3 (the bundle's is for
+# Debian's) and a torch with CUDA.
+if [ -n "$ctest_dir" ] && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+     2>/dev/null; then
+  if cmake --build "$build" -j "$jobs" --target _ciuic ciuic_python >"$build/python-build.log" 2>&1; then
+    PYTHONPATH="$build/python" CIUICD="$(find_bin ciuicd)" timeout 300 \
+      python3 -m pytest -q -rs "$root/sdk/python/tests/test_cuda.py" || status=1
+  else
+    echo "NOT RUN: the Python extension did not build here:"; tail -n 5 "$build/python-build.log"
+  fi
+else
+  echo "NOT RUN: needs a build here (not the bundle) and a python3 whose torch sees a GPU"
 fi
 
 say "daemon status on this machine"
