@@ -121,7 +121,6 @@ absl::Status Named(const PendingOp& op, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat("operation '", op.name, "': ", s.message()));
 }
 
-
 std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
 
 absl::Status Errno(absl::string_view what) {
