@@ -33,7 +33,10 @@ std::unique_ptr<DaemonProcess> DaemonProcess::StartWith(const std::string& confi
   d->dir_ = tmpl;
   chmod(d->dir_.c_str(), 0755);
   d->socket_ = d->dir_ + "/ciuicd.sock";
-  std::vector<std::string> args = {CIUICD_PATH, "--socket", d->socket_, "--node-name",
+  // $CIUICD_FOR_TESTS: a ciuicd elsewhere (tools/gpu-check.sh's bundle).
+  const char* binary = std::getenv("CIUICD_FOR_TESTS");
+  std::vector<std::string> args = {binary && *binary ? binary : CIUICD_PATH, "--socket",
+                                   d->socket_, "--node-name",
                                    "testnode", "--log-level", "info", "--listen",
                                    "127.0.0.1:0"};
   if (!config_yaml.empty()) {

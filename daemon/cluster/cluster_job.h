@@ -81,6 +81,9 @@ struct ClusterOp {
     uint8_t* recv;
   };
   std::vector<Part> parts;  // one per local rank
+  // Owns the parts' memory where the engine staged it (device buffers in
+  // pinned host copies); released with the op.
+  std::shared_ptr<void> keep_alive;
 };
 
 class ClusterJob {

@@ -1,5 +1,6 @@
 #include "collectives/op.h"
 
+#include <cstring>
 #include <limits>
 
 #include "absl/status/status.h"
@@ -13,17 +14,40 @@ namespace ciuic::daemon {
 
 std::string OpSignature::ToString() const {
   // Shared with the SDK's fast path, so a mismatch reads the same on both.
-  return wire::SignatureString(collective, dtype, reduce_op, root, count, codec, codec_ratio);
+  std::string out =
+      wire::SignatureString(collective, dtype, reduce_op, root, count, codec, codec_ratio);
+  if (device) out += " in CUDA device memory";
+  return out;
 }
 
 namespace {
 
-bool Overlap(const uint8_t* a, uint64_t an, const uint8_t* b, uint64_t bn) {
+bool Overlap(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) {
   if (an == 0 || bn == 0) return false;
   return a < b + bn && b < a + an;
 }
 
 }  // namespace
+
+absl::Status ValidateDeviceBuffer(const wire::DeviceBufferDescriptor& d, uint64_t bytes,
+                                  int device_count, absl::string_view what) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " device buffer: ", why));
+  };
+  if ((d.flags & ~wire::kDeviceDescriptorEventValid) != 0) {
+    return bad(absl::StrCat("reserved descriptor flags 0x", absl::Hex(d.flags), " set"));
+  }
+  if (d.allocation_bytes == 0) return bad("allocation of 0 bytes");
+  if (d.offset > d.allocation_bytes || bytes > d.allocation_bytes - d.offset) {
+    return bad(absl::StrCat(bytes, " bytes at offset ", d.offset,
+                            " do not fit in the allocation of ", d.allocation_bytes, " bytes"));
+  }
+  if (d.device < 0 || d.device >= device_count) {
+    return bad(absl::StrCat("device ", d.device, " is not one of this ciuicd's ", device_count,
+                            " CUDA device(s)"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
                                                const SessionMemory& memory, int world_size,
@@ -38,20 +62,10 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
   auto fail = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("operation '", op.name, "': ", what));
   };
-  if ((e.flags & wire::kSubmitFlagDeviceBuffers) != 0) {
-    const GpuProbe& gpus = ProbeGpus();
-    std::string why;
-    if (!gpus.built_with_cuda) {
-      why = "this ciuicd was built without CUDA";
-    } else if (gpus.devices.empty()) {
-      why = absl::StrCat("no CUDA device: ", gpus.unavailable);
-    } else {
-      why = "device buffers through the daemon are not implemented yet";
-    }
-    return absl::FailedPreconditionError(
-        absl::StrCat("operation '", op.name, "': device (CUDA) buffers: ", why));
+  const bool device = (e.flags & wire::kSubmitFlagDeviceBuffers) != 0;
+  if ((e.flags & ~wire::kSubmitFlagDeviceBuffers) != 0) {
+    return fail(absl::StrCat("reserved flags 0x", absl::Hex(e.flags), " set"));
   }
-  if (e.flags != 0) return fail(absl::StrCat("reserved flags 0x", absl::Hex(e.flags), " set"));
   if (e.codec > static_cast<uint32_t>(wire::Codec::kTopK)) {
     return fail(absl::StrCat("unknown compression codec ", e.codec));
   }
@@ -60,6 +74,7 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
     return fail(absl::StrCat("topk ratio ", e.codec_ratio, " is not in (0, 1]"));
   }
 
+  op.sig.device = device;
   op.sig.codec = e.codec;
   op.sig.codec_ratio = static_cast<wire::Codec>(e.codec) == wire::Codec::kTopK ? e.codec_ratio : 0;
   const char* cname = wire::CollectiveName(e.collective);
@@ -71,6 +86,7 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
 
   if (collective == wire::Collective::kBarrier) {
     if (e.count != 0) return fail(absl::StrCat("barrier with count ", e.count, " (must be 0)"));
+    if (device) return fail("a barrier has no buffers: the device-buffer flag does not apply");
     return op;
   }
 
@@ -109,30 +125,82 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
       break;
     case wire::Collective::kBarrier: break;
   }
-  if (op.send_bytes > 0) {
-    auto p = memory.DataRange(e.send_offset, op.send_bytes);
-    if (!p.ok()) return fail(absl::StrCat("send ", p.status().message()));
-    op.send = *p;
-  }
-  if (op.recv_bytes > 0) {
-    auto p = memory.DataRange(e.recv_offset, op.recv_bytes);
-    if (!p.ok()) return fail(absl::StrCat("recv ", p.status().message()));
-    op.recv = *p;
+  // Where the two buffers start, in one address space: the daemon's mapping
+  // of the arena, or (device buffers of the same allocation) the offset in
+  // that allocation. Buffers of different allocations never overlap.
+  uint64_t send_at = 0;
+  uint64_t recv_at = 0;
+  bool same_space = true;
+  if (!device) {
+    if (op.send_bytes > 0) {
+      auto p = memory.DataRange(e.send_offset, op.send_bytes);
+      if (!p.ok()) return fail(absl::StrCat("send ", p.status().message()));
+      op.send = *p;
+    }
+    if (op.recv_bytes > 0) {
+      auto p = memory.DataRange(e.recv_offset, op.recv_bytes);
+      if (!p.ok()) return fail(absl::StrCat("recv ", p.status().message()));
+      op.recv = *p;
+    }
+    send_at = reinterpret_cast<uintptr_t>(op.send);
+    recv_at = reinterpret_cast<uintptr_t>(op.recv);
+  } else {
+    // The records are copied out first: the trainer may change them later.
+    auto read = [&](uint64_t offset, absl::string_view what,
+                    wire::DeviceBufferDescriptor* out) -> absl::Status {
+      if (offset % alignof(wire::DeviceBufferDescriptor) != 0) {
+        return fail(absl::StrCat(what, " device descriptor at offset ", offset,
+                                 " is not 8-byte aligned"));
+      }
+      auto p = memory.DataRange(offset, sizeof(*out));
+      if (!p.ok()) return fail(absl::StrCat(what, " device descriptor: ", p.status().message()));
+      std::memcpy(out, *p, sizeof(*out));
+      return absl::OkStatus();
+    };
+    if (op.send_bytes > 0) {
+      absl::Status s = read(e.send_offset, "send", &op.send_device);
+      if (!s.ok()) return s;
+    }
+    if (op.recv_bytes > 0) {
+      absl::Status s = read(e.recv_offset, "recv", &op.recv_device);
+      if (!s.ok()) return s;
+    }
+    const GpuProbe& gpus = ProbeGpus();
+    if (!gpus.built_with_cuda || gpus.devices.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "operation '", op.name, "': device (CUDA) buffers: ",
+          !gpus.built_with_cuda ? "this ciuicd was built without CUDA"
+                                : absl::StrCat("no CUDA device: ", gpus.unavailable)));
+    }
+    const int devices = static_cast<int>(gpus.devices.size());
+    if (op.send_bytes > 0) {
+      absl::Status s = ValidateDeviceBuffer(op.send_device, op.send_bytes, devices, "send");
+      if (!s.ok()) return fail(s.message());
+    }
+    if (op.recv_bytes > 0) {
+      absl::Status s = ValidateDeviceBuffer(op.recv_device, op.recv_bytes, devices, "recv");
+      if (!s.ok()) return fail(s.message());
+    }
+    send_at = op.send_device.offset;
+    recv_at = op.recv_device.offset;
+    same_space = op.send_bytes > 0 && op.recv_bytes > 0 &&
+                 std::memcmp(op.send_device.memory_handle, op.recv_device.memory_handle,
+                             wire::kCudaIpcHandleBytes) == 0;
   }
 
   // Aliasing: exactly in place is allowed, partial overlap is not.
-  if (Overlap(op.send, op.send_bytes, op.recv, op.recv_bytes)) {
+  if (same_space && Overlap(send_at, op.send_bytes, recv_at, op.recv_bytes)) {
     bool in_place = false;
     switch (collective) {
       case wire::Collective::kAllreduce:
       case wire::Collective::kBroadcast:
-        in_place = op.send == op.recv;
+        in_place = send_at == recv_at;
         break;
       case wire::Collective::kReduceScatter:  // recv is this rank's block of send
-        in_place = op.recv == op.send + static_cast<uint64_t>(rank) * block;
+        in_place = recv_at == send_at + static_cast<uint64_t>(rank) * block;
         break;
       case wire::Collective::kAllgather:  // send is this rank's block of recv
-        in_place = op.send == op.recv + static_cast<uint64_t>(rank) * block;
+        in_place = send_at == recv_at + static_cast<uint64_t>(rank) * block;
         break;
       case wire::Collective::kBarrier: break;
     }

@@ -53,6 +53,16 @@ absl::Status DeviceReduce(wire::DataType dtype, wire::ReduceOp op,
                           const void* const* device_inputs, int num_inputs, void* device_out,
                           size_t count, void* stream);
 
+// The same reduction stored to every one of `num_outputs` (1 to
+// kMaxReduceInputs) outputs in the same pass: a node's allreduce reads every
+// rank's input once and writes every rank's output once. An output may equal
+// an input (in place) but must not partially overlap an input or another
+// output.
+absl::Status DeviceReduceToAll(wire::DataType dtype, wire::ReduceOp op,
+                               const void* const* device_inputs, int num_inputs,
+                               void* const* device_outputs, int num_outputs, size_t count,
+                               void* stream);
+
 // The 16-bit cast codecs: kFp16 (IEEE binary16) or kBf16.
 enum class CastFormat { kFp16, kBf16 };
 

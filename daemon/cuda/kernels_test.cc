@@ -220,6 +220,53 @@ TEST_F(DeviceReduceTest, ManyInputs) {
   }
 }
 
+// Every rank's output in one pass (the daemon's allreduce): each output
+// equals the CPU reduction; in place, output k is input k.
+TEST_F(DeviceReduceTest, ToAllOutputsMatchesCpu) {
+  for (DataType t : kAllTypes) {
+    for (ReduceOp op : kAllOps) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{4099}, size_t{1000003}}) {
+        for (int n : {1, 2, 3}) {
+          for (bool in_place : {false, true}) {
+            const std::string what = Name(t) + " " + Name(op) + " n=" + std::to_string(n) +
+                                     " count=" + std::to_string(count) +
+                                     (in_place ? " in place" : "");
+            std::mt19937_64 rng(count * 17 + n + static_cast<int>(op) * 5 + static_cast<int>(t));
+            const size_t bytes = count * SizeOf(t);
+            std::vector<std::vector<unsigned char>> host;
+            std::vector<const void*> host_ptrs, dev_in;
+            std::vector<std::unique_ptr<DeviceBuffer>> dev, outs;
+            std::vector<void*> dev_out;
+            for (int k = 0; k < n; ++k) {
+              host.push_back(RandomElements(t, count, rng, true, op == ReduceOp::kProd ? 1.5 : 10));
+            }
+            for (int k = 0; k < n; ++k) {
+              host_ptrs.push_back(host[k].data());
+              dev.push_back(std::make_unique<DeviceBuffer>(host[k].data(), bytes, 0));
+              dev_in.push_back(dev.back()->get());
+              if (in_place) {
+                dev_out.push_back(dev.back()->get());
+              } else {
+                outs.push_back(std::make_unique<DeviceBuffer>(bytes, 0));
+                dev_out.push_back(outs.back()->get());
+              }
+            }
+            std::vector<unsigned char> want(bytes);
+            if (count != 0) Reduce(t, op, host_ptrs.data(), n, want.data(), count);
+            ASSERT_TRUE(DeviceReduceToAll(t, op, dev_in.data(), n, dev_out.data(), n, count,
+                                          stream_).ok()) << what;
+            Sync();
+            for (int k = 0; k < n; ++k) {
+              ExpectSameElements(t, want, in_place ? dev[k]->Download() : outs[k]->Download(),
+                                 what + " output " + std::to_string(k));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // ----------------------------------------------------------------- codecs
 
 std::unique_ptr<Codec> CpuCodec(const std::string& spec) {

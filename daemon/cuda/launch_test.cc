@@ -92,6 +92,28 @@ TEST(ArgumentTest, ReduceRejectsBadArguments) {
                  "output is not aligned");
   // Nothing to do: OK without touching anything (or needing a device).
   EXPECT_TRUE(DeviceReduce(DataType::kFloat32, ReduceOp::kSum, nullptr, 2, nullptr, 0, nullptr).ok());
+
+  // Several outputs.
+  void* outs[kMaxReduceInputs + 1];
+  for (auto& p : outs) p = Fake(0x20000);
+  expect_invalid(DeviceReduceToAll(DataType::kFloat32, ReduceOp::kSum, in, 2, outs, 0, 8, nullptr),
+                 "0 outputs");
+  expect_invalid(DeviceReduceToAll(DataType::kFloat32, ReduceOp::kSum, in, 2, outs,
+                                   kMaxReduceInputs + 1, 8, nullptr),
+                 "65 outputs");
+  void* outs_null[] = {Fake(0x20000), nullptr};
+  expect_invalid(DeviceReduceToAll(DataType::kFloat32, ReduceOp::kSum, in, 2, outs_null, 2, 8,
+                                   nullptr),
+                 "output 1 is null");
+  void* outs_misaligned[] = {Fake(0x20000), Fake(0x20002)};
+  expect_invalid(DeviceReduceToAll(DataType::kFloat32, ReduceOp::kSum, in, 2, outs_misaligned, 2,
+                                   8, nullptr),
+                 "output 1 is not aligned");
+  expect_invalid(DeviceReduceToAll(DataType::kFloat32, ReduceOp::kSum, in, 2, nullptr, 2, 8,
+                                   nullptr),
+                 "null buffer");
+  EXPECT_TRUE(
+      DeviceReduceToAll(DataType::kFloat32, ReduceOp::kSum, nullptr, 2, nullptr, 2, 0, nullptr).ok());
 }
 
 TEST(ArgumentTest, CodecsRejectBadArguments) {

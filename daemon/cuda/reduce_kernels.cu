@@ -1,5 +1,6 @@
-// DeviceReduce (kernels.h): one element-wise kernel per dtype x op, each
-// thread folding a 16-byte vector of elements of every input.
+// DeviceReduce / DeviceReduceToAll (kernels.h): one element-wise kernel per
+// dtype x op, each thread folding a 16-byte vector of elements of every input
+// and storing the result to every output.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,9 +17,12 @@ using namespace cuda_internal;  // NOLINT: the formats and ops
 using wire::DataType;
 using wire::ReduceOp;
 
-// The input pointers travel by value as a kernel parameter.
+// The input and output pointers travel by value as kernel parameters.
 struct Inputs {
   const void* ptr[kMaxReduceInputs];
+};
+struct Outputs {
+  void* ptr[kMaxReduceInputs];
 };
 
 template <typename T>
@@ -30,10 +34,10 @@ struct alignas(16) Vec {
 // Work item `item` covers elements [item * V, item * V + V) (V = 16 bytes of
 // elements); the last item may be short and so may the whole buffer be
 // unaligned: those take the element-by-element branch. Every thread reads all
-// inputs of its elements before it writes them, so out == inputs[k] is safe.
+// inputs of its elements before it writes them to the `m` outputs, so an
+// output equal to an input (in place) is safe.
 template <typename F, typename Op>
-__global__ void ReduceKernel(Inputs in, int n, typename F::Storage* out, size_t count,
-                             bool aligned) {
+__global__ void ReduceKernel(Inputs in, int n, Outputs out, int m, size_t count, bool aligned) {
   using T = typename F::Storage;
   using A = typename F::Acc;
   constexpr int V = Vec<T>::kN;
@@ -57,7 +61,7 @@ __global__ void ReduceKernel(Inputs in, int n, typename F::Storage* out, size_t 
       Vec<T> o;
 #pragma unroll
       for (int j = 0; j < V; ++j) o.v[j] = Op::template Finish<F>(acc[j], n);
-      *reinterpret_cast<Vec<T>*>(out + base) = o;
+      for (int k = 0; k < m; ++k) *reinterpret_cast<Vec<T>*>(static_cast<T*>(out.ptr[k]) + base) = o;
     } else {
       const size_t end = base + V < count ? base + V : count;
       for (size_t i = base; i < end; ++i) {
@@ -65,31 +69,31 @@ __global__ void ReduceKernel(Inputs in, int n, typename F::Storage* out, size_t 
         for (int k = 1; k < n; ++k) {
           acc = Op::Combine(acc, F::Load(static_cast<const T*>(in.ptr[k])[i]));
         }
-        out[i] = Op::template Finish<F>(acc, n);
+        const T o = Op::template Finish<F>(acc, n);
+        for (int k = 0; k < m; ++k) static_cast<T*>(out.ptr[k])[i] = o;
       }
     }
   }
 }
 
 template <typename F, typename Op>
-absl::Status Launch(const Inputs& in, int n, void* out, size_t count, bool aligned,
-                    cudaStream_t stream) {
+absl::Status Launch(const Inputs& in, int n, const Outputs& out, int m, size_t count,
+                    bool aligned, cudaStream_t stream) {
   using T = typename F::Storage;
   const LaunchShape shape = GridFor(ItemsFor(count, Vec<T>::kN));
-  ReduceKernel<F, Op><<<shape.blocks, shape.threads, 0, stream>>>(in, n, static_cast<T*>(out),
-                                                                   count, aligned);
+  ReduceKernel<F, Op><<<shape.blocks, shape.threads, 0, stream>>>(in, n, out, m, count, aligned);
   return CudaStatus(cudaGetLastError(), "DeviceReduce launch");
 }
 
 template <typename F>
-absl::Status DispatchOp(ReduceOp op, const Inputs& in, int n, void* out, size_t count,
-                        bool aligned, cudaStream_t stream) {
+absl::Status DispatchOp(ReduceOp op, const Inputs& in, int n, const Outputs& out, int m,
+                        size_t count, bool aligned, cudaStream_t stream) {
   switch (op) {
-    case ReduceOp::kSum: return Launch<F, SumOp>(in, n, out, count, aligned, stream);
-    case ReduceOp::kAvg: return Launch<F, AvgOp>(in, n, out, count, aligned, stream);
-    case ReduceOp::kMin: return Launch<F, MinOp>(in, n, out, count, aligned, stream);
-    case ReduceOp::kMax: return Launch<F, MaxOp>(in, n, out, count, aligned, stream);
-    case ReduceOp::kProd: return Launch<F, ProdOp>(in, n, out, count, aligned, stream);
+    case ReduceOp::kSum: return Launch<F, SumOp>(in, n, out, m, count, aligned, stream);
+    case ReduceOp::kAvg: return Launch<F, AvgOp>(in, n, out, m, count, aligned, stream);
+    case ReduceOp::kMin: return Launch<F, MinOp>(in, n, out, m, count, aligned, stream);
+    case ReduceOp::kMax: return Launch<F, MaxOp>(in, n, out, m, count, aligned, stream);
+    case ReduceOp::kProd: return Launch<F, ProdOp>(in, n, out, m, count, aligned, stream);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("DeviceReduce: unknown reduce op ", static_cast<uint32_t>(op)));
@@ -101,6 +105,14 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 absl::Status DeviceReduce(DataType dtype, ReduceOp op, const void* const* device_inputs,
                           int num_inputs, void* device_out, size_t count, void* stream) {
+  // One output; a null output must fail the argument check, not the array.
+  void* const outputs[1] = {device_out};
+  return DeviceReduceToAll(dtype, op, device_inputs, num_inputs, outputs, 1, count, stream);
+}
+
+absl::Status DeviceReduceToAll(DataType dtype, ReduceOp op, const void* const* device_inputs,
+                               int num_inputs, void* const* device_outputs, int num_outputs,
+                               size_t count, void* stream) {
   const size_t size = wire::DataTypeSize(static_cast<uint32_t>(dtype));
   if (size == 0) {
     return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: unknown data type ",
@@ -114,15 +126,20 @@ absl::Status DeviceReduce(DataType dtype, ReduceOp op, const void* const* device
     return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: ", num_inputs,
                                                    " inputs (1 to ", kMaxReduceInputs, ")"));
   }
+  if (num_outputs < 1 || num_outputs > kMaxReduceInputs) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: ", num_outputs,
+                                                   " outputs (1 to ", kMaxReduceInputs, ")"));
+  }
   if (count > SIZE_MAX / size) {
     return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: count ", count, " too large"));
   }
   if (count == 0) return absl::OkStatus();
-  if (device_inputs == nullptr || device_out == nullptr) {
+  if (device_inputs == nullptr || device_outputs == nullptr) {
     return absl::InvalidArgumentError("DeviceReduce: null buffer");
   }
   Inputs in{};
-  bool aligned = Aligned16(device_out);
+  Outputs out{};
+  bool aligned = true;
   for (int k = 0; k < num_inputs; ++k) {
     if (device_inputs[k] == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: input ", k, " is null"));
@@ -134,26 +151,42 @@ absl::Status DeviceReduce(DataType dtype, ReduceOp op, const void* const* device
     in.ptr[k] = device_inputs[k];
     aligned = aligned && Aligned16(device_inputs[k]);
   }
-  if (reinterpret_cast<uintptr_t>(device_out) % size != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DeviceReduce: output is not aligned to its ", size, "-byte elements"));
+  for (int k = 0; k < num_outputs; ++k) {
+    if (device_outputs[k] == nullptr) {
+      return absl::InvalidArgumentError(
+          num_outputs == 1 ? std::string("DeviceReduce: null buffer")
+                           : absl::StrCat("DeviceReduce: output ", k, " is null"));
+    }
+    if (reinterpret_cast<uintptr_t>(device_outputs[k]) % size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "DeviceReduce: output", num_outputs == 1 ? std::string() : absl::StrCat(" ", k),
+          " is not aligned to its ", size, "-byte elements"));
+    }
+    out.ptr[k] = device_outputs[k];
+    aligned = aligned && Aligned16(device_outputs[k]);
   }
   auto* s = static_cast<cudaStream_t>(stream);
-  if (num_inputs == 1 && op != ReduceOp::kAvg) {  // a copy, as on the CPU
-    if (device_out == device_inputs[0]) return absl::OkStatus();
-    return CudaStatus(
-        cudaMemcpyAsync(device_out, device_inputs[0], count * size, cudaMemcpyDeviceToDevice, s),
-        "DeviceReduce copy");
+  if (num_inputs == 1 && op != ReduceOp::kAvg) {  // copies, as on the CPU
+    for (int k = 0; k < num_outputs; ++k) {
+      if (device_outputs[k] == device_inputs[0]) continue;
+      absl::Status st = CudaStatus(cudaMemcpyAsync(device_outputs[k], device_inputs[0],
+                                                   count * size, cudaMemcpyDeviceToDevice, s),
+                                   "DeviceReduce copy");
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
   }
+  const int n = num_inputs;
+  const int m = num_outputs;
   switch (dtype) {
-    case DataType::kFloat32: return DispatchOp<Plain<float>>(op, in, num_inputs, device_out, count, aligned, s);
-    case DataType::kFloat64: return DispatchOp<Plain<double>>(op, in, num_inputs, device_out, count, aligned, s);
-    case DataType::kFloat16: return DispatchOp<HalfReduce>(op, in, num_inputs, device_out, count, aligned, s);
-    case DataType::kBFloat16: return DispatchOp<BFloat16Reduce>(op, in, num_inputs, device_out, count, aligned, s);
-    case DataType::kInt8: return DispatchOp<Plain<int8_t>>(op, in, num_inputs, device_out, count, aligned, s);
-    case DataType::kUInt8: return DispatchOp<Plain<uint8_t>>(op, in, num_inputs, device_out, count, aligned, s);
-    case DataType::kInt32: return DispatchOp<Plain<int32_t>>(op, in, num_inputs, device_out, count, aligned, s);
-    case DataType::kInt64: return DispatchOp<Plain<int64_t>>(op, in, num_inputs, device_out, count, aligned, s);
+    case DataType::kFloat32: return DispatchOp<Plain<float>>(op, in, n, out, m, count, aligned, s);
+    case DataType::kFloat64: return DispatchOp<Plain<double>>(op, in, n, out, m, count, aligned, s);
+    case DataType::kFloat16: return DispatchOp<HalfReduce>(op, in, n, out, m, count, aligned, s);
+    case DataType::kBFloat16: return DispatchOp<BFloat16Reduce>(op, in, n, out, m, count, aligned, s);
+    case DataType::kInt8: return DispatchOp<Plain<int8_t>>(op, in, n, out, m, count, aligned, s);
+    case DataType::kUInt8: return DispatchOp<Plain<uint8_t>>(op, in, n, out, m, count, aligned, s);
+    case DataType::kInt32: return DispatchOp<Plain<int32_t>>(op, in, n, out, m, count, aligned, s);
+    case DataType::kInt64: return DispatchOp<Plain<int64_t>>(op, in, n, out, m, count, aligned, s);
   }
   return absl::InvalidArgumentError("DeviceReduce: unknown data type");
 }

@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "collectives/local.h"
 #include "collectives/op.h"
+#include "cuda/device_runner.h"
 #include "engine/worker_pool.h"
 #include "shm/fast_path_segment.h"
 #include "shm/rings.h"
@@ -70,6 +71,9 @@ struct PendingOp {
   int seen_count = 0;
   int submitted = 0;
   absl::Status failure;  // set: poisoned, later submitters get it at once
+  // Device buffers in a multi-node job: the pinned host copies the
+  // inter-node algorithm works on (between StageIn and StageOut).
+  std::shared_ptr<HostStaging> staging;
   // While running:
   std::unique_ptr<LocalCollective> collective;
   std::atomic<size_t> chunks_left{0};
@@ -97,6 +101,27 @@ struct Job {
 namespace {
 
 std::string JobKey(uid_t uid, const std::string& id) { return absl::StrCat(uid, "/", id); }
+
+// The device buffers of `op`'s local ranks, in rank order.
+std::vector<DeviceRankBuffers> DeviceRanksOf(const PendingOp& op) {
+  std::vector<DeviceRankBuffers> ranks;
+  for (const auto& part : op.parts) {
+    if (!part) continue;
+    DeviceRankBuffers b;
+    b.session_id = part->session->id;
+    b.send_bytes = part->op.send_bytes;
+    b.recv_bytes = part->op.recv_bytes;
+    b.send = part->op.send_device;
+    b.recv = part->op.recv_device;
+    ranks.push_back(b);
+  }
+  return ranks;
+}
+
+absl::Status Named(const PendingOp& op, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("operation '", op.name, "': ", s.message()));
+}
 
 std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
 
@@ -292,6 +317,7 @@ void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const s
   sessions_.erase(session->id);
   sessions_by_token_.erase(session->token);
   spdlog::info("session {} (pid {}) closed: {}", session->id, session->peer.pid, why);
+  if (device_runner_) device_runner_->CloseSession(session->id);
   if (!session->job_key.empty()) {
     auto it = jobs_.find(session->job_key);
     if (it != jobs_.end()) {
@@ -467,6 +493,19 @@ void Engine::ClusterDoneOnLoop(const std::string& job_key, uint64_t op_key,
   std::shared_ptr<PendingOp> p = std::move(op->second);
   job.in_cluster.erase(op);
   --running_ops_;
+  if (p->staging && status.ok() && device_runner_) {
+    // Device buffers: the results go from the pinned copies to the ranks.
+    ++running_ops_;
+    std::shared_ptr<HostStaging> staging = std::move(p->staging);
+    device_runner_->StageOut(DeviceRanksOf(*p), std::move(staging),
+                             [this, p, job_key](absl::Status s) {
+                               Post([this, p, job_key, s] {
+                                 --running_ops_;
+                                 FinishOnLoop(job_key, *p, Named(*p, s));
+                               });
+                             });
+    return;
+  }
   FinishOnLoop(job_key, *p, status);
 }
 
@@ -793,22 +832,8 @@ void Engine::CheckDeadlinesOnLoop() {
 }
 
 void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
-  if (job.cluster) {
-    ClusterOp c;
-    c.key = job.next_cluster_key++;
-    c.name = op->name;
-    c.sig = op->sig;
-    c.priority = op->priority;
-    for (auto& part : op->parts) {
-      if (!part) continue;
-      c.parts.push_back(ClusterOp::Part{part->session->rank, part->op.send, part->op.recv});
-      if (part->op.timeout_ms) c.timeout_ms = part->op.timeout_ms;
-    }
-    ++running_ops_;
-    job.in_cluster[c.key] = std::move(op);
-    job.cluster->Submit(std::move(c));
-    return;
-  }
+  if (op->sig.device) return LaunchDeviceOnLoop(job, std::move(op));
+  if (job.cluster) return SubmitToClusterOnLoop(job, std::move(op));
   const config::Tuning tuning = options_.tuning->Snapshot();  // fixed for this operation
   std::vector<const uint8_t*> send(job.world_size);
   std::vector<uint8_t*> recv(job.world_size);
@@ -837,6 +862,72 @@ void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
       }
     });
   }
+}
+
+// Hands `op` to the job's ClusterJob: the ranks' buffers, or (device
+// buffers) their pinned host copies in op->staging.
+void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
+  ClusterOp c;
+  c.key = job.next_cluster_key++;
+  c.name = op->name;
+  c.sig = op->sig;
+  c.priority = op->priority;
+  c.keep_alive = op->staging;
+  size_t i = 0;  // index of the local rank in op->staging
+  for (auto& part : op->parts) {
+    if (!part) continue;
+    if (op->staging) {
+      c.parts.push_back(
+          ClusterOp::Part{part->session->rank, op->staging->send[i], op->staging->recv[i]});
+    } else {
+      c.parts.push_back(ClusterOp::Part{part->session->rank, part->op.send, part->op.recv});
+    }
+    ++i;
+    if (part->op.timeout_ms) c.timeout_ms = part->op.timeout_ms;
+  }
+  ++running_ops_;
+  job.in_cluster[c.key] = std::move(op);
+  job.cluster->Submit(std::move(c));
+}
+
+// Device buffers: the local phase on the GPU (single-node jobs), or, in a
+// multi-node job, pinned host copies around the host's inter-node algorithm
+// (StageIn, the ClusterJob, StageOut in ClusterDoneOnLoop).
+void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
+  if (!device_runner_) {
+    auto runner = DeviceRunner::Create();
+    if (!runner.ok()) {
+      return FinishOnLoop(job.key, *op, absl::Status(runner.status().code(), absl::StrCat(
+          "operation '", op->name, "': ", runner.status().message())));
+    }
+    device_runner_ = std::move(*runner);
+  }
+  ++running_ops_;
+  if (job.cluster) {
+    device_runner_->StageIn(
+        DeviceRanksOf(*op),
+        [this, op, key = job.key](absl::StatusOr<std::shared_ptr<HostStaging>> staged) {
+          Post([this, op, key, staged = std::move(staged)] {
+            --running_ops_;
+            if (!staged.ok()) return FinishOnLoop(key, *op, Named(*op, staged.status()));
+            auto it = jobs_.find(key);
+            if (it == jobs_.end()) {
+              return FinishOnLoop(key, *op, absl::AbortedError(absl::StrCat(
+                                                "operation '", op->name, "': the job ended")));
+            }
+            if (!it->second->failure.ok()) return FinishOnLoop(key, *op, it->second->failure);
+            op->staging = *staged;
+            SubmitToClusterOnLoop(*it->second, op);
+          });
+        });
+    return;
+  }
+  device_runner_->Run(op->sig, DeviceRanksOf(*op), [this, op, key = job.key](absl::Status s) {
+    Post([this, op, key, s] {
+      --running_ops_;
+      FinishOnLoop(key, *op, Named(*op, s));
+    });
+  });
 }
 
 void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status) {
@@ -999,6 +1090,7 @@ void Engine::Shutdown() {
     }
   });
   if (loop_.joinable()) loop_.join();
+  device_runner_.reset();  // idle: the loop waited for every running operation
   for (auto& t : reapers_) t.join();
   reapers_.clear();
   workers_.reset();

@@ -44,6 +44,7 @@ struct Session;
 struct Job;
 struct PendingOp;
 class WorkerPool;
+class DeviceRunner;
 
 struct JoinRequest {
   std::string session_token;
@@ -164,6 +165,8 @@ class Engine {
   void ArmDoorbellsOnLoop(bool armed);
   void SubmitOnLoop(const std::shared_ptr<Session>& session, const wire::SubmissionEntry& entry);
   void LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op);
+  void LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op);
+  void SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op);
   void FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status);
   void FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& status);
   void FailJobOnLoop(Job& job, const absl::Status& status);
@@ -182,6 +185,9 @@ class Engine {
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   std::unique_ptr<WorkerPool> workers_;
+  // Device-buffer operations (cuda/device_runner.h): made by the loop at the
+  // first one, destroyed by Shutdown after the loop has exited.
+  std::unique_ptr<DeviceRunner> device_runner_;
   std::thread acceptor_;
   // Threads that destroy a finished job's ClusterJob (that can take a
   // moment) away from the loop; joined at shutdown.

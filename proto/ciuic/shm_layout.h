@@ -35,7 +35,7 @@
 namespace ciuic::wire {
 
 inline constexpr uint64_t kSessionMagic = 0x31765f6369756963ULL;  // "ciuic_v1"
-inline constexpr uint32_t kLayoutVersion = 2;
+inline constexpr uint32_t kLayoutVersion = 3;  // 3: device buffer descriptors
 
 enum class Collective : uint32_t {
   kAllreduce = 1,
@@ -146,12 +146,36 @@ struct SubmissionEntry {
 };
 static_assert(sizeof(SubmissionEntry) == 176);
 
-// SubmissionEntry.flags: the buffers are CUDA device memory, described by
-// records in the session arena that send_offset / recv_offset point at
-// (issue 7; the record format is not fixed yet). A daemon that cannot take
-// device buffers ends such an operation with FAILED_PRECONDITION saying why
-// (built without CUDA, no usable device, or not supported yet).
+// SubmissionEntry.flags: the buffers are CUDA device memory. send_offset
+// and recv_offset then point at DeviceBufferDescriptor records in the
+// session arena (8-byte aligned) instead of at data; the buffer sizes are
+// the same as for host buffers. Not allowed on a barrier (no buffers). A
+// daemon that cannot take device buffers ends such an operation with
+// FAILED_PRECONDITION saying why (built without CUDA, no usable device).
 inline constexpr uint32_t kSubmitFlagDeviceBuffers = 1u << 0;
+
+inline constexpr size_t kCudaIpcHandleBytes = 64;  // cudaIpc{Mem,Event}Handle_t
+
+// DeviceBufferDescriptor.flags: event_handle holds an IPC event recorded on
+// the trainer's stream after the buffer's data was written; the daemon's
+// work on the buffer waits for it. Without it the daemon starts at once
+// (the trainer synchronised its stream itself).
+inline constexpr uint32_t kDeviceDescriptorEventValid = 1u << 0;
+
+// One device buffer: the allocation that holds it, exported with
+// cudaIpcGetMemHandle (whose handle always names the allocation's base),
+// and where in that allocation the buffer starts. The daemon checks
+// offset + the operation's bytes <= allocation_bytes and device against its
+// device count before it opens anything.
+struct DeviceBufferDescriptor {
+  uint8_t memory_handle[kCudaIpcHandleBytes];  // cudaIpcMemHandle_t of the allocation
+  uint64_t offset;            // of the buffer from the allocation's base
+  uint64_t allocation_bytes;  // size of the allocation (cuMemGetAddressRange)
+  int32_t device;             // CUDA device ordinal, as the trainer numbers it
+  uint32_t flags;             // kDeviceDescriptor* bits; the others are reserved (0)
+  uint8_t event_handle[kCudaIpcHandleBytes];   // cudaIpcEventHandle_t, if flagged
+};
+static_assert(sizeof(DeviceBufferDescriptor) == 152);
 
 enum class Codec : uint32_t {
   kDefault = 0,

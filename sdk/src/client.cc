@@ -22,6 +22,7 @@
 
 #include "arena.h"
 #include "fast_path.h"
+#include "device.h"
 #include "ciuic/ciuic.h"
 #include "ciuic/control.grpc.pb.h"
 #include "ciuic/shm_layout.h"
@@ -122,6 +123,9 @@ struct Handle::State {
   // Set for an operation on the job's fast path (fast_path.h) instead of
   // the daemon's rings; `done` and `status` are then unused.
   std::shared_ptr<FastOp> fast;
+  // Device buffers: the IPC event the daemon waits on, back to its pool at
+  // completion (the descriptor records live in `staging`).
+  std::shared_ptr<void> device_event;
 };
 
 struct Core {
@@ -158,6 +162,7 @@ struct Core {
     }
     st.staging = Buffer();
     st.staging_out = Buffer();
+    st.device_event.reset();
     st.status = std::move(status);
     st.done.store(true, std::memory_order_release);
   }
@@ -382,6 +387,18 @@ class Communicator::Impl {
     }
     return true;
   }
+  Handle SubmitDevice(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
+                      size_t count, DeviceBuffer send, size_t send_bytes, DeviceBuffer recv,
+                      size_t recv_bytes, const OpOptions& opts);
+
+  // The entry's fields but the buffers; `*name` is the operation's name.
+  Status MakeEntry(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
+                   size_t count, const OpOptions& opts, wire::SubmissionEntry* e,
+                   std::string* name);
+  // Publishes `e` on the ring for `st` (which then waits for its completion).
+  Handle Publish(const std::shared_ptr<Handle::State>& st, wire::SubmissionEntry& e);
+
+  DeviceExporter device;
 };
 
 Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -578,30 +595,25 @@ bool Communicator::IsShared(const void* ptr, size_t bytes) const {
   return impl_->core->arena->Contains(ptr, bytes);
 }
 
-Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
-                                  uint32_t reduce_op, int root, size_t count, Span send,
-                                  Span recv, void* user_recv, const OpOptions& opts) {
-  Core& c = *core;
-  std::string name = opts.name;
+Status Communicator::Impl::MakeEntry(wire::Collective collective, DataType dtype,
+                                     uint32_t reduce_op, int root, size_t count,
+                                     const OpOptions& opts, wire::SubmissionEntry* out,
+                                     std::string* name_out) {
+  std::string& name = *name_out;
+  name = opts.name;
   if (name.empty()) {
     name = "#" + std::to_string(unnamed_seq.fetch_add(1));
   } else if (name[0] == '#') {
-    return Failed(Status(StatusCode::kInvalidArgument,
-                         "operation name '" + name + "' may not start with '#' (reserved)"));
+    return Status(StatusCode::kInvalidArgument,
+                  "operation name '" + name + "' may not start with '#' (reserved)");
   }
   if (name.size() > wire::kMaxOpName) {
-    return Failed(Status(StatusCode::kInvalidArgument,
-                         "operation name longer than " + std::to_string(wire::kMaxOpName) +
-                             " bytes: " + name));
+    return Status(StatusCode::kInvalidArgument,
+                  "operation name longer than " + std::to_string(wire::kMaxOpName) +
+                      " bytes: " + name);
   }
-  if ((send.bytes > 0 && send.ptr == nullptr) || (recv.bytes > 0 && recv.ptr == nullptr)) {
-    return Failed(Status(StatusCode::kInvalidArgument, "operation '" + name +
-                                                           "': null buffer"));
-  }
-
-  auto st = std::make_shared<Handle::State>();
-  st->core = core;
-  wire::SubmissionEntry e{};
+  wire::SubmissionEntry& e = *out;
+  e = wire::SubmissionEntry{};
   e.collective = static_cast<uint32_t>(collective);
   e.dtype = static_cast<uint32_t>(dtype);
   e.reduce_op = reduce_op;
@@ -611,12 +623,27 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   e.priority = opts.priority;
   if (!opts.compression.empty()) {
     Status parsed = ParseCompression(opts.compression, &e.codec, &e.codec_ratio);
-    if (!parsed.ok()) {
-      return Failed(Status(parsed.code(), "operation '" + name + "': " + parsed.message()));
-    }
+    if (!parsed.ok()) return Status(parsed.code(), "operation '" + name + "': " + parsed.message());
   }
   e.name_len = static_cast<uint32_t>(name.size());
   std::memcpy(e.name, name.data(), name.size());
+  return Status::Ok();
+}
+
+Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
+                                  uint32_t reduce_op, int root, size_t count, Span send,
+                                  Span recv, void* user_recv, const OpOptions& opts) {
+  Core& c = *core;
+  std::string name;
+  wire::SubmissionEntry e;
+  Status made = MakeEntry(collective, dtype, reduce_op, root, count, opts, &e, &name);
+  if (!made.ok()) return Failed(made);
+  if ((send.bytes > 0 && send.ptr == nullptr) || (recv.bytes > 0 && recv.ptr == nullptr)) {
+    return Failed(Status(StatusCode::kInvalidArgument, "operation '" + name +
+                                                           "': null buffer"));
+  }
+  auto st = std::make_shared<Handle::State>();
+  st->core = core;
 
   // In a job with a fast path every valid operation takes its key there,
   // large ones too, and learns its route (proto/ciuic/fast_path.h).
@@ -701,6 +728,12 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
     }
   }
 
+  return Publish(st, e);
+}
+
+Handle Communicator::Impl::Publish(const std::shared_ptr<Handle::State>& st,
+                                   wire::SubmissionEntry& e) {
+  Core& c = *core;
   std::lock_guard<std::mutex> lock(c.submit_mu);
   // At most a ring's worth in flight, so the daemon never meets a full
   // completion ring.
@@ -711,10 +744,7 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   {
     std::lock_guard<std::mutex> reap_lock(c.reap_mu);
     if (!c.dead.ok()) {
-      st->staging = Buffer();
-      st->staging_out = Buffer();
-      st->status = c.dead;
-      st->done.store(true);
+      Core::Finish(*st, c.dead);
       return Handle(st);
     }
     st->op_id = c.next_op_id.fetch_add(1);
@@ -733,6 +763,92 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
     (void)!write(c.doorbell_fd, &one, sizeof(one));
   }
   return Handle(st);
+}
+
+Handle Communicator::Impl::SubmitDevice(wire::Collective collective, DataType dtype,
+                                        uint32_t reduce_op, int root, size_t count,
+                                        DeviceBuffer send, size_t send_bytes, DeviceBuffer recv,
+                                        size_t recv_bytes, const OpOptions& opts) {
+  Core& c = *core;
+  std::string name;
+  wire::SubmissionEntry e;
+  Status made = MakeEntry(collective, dtype, reduce_op, root, count, opts, &e, &name);
+  if (!made.ok()) return Failed(made);
+  auto fail = [&](const Status& s) {
+    return Failed(Status(s.code(), "operation '" + name + "': " + s.message()));
+  };
+  std::string why;
+  if (!SdkSupportsDeviceBuffers(&why)) return fail(Status(StatusCode::kFailedPrecondition, why));
+  if ((send_bytes > 0 && send.ptr == nullptr) || (recv_bytes > 0 && recv.ptr == nullptr)) {
+    return fail(Status(StatusCode::kInvalidArgument, "null device buffer"));
+  }
+  if (send_bytes > 0 && recv_bytes > 0 && send.device != recv.device) {
+    return fail(Status(StatusCode::kInvalidArgument,
+                       "send buffer on device " + std::to_string(send.device) +
+                           " and recv buffer on device " + std::to_string(recv.device) +
+                           ": one rank's buffers must be on one device"));
+  }
+  wire::DeviceBufferDescriptor records[2] = {};  // send, recv
+  if (send_bytes > 0) {
+    Status s = device.Describe(send.ptr, send_bytes, send.device, &records[0]);
+    if (!s.ok()) return fail(s);
+  }
+  if (recv_bytes > 0) {
+    Status s = device.Describe(recv.ptr, recv_bytes, recv.device, &records[1]);
+    if (!s.ok()) return fail(s);
+  }
+  auto st = std::make_shared<Handle::State>();
+  st->core = core;
+  if (send_bytes > 0 || recv_bytes > 0) {
+    // One event on the trainer's stream orders the daemon after everything
+    // enqueued there so far, for both buffers.
+    uint8_t event[wire::kCudaIpcHandleBytes];
+    Status s = device.RecordEvent(opts.stream, recv_bytes > 0 ? recv.device : send.device, event,
+                                  &st->device_event);
+    if (!s.ok()) return fail(s);
+    for (auto& r : records) {
+      std::memcpy(r.event_handle, event, sizeof(event));
+      r.flags |= wire::kDeviceDescriptorEventValid;
+    }
+  }
+  // The records live in the arena until the operation completes.
+  uint64_t off = 0;
+  Status s = c.arena->Allocate(sizeof(records), &off);
+  if (!s.ok()) return fail(s);
+  st->staging = BufferAccess::Make(c.arena, off, sizeof(records));
+  std::memcpy(c.arena->base + off, records, sizeof(records));
+  e.flags = wire::kSubmitFlagDeviceBuffers;
+  e.send_offset = off;
+  e.recv_offset = off + sizeof(records[0]);
+  return Publish(st, e);
+}
+
+Handle Communicator::Allreduce(DeviceBuffer send, DeviceBuffer recv, size_t count,
+                               DataType dtype, ReduceOp op, const OpOptions& options) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  return impl_->SubmitDevice(wire::Collective::kAllreduce, dtype, static_cast<uint32_t>(op), 0,
+                             count, send, bytes, recv, bytes, options);
+}
+
+Handle Communicator::ReduceScatter(DeviceBuffer send, DeviceBuffer recv, size_t recv_count,
+                                   DataType dtype, ReduceOp op, const OpOptions& options) {
+  const size_t block = recv_count * DataTypeSize(dtype);
+  return impl_->SubmitDevice(wire::Collective::kReduceScatter, dtype, static_cast<uint32_t>(op),
+                             0, recv_count, send, block * world_size(), recv, block, options);
+}
+
+Handle Communicator::Allgather(DeviceBuffer send, DeviceBuffer recv, size_t send_count,
+                               DataType dtype, const OpOptions& options) {
+  const size_t block = send_count * DataTypeSize(dtype);
+  return impl_->SubmitDevice(wire::Collective::kAllgather, dtype, 0, 0, send_count, send, block,
+                             recv, block * world_size(), options);
+}
+
+Handle Communicator::Broadcast(DeviceBuffer send, DeviceBuffer recv, size_t count,
+                               DataType dtype, int root, const OpOptions& options) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  return impl_->SubmitDevice(wire::Collective::kBroadcast, dtype, 0, root, count, send,
+                             root == rank() ? bytes : 0, recv, bytes, options);
 }
 
 Handle Communicator::Allreduce(const void* send, void* recv, size_t count, DataType dtype,

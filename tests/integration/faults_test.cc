@@ -22,6 +22,7 @@
 #include "common.h"
 #include "harness.h"
 #include "raw_session.h"
+#include "cuda/gpu_info.h"
 
 namespace ciuic::testing {
 namespace {
@@ -156,9 +157,33 @@ TEST(FaultsTest, GarbageDescriptorsAndRingIndicesNeverHurtTheDaemon) {
     add([](auto& e) { e.count = 1ull << 40; }, "outside the session's arena");
     add([](auto& e) { e.name_len = 5000; }, "name length");
     add([](auto& e) { e.flags = 4; }, "reserved flags");
-    // A device-buffer submission to a daemon without GPU support (CI has no
-    // GPU; a GPU daemon says the path is not implemented yet).
-    add([](auto& e) { e.flags = wire::kSubmitFlagDeviceBuffers; }, "device (CUDA) buffers: ", 9);
+    // Device buffers: a descriptor record at kDataOffset + 4096 naming
+    // device 1000. A daemon without a GPU says why it takes no device
+    // buffers (FAILED_PRECONDITION); one with a GPU refuses the device.
+    wire::DeviceBufferDescriptor d{};
+    d.allocation_bytes = 1 << 20;
+    d.device = 1000;
+    std::memcpy(raw.base + wire::kDataOffset + 4096, &d, sizeof(d));
+    const daemon::GpuProbe& gpus = daemon::ProbeGpus();
+    const bool has_gpu = gpus.built_with_cuda && !gpus.devices.empty();
+    add([](auto& e) {
+          e.flags = wire::kSubmitFlagDeviceBuffers;
+          e.send_offset = e.recv_offset = wire::kDataOffset + 4096;
+        },
+        has_gpu ? "device 1000 is not one of" : "device (CUDA) buffers: ", has_gpu ? 3 : 9);
+    add([](auto& e) {
+          e.flags = wire::kSubmitFlagDeviceBuffers;
+          e.send_offset = wire::kDataOffset + 4;
+        }, "send device descriptor at offset");
+    add([](auto& e) {
+          e.flags = wire::kSubmitFlagDeviceBuffers;
+          e.recv_offset = 8;
+        }, "recv device descriptor: ");
+    add([](auto& e) {
+          e.flags = wire::kSubmitFlagDeviceBuffers;
+          e.collective = static_cast<uint32_t>(wire::Collective::kBarrier);
+          e.count = 0;
+        }, "device-buffer flag does not apply");
     add([](auto& e) { e.recv_offset += 4; }, "overlap");
     for (auto& c : cases) raw.Submit(c.e);
     for (size_t i = 0; i < cases.size(); ++i) {

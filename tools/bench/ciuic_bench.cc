@@ -17,6 +17,11 @@
 // gradients ready together). With --check every rank
 // compares its result, element by element, with an expectation computed
 // here by plain loops (never by ciuic code).
+//
+// --device cuda: each rank's buffers are cudaMalloc'd on device
+// local_rank % device_count (so both ranks share the GPU of a one-GPU
+// machine) and handed to the daemon as device buffers, with the rank's own
+// stream; --check copies the inputs up and the results back to the host.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -41,6 +46,10 @@
 
 #include "ciuic/ciuic.h"
 
+#if CIUIC_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -60,6 +69,7 @@ struct Flags {
   std::string ciuicd;
   std::string daemon_config;  // --config for the daemons ciuic-bench starts
   std::string compression;    // OpOptions::compression; empty: the daemon's
+  bool cuda = false;          // --device cuda
   bool bind_to_core = false;  // --bind-to core: rank r on CPU r mod online CPUs
   int burst = 1;              // operations submitted together per iteration
 };
@@ -73,8 +83,7 @@ struct Flags {
           "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
           "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n"
           "                   [--daemon-config FILE] [--compression none|fp16|bf16|int8|topk:R]\n"
-          "                   [--bind-to none|core]\n"
-          "                   [--burst K]\n"
+          "                   [--device cpu|cuda] [--bind-to none|core] [--burst K]\n"
           "Without --socket it starts one ciuicd per node (--ciuicd, $CIUICD, or the build\n"
           "tree's), with --daemon-config as their config file.\n");
   exit(error.empty() ? 0 : 64);
@@ -127,18 +136,26 @@ Flags ParseFlags(int argc, char** argv) {
     else if (a == "--nodes") f.nodes = integer(1, 1024);
     else if (a == "--ranks-per-node") f.ranks_per_node = integer(1, 256);
     else if (a == "--iters") f.iters = integer(1, 1000000);
-    else if (a == "--burst") f.burst = integer(1, 4096);
     else if (a == "--warmup") f.warmup = integer(0, 1000000);
     else if (a == "--check") f.check = true;
+    else if (a == "--json") f.json = true;
+    else if (a == "--socket") f.socket = value();
+    else if (a == "--ciuicd") f.ciuicd = value();
+    else if (a == "--daemon-config") f.daemon_config = value();
+    else if (a == "--burst") f.burst = integer(1, 4096);
     else if (a == "--bind-to") {
       const std::string v = value();
       if (v != "none" && v != "core") Usage("--bind-to takes none or core");
       f.bind_to_core = v == "core";
     }
-    else if (a == "--json") f.json = true;
-    else if (a == "--socket") f.socket = value();
-    else if (a == "--ciuicd") f.ciuicd = value();
-    else if (a == "--daemon-config") f.daemon_config = value();
+    else if (a == "--device") {
+      const std::string d = value();
+      if (d != "cpu" && d != "cuda") Usage("unknown device '" + d + "' (cpu, cuda)");
+      f.cuda = d == "cuda";
+#if !CIUIC_HAVE_CUDA
+      if (f.cuda) Usage("--device cuda: this ciuic-bench was built without CUDA");
+#endif
+    }
     else if (a == "--compression") {
       f.compression = value();
       const std::string& c = f.compression;
@@ -305,13 +322,33 @@ uint64_t CountFor(const Flags& f, uint64_t bytes, int world) {
   return count;
 }
 
+// A rank's two buffers: shared memory (zero copy), or device memory.
+struct RankBuffers {
+  ciuic::Buffer send_shm, recv_shm;
+  void* send_dev = nullptr;
+  void* recv_dev = nullptr;
+  int device = -1;  // >= 0: device buffers
+  void* stream = nullptr;
+  bool on_device() const { return device >= 0; }
+};
+
 // `offset`: bytes into both buffers (a burst's k-th operation).
-ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send_buffer,
-                     const ciuic::Buffer& recv_buffer, uint64_t count, uint64_t offset = 0) {
+ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const RankBuffers& b,
+                     uint64_t count, uint64_t offset = 0) {
   ciuic::OpOptions o;
   o.compression = f.compression;
-  void* send = static_cast<uint8_t*>(send_buffer.data()) + offset;
-  void* recv = static_cast<uint8_t*>(recv_buffer.data()) + offset;
+  if (b.on_device()) {
+    o.stream = b.stream;
+    const ciuic::DeviceBuffer send{static_cast<uint8_t*>(b.send_dev) + offset, b.device};
+    const ciuic::DeviceBuffer recv{static_cast<uint8_t*>(b.recv_dev) + offset, b.device};
+    if (f.op == "allreduce") return c.Allreduce(send, recv, count, f.dtype, f.reduce_op, o);
+    if (f.op == "reduce_scatter") return c.ReduceScatter(send, recv, count, f.dtype, f.reduce_op, o);
+    if (f.op == "allgather") return c.Allgather(send, recv, count, f.dtype, o);
+    if (f.op == "broadcast") return c.Broadcast(send, recv, count, f.dtype, 0, o);
+    return c.Barrier();
+  }
+  void* send = static_cast<uint8_t*>(b.send_shm.data()) + offset;
+  void* recv = static_cast<uint8_t*>(b.recv_shm.data()) + offset;
   if (f.op == "allreduce") {
     return c.Allreduce(send, recv, count, f.dtype, f.reduce_op, o);
   } else if (f.op == "reduce_scatter") {
@@ -324,19 +361,56 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer
   return c.Barrier();
 }
 
+// Host <-> device copies for --check (synchronous); false and a message on error.
+bool CopyToDevice(void* dst, const void* src, size_t bytes) {
+#if CIUIC_HAVE_CUDA
+  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+  if (e == cudaSuccess) return true;
+  fprintf(stderr, "ciuic-bench: cudaMemcpy to the device: %s\n", cudaGetErrorString(e));
+#endif
+  return false;
+}
+bool CopyToHost(void* dst, const void* src, size_t bytes) {
+#if CIUIC_HAVE_CUDA
+  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess) return true;
+  fprintf(stderr, "ciuic-bench: cudaMemcpy to the host: %s\n", cudaGetErrorString(e));
+#endif
+  return false;
+}
+
 // Fills send with the pattern, runs once, counts wrong elements in recv.
-uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& send,
-                   const ciuic::Buffer& recv, uint64_t count, std::string* error,
-                   double* rel_error) {
+uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const RankBuffers& b, uint64_t count,
+                   std::string* error, double* rel_error) {
   const int world = c.world_size();
   const int rank = c.rank();
+  const uint64_t es = ciuic::DataTypeSize(f.dtype);
   const uint64_t send_elems = f.op == "reduce_scatter" ? count * world : count;
   const uint64_t recv_elems = f.op == "allgather" ? count * world : count;
-  for (uint64_t i = 0; i < send_elems; ++i) Store(f.dtype, send.data(), i, Input(f, rank, i));
-  for (uint64_t i = 0; i < recv_elems; ++i) Store(f.dtype, recv.data(), i, 99);
-  ciuic::Status s = Launch(c, f, send, recv, count).Wait();
+  // Device buffers: the pattern is built here and copied up, the result down.
+  std::vector<uint8_t> host_send, host_recv;
+  void* send = b.send_shm.data();
+  void* recv = b.recv_shm.data();
+  if (b.on_device()) {
+    host_send.resize(send_elems * es + 1);
+    host_recv.resize(recv_elems * es + 1);
+    send = host_send.data();
+    recv = host_recv.data();
+  }
+  for (uint64_t i = 0; i < send_elems; ++i) Store(f.dtype, send, i, Input(f, rank, i));
+  for (uint64_t i = 0; i < recv_elems; ++i) Store(f.dtype, recv, i, 99);
+  if (b.on_device() && (!CopyToDevice(b.send_dev, send, send_elems * es) ||
+                        !CopyToDevice(b.recv_dev, recv, recv_elems * es))) {
+    *error = "copying the pattern to the device failed";
+    return recv_elems;
+  }
+  ciuic::Status s = Launch(c, f, b, count).Wait();
   if (!s.ok()) {
     *error = s.ToString();
+    return recv_elems;
+  }
+  if (b.on_device() && !CopyToHost(recv, b.recv_dev, recv_elems * es)) {
+    *error = "copying the result to the host failed";
     return recv_elems;
   }
   uint64_t wrong = 0;
@@ -348,13 +422,43 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const ciuic::Buffer& 
     else if (f.op == "allgather") want = static_cast<double>(Input(f, static_cast<int>(i / count), i % count));
     else if (f.op == "broadcast") want = static_cast<double>(Input(f, 0, i));
     else break;
-    const double got = Load(f.dtype, recv.data(), i);
+    const double got = Load(f.dtype, recv, i);
     if (!Matches(f, got, want)) ++wrong;
     max_err = std::max(max_err, std::fabs(got - want));
     max_want = std::max(max_want, std::fabs(want));
   }
   if (rel_error != nullptr) *rel_error = max_want > 0 ? max_err / max_want : max_err;
   return wrong;
+}
+
+// Device buffers of `bytes` each on device local_rank % device_count, zeroed,
+// and a stream of the rank's own.
+bool AllocateDevice(int local_rank, uint64_t bytes, RankBuffers* b) {
+#if CIUIC_HAVE_CUDA
+  int devices = 0;
+  cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e != cudaSuccess || devices == 0) {
+    fprintf(stderr, "ciuic-bench: no CUDA device: %s\n",
+            e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+    return false;
+  }
+  b->device = local_rank % devices;
+  cudaStream_t stream = nullptr;
+  if ((e = cudaSetDevice(b->device)) != cudaSuccess ||
+      (e = cudaMalloc(&b->send_dev, bytes)) != cudaSuccess ||
+      (e = cudaMalloc(&b->recv_dev, bytes)) != cudaSuccess ||
+      (e = cudaMemset(b->send_dev, 0, bytes)) != cudaSuccess ||
+      (e = cudaMemset(b->recv_dev, 0, bytes)) != cudaSuccess ||
+      (e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    fprintf(stderr, "ciuic-bench: device buffers of %llu bytes on device %d: %s\n",
+            static_cast<unsigned long long>(bytes), b->device, cudaGetErrorString(e));
+    return false;
+  }
+  b->stream = stream;
+  return true;
+#else
+  return false;
+#endif
 }
 
 // One rank: a child process. Writes, per size, iters+1 doubles (cold time
@@ -373,21 +477,25 @@ int RunRank(const Flags& f, const std::string& socket, const std::string& coordi
   o.local_rank = rank % f.ranks_per_node;
   o.local_size = f.ranks_per_node;
   o.coordinator = coordinator;
-  o.arena_bytes = 2 * max_bytes * f.burst + (4 << 20);
+  o.arena_bytes = f.cuda ? (4 << 20) : 2 * max_bytes * f.burst + (4 << 20);
   std::unique_ptr<ciuic::Communicator> comm;
   ciuic::Status s = ciuic::Communicator::Create(o, &comm);
   if (!s.ok()) {
     fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
     return 1;
   }
-  ciuic::Buffer send, recv;
-  if (!(s = comm->Allocate(max_bytes * f.burst, &send)).ok() ||
-      !(s = comm->Allocate(max_bytes * f.burst, &recv)).ok()) {
-    fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
-    return 1;
+  RankBuffers b;
+  if (f.cuda) {
+    if (!AllocateDevice(o.local_rank, max_bytes * f.burst, &b)) return 1;
+  } else {
+    if (!(s = comm->Allocate(max_bytes * f.burst, &b.send_shm)).ok() ||
+        !(s = comm->Allocate(max_bytes * f.burst, &b.recv_shm)).ok()) {
+      fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, s.ToString().c_str());
+      return 1;
+    }
+    memset(b.send_shm.data(), 0, max_bytes * f.burst);
+    memset(b.recv_shm.data(), 0, max_bytes * f.burst);
   }
-  memset(send.data(), 0, max_bytes * f.burst);
-  memset(recv.data(), 0, max_bytes * f.burst);
   for (uint64_t bytes : f.sizes) {
     const uint64_t count = f.op == "barrier" ? 0 : CountFor(f, bytes, world);
     std::vector<double> times;
@@ -395,11 +503,11 @@ int RunRank(const Flags& f, const std::string& socket, const std::string& coordi
     for (int it = 0; it < f.warmup + f.iters + 1; ++it) {
       Clock::time_point t0 = Clock::now();
       if (f.burst == 1) {
-        s = Launch(*comm, f, send, recv, count).Wait();
+        s = Launch(*comm, f, b, count).Wait();
       } else {
         std::vector<ciuic::Handle> burst;
         for (int k = 0; k < f.burst; ++k) {
-          burst.push_back(Launch(*comm, f, send, recv, count, static_cast<uint64_t>(k) * max_bytes));
+          burst.push_back(Launch(*comm, f, b, count, static_cast<uint64_t>(k) * max_bytes));
         }
         for (auto& h : burst) {
           ciuic::Status st = h.Wait();
@@ -417,7 +525,7 @@ int RunRank(const Flags& f, const std::string& socket, const std::string& coordi
     if (f.check) {
       std::string error;
       double rel = 0;
-      wrong = static_cast<double>(CheckOnce(*comm, f, send, recv, count, &error, &rel));
+      wrong = static_cast<double>(CheckOnce(*comm, f, b, count, &error, &rel));
       if (!f.compression.empty() && f.compression != "none" && error.empty()) wrong = rel;
       if (!error.empty()) fprintf(stderr, "ciuic-bench rank %d: %s\n", rank, error.c_str());
     }
@@ -600,9 +708,10 @@ int main(int argc, char** argv) {
 
   if (!f.json) {
     printf("# ciuic-bench: op %s, %d node(s) x %d rank(s), dtype %s, reduce op %s, "
-           "%d iters after %d warmup\n",
+           "%d iters after %d warmup, %s buffers\n",
            f.op.c_str(), f.nodes, f.ranks_per_node, ciuic::DataTypeName(f.dtype),
-           ciuic::ReduceOpName(f.reduce_op), f.iters, f.warmup);
+           ciuic::ReduceOpName(f.reduce_op), f.iters, f.warmup,
+           f.cuda ? "CUDA device" : "shared-memory");
     printf("# %12s %12s %9s %7s %12s %12s %11s %11s %8s\n", "size(B)", "count", "type",
            "redop", "time(us)", "cold(us)", "algbw(GB/s)", "busbw(GB/s)",
            (!f.compression.empty() && f.compression != "none") ? "relerr" : "#wrong");

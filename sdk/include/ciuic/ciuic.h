@@ -26,7 +26,18 @@
 // Threads: a Communicator may be used from several threads; Handles may be
 // waited on from any thread. No call spins while nothing is pending.
 //
-// This header includes only the standard library and itself.
+// Device memory: the overloads taking DeviceBuffer run the collective on
+// CUDA memory (cudaMalloc'd, or a framework's caching allocator; not
+// cudaMallocAsync pools, which CUDA IPC cannot export). The SDK exports the
+// allocation to the daemon (CUDA IPC, once per allocation) and records an
+// event on OpOptions::stream, so the daemon's work starts after everything
+// enqueued there so far. The handle completes once the results are in every
+// rank's device memory. Every rank of an operation must use device memory or
+// none. Without CUDA (a libciuic or ciuicd built without it, no GPU) they
+// fail with an error saying so.
+//
+// This header includes only the standard library and itself (no CUDA types:
+// streams are void*).
 #pragma once
 
 #include <chrono>
@@ -92,7 +103,22 @@ struct OpOptions {
   // "none", "fp16", "bf16", "int8", "topk:RATIO"; empty: the daemon's
   // `compression` setting. All ranks must choose the same.
   std::string compression;
+  // Device buffers only: the cudaStream_t (as void*) whose work so far the
+  // daemon waits for before it reads or writes them; nullptr: the legacy
+  // default stream.
+  void* stream = nullptr;
 };
+
+// A buffer in CUDA device memory: `ptr` on device ordinal `device` (the
+// trainer's numbering, which must match the daemon's: give both the same
+// CUDA_VISIBLE_DEVICES).
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  int device = 0;
+};
+
+// True if this libciuic was built with CUDA; if not, `why` says so.
+bool SdkSupportsDeviceBuffers(std::string* why = nullptr);
 
 // A region of the communicator's shared memory. Move-only; freed when
 // destroyed (it must not outlive its Communicator or an operation using it).
@@ -180,6 +206,17 @@ class Communicator {
     return Broadcast(buffer, buffer, count, dtype, root, options);
   }
   Handle Barrier(const OpOptions& options = {});
+
+  // The same collectives on device memory (see the top of this file); sizes
+  // and in-place rules as above, in-place meaning the same pointer.
+  Handle Allreduce(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype,
+                   ReduceOp op, const OpOptions& options = {});
+  Handle ReduceScatter(DeviceBuffer send, DeviceBuffer recv, size_t recv_count, DataType dtype,
+                       ReduceOp op, const OpOptions& options = {});
+  Handle Allgather(DeviceBuffer send, DeviceBuffer recv, size_t send_count, DataType dtype,
+                   const OpOptions& options = {});
+  Handle Broadcast(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype, int root,
+                   const OpOptions& options = {});
 
   class Impl;
 

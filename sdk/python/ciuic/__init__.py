@@ -77,8 +77,7 @@ def _as_buffer(obj, what):
         torch = _torch()
         if obj.device.type != "cpu":
             raise InvalidArgumentError(
-                f"{what}: tensor on {obj.device}; ciuic takes CPU tensors only (GPU tensors "
-                "through the daemon are not implemented yet: copy the tensor to the CPU)")
+                f"{what}: tensor on {obj.device}; ciuic takes CPU and CUDA tensors")
         if obj.layout != torch.strided:
             raise InvalidArgumentError(f"{what}: {obj.layout} tensors are not supported")
         if not obj.is_contiguous():
@@ -93,6 +92,33 @@ def _as_buffer(obj, what):
                 f"{what}: torch dtype {t.dtype} is not a ciuic dtype ({', '.join(DTYPES)})")
         return t.numpy(), None
     return obj, None  # anything else with the buffer protocol (checked by _ciuic)
+
+
+def _is_cuda(obj):
+    """True for a torch tensor on a CUDA device."""
+    return _is_tensor(obj) and obj.device.type == "cuda"
+
+
+def _device_args(obj, what):
+    """(data_ptr, device index, ciuic dtype name, numel) of a CUDA tensor."""
+    torch = _torch()
+    if obj.layout != torch.strided:
+        raise InvalidArgumentError(f"{what}: {obj.layout} tensors are not supported")
+    if not obj.is_contiguous():
+        raise InvalidArgumentError(f"{what}: the tensor is not contiguous (use tensor.contiguous())")
+    dtype = _TORCH_DTYPES().get(obj.dtype)
+    if dtype is None:
+        raise InvalidArgumentError(
+            f"{what}: torch dtype {obj.dtype} is not a ciuic dtype ({', '.join(DTYPES)})")
+    return obj.data_ptr(), obj.device.index, dtype, obj.numel()
+
+
+def _check_same_kind(what, a, b):
+    """Both CUDA tensors, or neither."""
+    if _is_cuda(a) != _is_cuda(b):
+        raise InvalidArgumentError(
+            f"{what}: input on {a.device if _is_tensor(a) else 'the host'}, output on "
+            f"{b.device if _is_tensor(b) else 'the host'}: both CUDA tensors or neither")
 
 
 _torch_dtypes_cache = None
@@ -135,13 +161,14 @@ class Work:
     never deadlocks.
     """
 
-    __slots__ = ("_handle", "_output", "_comm", "_future", "__weakref__")
+    __slots__ = ("_handle", "_output", "_comm", "_future", "_keep", "__weakref__")
 
-    def __init__(self, handle, output, comm):
+    def __init__(self, handle, output, comm, keep=None):
         self._handle = handle
         self._output = output
         self._comm = comm
         self._future = None
+        self._keep = keep  # device tensors the operation uses: alive until it completes
 
     @property
     def name(self):
@@ -247,7 +274,8 @@ class Communicator:
     """A rank's session with ciuicd for one job. Made by :func:`init`.
 
     Collectives work in place on numpy arrays and torch CPU tensors (C-contiguous)
-    of any SDK dtype; they accept ``name`` (matches the operation across ranks),
+    of any SDK dtype, and on torch CUDA tensors (device buffers, ordered after
+    the work on the current stream); they accept ``name`` (matches the operation across ranks),
     ``priority`` (higher first among ready operations) and ``timeout``
     (seconds; default: the daemon's op timeout). The plain call waits; the
     ``*_async`` call returns a :class:`Work` at once. The arrays of an
@@ -343,8 +371,30 @@ class Communicator:
         np.copyto(staged, ibuf)
         return staged
 
+    def _device_async(self, collective, send, recv, count, output, op="sum", root=0,
+                      name=None, priority=0, timeout=None, compression=None):
+        """A collective on CUDA tensors: the SDK's device path, ordered after
+        the work enqueued so far on torch's current stream of their device."""
+        sp, sdev, sdtype, _ = _device_args(send, f"{collective} input")
+        rp, rdev, rdtype, _ = _device_args(recv, f"{collective} output")
+        if sdev != rdev:
+            raise InvalidArgumentError(
+                f"{collective}: input on cuda:{sdev}, output on cuda:{rdev}: one device")
+        if sdtype != rdtype:
+            raise InvalidArgumentError(f"{collective}: input and output dtypes differ")
+        stream = _torch().cuda.current_stream(rdev).cuda_stream
+        h = self._impl.device_op(collective, sp, rp, device=rdev, count=count, dtype=rdtype,
+                                 op=op, root=root, stream=stream, name=name or "",
+                                 priority=priority, timeout_ms=_timeout_ms(timeout),
+                                 compression=compression or "")
+        return Work(h, output, self, keep=(send, recv))
+
     def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None,
                         compression=None):
+        if _is_cuda(t):
+            return self._device_async("allreduce", t, t, t.numel(), t, op=op, name=name,
+                                      priority=priority, timeout=timeout,
+                                      compression=compression)
         buf, dtype = _as_buffer(t, "allreduce")
         h = self._impl.allreduce(buf, op=op, dtype=dtype, name=name or "",
                                  priority=priority, timeout_ms=_timeout_ms(timeout),
@@ -362,6 +412,15 @@ class Communicator:
 
     def reduce_scatter_async(self, output, input, op="sum", name=None, priority=0,
                              timeout=None, compression=None):
+        _check_same_kind("reduce_scatter", input, output)
+        if _is_cuda(output):
+            if input.numel() != output.numel() * self.world_size:
+                raise InvalidArgumentError(
+                    f"reduce_scatter: the input must hold world_size ({self.world_size}) times "
+                    f"the output's elements; input {input.numel()}, output {output.numel()}")
+            return self._device_async("reduce_scatter", input, output, output.numel(), output,
+                                      op=op, name=name, priority=priority, timeout=timeout,
+                                      compression=compression)
         ibuf, dtype = _as_buffer(input, "reduce_scatter input")
         obuf, odtype = _as_buffer(output, "reduce_scatter output")
         if dtype != odtype:
@@ -379,6 +438,14 @@ class Communicator:
         return output
 
     def allgather_async(self, output, input, name=None, priority=0, timeout=None):
+        _check_same_kind("allgather", input, output)
+        if _is_cuda(output):
+            if output.numel() != input.numel() * self.world_size:
+                raise InvalidArgumentError(
+                    f"allgather: the output must hold world_size ({self.world_size}) times "
+                    f"the input's elements; input {input.numel()}, output {output.numel()}")
+            return self._device_async("allgather", input, output, input.numel(), output,
+                                      name=name, priority=priority, timeout=timeout)
         ibuf, dtype = _as_buffer(input, "allgather input")
         obuf, odtype = _as_buffer(output, "allgather output")
         if dtype != odtype:
@@ -394,6 +461,9 @@ class Communicator:
         return output
 
     def broadcast_async(self, t, root=0, name=None, priority=0, timeout=None):
+        if _is_cuda(t):
+            return self._device_async("broadcast", t, t, t.numel(), t, root=root, name=name,
+                                      priority=priority, timeout=timeout)
         buf, dtype = _as_buffer(t, "broadcast")
         h = self._impl.broadcast(buf, root=root, dtype=dtype, name=name or "",
                                  priority=priority, timeout_ms=_timeout_ms(timeout))

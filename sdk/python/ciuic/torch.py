@@ -30,6 +30,9 @@ Memory paths (``mode``), measured in sdk/python/README.md:
   result into the parameters' .grad itself, so nothing is copied back.
 - "staging": hands ``bucket.buffer()`` itself to the SDK, which copies it
   into a staging region of its arena and back on completion (one more copy).
+CUDA buckets (a model on a GPU) ignore ``mode``: the bucket is reduced in
+place in device memory by the daemon (CUDA IPC; see the
+README for what has run on a GPU).
 """
 
 import itertools
@@ -100,7 +103,11 @@ def allreduce_hook(state, bucket):
     name = f"{state.prefix}.b{index}" if state.compression else f"{state.prefix}.b{index}.{n}"
     priority = -index if state.priority is None else int(state.priority(bucket))
     grads = bucket.buffer()
-    if state.mode == "shm":
+    if grads.is_cuda:
+        # CUDA buckets go to the daemon as device buffers, reduced in place
+        # (after the work on torch's current stream); `mode` is for CPU ones.
+        target = grads
+    elif state.mode == "shm":
         target = state._shm_tensor(index, grads)
         target.copy_(grads.view(-1))
     else:

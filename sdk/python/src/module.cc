@@ -27,6 +27,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -375,6 +376,42 @@ class PyComm {
     return Submit(name, nullptr, nullptr, [&](Communicator& c) { return c.Barrier(o); });
   }
 
+  // A collective on CUDA device memory (torch CUDA tensors: the Python
+  // layer passes data_ptr(), the device index and the current stream). The
+  // counts are the C++ API's: elements per rank (allreduce, broadcast), of
+  // the output (reduce_scatter) or of the input (allgather). The caller
+  // keeps the tensors alive until the operation completes.
+  PyHandle DeviceOp(const std::string& collective, uintptr_t send, uintptr_t recv, int device,
+                    uint64_t count, const std::string& dtype, const std::string& op, int root,
+                    uintptr_t stream, const std::string& name, int32_t priority,
+                    uint32_t timeout_ms, const std::string& compression) {
+    DataType dt;
+    if (!ParseDataType(dtype, &dt)) ThrowInvalid("unknown dtype '" + dtype + "'");
+    OpOptions o = MakeOptions(name, priority, timeout_ms, compression);
+    o.stream = reinterpret_cast<void*>(stream);
+    const DeviceBuffer sb{reinterpret_cast<void*>(send), device};
+    const DeviceBuffer rb{reinterpret_cast<void*>(recv), device};
+    std::function<Handle(Communicator&)> submit;
+    if (collective == "allreduce") {
+      const ReduceOp rop = ParseOp(op);
+      submit = [=](Communicator& c) { return c.Allreduce(sb, rb, count, dt, rop, o); };
+    } else if (collective == "reduce_scatter") {
+      const ReduceOp rop = ParseOp(op);
+      submit = [=](Communicator& c) { return c.ReduceScatter(sb, rb, count, dt, rop, o); };
+    } else if (collective == "allgather") {
+      submit = [=](Communicator& c) { return c.Allgather(sb, rb, count, dt, o); };
+    } else if (collective == "broadcast") {
+      if (root < 0 || root >= world_size_) {
+        ThrowInvalid("broadcast: root " + std::to_string(root) + " is not in a world of size " +
+                     std::to_string(world_size_));
+      }
+      submit = [=](Communicator& c) { return c.Broadcast(sb, rb, count, dt, root, o); };
+    } else {
+      ThrowInvalid("unknown collective '" + collective + "' for device buffers");
+    }
+    return Submit(name, nullptr, nullptr, submit);
+  }
+
   // Ends the session: pending operations fail (CANCELLED), later calls raise.
   void Close() {
     std::unique_ptr<Communicator> doomed;
@@ -548,5 +585,15 @@ PYBIND11_MODULE(_ciuic, m) {
            py::arg("timeout_ms") = 0)
       .def("barrier", &PyComm::Barrier, py::kw_only(), py::arg("name") = "",
            py::arg("priority") = 0, py::arg("timeout_ms") = 0)
+      .def("device_op", &PyComm::DeviceOp, py::arg("collective"), py::arg("send"),
+           py::arg("recv"), py::kw_only(), py::arg("device"), py::arg("count"),
+           py::arg("dtype"), py::arg("op") = "sum", py::arg("root") = 0, py::arg("stream") = 0,
+           py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0,
+           py::arg("compression") = "")
       .def("close", &PyComm::Close);
+  m.def("sdk_supports_device_buffers", [] {
+    std::string why;
+    const bool yes = SdkSupportsDeviceBuffers(&why);
+    return py::make_tuple(yes, why);
+  }, "(True, '') if this libciuic was built with CUDA, else (False, why)");
 }

@@ -561,3 +561,77 @@ def mn_mismatch(ctx):
         except ciuic.InvalidArgumentError as e:
             return (type(e).__name__, int(e.code), e.message)
     raise AssertionError("no error for counts mismatched across nodes")
+
+
+# ------------------------------------------------------------ CUDA tensors
+
+def _cuda_device(ctx):
+    import torch
+    dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def cuda_collectives(ctx, dtype, seed):
+    """Every collective on CUDA tensors (device buffers through the daemon),
+    every op for the reductions, sizes 0, 1, odd and just over 4 MiB; the
+    inputs are written on the current stream right before each call (the
+    daemon must wait for that work)."""
+    import torch
+    dev = _cuda_device(ctx)
+    w, r = ctx.world, ctx.rank
+    checks = 0
+    for n in SMALL_SIZES + (big_size(dtype),):
+        for op in OPS:
+            inputs = [values(seed + n, q, n, dtype) for q in range(w)]
+            t = make(inputs[r], dtype, "torch").to(dev, non_blocking=True)
+            ctx.comm.allreduce(t, op=op, name=ctx.name(f"cuda.ar.{dtype}.{op}.{n}"))
+            expect_equal(t.cpu(), reference(inputs, op), dtype, "torch", f"allreduce {op} {n}")
+            blocks = [values(seed + n + 1, q, n * w, dtype) for q in range(w)]
+            inp = make(blocks[r], dtype, "torch").to(dev)
+            out = torch.zeros(n, dtype=getattr(torch, dtype), device=dev)
+            ctx.comm.reduce_scatter(out, inp, op=op, name=ctx.name(f"cuda.rs.{dtype}.{op}.{n}"))
+            want = reference([b[r * n:(r + 1) * n] for b in blocks], op)
+            expect_equal(out.cpu(), want, dtype, "torch", f"reduce_scatter {op} {n}")
+            checks += 2
+        inputs = [values(seed + n + 2, q, n, dtype) for q in range(w)]
+        inp = make(inputs[r], dtype, "torch").to(dev)
+        out = torch.zeros(n * w, dtype=getattr(torch, dtype), device=dev)
+        ctx.comm.allgather(out, inp, name=ctx.name(f"cuda.ag.{dtype}.{n}"))
+        expect_equal(out.cpu(), np.concatenate(inputs), dtype, "torch", f"allgather {n}")
+        t = make(inputs[r], dtype, "torch").to(dev)
+        ctx.comm.broadcast(t, root=w - 1, name=ctx.name(f"cuda.bc.{dtype}.{n}"))
+        expect_equal(t.cpu(), inputs[w - 1], dtype, "torch", f"broadcast {n}")
+        checks += 2
+    return checks
+
+
+class _FakeBucket:
+    """What ciuic.torch.allreduce_hook uses of a DDP GradBucket."""
+
+    def __init__(self, index, buffer):
+        self._index, self._buffer = index, buffer
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+
+def cuda_ddp_hook(ctx, steps):
+    """ciuic.torch.allreduce_hook on CUDA buckets: the future's value is the
+    average over the ranks, on the same device."""
+    import torch
+    import ciuic.torch as ct
+    dev = _cuda_device(ctx)
+    state = ct.CiuicHookState(ctx.comm, prefix="cudaddp")
+    for step in range(steps):
+        for index, n in enumerate((1000, 257, 3)):
+            inputs = [values(step * 10 + index, q, n, "float32") for q in range(ctx.world)]
+            grads = make(inputs[ctx.rank], "float32", "torch").to(dev)
+            out = ct.allreduce_hook(state, _FakeBucket(index, grads)).wait()
+            assert out.is_cuda and out.device == dev, out.device
+            expect_equal(out.cpu(), reference(inputs, "avg"), "float32", "torch",
+                         f"hook step {step} bucket {index}")
+    return steps

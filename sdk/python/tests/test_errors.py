@@ -83,16 +83,12 @@ def test_local_argument_errors(solo):
         solo.broadcast(a, root=1)
     with pytest.raises(ciuic.InvalidArgumentError, match="buffer protocol"):
         solo._impl.allreduce([1.0, 2.0])
-    # A tensor that is not on the CPU (a CUDA tensor where torch has CUDA;
-    # "meta" stands in for it on CPU-only torch): a clear error, nothing sent.
-    if torch.cuda.is_available():
-        off_cpu = torch.zeros(3, device="cuda")
-    else:
-        off_cpu = torch.zeros(3, device="meta")
+    # A tensor on neither the CPU nor a CUDA device: a clear error, nothing sent.
+    off_cpu = torch.zeros(3, device="meta")
     with pytest.raises(ciuic.InvalidArgumentError,
-                       match=f"tensor on {off_cpu.device}; ciuic takes CPU tensors only"):
+                       match="tensor on meta; ciuic takes CPU and CUDA tensors"):
         solo.allreduce(off_cpu)
-    with pytest.raises(ciuic.InvalidArgumentError, match="CPU tensors only"):
+    with pytest.raises(ciuic.InvalidArgumentError, match="CPU and CUDA tensors"):
         solo.broadcast(off_cpu, root=0)
     ro = np.zeros(3, np.float32)
     ro.flags.writeable = False
@@ -193,3 +189,21 @@ def test_operation_timeout_raises_deadline_exceeded(daemon):
             comm.allreduce(np.ones(3, np.float32), name="late", timeout=0.3)  # rank 1 never comes
         assert info.value.code == ciuic.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - t0 < 5
+
+
+def test_device_buffers_without_cuda(solo):
+    """The device path from Python (what a torch CUDA tensor takes) on a
+    machine or build without CUDA: FAILED_PRECONDITION saying which, and the
+    communicator goes on."""
+    if torch.cuda.is_available():
+        pytest.skip("torch has CUDA here: tests/test_cuda.py covers the device path")
+    sdk_cuda, why = ciuic._ciuic.sdk_supports_device_buffers()
+    h = solo._impl.device_op("allreduce", 0x10000, 0x10000, device=0, count=4, dtype="float32",
+                             name="dev")
+    words = "no CUDA device" if sdk_cuda else "built without CUDA"
+    with pytest.raises(ciuic.FailedPreconditionError, match=f"operation 'dev': .*{words}"):
+        h.wait()
+    assert sdk_cuda or "built without CUDA" in why
+    b = np.arange(5, dtype=np.int32)
+    solo.allreduce(b)
+    np.testing.assert_array_equal(b, np.arange(5, dtype=np.int32))

@@ -1,0 +1,594 @@
+// DeviceRunner with CUDA: see device_runner.h.
+#include "cuda/device_runner.h"
+
+#include <cuda.h>  // driver types only; cuMemGetAddressRange comes through the runtime
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/kernels.h"
+#include "cuda/launch.h"
+
+namespace ciuic::daemon {
+namespace {
+
+using IpcBytes = std::array<uint8_t, wire::kCudaIpcHandleBytes>;
+
+IpcBytes BytesOf(const uint8_t* p) {
+  IpcBytes b;
+  std::memcpy(b.data(), p, b.size());
+  return b;
+}
+
+absl::Status Cuda(cudaError_t e, absl::string_view what) {
+  if (e != cudaSuccess) cudaGetLastError();  // do not let it surface in the next call
+  return gpu::CudaStatus(static_cast<int>(e), what);
+}
+
+// Session handles the runner keeps open at most; past that the session's
+// handles are closed (after its queued work) and opened again when used.
+constexpr size_t kMaxOpenPerSession = 1024;
+
+// A blocking FIFO; Pop returns false once Stop() was called and it is empty.
+template <typename T>
+class Queue {
+ public:
+  void Push(T v) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      items_.push_back(std::move(v));
+    }
+    cv_.notify_one();
+  }
+  bool Pop(T* out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !items_.empty() || stopped_; });
+    if (items_.empty()) return false;
+    *out = std::move(items_.front());
+    items_.pop_front();
+    return true;
+  }
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<T> items_;
+  bool stopped_ = false;
+};
+
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// Pinned host buffers for staging, allocated once and reused: a released
+// buffer goes back here (from any thread) and serves a later request of at
+// most its size and at least half of it. Freed when the pool goes (after the
+// runner, as the buffers handed out keep it alive).
+class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
+ public:
+  ~PinnedPool() {
+    for (auto& [bytes, p] : free_) cudaFreeHost(p);
+  }
+
+  // A buffer of at least `bytes` (> 0) bytes at *data, held by the result.
+  absl::StatusOr<std::shared_ptr<void>> Take(uint64_t bytes, uint8_t** data) {
+    constexpr uint64_t kGranule = 2 << 20;
+    uint8_t* p = nullptr;
+    uint64_t size = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= std::max<uint64_t>(2 * bytes, kGranule)) {
+        size = it->first;
+        p = it->second;
+        free_.erase(it);
+      }
+    }
+    if (p == nullptr) {
+      size = (bytes + kGranule - 1) / kGranule * kGranule;
+      void* v = nullptr;
+      cudaError_t e = cudaHostAlloc(&v, size, cudaHostAllocPortable);
+      if (e != cudaSuccess) {
+        return Cuda(e, absl::StrCat("cudaHostAlloc of ", size, " bytes (staging)"));
+      }
+      p = static_cast<uint8_t*>(v);
+    }
+    *data = p;
+    std::shared_ptr<PinnedPool> self = shared_from_this();
+    return std::shared_ptr<void>(p, [self, size](void* q) {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->free_.emplace(size, static_cast<uint8_t*>(q));
+    });
+  }
+
+ private:
+  std::mutex mu_;
+  std::multimap<uint64_t, uint8_t*> free_;  // by size
+};
+
+class CudaDeviceRunner final : public DeviceRunner {
+ public:
+  explicit CudaDeviceRunner(MemGetAddressRangeFn mem_get_address_range)
+      : mem_get_address_range_(mem_get_address_range) {
+    submit_thread_ = std::thread([this] { SubmitLoop(); });
+    completion_thread_ = std::thread([this] { CompletionLoop(); });
+  }
+
+  ~CudaDeviceRunner() override {
+    tasks_.Stop();
+    submit_thread_.join();  // runs what was queued
+    completions_.Stop();
+    completion_thread_.join();  // every `done` called
+    // Both threads are gone: their state is this thread's now.
+    std::vector<uint64_t> ids;
+    for (auto& [id, s] : sessions_) ids.push_back(id);
+    for (uint64_t id : ids) CloseSessionOnSubmit(id);
+    for (auto& [device, stream] : streams_) {
+      cudaSetDevice(device);
+      cudaStreamDestroy(stream);
+    }
+  }
+
+  void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+           std::function<void(absl::Status)> done) override {
+    tasks_.Push([this, sig, ranks = std::move(ranks), done = std::move(done)]() mutable {
+      RunOnSubmit(sig, ranks, std::move(done));
+    });
+  }
+
+  void StageIn(std::vector<DeviceRankBuffers> ranks,
+               std::function<void(absl::StatusOr<std::shared_ptr<HostStaging>>)> done) override {
+    tasks_.Push([this, ranks = std::move(ranks), done = std::move(done)]() mutable {
+      auto staging = std::make_shared<HostStaging>();
+      Completion c;
+      c.done = [done = std::move(done), staging](absl::Status s) {
+        if (s.ok()) {
+          done(staging);
+        } else {
+          done(s);
+        }
+      };
+      cudaStream_t stream = nullptr;
+      absl::Status s = EnqueueStageIn(ranks, staging.get(), &c.event, &c.device, &stream);
+      Hand(std::move(c), s, stream);
+    });
+  }
+
+  void StageOut(std::vector<DeviceRankBuffers> ranks, std::shared_ptr<HostStaging> staging,
+                std::function<void(absl::Status)> done) override {
+    tasks_.Push([this, ranks = std::move(ranks), staging = std::move(staging),
+                 done = std::move(done)]() mutable {
+      Completion c;
+      // The staging stays alive until the copies out of it are complete.
+      c.done = [done = std::move(done), staging](absl::Status s) { done(s); };
+      cudaStream_t stream = nullptr;
+      absl::Status s = EnqueueStageOut(ranks, *staging, &c.event, &c.device, &stream);
+      Hand(std::move(c), s, stream);
+    });
+  }
+
+  void CloseSession(uint64_t session_id) override {
+    tasks_.Push([this, session_id] { CloseSessionOnSubmit(session_id); });
+  }
+
+ private:
+  struct OpenedMemory {
+    uint8_t* base = nullptr;
+    uint64_t bytes = 0;  // the allocation's real size
+  };
+  struct SessionHandles {
+    std::map<IpcBytes, OpenedMemory> memory;
+    std::map<IpcBytes, cudaEvent_t> events;
+  };
+  // An operation handed to the completion thread: `event` (recorded after
+  // its work on `device`) or, if null, a final `status`.
+  struct Completion {
+    cudaEvent_t event = nullptr;
+    int device = 0;
+    absl::Status status;
+    std::function<void(absl::Status)> done;
+  };
+
+  void SubmitLoop() {
+    std::function<void()> task;
+    while (tasks_.Pop(&task)) task();
+  }
+
+  void CompletionLoop() {
+    Completion c;
+    while (completions_.Pop(&c)) {
+      absl::Status s = c.status;
+      if (c.event != nullptr) {
+        cudaSetDevice(c.device);
+        s = WaitFor(c.event);
+        cudaEventDestroy(c.event);
+      }
+      c.done(s);
+      c = Completion();
+    }
+  }
+
+  // Polls: small operations finish within microseconds, so spin (yielding)
+  // for a short while, then sleep in short steps.
+  static absl::Status WaitFor(cudaEvent_t event) {
+    const auto start = std::chrono::steady_clock::now();
+    while (true) {
+      const cudaError_t e = cudaEventQuery(event);
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) return Cuda(e, "the operation's device work");
+      if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  void RunOnSubmit(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
+                   std::function<void(absl::Status)> done) {
+    Completion c;
+    c.done = std::move(done);
+    cudaStream_t stream = nullptr;
+    absl::Status s = Enqueue(sig, ranks, &c.event, &c.device, &stream);
+    Hand(std::move(c), s, stream);
+  }
+
+  // Hands an operation whose work was enqueued on `stream` (with status `s`)
+  // to the completion thread.
+  void Hand(Completion c, const absl::Status& s, cudaStream_t stream) {
+    if (!s.ok()) {
+      // Whatever was enqueued must be over before the ranks hear of the
+      // failure (they may reuse their buffers then).
+      if (stream != nullptr) cudaStreamSynchronize(stream);
+      if (c.event != nullptr) cudaEventDestroy(c.event);
+      c.event = nullptr;
+      c.status = s;
+    }
+    completions_.Push(std::move(c));
+  }
+
+  absl::Status Enqueue(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
+                       cudaEvent_t* event, int* device_out, cudaStream_t* stream_out) {
+    const int world = static_cast<int>(ranks.size());
+    if (sig.count == 0) return absl::OkStatus();  // nothing to read or write
+    auto stream = Begin(ranks, device_out);
+    if (!stream.ok()) return stream.status();
+    *stream_out = *stream;
+    const int device = *device_out;
+
+    std::vector<uint8_t*> send(world, nullptr);
+    std::vector<uint8_t*> recv(world, nullptr);
+    for (int r = 0; r < world; ++r) {
+      const DeviceRankBuffers& b = ranks[r];
+      if (b.recv_bytes == 0) {
+        return absl::InternalError(absl::StrCat("rank ", r, " has no receive buffer"));
+      }
+      if (b.send_bytes > 0) {
+        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send");
+        if (!p.ok()) return p.status();
+        send[r] = *p;
+      }
+      auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv");
+      if (!p.ok()) return p.status();
+      recv[r] = *p;
+      absl::Status waited = WaitForRank(b, r, *stream);
+      if (!waited.ok()) return waited;
+    }
+
+    const auto dtype = static_cast<wire::DataType>(sig.dtype);
+    const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
+    const uint64_t block = sig.count * sig.element_bytes();
+    auto copy = [&](uint8_t* dst, const uint8_t* src) -> absl::Status {
+      if (dst == src) return absl::OkStatus();  // in place
+      return Cuda(cudaMemcpyAsync(dst, src, block, cudaMemcpyDeviceToDevice, *stream),
+                  "cudaMemcpyAsync device to device");
+    };
+    std::vector<const void*> inputs(world);
+    switch (static_cast<wire::Collective>(sig.collective)) {
+      case wire::Collective::kAllreduce: {
+        // One pass: every input read once, every output written once.
+        for (int r = 0; r < world; ++r) inputs[r] = send[r];
+        std::vector<void*> outputs(recv.begin(), recv.end());
+        absl::Status s = gpu::DeviceReduceToAll(dtype, op, inputs.data(), world, outputs.data(),
+                                                world, sig.count, *stream);
+        if (!s.ok()) return s;
+        break;
+      }
+      case wire::Collective::kReduceScatter:
+        // Block `owner` of every send buffer reduces into owner's output.
+        for (int owner = 0; owner < world; ++owner) {
+          for (int r = 0; r < world; ++r) inputs[r] = send[r] + owner * block;
+          absl::Status s = gpu::DeviceReduce(dtype, op, inputs.data(), world, recv[owner],
+                                             sig.count, *stream);
+          if (!s.ok()) return s;
+        }
+        break;
+      case wire::Collective::kAllgather:
+        for (int owner = 0; owner < world; ++owner) {
+          for (int r = 0; r < world; ++r) {
+            absl::Status s = copy(recv[r] + owner * block, send[owner]);
+            if (!s.ok()) return s;
+          }
+        }
+        break;
+      case wire::Collective::kBroadcast: {
+        const uint8_t* src = send[sig.root];
+        if (src == nullptr) return absl::InternalError("the broadcast root has no send buffer");
+        for (int r = 0; r < world; ++r) {
+          absl::Status s = copy(recv[r], src);
+          if (!s.ok()) return s;
+        }
+        break;
+      }
+      case wire::Collective::kBarrier:
+        return absl::InternalError("a barrier has no device buffers");
+    }
+    return Finish(*stream, event);
+  }
+
+  // Makes `stream` wait for rank `r`'s event(s): the trainer's stream, up to
+  // its submission, goes first.
+  absl::Status WaitForRank(const DeviceRankBuffers& b, int r, cudaStream_t stream) {
+    for (const wire::DeviceBufferDescriptor* d : {&b.send, &b.recv}) {
+      const uint64_t bytes = d == &b.send ? b.send_bytes : b.recv_bytes;
+      if (bytes == 0 || (d->flags & wire::kDeviceDescriptorEventValid) == 0) continue;
+      if (d == &b.recv && b.send_bytes > 0 &&
+          (b.send.flags & wire::kDeviceDescriptorEventValid) != 0 &&
+          std::memcmp(b.send.event_handle, b.recv.event_handle, wire::kCudaIpcHandleBytes) == 0) {
+        continue;  // the same event as the send buffer's
+      }
+      auto ev = OpenEvent(b.session_id, d->event_handle, r);
+      if (!ev.ok()) return ev.status();
+      const cudaError_t e = cudaStreamWaitEvent(stream, *ev, 0);
+      if (e != cudaSuccess) return Cuda(e, absl::StrCat("waiting for rank ", r, "'s stream"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The runner's stream on rank 0's device, made current; the event to
+  // record at the end is created by Finish.
+  absl::StatusOr<cudaStream_t> Begin(const std::vector<DeviceRankBuffers>& ranks,
+                                     int* device_out) {
+    if (ranks.empty() || static_cast<int>(ranks.size()) > gpu::kMaxReduceInputs) {
+      return absl::InvalidArgumentError(absl::StrCat("device buffers: ", ranks.size(),
+                                                     " ranks on one node (1 to ",
+                                                     gpu::kMaxReduceInputs, ")"));
+    }
+    for (const DeviceRankBuffers& r : ranks) {
+      auto it = sessions_.find(r.session_id);
+      if (it != sessions_.end() && it->second.memory.size() >= kMaxOpenPerSession) {
+        CloseSessionOnSubmit(r.session_id);
+      }
+    }
+    const int device = ranks[0].recv.device;
+    *device_out = device;
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return Cuda(e, absl::StrCat("cudaSetDevice(", device, ")"));
+    return StreamFor(device);
+  }
+
+  // Records the event that tells the completion thread the work is done.
+  static absl::Status Finish(cudaStream_t stream, cudaEvent_t* event) {
+    cudaError_t e = cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      *event = nullptr;
+      return Cuda(e, "cudaEventCreateWithFlags");
+    }
+    return Cuda(cudaEventRecord(*event, stream), "cudaEventRecord");
+  }
+
+  absl::Status EnqueueStageIn(const std::vector<DeviceRankBuffers>& ranks, HostStaging* staging,
+                              cudaEvent_t* event, int* device_out, cudaStream_t* stream_out) {
+    const int world = static_cast<int>(ranks.size());
+    staging->send.assign(world, nullptr);
+    staging->recv.assign(world, nullptr);
+    if (std::all_of(ranks.begin(), ranks.end(),
+                    [](const DeviceRankBuffers& b) { return b.recv_bytes == 0; })) {
+      return absl::OkStatus();  // count 0: nothing to copy
+    }
+    auto stream = Begin(ranks, device_out);
+    if (!stream.ok()) return stream.status();
+    *stream_out = *stream;
+    auto take = [&](uint64_t bytes, uint8_t** out) -> absl::Status {
+      auto memory = pool_->Take(bytes, out);
+      if (!memory.ok()) return memory.status();
+      staging->memory.push_back(std::move(*memory));
+      return absl::OkStatus();
+    };
+    for (int r = 0; r < world; ++r) {
+      const DeviceRankBuffers& b = ranks[r];
+      if (b.recv_bytes == 0) continue;
+      absl::Status s = take(b.recv_bytes, &staging->recv[r]);
+      if (!s.ok()) return s;
+      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, *device_out, r, "recv");
+      if (!recv.ok()) return recv.status();
+      s = WaitForRank(b, r, *stream);
+      if (!s.ok()) return s;
+      if (b.send_bytes == 0) continue;
+      s = take(b.send_bytes, &staging->send[r]);
+      if (!s.ok()) return s;
+      auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, *device_out, r, "send");
+      if (!send.ok()) return send.status();
+      s = Cuda(cudaMemcpyAsync(staging->send[r], *send, b.send_bytes, cudaMemcpyDeviceToHost,
+                               *stream),
+               "cudaMemcpyAsync device to host (staging)");
+      if (!s.ok()) return s;
+    }
+    return Finish(*stream, event);
+  }
+
+  absl::Status EnqueueStageOut(const std::vector<DeviceRankBuffers>& ranks,
+                               const HostStaging& staging, cudaEvent_t* event, int* device_out,
+                               cudaStream_t* stream_out) {
+    const int world = static_cast<int>(ranks.size());
+    if (staging.recv.size() != ranks.size()) {
+      return absl::InternalError("staging does not match the ranks");
+    }
+    if (std::all_of(ranks.begin(), ranks.end(),
+                    [](const DeviceRankBuffers& b) { return b.recv_bytes == 0; })) {
+      return absl::OkStatus();
+    }
+    auto stream = Begin(ranks, device_out);
+    if (!stream.ok()) return stream.status();
+    *stream_out = *stream;
+    for (int r = 0; r < world; ++r) {
+      const DeviceRankBuffers& b = ranks[r];
+      if (b.recv_bytes == 0) continue;
+      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, *device_out, r, "recv");
+      if (!recv.ok()) return recv.status();
+      absl::Status s = Cuda(cudaMemcpyAsync(*recv, staging.recv[r], b.recv_bytes,
+                                            cudaMemcpyHostToDevice, *stream),
+                            "cudaMemcpyAsync host to device (staging)");
+      if (!s.ok()) return s;
+    }
+    return Finish(*stream, event);
+  }
+
+  absl::StatusOr<cudaStream_t> StreamFor(int device) {
+    auto it = streams_.find(device);
+    if (it != streams_.end()) return it->second;
+    cudaStream_t s = nullptr;
+    cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return Cuda(e, "cudaStreamCreateWithFlags");
+    streams_[device] = s;
+    return s;
+  }
+
+  // Rank `rank`'s buffer of `bytes` bytes described by `d` (validated), as a
+  // pointer usable on `device`.
+  absl::StatusOr<uint8_t*> OpenBuffer(uint64_t session_id, const wire::DeviceBufferDescriptor& d,
+                                      uint64_t bytes, int device, int rank,
+                                      absl::string_view what) {
+    const std::string who = absl::StrCat("rank ", rank, "'s ", what, " buffer");
+    auto& cache = sessions_[session_id].memory;
+    const IpcBytes key = BytesOf(d.memory_handle);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      if (d.device != device) {
+        int can = 0;
+        cudaError_t e = cudaDeviceCanAccessPeer(&can, device, d.device);
+        if (e != cudaSuccess) return Cuda(e, "cudaDeviceCanAccessPeer");
+        if (!can) {
+          return absl::UnimplementedError(absl::StrCat(
+              who, " is on device ", d.device, ", which device ", device,
+              " (rank 0's) cannot reach (no peer access); ranks on such devices are not "
+              "supported yet"));
+        }
+      }
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, d.memory_handle, sizeof(h));
+      void* p = nullptr;
+      cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) return Cuda(e, absl::StrCat("opening ", who, " (cudaIpcOpenMemHandle)"));
+      OpenedMemory m;
+      m.base = static_cast<uint8_t*>(p);
+      // The real allocation: the trainer's word for its size is not trusted.
+      CUdeviceptr base = 0;
+      size_t size = 0;
+      cudaPointerAttributes a{};
+      absl::Status bad;
+      if (mem_get_address_range_(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS ||
+          base != reinterpret_cast<CUdeviceptr>(p)) {
+        bad = absl::InternalError(absl::StrCat(who, ": cannot find the opened allocation's size"));
+      } else if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError();
+        bad = absl::InternalError(absl::StrCat(who, ": cudaPointerGetAttributes failed"));
+      } else if (a.device != d.device) {
+        bad = absl::FailedPreconditionError(absl::StrCat(
+            who, ": the trainer's device ", d.device, " is this ciuicd's device ", a.device,
+            " (give the trainer and ciuicd the same CUDA_VISIBLE_DEVICES)"));
+      } else if (size != d.allocation_bytes) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            who, ": the descriptor says the allocation has ", d.allocation_bytes,
+            " bytes, it has ", size));
+      }
+      if (!bad.ok()) {
+        cudaIpcCloseMemHandle(p);
+        return bad;
+      }
+      m.bytes = size;
+      it = cache.emplace(key, m).first;
+    }
+    const OpenedMemory& m = it->second;
+    // Validation checked these against the descriptor; the allocation is
+    // the real one now, so check again against it.
+    if (d.offset > m.bytes || bytes > m.bytes - d.offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": ", bytes, " bytes at offset ", d.offset, " do not fit in its allocation of ",
+          m.bytes, " bytes"));
+    }
+    return m.base + d.offset;
+  }
+
+  absl::StatusOr<cudaEvent_t> OpenEvent(uint64_t session_id, const uint8_t* handle, int rank) {
+    auto& cache = sessions_[session_id].events;
+    const IpcBytes key = BytesOf(handle);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, handle, sizeof(h));
+    cudaEvent_t ev = nullptr;
+    cudaError_t e = cudaIpcOpenEventHandle(&ev, h);
+    if (e != cudaSuccess) {
+      return Cuda(e, absl::StrCat("opening rank ", rank, "'s event (cudaIpcOpenEventHandle)"));
+    }
+    cache.emplace(key, ev);
+    return ev;
+  }
+
+  void CloseSessionOnSubmit(uint64_t session_id) {
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    // Work queued before may still use the handles.
+    for (auto& [device, stream] : streams_) cudaStreamSynchronize(stream);
+    for (auto& [key, m] : it->second.memory) cudaIpcCloseMemHandle(m.base);
+    for (auto& [key, ev] : it->second.events) cudaEventDestroy(ev);
+    sessions_.erase(it);
+    cudaGetLastError();
+  }
+
+  const MemGetAddressRangeFn mem_get_address_range_;
+  const std::shared_ptr<PinnedPool> pool_ = std::make_shared<PinnedPool>();
+  Queue<std::function<void()>> tasks_;
+  Queue<Completion> completions_;
+  // Submit-thread state.
+  std::map<int, cudaStream_t> streams_;  // the runner's own stream per device
+  std::map<uint64_t, SessionHandles> sessions_;
+  std::thread submit_thread_;
+  std::thread completion_thread_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceRunner>> DeviceRunner::Create() {
+  int devices = 0;
+  cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e != cudaSuccess) return Cuda(e, "cudaGetDeviceCount");
+  if (devices == 0) return absl::FailedPreconditionError("no CUDA device: none found");
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError("device (CUDA) buffers: the CUDA driver has no "
+                                         "cuMemGetAddressRange");
+  }
+  return std::unique_ptr<DeviceRunner>(
+      new CudaDeviceRunner(reinterpret_cast<MemGetAddressRangeFn>(fn)));
+}
+
+}  // namespace ciuic::daemon

@@ -1,0 +1,89 @@
+// The local phase of collectives on CUDA device buffers (issue 7): every
+// rank of the operation is on this node and handed its buffers to the daemon
+// as CUDA IPC handles (wire::DeviceBufferDescriptor).
+//
+// For each operation the runner, on its submit thread: opens the ranks'
+// memory and event handles (once per session and handle, kept until
+// CloseSession), picks the device of rank 0's receive buffer and works on
+// its own stream there (other ranks' memory is reached through peer access;
+// devices without it are an error), makes that stream wait for each rank's
+// IPC event (the trainer's stream up to the submission), enqueues the work
+// (DeviceReduceToAll / DeviceReduce from kernels.h and device-to-device
+// copies; the same semantics and the same output layout as
+// collectives/local.h), and records an event. A completion thread polls those events in order and calls each
+// operation's `done`, never the caller's thread: the engine loop never waits
+// for the GPU.
+//
+// Errors: any CUDA error (opening a handle, a launch, an asynchronous fault)
+// is the status given to `done`, for every rank of the operation. An
+// asynchronous fault (a bad address in a kernel) breaks the CUDA context for
+// good: every later operation fails with it too (restart ciuicd).
+//
+// Multi-node jobs: StageIn / StageOut copy the ranks' device buffers to and
+// from pinned host memory around the host's inter-node algorithm (whole
+// buffers, not yet chunked or overlapped with the network).
+//
+// Threads: Run, StageIn, StageOut and CloseSession may be called from any one
+// thread (the engine loop); `done` runs on the runner's completion thread. The
+// destructor lets queued work finish (every `done` is called) and closes
+// every handle. Built without CUDA, Create returns FAILED_PRECONDITION.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ciuic/shm_layout.h"
+#include "collectives/op.h"
+
+namespace ciuic::daemon {
+
+// One rank's part: its session (whose handles it may reuse) and buffers.
+struct DeviceRankBuffers {
+  uint64_t session_id = 0;
+  uint64_t send_bytes = 0;  // ValidatedOp::send_bytes (0: no send buffer)
+  uint64_t recv_bytes = 0;  // ValidatedOp::recv_bytes
+  wire::DeviceBufferDescriptor send{};
+  wire::DeviceBufferDescriptor recv{};
+};
+
+// Pinned host copies of device buffers, for multi-node jobs: per rank (in
+// the order the ranks were given) a send and a recv buffer, nullptr where the
+// rank has none. Owns that memory: it goes back to the runner's pool of
+// pinned buffers when the last reference is dropped (from any thread).
+struct HostStaging {
+  std::vector<uint8_t*> send;
+  std::vector<uint8_t*> recv;
+  std::vector<std::shared_ptr<void>> memory;
+};
+
+class DeviceRunner {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceRunner>> Create();
+  virtual ~DeviceRunner() = default;
+
+  // Runs `sig` (validated: ValidateSubmission) on ranks[0..W-1], W being the
+  // job's world size (single-node job). `done` is called exactly once.
+  virtual void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+                   std::function<void(absl::Status)> done) = 0;
+
+  // Multi-node jobs (the inter-node algorithm runs on host memory): waits
+  // for each rank's event, copies every rank's send buffer into pinned host
+  // memory (pooled: allocated once, reused), and calls `done` with the
+  // staging once the copies are complete (or with the error).
+  virtual void StageIn(std::vector<DeviceRankBuffers> ranks,
+                       std::function<void(absl::StatusOr<std::shared_ptr<HostStaging>>)> done) = 0;
+  // Copies each rank's host recv buffer of `staging` into its device recv
+  // buffer; `done` once they are there.
+  virtual void StageOut(std::vector<DeviceRankBuffers> ranks, std::shared_ptr<HostStaging> staging,
+                        std::function<void(absl::Status)> done) = 0;
+
+  // The session has ended: once the work queued before this call is done,
+  // its handles are closed.
+  virtual void CloseSession(uint64_t session_id) = 0;
+};
+
+}  // namespace ciuic::daemon

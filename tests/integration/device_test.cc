@@ -1,0 +1,393 @@
+// Device (CUDA) buffers through a real ciuicd: two and three trainer
+// processes with cudaMalloc'd buffers, every collective x dtype x reduce op
+// x size class (in place too), against the independent reference; and the
+// clear error a trainer gets where there is no CUDA. The GPU tests skip
+// with a message on machines without a usable GPU (CI).
+//
+// Multi-node (two daemons on this host): the pinned host staging around the
+// inter-node algorithm.
+//
+// The test process never initialises CUDA itself (its forked ranks could
+// not use it then): a forked child asks whether there is a device.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ciuic/ciuic.h"
+#include "harness.h"
+#include "reference.h"
+
+#if CIUIC_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ciuic::testing {
+namespace {
+
+// Empty if a forked child sees a CUDA device, else why not.
+std::string WhyNoGpu() {
+#if CIUIC_HAVE_CUDA
+  auto codes = RunRanks(1, [](int) {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? 0 : 1;
+  });
+  return codes[0] == 0 ? "" : "no CUDA device (cudaGetDeviceCount found none usable)";
+#else
+  return "this build has no CUDA (CIUIC_CUDA=OFF or no toolkit)";
+#endif
+}
+
+std::unique_ptr<Communicator> Join(const std::string& socket, const std::string& job, int rank,
+                                   int world) {
+  JobOptions o;
+  o.socket_path = socket;
+  o.job_id = job;
+  o.rank = rank;
+  o.world_size = world;
+  o.arena_bytes = 16 << 20;
+  std::unique_ptr<Communicator> c;
+  Status s = Communicator::Create(o, &c);
+  if (!s.ok()) fprintf(stderr, "rank %d: Create: %s\n", rank, s.ToString().c_str());
+  return c;
+}
+
+// Without CUDA (in the SDK or on the machine) a device buffer gets a clear
+// FAILED_PRECONDITION, and the session goes on working.
+TEST(DeviceBuffersTest, ClearErrorWithoutCuda) {
+  const std::string no_gpu = WhyNoGpu();
+  if (no_gpu.empty()) GTEST_SKIP() << "a CUDA device is present: the GPU tests cover this path";
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("nocuda");
+  auto codes = RunRanks(1, [&](int rank) {
+    auto comm = Join(daemon->socket(), job, rank, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    float x[4] = {1, 2, 3, 4};
+    OpOptions o;
+    o.name = "dev";
+    Status s = comm->Allreduce(DeviceBuffer{x, 0}, DeviceBuffer{x, 0}, 4, DataType::kFloat32,
+                               ReduceOp::kSum, o).Wait();
+    std::string why;
+    const bool sdk_cuda = SdkSupportsDeviceBuffers(&why);
+    const char* words = sdk_cuda ? "no CUDA device" : "built without CUDA";
+    CHILD_CHECK(s.code() == StatusCode::kFailedPrecondition &&
+                    s.message().find(words) != std::string::npos &&
+                    s.message().find("operation 'dev'") != std::string::npos,
+                "got %s", s.ToString().c_str());
+    CHILD_CHECK(sdk_cuda || why.find("built without CUDA") != std::string::npos, "%s",
+                why.c_str());
+    // The communicator still works on host memory.
+    s = comm->Allreduce(x, x, 4, DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok() && x[3] == 4, "host allreduce after: %s", s.ToString().c_str());
+    return 0;
+  });
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+#if CIUIC_HAVE_CUDA
+
+const char* Name(Coll c) {
+  switch (c) {
+    case Coll::kAllreduce: return "allreduce";
+    case Coll::kReduceScatter: return "reduce_scatter";
+    case Coll::kAllgather: return "allgather";
+    case Coll::kBroadcast: return "broadcast";
+  }
+  return "?";
+}
+
+#define CUDA_CHECK(call)                                                                  \
+  do {                                                                                    \
+    cudaError_t e_ = (call);                                                              \
+    CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));              \
+  } while (0)
+
+// One rank, one operation on device buffers. The input is copied to the
+// device on `stream` without synchronising: the daemon must wait for it
+// through the submission's event.
+int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, Coll coll, DataType t,
+                 ReduceOp op, size_t count, bool in_place, const std::string& name) {
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  const size_t es = DataTypeSize(t);
+  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
+  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
+  std::vector<uint8_t> host(send_count * es + 1);
+  FillInput(t, op, rank, host.data(), send_count);
+  uint8_t* send = nullptr;
+  uint8_t* recv = nullptr;
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), std::max<size_t>(1, send_count * es)));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), std::max<size_t>(1, recv_count * es)));
+  CUDA_CHECK(cudaMemsetAsync(recv, 0x5a, recv_count * es, stream));
+  uint8_t* send_arg = send;
+  uint8_t* recv_arg = recv;
+  if (in_place) {
+    if (coll == Coll::kAllreduce || coll == Coll::kBroadcast) {
+      recv_arg = send;
+    } else if (coll == Coll::kReduceScatter) {
+      recv_arg = send + rank * count * es;
+    } else {
+      send_arg = recv + rank * count * es;
+    }
+  }
+  CUDA_CHECK(cudaMemcpyAsync(send_arg, host.data(), send_count * es, cudaMemcpyHostToDevice,
+                             stream));
+  OpOptions opts;
+  opts.name = name;
+  opts.stream = stream;
+  const int root = world - 1;
+  const DeviceBuffer s{send_arg, device};
+  const DeviceBuffer r{recv_arg, device};
+  Handle h;
+  switch (coll) {
+    case Coll::kAllreduce: h = comm.Allreduce(s, r, count, t, op, opts); break;
+    case Coll::kReduceScatter: h = comm.ReduceScatter(s, r, count, t, op, opts); break;
+    case Coll::kAllgather: h = comm.Allgather(s, r, count, t, opts); break;
+    case Coll::kBroadcast: h = comm.Broadcast(s, r, count, t, root, opts); break;
+  }
+  Status st = h.Wait();
+  CHILD_CHECK(st.ok(), "%s: %s", name.c_str(), st.ToString().c_str());
+  std::vector<uint8_t> got(recv_count * es + 1);
+  const uint8_t* out = in_place && coll == Coll::kAllgather ? recv : recv_arg;
+  CUDA_CHECK(cudaMemcpy(got.data(), out, recv_count * es, cudaMemcpyDeviceToHost));
+  const std::vector<uint8_t> want = ReferenceCollective(
+      coll, t, op, world, rank, root, count,
+      [&](int q, void* o, size_t n) { FillInput(t, op, q, o, n); });
+  for (size_t i = 0; i < recv_count; ++i) {
+    CHILD_CHECK(std::memcmp(got.data() + i * es, want.data() + i * es, es) == 0,
+                "%s rank %d: element %zu of %zu differs from the reference", name.c_str(), rank,
+                i, recv_count);
+  }
+  CUDA_CHECK(cudaFree(send));
+  CUDA_CHECK(cudaFree(recv));
+  return 0;
+}
+
+int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank, int world) {
+  int devices = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&devices));
+  const int device = rank % devices;
+  CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto comm = Join(socket, job, rank, world);
+  CHILD_CHECK(comm != nullptr, "join");
+  const size_t kCounts[] = {0, 1, 7, 1001, 262147};
+  int combo = 0;
+  for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+    const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
+    for (DataType t : kAllDataTypes) {
+      for (ReduceOp op : kAllReduceOps) {
+        if (!reduces && op != ReduceOp::kSum) continue;
+        for (size_t count : kCounts) {
+          const bool in_place = ++combo % 3 == 0;
+          const std::string name = std::string(Name(coll)) + "/" + DataTypeName(t) + "/" +
+                                   ReduceOpName(op) + "/" + std::to_string(count) +
+                                   (in_place ? "/inplace" : "");
+          if (RunOneDevice(*comm, device, stream, coll, t, op, count, in_place, name) != 0) {
+            return 1;
+          }
+        }
+      }
+    }
+  }
+  // A host operation after the device ones, and a mixed one: rank 0 on the
+  // device, the others on the host, which fails on every rank naming it.
+  float x = 1;
+  Status s = comm->Allreduce(&x, &x, 1, DataType::kFloat32, ReduceOp::kSum).Wait();
+  CHILD_CHECK(s.ok() && x == world, "host allreduce: %s", s.ToString().c_str());
+  float* d = nullptr;
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), 64));
+  OpOptions o;
+  o.name = "mixed";
+  float xs[4] = {};
+  s = rank == 0 ? comm->Allreduce(DeviceBuffer{d, device}, DeviceBuffer{d, device}, 4,
+                                  DataType::kFloat32, ReduceOp::kSum, o).Wait()
+                : comm->Allreduce(xs, xs, 4, DataType::kFloat32, ReduceOp::kSum, o).Wait();
+  CHILD_CHECK(world == 1 || (!s.ok() && s.message().find("'mixed' mismatched") !=
+                                            std::string::npos &&
+                             s.message().find("in CUDA device memory") != std::string::npos),
+              "mixed host/device: %s", s.ToString().c_str());
+  CUDA_CHECK(cudaFree(d));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  return 0;
+}
+
+class DeviceCollectivesTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
+  const std::string no_gpu = WhyNoGpu();
+  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const int world = GetParam();
+  const std::string job = UniqueJobId("device");
+  auto codes = RunRanks(world, [&](int rank) {
+    return RunDeviceMatrix(daemon->socket(), job, rank, world);
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DeviceCollectivesTest, ::testing::Values(1, 2, 3));
+
+// Multi-node: two daemons ("nodes", UCX over TCP on loopback) with two ranks
+// each, all on the GPU(s) of this machine; the device buffers go through
+// pinned host copies around the inter-node algorithm. Small integers, so that
+// any order of reduction gives the reference exactly.
+void FillSmallInt(DataType t, ReduceOp op, int rank, void* out, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t h = i * 2654435761u + static_cast<uint64_t>(rank) * 97u + 13;
+    int64_t v = op == ReduceOp::kProd ? ((h % 5 == 0) ? 2 : ((h % 7 == 0) ? -1 : 1))
+                                      : static_cast<int64_t>(h % 15) - 7;
+    if (t == DataType::kUInt8 && v < 0) v = -v;
+    switch (t) {
+      case DataType::kFloat32: static_cast<float*>(out)[i] = static_cast<float>(v); break;
+      case DataType::kFloat64: static_cast<double*>(out)[i] = static_cast<double>(v); break;
+      case DataType::kFloat16: static_cast<uint16_t*>(out)[i] = FloatToHalf(static_cast<float>(v)); break;
+      case DataType::kBFloat16: static_cast<uint16_t*>(out)[i] = FloatToBFloat(static_cast<float>(v)); break;
+      case DataType::kInt8: static_cast<int8_t*>(out)[i] = static_cast<int8_t>(v); break;
+      case DataType::kUInt8: static_cast<uint8_t*>(out)[i] = static_cast<uint8_t>(v); break;
+      case DataType::kInt32: static_cast<int32_t*>(out)[i] = static_cast<int32_t>(v); break;
+      case DataType::kInt64: static_cast<int64_t*>(out)[i] = v; break;
+    }
+  }
+}
+
+int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, Coll coll,
+                          DataType t, ReduceOp op, size_t count, const std::string& name) {
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  const size_t es = DataTypeSize(t);
+  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
+  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
+  std::vector<uint8_t> host(send_count * es + 1);
+  FillSmallInt(t, op, rank, host.data(), send_count);
+  uint8_t* send = nullptr;
+  uint8_t* recv = nullptr;
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), std::max<size_t>(1, send_count * es)));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), std::max<size_t>(1, recv_count * es)));
+  CUDA_CHECK(cudaMemsetAsync(recv, 0x5a, recv_count * es, stream));
+  CUDA_CHECK(cudaMemcpyAsync(send, host.data(), send_count * es, cudaMemcpyHostToDevice, stream));
+  OpOptions opts;
+  opts.name = name;
+  opts.stream = stream;
+  const int root = world - 1;
+  const DeviceBuffer s{send, device};
+  const DeviceBuffer r{recv, device};
+  Handle h;
+  switch (coll) {
+    case Coll::kAllreduce: h = comm.Allreduce(s, r, count, t, op, opts); break;
+    case Coll::kReduceScatter: h = comm.ReduceScatter(s, r, count, t, op, opts); break;
+    case Coll::kAllgather: h = comm.Allgather(s, r, count, t, opts); break;
+    case Coll::kBroadcast: h = comm.Broadcast(s, r, count, t, root, opts); break;
+  }
+  Status st = h.Wait();
+  CHILD_CHECK(st.ok(), "%s: %s", name.c_str(), st.ToString().c_str());
+  std::vector<uint8_t> got(recv_count * es + 1);
+  CUDA_CHECK(cudaMemcpy(got.data(), recv, recv_count * es, cudaMemcpyDeviceToHost));
+  const std::vector<uint8_t> want = ReferenceCollective(
+      coll, t, op, world, rank, root, count,
+      [&](int q, void* o, size_t n) { FillSmallInt(t, op, q, o, n); });
+  for (size_t i = 0; i < recv_count; ++i) {
+    CHILD_CHECK(std::memcmp(got.data() + i * es, want.data() + i * es, es) == 0,
+                "%s rank %d: element %zu of %zu differs from the reference", name.c_str(), rank,
+                i, recv_count);
+  }
+  CUDA_CHECK(cudaFree(send));
+  CUDA_CHECK(cudaFree(recv));
+  return 0;
+}
+
+int FreeLoopbackPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
+  const std::string no_gpu = WhyNoGpu();
+  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  constexpr int kNodes = 2;
+  constexpr int kPerNode = 2;
+  std::vector<std::unique_ptr<DaemonProcess>> nodes;
+  std::vector<std::string> peers;
+  for (int i = 0; i < kNodes; ++i) {
+    peers.push_back("127.0.0.1:" + std::to_string(FreeLoopbackPort()));
+    nodes.push_back(DaemonProcess::StartWith(
+        "", {"--listen", peers.back(), "--node-name", "node" + std::to_string(i)}, {},
+        {"UCX_TLS=tcp", "UCX_WARN_UNUSED_ENV_VARS=n"}));
+    ASSERT_NE(nodes.back(), nullptr);
+  }
+  const std::string job = UniqueJobId("devmn");
+  auto codes = RunRanks(kNodes * kPerNode, [&](int rank) {
+    int devices = 0;
+    CUDA_CHECK(cudaGetDeviceCount(&devices));
+    const int device = (rank % kPerNode) % devices;
+    CUDA_CHECK(cudaSetDevice(device));
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    JobOptions o;
+    o.socket_path = nodes[rank / kPerNode]->socket();
+    o.job_id = job;
+    o.rank = rank;
+    o.world_size = kNodes * kPerNode;
+    o.local_rank = rank % kPerNode;
+    o.local_size = kPerNode;
+    o.coordinator = peers[0];
+    o.arena_bytes = 16 << 20;
+    std::unique_ptr<Communicator> comm;
+    Status s = Communicator::Create(o, &comm);
+    CHILD_CHECK(s.ok(), "join: %s", s.ToString().c_str());
+    for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+      const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
+      for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt32}) {
+        for (ReduceOp op : kAllReduceOps) {
+          if (!reduces && op != ReduceOp::kSum) continue;
+          for (size_t count : {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}}) {
+            const std::string name = std::string(Name(coll)) + "/" + DataTypeName(t) + "/" +
+                                     ReduceOpName(op) + "/" + std::to_string(count);
+            if (RunOneDeviceMultiNode(*comm, device, stream, coll, t, op, count, name) != 0) {
+              return 1;
+            }
+          }
+        }
+      }
+    }
+    return 0;
+  });
+  for (int r = 0; r < kNodes * kPerNode; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  for (auto& d : nodes) {
+    if (HasFailure()) fprintf(stderr, "%s\n", d->Log().c_str());
+    EXPECT_EQ(d->Stop(), 0);
+  }
+}
+
+#else
+
+TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
+  GTEST_SKIP() << WhyNoGpu();
+}
+
+TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) { GTEST_SKIP() << WhyNoGpu(); }
+
+#endif
+
+}  // namespace
+}  // namespace ciuic::testing
