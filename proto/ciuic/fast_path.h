@@ -49,9 +49,11 @@
 // route: kFast (it runs here) or kDaemon (it went to the daemon). A rank
 // arriving at a key:
 //  1. no key yet: it claims it with its own signature and route. A large
-//     operation (kDaemon) joins, leaves at once and goes to the daemon.
+//     operation, or one in CUDA device memory (kDaemon), joins, leaves at
+//     once and goes to the daemon.
 //  2. kFast key, own operation fits, signatures equal: it runs here.
-//  3. kFast key, anything else (signatures differ, or ours is large): the
+//  3. kFast key, anything else (signatures differ, or ours goes to the
+//     daemon: large, or in device memory, which is part of the signature): the
 //     key fails with the daemon's mismatch wording, naming the operation and
 //     both signatures; every waiter wakes with it, our operation fails with
 //     it locally (a large one is then never sent to the daemon), and so does
@@ -164,6 +166,7 @@ struct alignas(64) FastSlot {
   float codec_ratio;
   int32_t first_rank;
   uint32_t route;                  // FastRoute of the first rank (lock)
+  uint32_t device;                 // 1: CUDA device buffers (always kDaemon)
   uint32_t joined;                 // ranks that joined (lock)
   uint64_t first_submit_ns;        // CLOCK_MONOTONIC (lock)
   char name[kMaxOpName];           // (lock)
@@ -239,7 +242,7 @@ struct FastPathHello {
 // and the SDK word mismatches the same way.
 inline std::string SignatureString(uint32_t collective, uint32_t dtype, uint32_t reduce_op,
                                    int32_t root, uint64_t count, uint32_t codec,
-                                   float codec_ratio) {
+                                   float codec_ratio, bool device = false) {
   const char* c = CollectiveName(collective);
   std::string out = c ? c : "collective#" + std::to_string(collective);
   if (static_cast<Collective>(collective) == Collective::kBarrier) return out;
@@ -265,6 +268,7 @@ inline std::string SignatureString(uint32_t collective, uint32_t dtype, uint32_t
       out += buf;
     }
   }
+  if (device) out += " in CUDA device memory";  // as collectives/op.cc
   return out;
 }
 

@@ -330,6 +330,25 @@ class Communicator::Impl {
   // that whatever the daemon would refuse still goes to the daemon and gets
   // the daemon's error. Every rank of a job decides alike for the same
   // (valid, matching) operation: the limit is the job's.
+  // The operation's signature as the fast path compares it (fields a
+  // collective does not use are 0, as the daemon ignores them).
+  static FastPath::Signature FastSignature(const wire::SubmissionEntry& e, bool device) {
+    const auto collective = static_cast<wire::Collective>(e.collective);
+    FastPath::Signature sig;
+    sig.collective = e.collective;
+    sig.dtype = collective == wire::Collective::kBarrier ? 0 : e.dtype;
+    sig.reduce_op = collective == wire::Collective::kAllreduce ||
+                            collective == wire::Collective::kReduceScatter
+                        ? e.reduce_op
+                        : 0;
+    sig.root = collective == wire::Collective::kBroadcast ? e.root : 0;
+    sig.count = e.count;
+    sig.codec = e.codec;
+    sig.codec_ratio = e.codec_ratio;
+    sig.device = device ? 1 : 0;
+    return sig;
+  }
+
   // Whether the operation's payload per rank fits the fast path; depends on
   // the signature alone, so ranks that agree on it take the same path.
   bool FastFits(const wire::SubmissionEntry& e) const {
@@ -649,23 +668,9 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   // large ones too, and learns its route (proto/ciuic/fast_path.h).
   bool daemon_bound_key = false;
   if (c.fast && FastValid(e, send, recv)) {
-    FastPath::Signature sig;
-    sig.collective = e.collective;
-    sig.dtype = e.dtype;
-    sig.reduce_op = e.reduce_op;
-    sig.root = e.root;
-    sig.count = e.count;
-    sig.codec = e.codec;
-    sig.codec_ratio = e.codec_ratio;
-    if (collective == wire::Collective::kBarrier) sig.dtype = 0;
-    if (collective != wire::Collective::kAllreduce &&
-        collective != wire::Collective::kReduceScatter) {
-      sig.reduce_op = 0;
-    }
-    if (collective != wire::Collective::kBroadcast) sig.root = 0;
-    const bool fits = FastFits(e);
-    Status started = c.fast->Start(name, sig, send.ptr, send.bytes, user_recv, e.timeout_ms,
-                                   &st->fast, fits, &daemon_bound_key);
+    Status started = c.fast->Start(name, FastSignature(e, false), send.ptr, send.bytes,
+                                   user_recv, e.timeout_ms, &st->fast, FastFits(e),
+                                   &daemon_bound_key);
     if (!started.ok()) return Failed(started);
     if (!daemon_bound_key) return Handle(st);
   }
@@ -728,7 +733,11 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
     }
   }
 
-  return Publish(st, e);
+  Handle h = Publish(st, e);
+  if (daemon_bound_key) {
+    c.fast->TrackDaemon(std::shared_ptr<const std::atomic<bool>>(st, &st->done));
+  }
+  return h;
 }
 
 Handle Communicator::Impl::Publish(const std::shared_ptr<Handle::State>& st,
@@ -751,9 +760,6 @@ Handle Communicator::Impl::Publish(const std::shared_ptr<Handle::State>& st,
     e.op_id = st->op_id;
     c.inflight.emplace(st->op_id, st);
     c.inflight_count.fetch_add(1);
-  }
-  if (daemon_bound_key) {
-    c.fast->TrackDaemon(std::shared_ptr<const std::atomic<bool>>(st, &st->done));
   }
   std::memcpy(&c.sq[c.sq_tail & (c.header->sq_capacity - 1)], &e, sizeof(e));
   ++c.sq_tail;
@@ -820,7 +826,21 @@ Handle Communicator::Impl::SubmitDevice(wire::Collective collective, DataType dt
   e.flags = wire::kSubmitFlagDeviceBuffers;
   e.send_offset = off;
   e.recv_offset = off + sizeof(records[0]);
-  return Publish(st, e);
+  // Device operations always go to the daemon, but in a job with a fast
+  // path they take their key too (as a large one does), so that a rank with
+  // host buffers for the same operation learns it (proto/ciuic/fast_path.h).
+  bool daemon_bound_key = false;
+  if (c.fast && FastValid(e, Span{nullptr, 0}, Span{nullptr, 0})) {
+    Status started = c.fast->Start(name, FastSignature(e, true), nullptr, 0, nullptr,
+                                   e.timeout_ms, &st->fast, /*fits=*/false, &daemon_bound_key);
+    if (!started.ok()) return Failed(started);
+    if (!daemon_bound_key) return Handle(st);  // failed: a host rank waits on the fast path
+  }
+  Handle h = Publish(st, e);
+  if (daemon_bound_key) {
+    c.fast->TrackDaemon(std::shared_ptr<const std::atomic<bool>>(st, &st->done));
+  }
+  return h;
 }
 
 Handle Communicator::Allreduce(DeviceBuffer send, DeviceBuffer recv, size_t count,

@@ -437,6 +437,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     s.count = sig.count;
     s.codec = sig.codec;
     s.codec_ratio = sig.codec_ratio;
+    s.device = sig.device;
     s.first_rank = rank_;
     s.route = static_cast<uint32_t>(fits ? wire::FastRoute::kFast : wire::FastRoute::kDaemon);
     s.joined = 0;
@@ -459,7 +460,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   const bool matches = s.collective == sig.collective && s.dtype == sig.dtype &&
                        s.reduce_op == sig.reduce_op && s.root == sig.root &&
                        s.count == sig.count && s.codec == sig.codec &&
-                       s.codec_ratio == sig.codec_ratio;
+                       s.codec_ratio == sig.codec_ratio && s.device == sig.device;
   if (!matches || !fits) {
     // Worded as the daemon words it (engine.cc). A large operation with the
     // signature of the key's cannot happen (whether it fits depends on the
@@ -469,10 +470,10 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
         "operation '" + name + "' mismatched across ranks: rank " + std::to_string(s.first_rank) +
             " submitted " +
             wire::SignatureString(s.collective, s.dtype, s.reduce_op, s.root, s.count, s.codec,
-                                  s.codec_ratio) +
+                                  s.codec_ratio, s.device != 0) +
             ", rank " + std::to_string(rank_) + " submitted " +
             wire::SignatureString(sig.collective, sig.dtype, sig.reduce_op, sig.root, sig.count,
-                                  sig.codec, sig.codec_ratio) +
+                                  sig.codec, sig.codec_ratio, sig.device != 0) +
             (matches ? ", which does not take the fast path" : ""));
   }
   const bool failed = s.status.load(std::memory_order_acquire) ==

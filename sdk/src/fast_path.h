@@ -69,6 +69,7 @@ class FastPath {
     uint64_t count = 0;
     uint32_t codec = 0;
     float codec_ratio = 0;
+    uint32_t device = 0;  // 1: CUDA device buffers; such an operation never fits
   };
 
   // Maps the segment `fd` (as received from the daemon, `bytes` long) and

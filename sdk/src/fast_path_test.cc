@@ -559,6 +559,36 @@ TEST(FastPathRouteTest, SameSignatureOnTwoPathsFailsBoth) {
   EXPECT_EQ(seg.used_slots(), 0u);
 }
 
+// Device buffers always go to the daemon and are part of the signature, as
+// the daemon words it; host-first fails both, device-first sends both there.
+TEST(FastPathRouteTest, DeviceAndHostBuffersOfOneOperation) {
+  Segment seg(2, 256, 16);
+  auto r0 = seg.Rank(0);
+  auto r1 = seg.Rank(1);
+  std::vector<int64_t> d(4, 1);
+  FastPath::Signature dev = AllreduceInt64(4);
+  dev.device = 1;
+  std::shared_ptr<FastOp> a, b;
+  bool daemon = false;
+  ASSERT_TRUE(r0->Start("h", AllreduceInt64(4), d.data(), 32, d.data(), 0, &a, true, &daemon).ok());
+  ASSERT_TRUE(r1->Start("h", dev, nullptr, 0, nullptr, 0, &b, false, &daemon).ok());
+  EXPECT_FALSE(daemon);
+  for (auto* op : {a.get(), b.get()}) {
+    EXPECT_TRUE(op->finished.load() || r0->Poll(*op));
+    EXPECT_NE(op->status.message().find(
+                  "operation 'h' mismatched across ranks: rank 0 submitted allreduce int64 "
+                  "count=4 op=sum, rank 1 submitted allreduce int64 count=4 op=sum in CUDA "
+                  "device memory"),
+              std::string::npos)
+        << op->status.ToString();
+  }
+  ASSERT_TRUE(r1->Start("h", dev, nullptr, 0, nullptr, 0, &b, false, &daemon).ok());
+  EXPECT_TRUE(daemon);
+  ASSERT_TRUE(r0->Start("h", AllreduceInt64(4), d.data(), 32, d.data(), 0, &a, true, &daemon).ok());
+  EXPECT_TRUE(daemon);
+  EXPECT_EQ(seg.used_slots(), 0u);
+}
+
 // Without a way to the daemon, a route there is an error, not a crash.
 TEST(FastPathRouteTest, DaemonRouteNeedsACaller) {
   Segment seg(2, 256, 16);
