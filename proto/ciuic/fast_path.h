@@ -69,7 +69,9 @@
 // mismatching rank came while the key was kFast); a kFast key never turns
 // into kDaemon, so no rank waits here for one that went to the daemon.
 // A key is freed when all world_size ranks have left it, as before; a rank
-// arriving at a kDaemon key leaves at once. The in-flight limit below counts
+// arriving at a kDaemon key leaves at once (the last to join frees it, under
+// the lock; such a key uses only the fields on its first two cache lines, so
+// a large operation costs one short locked probe and few shared lines). The in-flight limit below counts
 // a rank's daemon-bound operations too, until the daemon completes them
 // (which it does only once every rank has submitted, hence arrived here), so
 // kDaemon keys cannot fill the table either.

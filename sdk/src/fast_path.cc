@@ -281,15 +281,21 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
                        uint64_t send_bytes, void* recv, uint32_t timeout_ms,
                        std::shared_ptr<FastOp>* out, bool fits, bool* to_daemon) {
   if (to_daemon != nullptr) *to_daemon = false;
-  auto op = std::make_shared<FastOp>();
-  op->collective = static_cast<wire::Collective>(sig.collective);
-  op->dtype = sig.dtype;
-  op->count = sig.count;
-  op->root = sig.root;
-  op->name = name;
-  op->recv = recv;
-  op->timeout = std::chrono::milliseconds(timeout_ms != 0 ? timeout_ms : default_timeout_ms_);
+  // A daemon-bound operation usually needs no FastOp: made when needed.
+  std::shared_ptr<FastOp> op;
+  auto make_op = [&] {
+    op = std::make_shared<FastOp>();
+    op->collective = static_cast<wire::Collective>(sig.collective);
+    op->dtype = sig.dtype;
+    op->count = sig.count;
+    op->root = sig.root;
+    op->name = name;
+    op->recv = recv;
+    op->timeout = std::chrono::milliseconds(timeout_ms != 0 ? timeout_ms : default_timeout_ms_);
+  };
+  if (fits) make_op();
   auto finish_now = [&](Status s) {
+    if (!op) make_op();
     op->status = std::move(s);
     op->finished.store(true, std::memory_order_release);
     *out = op;
@@ -297,7 +303,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   };
   Status why;
   if (Aborted(&why)) return finish_now(why);
-  counters()->cpu.store(sched_getcpu(), std::memory_order_relaxed);
+  if (fits) counters()->cpu.store(sched_getcpu(), std::memory_order_relaxed);
 
   // At most max_inflight_ of ours in flight, daemon-bound ones included, so
   // the table never fills with live keys (see fast_path.h).
@@ -400,14 +406,18 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   ns.next_seq = seq + 1;
   uint32_t slot;
   // Goes to the daemon after all (rule 4 of fast_path.h) or because it is
-  // large (rule 1): joins the key and leaves it at once.
+  // large (rule 1): joins the key and leaves it at once; the last rank to
+  // join frees it, under the lock. A kDaemon key uses only its first two
+  // lines (lock-protected fields, the name), so that a large operation pays
+  // for few cache lines shared with the other ranks.
   auto route_to_daemon = [&](uint32_t at) {
     wire::FastSlot& s = *SlotAt(at);
-    s.ranks_joined[rank_] = 1;
-    ++s.joined;
+    if (++s.joined == static_cast<uint32_t>(world_size_)) {
+      std::atomic_ref<uint32_t>(s.state).store(
+          static_cast<uint32_t>(wire::FastSlotState::kTombstone), std::memory_order_release);
+    }
     UnlockTable();
     lock.unlock();
-    Depart(at);
     *to_daemon = true;
     out->reset();
     return Status::Ok();
@@ -422,6 +432,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   }
   if (found_daemon_bound) return route_to_daemon(static_cast<uint32_t>(found));
   if (fits) ns.last = op;
+  if (!op && found >= 0) make_op();  // large, at a kFast key: fails below
   if (found >= 0) {
     slot = static_cast<uint32_t>(found);
   } else {
@@ -441,6 +452,11 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     s.first_rank = rank_;
     s.route = static_cast<uint32_t>(fits ? wire::FastRoute::kFast : wire::FastRoute::kDaemon);
     s.joined = 0;
+    if (!fits) {
+      std::atomic_ref<uint32_t>(s.state).store(static_cast<uint32_t>(wire::FastSlotState::kUsed),
+                                               std::memory_order_release);
+      return route_to_daemon(slot);
+    }
     s.first_submit_ns = MonotonicNs();
     s.arrived.store(0, std::memory_order_relaxed);
     s.departed.store(0, std::memory_order_relaxed);
@@ -451,7 +467,6 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
     s.status.store(static_cast<uint32_t>(wire::FastOpStatus::kPending), std::memory_order_release);
     std::atomic_ref<uint32_t>(s.state).store(static_cast<uint32_t>(wire::FastSlotState::kUsed),
                                              std::memory_order_release);
-    if (!fits) return route_to_daemon(slot);
   }
   op->slot = slot;
   wire::FastSlot& s = *SlotAt(slot);
