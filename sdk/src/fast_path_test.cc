@@ -1,7 +1,8 @@
 // The fast path's slot table and protocol with ranks as threads over one
 // shared mapping: random submission orders of many names, repeated names,
-// collisions forced with a tiny table, mismatch, timeout, abort, and a name
-// submitted twice.
+// collisions forced with a tiny table, mismatch, timeout, abort, a name
+// submitted twice, and the routes of operations on both sides of the limit
+// (every arrival order of 2 and 3 ranks).
 #include "fast_path.h"
 
 #include <sys/mman.h>

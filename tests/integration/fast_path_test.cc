@@ -3,7 +3,8 @@
 // op x size class (0, 1, odd, right at the limit, just above it, so both
 // paths run) with the fast path on and off, against the independent
 // reference; that small operations really bypass the daemon; out-of-order
-// names; mismatches; a trainer killed while the others wait in a fast-path
+// names; mismatches, also of operations on both sides of the limit (every
+// rank gets the error within seconds); a trainer killed while the others wait in a fast-path
 // operation; a trainer scribbling over the segment; counters in ciuicctl.
 #include <gtest/gtest.h>
 #include <signal.h>
