@@ -71,10 +71,12 @@
 // A key is freed when all world_size ranks have left it, as before; a rank
 // arriving at a kDaemon key leaves at once (the last to join frees it, under
 // the lock; such a key uses only the fields on its first two cache lines, so
-// a large operation costs one short locked probe and few shared lines). The in-flight limit below counts
-// a rank's daemon-bound operations too, until the daemon completes them
-// (which it does only once every rank has submitted, hence arrived here), so
-// kDaemon keys cannot fill the table either.
+// a large operation costs one short locked probe and few shared lines). The
+// in-flight limit (above) counts a rank's daemon-bound operations too, until
+// the daemon completes them (a success comes only once every rank has
+// submitted, hence arrived here and left), so kDaemon keys cannot fill the
+// table either; a failed one may keep its key until the late ranks come,
+// as a failed fast-path key does.
 //
 // Faults. A rank whose wait passes its operation's deadline fails the slot
 // (timeout) for every rank. When a session of the job closes (trainer died),
