@@ -799,6 +799,8 @@ def parse_args(argv):
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--hidden", type=int, default=None, help="train_ddp.py --hidden")
     t.add_argument("--layers", type=int, default=None, help="train_ddp.py --layers")
+    t.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="train_ddp.py --bucket-cap-mb (DDP's gradient bucket size; default 25)")
     t.add_argument("--train-threads", type=int, default=1,
                    help="torch threads per rank (default 1: 2 ranks on 2 cores)")
     t.add_argument("--train-timeout", type=int, default=300,

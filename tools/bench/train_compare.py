@@ -90,7 +90,7 @@ def run_row(row, args, topo, sockets, flags, port, rep, timeout):
     targs = ["--backend", "ciuic" if row.startswith("ciuic") else "gloo", "--steps", str(args.steps),
              "--seed", str(args.seed)]
     for flag, value in (("--hidden", args.hidden), ("--layers", args.layers),
-                        ("--threads", args.train_threads)):
+                        ("--threads", args.train_threads), ("--bucket-cap-mb", args.bucket_cap_mb)):
         if value is not None and flag in flags:
             targs += [flag, str(value)]
     if "--json" in flags:
@@ -210,10 +210,12 @@ def main(args):
         scen.setup(args)  # namespaces; ciuicd per namespace when "ciuic" is in system_list
         print("scenario train: 2 nodes x 1 rank, DDP training, links %s\n  %s" % (
             args.link_rate, scen.topo.describe()))
-        print("examples: %s --steps %d --seed %d%s%s, %d torch thread(s) per rank" % (
+        print("examples: %s --steps %d --seed %d%s%s%s, %d torch thread(s) per rank" % (
             args.train_script, args.steps, args.seed,
             " --hidden %d" % args.hidden if args.hidden else "",
-            " --layers %d" % args.layers if args.layers else "", args.train_threads))
+            " --layers %d" % args.layers if args.layers else "",
+            " --bucket-cap-mb %g" % args.bucket_cap_mb if args.bucket_cap_mb else "",
+            args.train_threads))
         sys.stdout.flush()
         if scen.ciuic_error and args.system_list:
             print("NOTE: ciuic rows not run: %s" % scen.ciuic_error)
