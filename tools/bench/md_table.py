@@ -21,13 +21,19 @@ def human(n):
     return str(n)
 
 
+def Label(system):
+    return LABEL.get(system, system)
+
+
 def fmt_t(us):
     return "%.0f" % us if us >= 100 else "%.1f" % us
 
 
 def collective(doc):
     summ = doc["summary"]
-    systems = [s for s in ("ciuic", "mpi", "mpi_tuned", "gloo")
+    # ciuic's codec rows (compare.py --codecs: "ciuic+fp16", ...) right after ciuic.
+    codecs = sorted({r["system"] for r in summ if r["system"].startswith("ciuic+")})
+    systems = [s for s in ["ciuic"] + codecs + ["mpi", "mpi_tuned", "gloo"]
                if any(r["system"] == s for r in summ)]
     by = {(r["system"], r["bytes"]): r for r in summ}
     sizes = sorted({r["bytes"] for r in summ})
@@ -42,9 +48,11 @@ def collective(doc):
     print()
     cols = ["bytes"]
     for s in systems:
-        cols += ["%s µs" % LABEL[s], "%s GB/s" % LABEL[s]]
-    others = [s for s in systems if s != "ciuic"] if "ciuic" in systems else []
-    cols += ["ciuic/%s" % LABEL[o] for o in others]
+        cols += ["%s µs" % Label(s), "%s GB/s" % Label(s)]
+    others = [s for s in systems if not s.startswith("ciuic")] if "ciuic" in systems else []
+    cols += ["ciuic/%s" % Label(o) for o in others]
+    codecs = [s for s in codecs if s in systems] if "ciuic" in systems else []
+    cols += ["%s/ciuic" % c for c in codecs]
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---:" for _ in cols) + "|")
     for n in sizes:
@@ -61,12 +69,16 @@ def collective(doc):
                 cells.append("%.2f×" % (b["time_us"] / a["time_us"]))
             else:
                 cells.append("-")
+        for c in codecs:  # the codec's speed-up over ciuic uncompressed
+            a, b = by.get(("ciuic", n)), by.get((c, n))
+            cells.append("%.2f×" % (a["time_us"] / b["time_us"]) if a and b and b["time_us"] > 0
+                         else "-")
         print("| " + " | ".join(cells) + " |")
     traffic = doc.get("link_traffic")
     if traffic:
         print()
         print("veth tx per run (MB, node 0 / node 1 ...): " + "; ".join(
-            "%s rep %d %s" % (LABEL[t["system"]], t["rep"],
+            "%s rep %d %s" % (Label(t["system"]), t["rep"],
                               "/".join("%.0f" % (b / 1e6) for b in t["tx_bytes"] if b is not None))
             for t in traffic))
 
