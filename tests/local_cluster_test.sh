@@ -6,7 +6,9 @@ build=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
 export CIUIC_BUILD_DIR=$build
 export CIUIC_CLUSTER_DIR=$(mktemp -d)
-export CIUIC_CLUSTER_BASE_PORT=$((20000 + RANDOM % 20000))
+# Below Linux's ephemeral range (32768-60999), where other tests' outgoing
+# connections take their ports.
+export CIUIC_CLUSTER_BASE_PORT=$((20000 + RANDOM % 12000))
 trap 'bash "$root/tools/local-cluster.sh" stop >/dev/null; rm -rf "$CIUIC_CLUSTER_DIR"' EXIT
 
 bash "$root/tools/local-cluster.sh" start 2

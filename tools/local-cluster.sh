@@ -35,8 +35,19 @@ start() {
     echo $! > "$dir/node$k.pid"
   done
   for ((k = 0; k < n; k++)); do
-    for _ in $(seq 100); do [ -S "$dir/node$k.sock" ] && break; sleep 0.05; done
-    [ -S "$dir/node$k.sock" ] || { echo "node$k did not start; see $dir/node$k.log" >&2; exit 1; }
+    # Up to 30 s (a loaded machine starts slowly); a daemon that exited
+    # (a port in use, a bad config) is reported at once, with its log.
+    local pid=$(cat "$dir/node$k.pid")
+    for _ in $(seq 600); do
+      [ -S "$dir/node$k.sock" ] && break
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.05
+    done
+    if [ ! -S "$dir/node$k.sock" ]; then
+      echo "node$k did not start; its log ($dir/node$k.log):" >&2
+      tail -n 20 "$dir/node$k.log" >&2 || true
+      exit 1
+    fi
     echo "node$k: socket $dir/node$k.sock, peer 127.0.0.1:$((base_port + k)), pid $(cat "$dir/node$k.pid")"
   done
   echo "coordinator for jobs: CIUIC_COORDINATOR=127.0.0.1:$base_port"
