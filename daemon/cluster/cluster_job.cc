@@ -656,11 +656,17 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, Lane& lane) 
       const bool all = collective == wire::Collective::kAllreduce;
       const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
       uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
-      if (!(inputs.size() == 1 && inputs[0] == node)) {
-        Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
-      }
       auto codec = CodecFor(op, tuning, wire_op, count * es);
       if (!codec.ok()) return codec.status();
+      // One local rank, send and receive buffers apart, uncompressed: the
+      // inter-node allreduce reads the rank's input where it needs it and
+      // writes the node buffer, instead of a copy of the input first.
+      const void* input = nullptr;
+      if (inputs.size() == 1 && *codec == nullptr) {
+        input = inputs[0];
+      } else if (!(inputs.size() == 1 && inputs[0] == node)) {
+        Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
+      }
       absl::Status s;
       if (*codec != nullptr) {
         CompressionStats stats;
@@ -673,7 +679,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, Lane& lane) 
         raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
         wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
       } else {
-        s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, node, count);
+        s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, node, count, input);
       }
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, count, world);

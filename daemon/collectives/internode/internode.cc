@@ -54,15 +54,18 @@ InterNodeAlgorithm ChooseAllreduceAlgorithm(int num_nodes, size_t bytes) {
 }
 
 absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wire::DataType dtype,
-                       wire::ReduceOp op, void* data, size_t count) {
+                       wire::ReduceOp op, void* data, size_t count, const void* input) {
   if (algo == InterNodeAlgorithm::kAuto && ctx.transport != nullptr) {
     algo = ChooseAllreduceAlgorithm(ctx.transport->num_peers(),
                                     count * wire::DataTypeSize(static_cast<uint32_t>(dtype)));
   }
   if (algo == InterNodeAlgorithm::kHalvingDoubling) {
+    if (input != nullptr && input != data) {
+      std::memcpy(data, input, count * wire::DataTypeSize(static_cast<uint32_t>(dtype)));
+    }
     return AllreduceHalvingDoubling(ctx, dtype, op, data, count);
   }
-  return AllreduceRing(ctx, dtype, op, data, count);
+  return AllreduceRing(ctx, dtype, op, data, count, input);
 }
 
 void DivideInPlace(wire::DataType dtype, void* data, size_t count, uint64_t divisor) {

@@ -100,8 +100,13 @@ absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec
                                  wire::DataType dtype, void* data, size_t count,
                                  CompressionStats* stats);
 
+// `input` (null or `data`: in place) is read and never written: the ring
+// then reads each segment's local contribution from `input` where it folds it
+// in and writes the results into `data`, which saves copying the input over
+// first (one pass over the buffer: what a node with a single local rank whose
+// send and receive buffers differ would otherwise pay). Same bits either way.
 absl::Status AllreduceRing(const InterNodeContext& ctx, wire::DataType dtype, wire::ReduceOp op,
-                           void* data, size_t count);
+                           void* data, size_t count, const void* input = nullptr);
 
 // Latency-oriented recursive doubling: ceil(log2 N) exchanges of the whole
 // buffer (pipelined in chunks), plus, when N is not a power of two, one fold
@@ -111,8 +116,9 @@ absl::Status AllreduceHalvingDoubling(const InterNodeContext& ctx, wire::DataTyp
                                       wire::ReduceOp op, void* data, size_t count);
 
 // kRing or kHalvingDoubling as asked; kAuto chooses with ChooseAllreduceAlgorithm.
+// `input` as for AllreduceRing (the other algorithms copy it into `data` first).
 absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wire::DataType dtype,
-                       wire::ReduceOp op, void* data, size_t count);
+                       wire::ReduceOp op, void* data, size_t count, const void* input = nullptr);
 
 // kAuto's rule (never returns kAuto): halving-doubling for at most 1 MiB when
 // an alpha-beta model with alpha*beta = 64 KiB says it is faster than the

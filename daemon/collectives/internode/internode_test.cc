@@ -275,6 +275,51 @@ TEST_P(AllreduceTest, AllNodesAgreeBitwiseOnArbitraryFloats) {
   }
 }
 
+// Out of place (input apart from the output): the same bits as in place,
+// the input untouched, every byte of the output written (it starts as junk).
+TEST_P(AllreduceTest, OutOfPlaceMatchesInPlaceBitwise) {
+  const auto [n, channels, algo] = GetParam();
+  Cluster cluster(n, channels);
+  std::mt19937_64 rng(n * 7 + channels);
+  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1001}, size_t{100003}}) {
+    for (DataType t : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,
+                       DataType::kFloat64, DataType::kInt8, DataType::kInt64}) {
+      for (ReduceOp op : kOps) {
+        const std::string what = absl::StrCat(Name(t), " ", Name(op), " count ", count);
+        const size_t es = Size(t);
+        std::vector<std::vector<uint8_t>> in_place(n), input(n), output(n);
+        for (int k = 0; k < n; ++k) {
+          input[k].resize(count * es);
+          for (size_t i = 0; i < count; ++i) Put(t, input[k].data(), i, Value(op, t, k, i));
+          in_place[k] = input[k];
+          output[k].assign(count * es + 1, 0x5A);  // junk, and a guard byte
+        }
+        const std::vector<std::vector<uint8_t>> original = input;
+        const uint64_t chunk = count <= 1001 ? 64 : 4096;
+        ExpectAllOk(cluster.Run(
+                        [&](int k, const InterNodeContext& ctx) {
+                          return Allreduce(ctx, algo, t, op, in_place[k].data(), count);
+                        },
+                        chunk, 3),
+                    what + " in place");
+        ExpectAllOk(cluster.Run(
+                        [&](int k, const InterNodeContext& ctx) {
+                          return Allreduce(ctx, algo, t, op, output[k].data(), count,
+                                           input[k].data());
+                        },
+                        chunk, 3),
+                    what + " out of place");
+        for (int k = 0; k < n; ++k) {
+          ASSERT_EQ(input[k], original[k]) << what << ": input written, node " << k;
+          ASSERT_EQ(output[k].back(), 0x5A) << what << ": guard byte, node " << k;
+          output[k].pop_back();
+          ASSERT_EQ(output[k], in_place[k]) << what << " node " << k;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(AllreduceTest, OneChunkInFlight) {
   const auto [n, channels, algo] = GetParam();
   Cluster cluster(n, channels);

@@ -285,7 +285,9 @@ bool Runner::ReduceArrived() {
     }
     const Range r = st.recv.chunk(a.chunk);
     const void* received = scratch_ + static_cast<size_t>(a.slot) * slot_bytes_;
-    const void* inputs[2] = {received, r.ptr};
+    const void* local =
+        reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(r.ptr) + st.local_offset);
+    const void* inputs[2] = {received, local};
     if (!st.received_first) std::swap(inputs[0], inputs[1]);
     Reduce(s_.dtype, s_.op, inputs, 2, r.ptr, r.bytes / elem_);
     state_[a.step].recv[a.chunk] = kDone;

@@ -91,6 +91,11 @@ struct Step {
   bool reduce = false;
   // Reduce order: Reduce({received, local}) if true, Reduce({local, received}) if not.
   bool received_first = true;
+  // Where the local operand of a reducing receive is: at the destination
+  // chunk's address plus this many bytes (0: the destination itself, in
+  // place; else the same chunk of another buffer of the same layout, so an
+  // out-of-place allreduce reads its input there and writes the destination).
+  intptr_t local_offset = 0;
   Dep send_dep = Dep::kNone;
   int send_dep_step = -1;  // index into the schedule's steps
   int write_after_send_step = -1;
