@@ -43,6 +43,17 @@
 // direction. The earliest unfinished key can then always post all its
 // transfers everywhere, and all its dependencies (a phase-1 send of chunk c
 // needs the phase-0 receives of chunk c) have smaller keys.
+//
+// Yielding (ctx.yield > 0: a higher-priority operation runs beside this one):
+// a new chunk message is sent only when none of this operation's sends is in
+// flight, so the other operation's chunks wait behind at most one of ours per
+// link (an overflow message travels with its chunk). Only the issue of sends
+// is limited; the window, its slots and the posting of receives stay as
+// above, so nodes that disagree about yielding (each reads its own flag at
+// its own moments) still post everything in the same key order: the earliest
+// unfinished key's sends are then the only ones a node can have left, and
+// each of them completes in turn, since its receives are posted everywhere.
+// A phase-1 chunk goes to the other nodes one at a time while yielding.
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -98,6 +109,8 @@ struct SendItem {
   int owner;         // the segment's owner (phase 1: this node)
   int slot = -1;
   int pending = 0;   // callbacks still to come
+  int dests = 0;     // destinations sent to (phase 0: 1 at most; phase 1: N-1)
+  uint64_t encoded = 0;
 };
 
 // One chunk to receive: phase 0 a contribution to the own segment from
@@ -155,6 +168,9 @@ class Pipeline {
 
   absl::Status Prepare();
   bool PostSends();
+  bool Yielding() const {
+    return ctx_.yield != nullptr && ctx_.yield->load(std::memory_order_relaxed) > 0;
+  }
   bool PostRecvs();
   void EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint64_t* encoded);
   void SendMessage(size_t item, int peer, int phase, size_t c, int owner, const uint8_t* slot,
@@ -190,6 +206,7 @@ class Pipeline {
   std::vector<RecvItem> recvs_;
   size_t next_send_ = 0, next_recv_ = 0;
   size_t outstanding_ = 0;  // callbacks to come
+  size_t send_msgs_in_flight_ = 0;  // send messages posted and not completed
   std::vector<int> per_peer_outstanding_;
   // Phase 0: recvs_[c * (n_-1) + t] is the contribution to own chunk c from
   // the t-th other node (ascending); added_[c] of them are added.
@@ -316,6 +333,7 @@ void Pipeline::SendMessage(size_t item, int peer, int phase, size_t c, int owner
   const bool overflow = encoded > typical;
   s.pending += overflow ? 2 : 1;
   outstanding_ += overflow ? 2 : 1;
+  send_msgs_in_flight_ += overflow ? 2 : 1;
   per_peer_outstanding_[peer] += overflow ? 2 : 1;
   t_->Send(peer, channel, Tag(phase, c, false), slot, main, Callback(true, item, peer));
   if (overflow) {
@@ -326,27 +344,36 @@ void Pipeline::SendMessage(size_t item, int peer, int phase, size_t c, int owner
   stats_->wire_bytes += kHeader + std::max<uint64_t>(encoded, typical);
 }
 
+// Sends in key order. An item is encoded into its slot once, then sent to
+// its destinations (phase 1: every other node, in the order me+1, me+2, ...);
+// while yielding, one message is sent only when no other send is in flight,
+// so an item may be sent to its destinations over several calls (next_send_
+// stays on it until the last one is sent).
 bool Pipeline::PostSends() {
   bool posted = false;
-  while (error_.ok() && next_send_ < sends_.size() && !free_send_.empty()) {
+  while (error_.ok() && next_send_ < sends_.size()) {
     SendItem& s = sends_[next_send_];
-    if (s.phase == 1 && added_[s.chunk] != static_cast<size_t>(n_ - 1)) break;
-    s.slot = free_send_.back();
-    free_send_.pop_back();
-    uint8_t* slot = SendSlot(s.slot);
-    uint64_t encoded = 0;
-    EncodeInto(slot, s.owner, s.chunk, s.phase == 1, &encoded);
-    if (!error_.ok()) break;
-    const size_t typical = codec_.TypicalEncodedBytes(dtype_, ChunkLen(s.owner, s.chunk));
-    const size_t item = next_send_++;
-    if (s.phase == 0) {
-      SendMessage(item, s.owner, 0, s.chunk, s.owner, slot, encoded, typical);
-    } else {
-      for (int d = 1; d < n_; ++d) {
-        SendMessage(item, (me_ + d) % n_, 1, s.chunk, me_, slot, encoded, typical);
-      }
+    if (s.slot < 0) {
+      if (free_send_.empty()) break;
+      if (s.phase == 1 && added_[s.chunk] != static_cast<size_t>(n_ - 1)) break;
+      if (send_msgs_in_flight_ > 0 && Yielding()) break;  // before encoding: keep it fresh
+      s.slot = free_send_.back();
+      free_send_.pop_back();
+      EncodeInto(SendSlot(s.slot), s.owner, s.chunk, s.phase == 1, &s.encoded);
+      if (!error_.ok()) break;
     }
-    posted = true;
+    const int total = s.phase == 0 ? 1 : n_ - 1;
+    const size_t typical = codec_.TypicalEncodedBytes(dtype_, ChunkLen(s.owner, s.chunk));
+    while (s.dests < total) {
+      if (send_msgs_in_flight_ > 0 && Yielding()) break;
+      const int peer = s.phase == 0 ? s.owner : (me_ + 1 + s.dests) % n_;
+      SendMessage(next_send_, peer, s.phase, s.chunk, s.owner, SendSlot(s.slot), s.encoded,
+                  typical);
+      ++s.dests;
+      posted = true;
+    }
+    if (s.dests < total) break;
+    ++next_send_;
   }
   return posted;
 }
@@ -391,13 +418,15 @@ void Pipeline::Apply(Event& e) {
   --outstanding_;
   --per_peer_outstanding_[e.peer];
   if (e.is_send) {
+    --send_msgs_in_flight_;
     SendItem& s = sends_[e.item];
     if (!e.status.ok()) {
       Fail(absl::Status(e.status.code(),
                         absl::StrCat(kWhat, ": send of chunk ", s.chunk, " (phase ", s.phase,
                                      ") to node ", e.peer, " failed: ", e.status.message())));
     }
-    if (--s.pending == 0) free_send_.push_back(s.slot);
+    // Free once every destination was sent to and every send completed.
+    if (--s.pending == 0 && s.dests == (s.phase == 0 ? 1 : n_ - 1)) free_send_.push_back(s.slot);
     return;
   }
   RecvItem& r = recvs_[e.item];

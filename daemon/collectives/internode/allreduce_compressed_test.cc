@@ -3,6 +3,7 @@
 // error feedback makes the running sum of results track the exact one.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -552,6 +553,130 @@ TEST(PipelinedCompressedTest, UnsupportedDtypeIsAClearError) {
                                        d.data(), d.size(), &stats);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("float64"), absl::string_view::npos) << s;
+}
+
+// Counts, per node, the sends posted and not yet completed.
+class SendsInFlight final : public Transport {
+ public:
+  explicit SendsInFlight(Transport* inner) : inner_(inner) {}
+  int self() const override { return inner_->self(); }
+  int num_peers() const override { return inner_->num_peers(); }
+  int num_channels() const override { return inner_->num_channels(); }
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    const int now = ++in_flight_;
+    int seen = max_seen_.load();
+    while (now > seen && !max_seen_.compare_exchange_weak(seen, now)) {
+    }
+    inner_->Send(peer, channel, tag, data, bytes, [this, done = std::move(done)](absl::Status s) {
+      --in_flight_;
+      done(std::move(s));
+    });
+  }
+  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+            TransferDone done) override {
+    inner_->Recv(peer, channel, tag, data, bytes, std::move(done));
+  }
+  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
+  int max_seen() const { return max_seen_.load(); }
+  void Reset() { max_seen_ = 0; }
+
+ private:
+  Transport* inner_;
+  std::atomic<int> in_flight_{0};
+  std::atomic<int> max_seen_{0};
+};
+
+// Per node: never yields, yields throughout, or a flag that another thread
+// flips on and off while the operation runs.
+enum class YieldMode { kNo, kAlways, kToggling };
+
+std::vector<absl::Status> RunYielding(InProcessHub& hub,
+                                      std::vector<std::unique_ptr<SendsInFlight>>& wrapped,
+                                      const Codec& codec, std::vector<std::vector<uint8_t>>& bufs,
+                                      size_t count, const std::vector<YieldMode>& modes,
+                                      uint64_t seq) {
+  const int n = hub.num_nodes();
+  std::vector<absl::Status> status(n);
+  std::vector<ScratchBuffer> scratch(n);
+  std::vector<std::atomic<int>> flags(n);
+  std::atomic<bool> stop{false};
+  for (int k = 0; k < n; ++k) flags[k] = modes[k] == YieldMode::kAlways ? 1 : 0;
+  std::thread toggler([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      for (int k = 0; k < n; ++k) {
+        if (modes[k] == YieldMode::kToggling) flags[k] = i & 1;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{wrapped[k].get(), seq << 24, 4096, 4,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                           &scratch[k]};
+      ctx.yield = &flags[k];
+      CompressionStats stats;
+      status[k] = AllreduceCompressed(ctx, codec, nullptr, "y", wire::DataType::kFloat32,
+                                      bufs[k].data(), count, &stats);
+    });
+  }
+  for (auto& t : threads) t.join();
+  stop = true;
+  toggler.join();
+  return status;
+}
+
+// While yielding, at most one send is in flight; results are bit for bit
+// those of the operation that does not yield, also when nodes disagree about
+// yielding (some always, some never, some flipping during the operation).
+TEST(PipelinedCompressedYieldTest, YieldingKeepsOneSendInFlightAndTheSameBits) {
+  const size_t count = 20011;  // 1024-element chunks (4096 bytes): many per segment
+  for (const char* name : {"none", "fp16", "int8", "topk:0.05"}) {
+    auto codec = MakeCodec(*ParseCodec(name));
+    for (int n : {2, 3, 4}) {
+      SCOPED_TRACE(testing::Message() << name << " n=" << n);
+      InProcessHub hub(n, 2);
+      std::vector<std::unique_ptr<SendsInFlight>> wrapped;
+      for (int k = 0; k < n; ++k) wrapped.push_back(std::make_unique<SendsInFlight>(hub.transport(k)));
+      std::vector<std::vector<uint8_t>> inputs;
+      for (int k = 0; k < n; ++k) {
+        inputs.push_back(MakeBuffer(wire::DataType::kFloat32, count, 40 + k).bytes);
+      }
+      // Reference: nobody yields (and the counter must see more than one).
+      auto ref = inputs;
+      auto st = RunYielding(hub, wrapped, *codec, ref, count,
+                            std::vector<YieldMode>(n, YieldMode::kNo), 1);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      int most = 0;
+      for (auto& w : wrapped) most = std::max(most, w->max_seen());
+      EXPECT_GT(most, 1) << "the counter sees the window when nobody yields";
+
+      for (auto& w : wrapped) w->Reset();
+      auto yielded = inputs;
+      st = RunYielding(hub, wrapped, *codec, yielded, count,
+                       std::vector<YieldMode>(n, YieldMode::kAlways), 2);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      for (int k = 0; k < n; ++k) {
+        EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k << " had more than one send in flight";
+        EXPECT_EQ(yielded[k], ref[k]) << "node " << k;
+      }
+
+      std::vector<YieldMode> mixed(n);
+      for (int k = 0; k < n; ++k) {
+        mixed[k] = k == 0 ? YieldMode::kToggling : (k % 2 ? YieldMode::kAlways : YieldMode::kNo);
+      }
+      for (auto& w : wrapped) w->Reset();
+      auto disagreeing = inputs;
+      st = RunYielding(hub, wrapped, *codec, disagreeing, count, mixed, 3);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      for (int k = 0; k < n; ++k) {
+        if (mixed[k] == YieldMode::kAlways) EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k;
+        EXPECT_EQ(disagreeing[k], ref[k]) << "node " << k;
+      }
+    }
+  }
 }
 
 TEST(CompressedAllreduceFaultTest, KilledNodeGivesAnErrorNotAHang) {
