@@ -324,5 +324,50 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
   }
 }
 
+// The same with the large operation compressed (int8, the pipelined
+// compressed allreduce, which yields while the urgent one runs) and the
+// small one under min_compress_bytes (uncompressed): the small one ends
+// first on both nodes, the large one within int8's bound.
+TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) {
+  TwoNodes nodes;
+  ASSERT_TRUE(nodes.tuning().Set("chunk_bytes", "256K").ok());
+  ASSERT_TRUE(nodes.tuning().Set("compression", "int8").ok());
+  ASSERT_TRUE(nodes.tuning().Set("min_compress_bytes", "4K").ok());
+  const size_t big = 24u << 20;  // 96 MiB of float32
+  std::vector<float> large[2], small[2];
+  for (int k = 0; k < 2; ++k) {
+    large[k].resize(big);
+    for (size_t i = 0; i < big; ++i) large[k][i] = Value(k, 0, i % 4099);
+    small[k].assign(64, static_cast<float>(10 * (k + 1)));
+  }
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(1, "large", wire::DataType::kFloat32, wire::ReduceOp::kSum, big,
+                                  k, large[k].data(), large[k].data(), 0));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(2, "small", wire::DataType::kFloat32, wire::ReduceOp::kSum, 64,
+                                  k, small[k].data(), small[k].data(), 9));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(2));
+    const auto& ends = nodes.ends(k).ends;
+    EXPECT_EQ(ends[0].first, 2u) << "node " << k << ": the small run ended after the large one";
+    for (auto& [key, status] : ends) EXPECT_TRUE(status.ok()) << status;
+    EXPECT_EQ(small[k][63], 30.0f);
+    EXPECT_EQ(nodes.job(k).compression().ops, 1u) << "node " << k;
+  }
+  // int8: |result - sum| <= (max|x_0| + max|x_1| + max|sum|) / 254 (+ rounding);
+  // the inputs' magnitudes are at most 1 and 2, so 6/254 bounds it.
+  double worst = 0;
+  for (size_t i = 0; i < big; i += 7) {
+    const double exact = double{Value(0, 0, i % 4099)} + double{Value(1, 0, i % 4099)};
+    worst = std::max(worst, std::abs(double{large[0][i]} - exact));
+  }
+  EXPECT_LE(worst, 6.0 / 254 * 1.001);
+  EXPECT_GT(worst, 0.0) << "int8 was not applied";
+  EXPECT_EQ(0, std::memcmp(large[0].data(), large[1].data(), big * sizeof(float)));
+}
+
 }  // namespace
 }  // namespace ciuic::daemon
