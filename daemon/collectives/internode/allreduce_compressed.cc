@@ -129,14 +129,13 @@ struct RecvItem {
 class Pipeline {
  public:
   Pipeline(const InterNodeContext& ctx, const Codec& codec, ErrorFeedback* feedback,
-           const std::string& name, wire::DataType dtype, void* data, size_t count,
-           CompressionStats* stats)
+           const std::vector<FeedbackPiece>& pieces, wire::DataType dtype, void* data,
+           size_t count, CompressionStats* stats)
       : ctx_(ctx),
         t_(ctx.transport),
         codec_(codec),
         feedback_(dtype == wire::DataType::kFloat32 ? feedback : nullptr),
-        name_(name),
-        owner_name_(name + "#owner"),
+        pieces_(pieces),
         dtype_(dtype),
         base_(static_cast<uint8_t*>(data)),
         count_(count),
@@ -145,7 +144,9 @@ class Pipeline {
         me_(t_->self()),
         channels_(std::max(1, t_->num_channels())),
         es_(wire::DataTypeSize(static_cast<uint32_t>(dtype))),
-        mailbox_(std::make_shared<Mailbox>()) {}
+        mailbox_(std::make_shared<Mailbox>()) {
+    for (const FeedbackPiece& p : pieces_) owner_names_.push_back(p.name + "#owner");
+  }
 
   absl::Status Run();
 
@@ -173,6 +174,10 @@ class Pipeline {
   }
   bool PostRecvs();
   void EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint64_t* encoded);
+  // Calls fn(piece index, offset in the piece, offset from `first`, length)
+  // for each piece overlapping elements [first, first + n) of the buffer.
+  template <typename Fn>
+  void ForPieces(size_t first, size_t n, Fn fn) const;
   void SendMessage(size_t item, int peer, int phase, size_t c, int owner, const uint8_t* slot,
                    uint64_t encoded, size_t typical);
   void Apply(Event& e);
@@ -186,8 +191,8 @@ class Pipeline {
   Transport* const t_;
   const Codec& codec_;
   ErrorFeedback* const feedback_;
-  const std::string& name_;
-  const std::string owner_name_;
+  const std::vector<FeedbackPiece>& pieces_;  // sorted, covering [0, count_)
+  std::vector<std::string> owner_names_;      // pieces_[i].name + "#owner"
   const wire::DataType dtype_;
   uint8_t* const base_;
   const size_t count_;
@@ -286,14 +291,32 @@ TransferDone Pipeline::Callback(bool is_send, size_t item, int peer) {
 // through the chunk in pieces of kPieceElems, so that apply, encode, decode
 // and update of a piece find it in cache: one pass over memory instead of
 // four; the bytes are those of encoding the chunk whole.
+template <typename Fn>
+void Pipeline::ForPieces(size_t first, size_t n, Fn fn) const {
+  // The last piece starting at or before `first`.
+  size_t i = static_cast<size_t>(
+      std::upper_bound(pieces_.begin(), pieces_.end(), first,
+                       [](size_t x, const FeedbackPiece& p) { return x < p.offset; }) -
+      pieces_.begin());
+  i = i == 0 ? 0 : i - 1;
+  for (size_t at = first; at < first + n && i < pieces_.size(); ++i) {
+    const FeedbackPiece& p = pieces_[i];
+    const size_t end = std::min(first + n, p.offset + p.count);
+    if (end <= at) continue;
+    fn(i, at - p.offset, at - first, end - at);
+    at = end;
+  }
+}
+
 void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint64_t* encoded) {
   uint8_t* ptr = ChunkPtr(owner, c);
   const size_t m = ChunkLen(owner, c);
-  // Residual keys: the contribution by its offset in the buffer, the owner's
-  // sum by its offset in the segment.
-  const std::string& key = own_sum ? owner_name_ : name_;
-  const size_t key_count = own_sum ? Len(me_) : count_;
-  const size_t key_offset = own_sum ? c * elems_ : ChunkFirst(owner, c);
+  const size_t chunk_first = ChunkFirst(owner, c);
+  // Residual keys, per piece (operation), indexed by element of the piece:
+  // the contributions under its name, the owner's sums under name#owner.
+  const auto key = [&](size_t i) -> const std::string& {
+    return own_sum ? owner_names_[i] : pieces_[i].name;
+  };
   const size_t g = codec_.SplitGranule();
   const size_t piece = g == 0 ? m : std::max(g, kPieceElems / g * g);
   uint64_t total = 0;
@@ -302,13 +325,23 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
     uint8_t* p = ptr + a * es_;
     uint8_t* out = slot + kHeader + total;
     auto* f = reinterpret_cast<float*>(p);
-    if (feedback_ != nullptr) feedback_->ApplyRange(key, key_count, key_offset + a, f, k);
+    if (feedback_ != nullptr) {
+      ForPieces(chunk_first + a, k, [&](size_t i, size_t at, size_t from, size_t len) {
+        if (!pieces_[i].name.empty()) {
+          feedback_->ApplyRange(key(i), pieces_[i].count, at, f + from, len);
+        }
+      });
+    }
     const size_t bytes = codec_.Encode(dtype_, p, k, out);
     absl::Status s;
     if (feedback_ != nullptr) {
       s = codec_.Decode(dtype_, out, bytes, k, decoded_);
       if (s.ok()) {
-        feedback_->UpdateRange(key, key_count, key_offset + a, f, decoded_, k);
+        ForPieces(chunk_first + a, k, [&](size_t i, size_t at, size_t from, size_t len) {
+          if (!pieces_[i].name.empty()) {
+            feedback_->UpdateRange(key(i), pieces_[i].count, at, f + from, decoded_ + from, len);
+          }
+        });
         if (own_sum) std::memcpy(p, decoded_, k * sizeof(float));
       }
     } else if (own_sum) {
@@ -569,6 +602,27 @@ absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec
                                  ErrorFeedback* feedback, const std::string& name,
                                  wire::DataType dtype, void* data, size_t count,
                                  CompressionStats* stats) {
+  const std::vector<FeedbackPiece> pieces = {FeedbackPiece{name, 0, count}};
+  return AllreduceCompressedPieces(ctx, codec, feedback, pieces, dtype, data, count, stats);
+}
+
+absl::Status AllreduceCompressedPieces(const InterNodeContext& ctx, const Codec& codec,
+                                       ErrorFeedback* feedback,
+                                       const std::vector<FeedbackPiece>& pieces,
+                                       wire::DataType dtype, void* data, size_t count,
+                                       CompressionStats* stats) {
+  size_t covered = 0;
+  for (const FeedbackPiece& p : pieces) {
+    if (p.offset != covered) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kWhat, ": piece '", p.name, "' starts at ", p.offset, ", expected ", covered));
+    }
+    covered += p.count;
+  }
+  if (covered != count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kWhat, ": pieces cover ", covered, " elements of ", count));
+  }
   if (absl::Status s = codec.Supports(dtype); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(kWhat, ": ", s.message()));
   }
@@ -580,7 +634,7 @@ absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec
   if (ctx.transport->num_peers() <= 1 || count == 0) return absl::OkStatus();
   if (ctx.scratch == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no scratch buffer"));
   CompressionStats local;
-  Pipeline pipeline(ctx, codec, feedback, name, dtype, data, count, stats ? stats : &local);
+  Pipeline pipeline(ctx, codec, feedback, pieces, dtype, data, count, stats ? stats : &local);
   return pipeline.Run();
 }
 
