@@ -394,7 +394,9 @@ void ClusterJob::Run() {
         r->set_priority(e.op.priority);
         const config::Tuning tuning = options_.tuning->Snapshot();
         r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms : tuning.op_timeout_ms);
-        r->set_fusable(Fusable(e.op, tuning));
+        std::string fuse_class;
+        r->set_fusable(Fusable(e.op, tuning, &fuse_class));
+        r->set_fuse_class(fuse_class);
         const std::string name = e.op.name;
         awaiting_.emplace(name, std::move(e.op));
         if (!Write(ready)) {
@@ -499,7 +501,8 @@ void ClusterJob::Run() {
 
 absl::StatusOr<const Codec*> ClusterJob::CodecFor(const ClusterOp& op,
                                                    const config::Tuning& tuning,
-                                                   wire::ReduceOp wire_op, size_t bytes) {
+                                                   wire::ReduceOp wire_op, size_t bytes,
+                                                   std::string* chosen) {
   std::string name;
   switch (static_cast<wire::Codec>(op.sig.codec)) {
     case wire::Codec::kDefault: name = tuning.compression; break;
@@ -528,6 +531,7 @@ absl::StatusOr<const Codec*> ClusterJob::CodecFor(const ClusterOp& op,
     return absl::InvalidArgumentError(absl::StrCat("operation '", op.name, "': compression ",
                                                    name, ": ", supported.message()));
   }
+  if (chosen != nullptr) *chosen = name;
   return it->second.get();
 }
 
@@ -539,7 +543,9 @@ ClusterJob::FusionCounters ClusterJob::fusion() const {
   return FusionCounters{fused_ops_.load(), fused_runs_.load()};
 }
 
-bool ClusterJob::Fusable(const ClusterOp& op, const config::Tuning& tuning) {
+bool ClusterJob::Fusable(const ClusterOp& op, const config::Tuning& tuning,
+                         std::string* fuse_class) {
+  fuse_class->clear();
   if (static_cast<wire::Collective>(op.sig.collective) != wire::Collective::kAllreduce) {
     return false;
   }
@@ -548,8 +554,11 @@ bool ClusterJob::Fusable(const ClusterOp& op, const config::Tuning& tuning) {
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   if (!CheckReducible(dtype, wire_op).ok()) return false;
   const size_t bytes = op.sig.count * op.sig.element_bytes();
-  auto codec = CodecFor(op, tuning, wire_op, bytes);
-  if (!codec.ok() || *codec != nullptr) return false;  // compressed ops run alone
+  auto codec = CodecFor(op, tuning, wire_op, bytes, fuse_class);
+  if (!codec.ok()) return false;
+  // Compressed: fused with operations of the same codec into one compressed
+  // allreduce, each keeping its own error feedback (AllreduceCompressedPieces).
+  if (*codec != nullptr) return true;
   InterNodeAlgorithm algo = AlgorithmFor(tuning.algorithm);
   if (algo == InterNodeAlgorithm::kAuto) {
     algo = ChooseAllreduceAlgorithm(transport_->num_peers(), bytes);
@@ -610,8 +619,40 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
            op.sig.count);
     offset += op.sig.count * es;
   }
+  // All compressed with one codec or all uncompressed (the coordinator fuses
+  // one fuse_class only); this node checks with its tuning of now.
+  auto codec = CodecFor(head, tuning, wire_op, head.sig.count * es);
+  if (!codec.ok()) return codec.status();
+  for (const ClusterOp& op : ops) {
+    auto other = CodecFor(op, tuning, wire_op, op.sig.count * es);
+    if (!other.ok()) return other.status();
+    if (*other != *codec) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "fused '", op.name, "' and '", head.name,
+          "' no longer have the same compression here (tuning changed since they were ready)"));
+    }
+  }
   InterNodeContext ctx = ContextFor(seq, timeout_ms, tuning, lane);
-  absl::Status s = Allreduce(ctx, InterNodeAlgorithm::kHalvingDoubling, dtype, wire_op, node, total);
+  absl::Status s;
+  if (*codec != nullptr) {
+    // One compressed allreduce over the packed buffer; each operation keeps
+    // its own error feedback residuals (unnamed ones none, as unfused).
+    std::vector<FeedbackPiece> pieces;
+    size_t at = 0;
+    for (const ClusterOp& op : ops) {
+      const bool named = !op.name.empty() && op.name[0] != '#';
+      pieces.push_back(FeedbackPiece{named ? op.name : std::string(), at, op.sig.count});
+      at += op.sig.count;
+    }
+    CompressionStats stats;
+    s = AllreduceCompressedPieces(ctx, **codec, tuning.error_feedback ? &feedback_ : nullptr,
+                                  pieces, dtype, node, total, &stats);
+    compressed_ops_.fetch_add(ops.size(), std::memory_order_relaxed);
+    raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
+    wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+  } else {
+    s = Allreduce(ctx, InterNodeAlgorithm::kHalvingDoubling, dtype, wire_op, node, total);
+  }
   if (!s.ok()) return s;
   if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, total, options_.world_size);
   offset = 0;

@@ -182,12 +182,15 @@ class ClusterJob {
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq, Lane& lane);
   InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const config::Tuning& tuning,
                               Lane& lane);
-  // Whether `op` may be fused (see peer.proto's Ready.fusable).
-  bool Fusable(const ClusterOp& op, const config::Tuning& tuning);
+  // Whether `op` may be fused, and with which class of operations (see
+  // peer.proto's Ready.fusable and fuse_class).
+  bool Fusable(const ClusterOp& op, const config::Tuning& tuning, std::string* fuse_class);
   // The codec for `op` (nullptr: send as it is), by its own choice or the
   // tuning's; an error if compression_strict and the codec cannot take it.
+  // `name` (may be null) gets the codec's name when one is returned.
   absl::StatusOr<const Codec*> CodecFor(const ClusterOp& op, const config::Tuning& tuning,
-                                        wire::ReduceOp wire_op, size_t bytes);
+                                        wire::ReduceOp wire_op, size_t bytes,
+                                        std::string* name = nullptr);
   void FailAll(const absl::Status& why);
   void Push(Event e);
 

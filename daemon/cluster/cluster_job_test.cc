@@ -272,6 +272,100 @@ TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
   }
 }
 
+// Compressed allreduces fuse too (int8, fp16): many of them, of sizes over
+// min_compress_bytes, sum and avg, submitted in opposite orders on the two
+// nodes, beside small and max ones that go uncompressed. Compressed results
+// are within the codec's bound of the float64 sum and the same bits on both
+// nodes; uncompressed ones are exact (had one been packed with compressed
+// ones, it would not be, and the node would refuse the run); both kinds
+// fuse (counted).
+TEST(ClusterJobTest, FusedCompressedRunsWithinTheBoundNeverMixedWithUncompressed) {
+  for (const char* codec : {"int8", "fp16"}) {
+    SCOPED_TRACE(codec);
+    TwoNodes nodes;
+    ASSERT_TRUE(nodes.tuning().Set("cycle_time_us", "50000").ok());
+    ASSERT_TRUE(nodes.tuning().Set("compression", codec).ok());
+    ASSERT_TRUE(nodes.tuning().Set("min_compress_bytes", "1K").ok());
+    {
+      // Compressed ones alone first: they fuse (not only the uncompressed).
+      std::vector<float> d[2][6];
+      for (int k = 0; k < 2; ++k) {
+        for (int o = 0; o < 6; ++o) {
+          d[k][o].assign(300 + 100 * o, static_cast<float>(k + 1));
+          nodes.job(k).Submit(Allreduce(500 + o, "pre/" + std::to_string(o),
+                                        wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                        d[k][o].size(), k, d[k][o].data(), d[k][o].data()));
+        }
+      }
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_TRUE(nodes.ends(k).WaitFor(6));
+        EXPECT_EQ(nodes.job(k).compression().ops, 6u) << "node " << k;
+        EXPECT_GT(nodes.job(k).fusion().ops, nodes.job(k).fusion().runs) << "node " << k;
+        for (int o = 0; o < 6; ++o) {
+          for (float v : d[k][o]) ASSERT_NEAR(v, 3.0f, 6.0 / 254) << "node " << k << " op " << o;
+        }
+      }
+      for (int k = 0; k < 2; ++k) nodes.ends(k).ends.clear();
+    }
+    // >= 256 elements: compressed (sum, avg); fewer, or max: uncompressed.
+    const std::vector<size_t> sizes = {300, 1000, 5003, 2048, 1, 7, 100, 777};
+    const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg,
+                                  wire::ReduceOp::kMax};
+    const size_t n_ops = sizes.size() * 3;
+    std::vector<std::vector<float>> send[2], recv[2];
+    for (int k = 0; k < 2; ++k) {
+      for (size_t o = 0; o < n_ops; ++o) {
+        const size_t count = sizes[o % sizes.size()];
+        send[k].emplace_back(count);
+        for (size_t i = 0; i < count; ++i) send[k][o][i] = Value(k, o, i);
+        recv[k].emplace_back(count, -1.0f);
+      }
+    }
+    for (int k = 0; k < 2; ++k) {
+      for (size_t j = 0; j < n_ops; ++j) {
+        const size_t o = k == 0 ? j : n_ops - 1 - j;
+        nodes.job(k).Submit(Allreduce(o, "c/" + std::to_string(o), wire::DataType::kFloat32,
+                                      ops[o / sizes.size()], send[k][o].size(), k,
+                                      send[k][o].data(), recv[k][o].data()));
+      }
+    }
+    for (int k = 0; k < 2; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(n_ops));
+    for (int k = 0; k < 2; ++k) {
+      for (auto& [key, status] : nodes.ends(k).ends) {
+        EXPECT_TRUE(status.ok()) << key << ": " << status;
+      }
+      EXPECT_GT(nodes.job(k).fusion().ops, nodes.job(k).fusion().runs) << "node " << k;
+      EXPECT_GT(nodes.job(k).compression().ops, 0u) << "node " << k;
+    }
+    size_t compressed_inexact = 0;
+    for (size_t o = 0; o < n_ops; ++o) {
+      const auto op = ops[o / sizes.size()];
+      const bool compressed = op != wire::ReduceOp::kMax && sizes[o % sizes.size()] >= 256;
+      const double scale = op == wire::ReduceOp::kAvg ? 0.5 : 1.0;
+      ASSERT_EQ(recv[0][o], recv[1][o]) << "op " << o << ": the nodes differ";
+      for (size_t i = 0; i < sizes[o % sizes.size()]; ++i) {
+        const float a = send[0][o][i], b = send[1][o][i];
+        if (!compressed) {
+          float want = op == wire::ReduceOp::kMax ? std::max(a, b) : a + b;
+          if (op == wire::ReduceOp::kAvg) want /= 2;
+          ASSERT_EQ(recv[0][o][i], want) << "uncompressed op " << o << " i " << i;
+          continue;
+        }
+        const double exact = (double{a} + double{b}) * scale;
+        const double err = std::abs(recv[0][o][i] - exact);
+        // |x_0| <= 1, |x_1| <= 2, |s| <= 3 (Value), whatever the op is packed with.
+        const double bound = std::string(codec) == "int8"
+                                 ? 6.0 / 254 * 1.001 * scale
+                                 : (0x1p-11 * (std::abs(a) + std::abs(b) + std::abs(a + b)) +
+                                    2 * 0x1p-25 + 3 * 0x1p-24 * 6) * scale;
+        ASSERT_LE(err, bound) << "compressed op " << o << " i " << i;
+        if (err > 0) ++compressed_inexact;
+      }
+    }
+    EXPECT_GT(compressed_inexact, 0u) << "nothing was compressed";
+  }
+}
+
 TEST(ClusterJobTest, FusionOffCountsNothing) {
   TwoNodes nodes;
   ASSERT_TRUE(nodes.tuning().Set("cycle_time_us", "50000").ok());
@@ -322,6 +416,51 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
     EXPECT_EQ(large[k][big - 1], 3.0f);
     EXPECT_EQ(large[k][0], 3.0f);
   }
+}
+
+// The same with the large operation compressed (int8, the pipelined
+// compressed allreduce, which yields while the urgent one runs) and the
+// small one under min_compress_bytes (uncompressed): the small one ends
+// first on both nodes, the large one within int8's bound.
+TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) {
+  TwoNodes nodes;
+  ASSERT_TRUE(nodes.tuning().Set("chunk_bytes", "256K").ok());
+  ASSERT_TRUE(nodes.tuning().Set("compression", "int8").ok());
+  ASSERT_TRUE(nodes.tuning().Set("min_compress_bytes", "4K").ok());
+  const size_t big = 24u << 20;  // 96 MiB of float32
+  std::vector<float> large[2], small[2];
+  for (int k = 0; k < 2; ++k) {
+    large[k].resize(big);
+    for (size_t i = 0; i < big; ++i) large[k][i] = Value(k, 0, i % 4099);
+    small[k].assign(64, static_cast<float>(10 * (k + 1)));
+  }
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(1, "large", wire::DataType::kFloat32, wire::ReduceOp::kSum, big,
+                                  k, large[k].data(), large[k].data(), 0));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(2, "small", wire::DataType::kFloat32, wire::ReduceOp::kSum, 64,
+                                  k, small[k].data(), small[k].data(), 9));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(2));
+    const auto& ends = nodes.ends(k).ends;
+    EXPECT_EQ(ends[0].first, 2u) << "node " << k << ": the small run ended after the large one";
+    for (auto& [key, status] : ends) EXPECT_TRUE(status.ok()) << status;
+    EXPECT_EQ(small[k][63], 30.0f);
+    EXPECT_EQ(nodes.job(k).compression().ops, 1u) << "node " << k;
+  }
+  // int8: |result - sum| <= (max|x_0| + max|x_1| + max|sum|) / 254 (+ rounding);
+  // the inputs' magnitudes are at most 1 and 2, so 6/254 bounds it.
+  double worst = 0;
+  for (size_t i = 0; i < big; i += 7) {
+    const double exact = double{Value(0, 0, i % 4099)} + double{Value(1, 0, i % 4099)};
+    worst = std::max(worst, std::abs(double{large[0][i]} - exact));
+  }
+  EXPECT_LE(worst, 6.0 / 254 * 1.001);
+  EXPECT_GT(worst, 0.0) << "int8 was not applied";
+  EXPECT_EQ(0, std::memcmp(large[0].data(), large[1].data(), big * sizeof(float)));
 }
 
 }  // namespace

@@ -293,9 +293,10 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     run.first_ready = now;
     run.deadline = now + timeout;
     run.priority = ready.priority();
+    run.fuse_class = ready.fuse_class();
   }
   run.priority = std::max(run.priority, ready.priority());
-  run.fusable = run.fusable && ready.fusable();
+  run.fusable = run.fusable && ready.fusable() && ready.fuse_class() == run.fuse_class;
   auto send_fail = [&](int to, const absl::Status& s) {
     proto::CoordinatorEvent e;
     e.mutable_fail()->set_name(ready.name());
@@ -328,6 +329,7 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
       q.signature = run.signature;
       q.priority = run.priority;
       q.fusable = run.fusable;
+      q.fuse_class = run.fuse_class;
       q.bytes = run.signature.count() * wire::DataTypeSize(run.signature.dtype());
       q.order = job.next_order++;
       q.ready_at = now;
@@ -346,9 +348,12 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
   const config::Tuning tuning = tuning_ ? tuning_->Snapshot() : config::Tuning{};
   const auto hold = std::chrono::microseconds(tuning.cycle_time_us);
   uint64_t threshold = tuning.fusion_threshold_bytes;
-  // Fused runs use halving-doubling; with the auto rule, no bigger than the
-  // rule would let it carry (with 3 nodes it costs 3 full exchanges against
-  // the ring's 4/3 of the bytes: packing must not make the transfer dearer).
+  // Fused uncompressed runs use halving-doubling; with the auto rule, no
+  // bigger than the rule would let it carry (with 3 nodes it costs 3 full
+  // exchanges against the ring's 4/3 of the bytes: packing must not make the
+  // transfer dearer). Compressed ones run the compressed allreduce, whatever
+  // their size: the threshold alone.
+  const uint64_t compressed_threshold = threshold;
   if (tuning.algorithm == config::Algorithm::kAuto) {
     threshold = std::min(threshold, HalvingDoublingLimit(job.membership.nodes_size()));
   }
@@ -361,14 +366,16 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     if (hold.count() > 0 && now < head.ready_at + hold) return head.ready_at + hold;
     // The head, and the fusable operations like it that fit, in backlog order.
     std::vector<size_t> group = {0};
-    const bool fuse = head.fusable && threshold > 0 && head.bytes <= threshold &&
+    const uint64_t limit = head.fuse_class.empty() ? threshold : compressed_threshold;
+    const bool fuse = head.fusable && limit > 0 && head.bytes <= limit &&
                       head.signature.collective() == static_cast<uint32_t>(wire::Collective::kAllreduce);
     uint64_t total = head.bytes;
     for (size_t i = 1; fuse && i < job.backlog.size(); ++i) {
       const Queued& q = job.backlog[i];
       if (q.fusable && q.signature.collective() == head.signature.collective() &&
           q.signature.dtype() == head.signature.dtype() &&
-          q.signature.reduce_op() == head.signature.reduce_op() && total + q.bytes <= threshold) {
+          q.signature.reduce_op() == head.signature.reduce_op() &&
+          q.fuse_class == head.fuse_class && total + q.bytes <= limit) {
         group.push_back(i);
         total += q.bytes;
       }

@@ -15,8 +15,9 @@
 //      Scheduling (see README.md): at most kRunningRuns runs are announced
 //      and not yet Done on every node; operations ready beyond that wait in
 //      a backlog, from which the highest priority goes first (ties: the
-//      order they became ready), and fusable allreduces of one dtype and
-//      reduce op are packed into one Run up to fusion_threshold_bytes. With
+//      order they became ready), and fusable allreduces of one dtype,
+//      reduce op and fuse_class (the codec, or none) are packed into one Run
+//      up to fusion_threshold_bytes. With
 //      cycle_time_us > 0 a ready operation also waits that long in the
 //      backlog before it may start, to meet others.
 //   3. A stream that ends without Leave, or a Leave, fails the job on every
@@ -97,6 +98,7 @@ class Coordinator {
     absl::Status failure;  // poisoned: later nodes get it at once
     int32_t priority = 0;  // the highest any node gave
     bool fusable = true;   // AND over the nodes
+    std::string fuse_class;  // the first node's; a node that differs clears fusable
   };
   // Ready on every node, waiting to be announced.
   struct Queued {
@@ -104,6 +106,7 @@ class Coordinator {
     proto::OpSignature signature;
     int32_t priority = 0;
     bool fusable = true;  // AND over the nodes
+    std::string fuse_class;  // "" uncompressed, else the codec (fused only within a class)
     uint64_t bytes = 0;
     uint64_t order = 0;   // when it became ready, for ties
     std::chrono::steady_clock::time_point ready_at;

@@ -293,6 +293,41 @@ TEST(CoordinatorTest, FusedRunsStayWithinWhatTheAutoRuleGivesHalvingDoubling) {
   EXPECT_EQ(Runs(f.streams[0].WaitFor(want.size())), want);
 }
 
+// Compressed operations (fuse_class = the codec) fuse only with operations
+// of the same class, never with uncompressed ones (class ""), nor when the
+// nodes report different classes; the halving-doubling cap of the auto rule
+// does not limit them (they run the compressed allreduce).
+TEST(CoordinatorTest, FusesOnlyWithinOneFuseClass) {
+  Coordinator c("secret");  // defaults: 4M threshold, algorithm auto: 1 MiB on 2 nodes
+  Formed f;
+  Form(c, &f);
+  auto ready = [](const std::string& name, uint64_t count, const std::string& cls) {
+    proto::NodeEvent e = Ready(name, count, 0, 0, true);
+    e.mutable_ready()->set_fuse_class(cls);
+    return e;
+  };
+  auto both = [&](const std::string& name, uint64_t count, const std::string& cls) {
+    for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], ready(name, count, cls));
+  };
+  both("busy0", 10, "");
+  both("busy1", 10, "");
+  both("i1", 96 * 1024, "int8");  // 384 KiB each: 3 of them pass 1 MiB, not 4 MiB
+  both("u1", 100, "");
+  both("f1", 100, "fp16");
+  both("i2", 96 * 1024, "int8");
+  both("u2", 100, "");
+  c.OnEvent(f.handles[0], ready("x", 100, "int8"));  // the nodes disagree
+  c.OnEvent(f.handles[1], ready("x", 100, "fp16"));
+  both("i3", 96 * 1024, "int8");
+  both("f2", 100, "fp16");
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  BothDone(c, f, 2);
+  BothDone(c, f, 3);
+  const std::vector<std::string> want = {"busy0", "busy1", "i1+i2+i3", "u1+u2", "f1+f2", "x"};
+  for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
+}
+
 TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());

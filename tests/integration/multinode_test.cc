@@ -586,6 +586,135 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MultiNodeFusionTest,
                                   std::to_string(info.param.ranks_per_node) + "ranks";
                          });
 
+// Compressed allreduces fuse too: many small named float32 allreduces (sum
+// and avg, over min_compress_bytes) submitted in a different order by every
+// rank, with compression int8 or fp16. Every result is within the codec's
+// bound of a float64 reference, the same on every rank, and operations were
+// fused.
+struct CodecShape {
+  const char* codec;
+  int nodes;
+  int ranks_per_node;
+};
+class MultiNodeCompressedFusionTest : public ::testing::TestWithParam<CodecShape> {};
+
+TEST_P(MultiNodeCompressedFusionTest, FusedCompressedResultsWithinTheBound) {
+  const CodecShape shape = GetParam();
+  const std::string codec = shape.codec;
+  auto cluster = Cluster::Start(shape.nodes, "tuning:\n  chunk_bytes: 64K\n  cycle_time_us: 20000\n"
+                                             "  min_compress_bytes: 1K\n  compression: " + codec + "\n");
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("cfusion");
+  const int world = shape.nodes * shape.ranks_per_node;
+  const std::string coordinator_socket = cluster->nodes[0]->socket();
+  auto codes = RunRanks(world, [&](int rank) {
+    auto comm = cluster->Join(job, rank, shape.nodes, shape.ranks_per_node);
+    CHILD_CHECK(comm != nullptr, "join");
+    struct Op {
+      std::string name;
+      ReduceOp op;
+      size_t count;
+      Buffer send, recv;
+      Handle h;
+    };
+    std::vector<Op> ops;
+    const size_t counts[] = {257, 300, 1001, 3000, 4099, 777};
+    for (int j = 0; j < 24; ++j) {
+      const ReduceOp op = j % 2 ? ReduceOp::kAvg : ReduceOp::kSum;
+      ops.push_back(Op{"g" + std::to_string(j), op, counts[j % 6] + static_cast<size_t>(j), {}, {}, {}});
+    }
+    for (auto& o : ops) {
+      Status s = comm->Allocate(o.count * 4, &o.send);
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+      s = comm->Allocate(o.count * 4, &o.recv);
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    }
+    // |value of rank r| <= 1 + 0.25 r.
+    auto value = [](size_t o, int r, size_t i) {
+      return static_cast<float>(std::sin(0.37 * i + 1.3 * r + 0.11 * o) * (1 + 0.25 * r));
+    };
+    std::vector<size_t> order(ops.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::rotate(order.begin(), order.begin() + (rank * 7) % ops.size(), order.end());
+    if (rank % 2) std::reverse(order.begin(), order.end());
+    for (size_t i : order) {
+      Op& o = ops[i];
+      auto* f = static_cast<float*>(o.send.data());
+      for (size_t e = 0; e < o.count; ++e) f[e] = value(i, rank, e);
+      OpOptions opt;
+      opt.name = o.name;
+      o.h = comm->Allreduce(o.send.data(), o.recv.data(), o.count, DataType::kFloat32, o.op, opt);
+    }
+    double sum_m = 0;
+    for (int r = 0; r < world; ++r) sum_m += 1 + 0.25 * r;
+    size_t inexact_ops = 0;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      Op& o = ops[i];
+      Status s = o.h.Wait();
+      CHILD_CHECK(s.ok(), "%s: %s", o.name.c_str(), s.ToString().c_str());
+      const auto* got = static_cast<const float*>(o.recv.data());
+      const double scale = o.op == ReduceOp::kAvg ? 1.0 / world : 1.0;
+      bool inexact = false;
+      for (size_t e = 0; e < o.count; ++e) {
+        double exact = 0, abs_sum = 0;
+        for (int r = 0; r < world; ++r) {
+          exact += value(i, r, e);
+          abs_sum += std::fabs(value(i, r, e));
+        }
+        // Node contributions are sums of their ranks' values: M_k and A_i
+        // are at most the ranks' sums.
+        const double arith = (shape.nodes + 2) * 0x1p-24 * (abs_sum + std::fabs(exact)) * 2;
+        const double bound =
+            codec == "int8" ? 2 * sum_m / 254 * 1.001 + arith
+                            : 0x1p-11 * (abs_sum + std::fabs(exact)) + shape.nodes * 0x1p-25 + arith;
+        const double err = std::fabs(got[e] - exact * scale);
+        CHILD_CHECK(err <= bound * scale, "%s rank %d element %zu: %g, want %g (bound %g)",
+                    o.name.c_str(), rank, e, got[e], exact * scale, bound * scale);
+        inexact = inexact || err > 0;
+      }
+      inexact_ops += inexact ? 1 : 0;
+    }
+    CHILD_CHECK(inexact_ops > 0, "rank %d: every result exact: nothing was compressed", rank);
+    // The same bits on every rank: each rank sends a hash through an
+    // (exact, uncompressed: integer) allreduce max and min.
+    uint64_t hash = 1469598103934665603ull;
+    for (auto& o : ops) {
+      const auto* b = static_cast<const uint8_t*>(o.recv.data());
+      for (size_t e = 0; e < o.count * 4; ++e) hash = (hash ^ b[e]) * 1099511628211ull;
+    }
+    Buffer h;
+    Status s = comm->Allocate(16, &h);
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    auto* hv = static_cast<int64_t*>(h.data());
+    hv[0] = static_cast<int64_t>(hash >> 1);
+    hv[1] = -static_cast<int64_t>(hash >> 1);
+    s = comm->Allreduce(hv, hv, 2, DataType::kInt64, ReduceOp::kMax, OpOptions{}).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    CHILD_CHECK(hv[0] == -hv[1] && hv[0] == static_cast<int64_t>(hash >> 1),
+                "rank %d: the ranks' results differ", rank);
+    s = comm->Barrier().Wait();
+    CHILD_CHECK(s.ok(), "barrier: %s", s.ToString().c_str());
+    if (rank == 0) {
+      const long long fused = OpsFused(coordinator_socket, job);
+      CHILD_CHECK(fused > 0, "%lld operations fused", fused);
+    }
+    s = comm->Barrier().Wait();
+    CHILD_CHECK(s.ok(), "barrier: %s", s.ToString().c_str());
+    return 0;
+  }, std::chrono::seconds(240));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  cluster->StopAll();
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, MultiNodeCompressedFusionTest,
+                         ::testing::Values(CodecShape{"int8", 2, 1}, CodecShape{"fp16", 2, 1},
+                                           CodecShape{"int8", 3, 2}, CodecShape{"fp16", 3, 1}),
+                         [](const auto& info) {
+                           return std::string(info.param.codec) + "_" +
+                                  std::to_string(info.param.nodes) + "nodes_x" +
+                                  std::to_string(info.param.ranks_per_node) + "ranks";
+                         });
+
 // A small urgent operation announced after a large one runs beside it, not
 // behind it: it completes while the large one is still in flight.
 TEST(MultiNodePriorityTest, SmallUrgentOperationOvertakesALargeOne) {

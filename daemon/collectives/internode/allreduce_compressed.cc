@@ -43,6 +43,17 @@
 // direction. The earliest unfinished key can then always post all its
 // transfers everywhere, and all its dependencies (a phase-1 send of chunk c
 // needs the phase-0 receives of chunk c) have smaller keys.
+//
+// Yielding (ctx.yield > 0: a higher-priority operation runs beside this one):
+// a new chunk message is sent only when none of this operation's sends is in
+// flight, so the other operation's chunks wait behind at most one of ours per
+// link (an overflow message travels with its chunk). Only the issue of sends
+// is limited; the window, its slots and the posting of receives stay as
+// above, so nodes that disagree about yielding (each reads its own flag at
+// its own moments) still post everything in the same key order: the earliest
+// unfinished key's sends are then the only ones a node can have left, and
+// each of them completes in turn, since its receives are posted everywhere.
+// A phase-1 chunk goes to the other nodes one at a time while yielding.
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -98,6 +109,8 @@ struct SendItem {
   int owner;         // the segment's owner (phase 1: this node)
   int slot = -1;
   int pending = 0;   // callbacks still to come
+  int dests = 0;     // destinations sent to (phase 0: 1 at most; phase 1: N-1)
+  uint64_t encoded = 0;
 };
 
 // One chunk to receive: phase 0 a contribution to the own segment from
@@ -116,14 +129,13 @@ struct RecvItem {
 class Pipeline {
  public:
   Pipeline(const InterNodeContext& ctx, const Codec& codec, ErrorFeedback* feedback,
-           const std::string& name, wire::DataType dtype, void* data, size_t count,
-           CompressionStats* stats)
+           const std::vector<FeedbackPiece>& pieces, wire::DataType dtype, void* data,
+           size_t count, CompressionStats* stats)
       : ctx_(ctx),
         t_(ctx.transport),
         codec_(codec),
         feedback_(dtype == wire::DataType::kFloat32 ? feedback : nullptr),
-        name_(name),
-        owner_name_(name + "#owner"),
+        pieces_(pieces),
         dtype_(dtype),
         base_(static_cast<uint8_t*>(data)),
         count_(count),
@@ -132,7 +144,9 @@ class Pipeline {
         me_(t_->self()),
         channels_(std::max(1, t_->num_channels())),
         es_(wire::DataTypeSize(static_cast<uint32_t>(dtype))),
-        mailbox_(std::make_shared<Mailbox>()) {}
+        mailbox_(std::make_shared<Mailbox>()) {
+    for (const FeedbackPiece& p : pieces_) owner_names_.push_back(p.name + "#owner");
+  }
 
   absl::Status Run();
 
@@ -155,8 +169,15 @@ class Pipeline {
 
   absl::Status Prepare();
   bool PostSends();
+  bool Yielding() const {
+    return ctx_.yield != nullptr && ctx_.yield->load(std::memory_order_relaxed) > 0;
+  }
   bool PostRecvs();
   void EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint64_t* encoded);
+  // Calls fn(piece index, offset in the piece, offset from `first`, length)
+  // for each piece overlapping elements [first, first + n) of the buffer.
+  template <typename Fn>
+  void ForPieces(size_t first, size_t n, Fn fn) const;
   void SendMessage(size_t item, int peer, int phase, size_t c, int owner, const uint8_t* slot,
                    uint64_t encoded, size_t typical);
   void Apply(Event& e);
@@ -170,8 +191,8 @@ class Pipeline {
   Transport* const t_;
   const Codec& codec_;
   ErrorFeedback* const feedback_;
-  const std::string& name_;
-  const std::string owner_name_;
+  const std::vector<FeedbackPiece>& pieces_;  // sorted, covering [0, count_)
+  std::vector<std::string> owner_names_;      // pieces_[i].name + "#owner"
   const wire::DataType dtype_;
   uint8_t* const base_;
   const size_t count_;
@@ -190,6 +211,7 @@ class Pipeline {
   std::vector<RecvItem> recvs_;
   size_t next_send_ = 0, next_recv_ = 0;
   size_t outstanding_ = 0;  // callbacks to come
+  size_t send_msgs_in_flight_ = 0;  // send messages posted and not completed
   std::vector<int> per_peer_outstanding_;
   // Phase 0: recvs_[c * (n_-1) + t] is the contribution to own chunk c from
   // the t-th other node (ascending); added_[c] of them are added.
@@ -269,14 +291,32 @@ TransferDone Pipeline::Callback(bool is_send, size_t item, int peer) {
 // through the chunk in pieces of kPieceElems, so that apply, encode, decode
 // and update of a piece find it in cache: one pass over memory instead of
 // four; the bytes are those of encoding the chunk whole.
+template <typename Fn>
+void Pipeline::ForPieces(size_t first, size_t n, Fn fn) const {
+  // The last piece starting at or before `first`.
+  size_t i = static_cast<size_t>(
+      std::upper_bound(pieces_.begin(), pieces_.end(), first,
+                       [](size_t x, const FeedbackPiece& p) { return x < p.offset; }) -
+      pieces_.begin());
+  i = i == 0 ? 0 : i - 1;
+  for (size_t at = first; at < first + n && i < pieces_.size(); ++i) {
+    const FeedbackPiece& p = pieces_[i];
+    const size_t end = std::min(first + n, p.offset + p.count);
+    if (end <= at) continue;
+    fn(i, at - p.offset, at - first, end - at);
+    at = end;
+  }
+}
+
 void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint64_t* encoded) {
   uint8_t* ptr = ChunkPtr(owner, c);
   const size_t m = ChunkLen(owner, c);
-  // Residual keys: the contribution by its offset in the buffer, the owner's
-  // sum by its offset in the segment.
-  const std::string& key = own_sum ? owner_name_ : name_;
-  const size_t key_count = own_sum ? Len(me_) : count_;
-  const size_t key_offset = own_sum ? c * elems_ : ChunkFirst(owner, c);
+  const size_t chunk_first = ChunkFirst(owner, c);
+  // Residual keys, per piece (operation), indexed by element of the piece:
+  // the contributions under its name, the owner's sums under name#owner.
+  const auto key = [&](size_t i) -> const std::string& {
+    return own_sum ? owner_names_[i] : pieces_[i].name;
+  };
   const size_t g = codec_.SplitGranule();
   const size_t piece = g == 0 ? m : std::max(g, kPieceElems / g * g);
   uint64_t total = 0;
@@ -285,13 +325,23 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
     uint8_t* p = ptr + a * es_;
     uint8_t* out = slot + kHeader + total;
     auto* f = reinterpret_cast<float*>(p);
-    if (feedback_ != nullptr) feedback_->ApplyRange(key, key_count, key_offset + a, f, k);
+    if (feedback_ != nullptr) {
+      ForPieces(chunk_first + a, k, [&](size_t i, size_t at, size_t from, size_t len) {
+        if (!pieces_[i].name.empty()) {
+          feedback_->ApplyRange(key(i), pieces_[i].count, at, f + from, len);
+        }
+      });
+    }
     const size_t bytes = codec_.Encode(dtype_, p, k, out);
     absl::Status s;
     if (feedback_ != nullptr) {
       s = codec_.Decode(dtype_, out, bytes, k, decoded_);
       if (s.ok()) {
-        feedback_->UpdateRange(key, key_count, key_offset + a, f, decoded_, k);
+        ForPieces(chunk_first + a, k, [&](size_t i, size_t at, size_t from, size_t len) {
+          if (!pieces_[i].name.empty()) {
+            feedback_->UpdateRange(key(i), pieces_[i].count, at, f + from, decoded_ + from, len);
+          }
+        });
         if (own_sum) std::memcpy(p, decoded_, k * sizeof(float));
       }
     } else if (own_sum) {
@@ -316,6 +366,7 @@ void Pipeline::SendMessage(size_t item, int peer, int phase, size_t c, int owner
   const bool overflow = encoded > typical;
   s.pending += overflow ? 2 : 1;
   outstanding_ += overflow ? 2 : 1;
+  send_msgs_in_flight_ += overflow ? 2 : 1;
   per_peer_outstanding_[peer] += overflow ? 2 : 1;
   t_->Send(peer, channel, Tag(phase, c, false), slot, main, Callback(true, item, peer));
   if (overflow) {
@@ -326,27 +377,36 @@ void Pipeline::SendMessage(size_t item, int peer, int phase, size_t c, int owner
   stats_->wire_bytes += kHeader + std::max<uint64_t>(encoded, typical);
 }
 
+// Sends in key order. An item is encoded into its slot once, then sent to
+// its destinations (phase 1: every other node, in the order me+1, me+2, ...);
+// while yielding, one message is sent only when no other send is in flight,
+// so an item may be sent to its destinations over several calls (next_send_
+// stays on it until the last one is sent).
 bool Pipeline::PostSends() {
   bool posted = false;
-  while (error_.ok() && next_send_ < sends_.size() && !free_send_.empty()) {
+  while (error_.ok() && next_send_ < sends_.size()) {
     SendItem& s = sends_[next_send_];
-    if (s.phase == 1 && added_[s.chunk] != static_cast<size_t>(n_ - 1)) break;
-    s.slot = free_send_.back();
-    free_send_.pop_back();
-    uint8_t* slot = SendSlot(s.slot);
-    uint64_t encoded = 0;
-    EncodeInto(slot, s.owner, s.chunk, s.phase == 1, &encoded);
-    if (!error_.ok()) break;
-    const size_t typical = codec_.TypicalEncodedBytes(dtype_, ChunkLen(s.owner, s.chunk));
-    const size_t item = next_send_++;
-    if (s.phase == 0) {
-      SendMessage(item, s.owner, 0, s.chunk, s.owner, slot, encoded, typical);
-    } else {
-      for (int d = 1; d < n_; ++d) {
-        SendMessage(item, (me_ + d) % n_, 1, s.chunk, me_, slot, encoded, typical);
-      }
+    if (s.slot < 0) {
+      if (free_send_.empty()) break;
+      if (s.phase == 1 && added_[s.chunk] != static_cast<size_t>(n_ - 1)) break;
+      if (send_msgs_in_flight_ > 0 && Yielding()) break;  // before encoding: keep it fresh
+      s.slot = free_send_.back();
+      free_send_.pop_back();
+      EncodeInto(SendSlot(s.slot), s.owner, s.chunk, s.phase == 1, &s.encoded);
+      if (!error_.ok()) break;
     }
-    posted = true;
+    const int total = s.phase == 0 ? 1 : n_ - 1;
+    const size_t typical = codec_.TypicalEncodedBytes(dtype_, ChunkLen(s.owner, s.chunk));
+    while (s.dests < total) {
+      if (send_msgs_in_flight_ > 0 && Yielding()) break;
+      const int peer = s.phase == 0 ? s.owner : (me_ + 1 + s.dests) % n_;
+      SendMessage(next_send_, peer, s.phase, s.chunk, s.owner, SendSlot(s.slot), s.encoded,
+                  typical);
+      ++s.dests;
+      posted = true;
+    }
+    if (s.dests < total) break;
+    ++next_send_;
   }
   return posted;
 }
@@ -391,13 +451,15 @@ void Pipeline::Apply(Event& e) {
   --outstanding_;
   --per_peer_outstanding_[e.peer];
   if (e.is_send) {
+    --send_msgs_in_flight_;
     SendItem& s = sends_[e.item];
     if (!e.status.ok()) {
       Fail(absl::Status(e.status.code(),
                         absl::StrCat(kWhat, ": send of chunk ", s.chunk, " (phase ", s.phase,
                                      ") to node ", e.peer, " failed: ", e.status.message())));
     }
-    if (--s.pending == 0) free_send_.push_back(s.slot);
+    // Free once every destination was sent to and every send completed.
+    if (--s.pending == 0 && s.dests == (s.phase == 0 ? 1 : n_ - 1)) free_send_.push_back(s.slot);
     return;
   }
   RecvItem& r = recvs_[e.item];
@@ -540,6 +602,27 @@ absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec
                                  ErrorFeedback* feedback, const std::string& name,
                                  wire::DataType dtype, void* data, size_t count,
                                  CompressionStats* stats) {
+  const std::vector<FeedbackPiece> pieces = {FeedbackPiece{name, 0, count}};
+  return AllreduceCompressedPieces(ctx, codec, feedback, pieces, dtype, data, count, stats);
+}
+
+absl::Status AllreduceCompressedPieces(const InterNodeContext& ctx, const Codec& codec,
+                                       ErrorFeedback* feedback,
+                                       const std::vector<FeedbackPiece>& pieces,
+                                       wire::DataType dtype, void* data, size_t count,
+                                       CompressionStats* stats) {
+  size_t covered = 0;
+  for (const FeedbackPiece& p : pieces) {
+    if (p.offset != covered) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kWhat, ": piece '", p.name, "' starts at ", p.offset, ", expected ", covered));
+    }
+    covered += p.count;
+  }
+  if (covered != count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kWhat, ": pieces cover ", covered, " elements of ", count));
+  }
   if (absl::Status s = codec.Supports(dtype); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(kWhat, ": ", s.message()));
   }
@@ -551,7 +634,7 @@ absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec
   if (ctx.transport->num_peers() <= 1 || count == 0) return absl::OkStatus();
   if (ctx.scratch == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no scratch buffer"));
   CompressionStats local;
-  Pipeline pipeline(ctx, codec, feedback, name, dtype, data, count, stats ? stats : &local);
+  Pipeline pipeline(ctx, codec, feedback, pieces, dtype, data, count, stats ? stats : &local);
   return pipeline.Run();
 }
 

@@ -3,6 +3,7 @@
 // error feedback makes the running sum of results track the exact one.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -552,6 +553,340 @@ TEST(PipelinedCompressedTest, UnsupportedDtypeIsAClearError) {
                                        d.data(), d.size(), &stats);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("float64"), absl::string_view::npos) << s;
+}
+
+// Fused operations (AllreduceCompressedPieces) on every node k: bufs[k]
+// holds the packed buffer.
+std::vector<absl::Status> RunPieces(InProcessHub& hub, const Codec& codec,
+                                    std::vector<std::unique_ptr<ErrorFeedback>>* fb,
+                                    const std::vector<FeedbackPiece>& pieces,
+                                    std::vector<std::vector<float>>& bufs, uint64_t chunk_bytes,
+                                    uint64_t seq, std::vector<ScratchBuffer>& scratch) {
+  const int n = hub.num_nodes();
+  std::vector<absl::Status> status(n);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{hub.transport(k), seq << 24, chunk_bytes, 3,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                           &scratch[k]};
+      CompressionStats stats;
+      status[k] = AllreduceCompressedPieces(ctx, codec, fb ? (*fb)[k].get() : nullptr, pieces,
+                                            wire::DataType::kFloat32, bufs[k].data(),
+                                            bufs[k].size(), &stats);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return status;
+}
+
+std::vector<FeedbackPiece> Pack(const std::vector<std::pair<std::string, size_t>>& ops) {
+  std::vector<FeedbackPiece> pieces;
+  size_t at = 0;
+  for (const auto& [name, count] : ops) {
+    pieces.push_back(FeedbackPiece{name, at, count});
+    at += count;
+  }
+  return pieces;
+}
+
+// Several operations of different sizes (0, 1, odd, across chunks) and
+// scales packed in one compressed allreduce: the same bits on every node,
+// each element within the codec's bound against a float64 sum, where M_k
+// and max|s| are taken over the packed buffer (an int8 block or a top-k
+// chunk may span operations).
+TEST(FusedCompressedTest, PackedOperationsWithinTheBoundAndTheSameEverywhere) {
+  const std::vector<std::pair<std::string, size_t>> ops = {
+      {"a", 1}, {"b", 0}, {"c", 777}, {"d", 5003}, {"e", 256}, {"#3", 300}};
+  for (const char* c : {"int8", "fp16", "bf16", "topk:0.05"}) {
+    for (int n : {2, 3, 4}) {
+      SCOPED_TRACE(::testing::Message() << c << " nodes " << n);
+      auto codec = MakeCodec(*ParseCodec(c));
+      const auto pieces = Pack(ops);
+      const size_t count = pieces.back().offset + pieces.back().count;
+      InProcessHub hub(n, 2);
+      std::vector<ScratchBuffer> scratch(n);
+      std::vector<std::unique_ptr<ErrorFeedback>> fb;
+      std::vector<std::vector<float>> bufs(n, std::vector<float>(count));
+      std::vector<double> exact(count, 0.0), abs_sum(count, 0.0);
+      double sum_m = 0, sum_l2 = 0;
+      for (int k = 0; k < n; ++k) {
+        fb.push_back(std::make_unique<ErrorFeedback>(64 << 20));
+        std::vector<float> g = Gradient(k, count, 5);
+        double m = 0, l2 = 0;
+        for (size_t p = 0; p < pieces.size(); ++p) {
+          for (size_t i = pieces[p].offset; i < pieces[p].offset + pieces[p].count; ++i) {
+            bufs[k][i] = g[i] * static_cast<float>(p + 1);
+          }
+        }
+        for (size_t i = 0; i < count; ++i) {
+          exact[i] += bufs[k][i];
+          abs_sum[i] += std::fabs(bufs[k][i]);
+          m = std::max(m, double{std::fabs(bufs[k][i])});
+          l2 += double{bufs[k][i]} * bufs[k][i];
+        }
+        sum_m += m;
+        sum_l2 += std::sqrt(l2);
+      }
+      double max_s = 0, s_l2 = 0;
+      for (double e : exact) {
+        max_s = std::max(max_s, std::fabs(e));
+        s_l2 += e * e;
+      }
+      s_l2 = std::sqrt(s_l2);
+      auto st = RunPieces(hub, *codec, &fb, pieces, bufs, 4096, 1, scratch);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      for (int k = 1; k < n; ++k) ASSERT_EQ(bufs[k], bufs[0]) << "node " << k;
+      double err2 = 0;
+      for (size_t i = 0; i < count; ++i) {
+        const double err = std::fabs(bufs[0][i] - exact[i]);
+        const double arith = (n + 1) * 0x1p-24 * (abs_sum[i] + std::fabs(exact[i]));
+        err2 += err * err;
+        if (std::string(c) == "int8") {
+          ASSERT_LE(err, (sum_m + max_s) / 254 * 1.001 + arith) << i;
+        } else if (std::string(c) == "fp16") {
+          ASSERT_LE(err, 0x1p-11 * (abs_sum[i] + std::fabs(exact[i])) + n * 0x1p-25 + arith) << i;
+        } else if (std::string(c) == "bf16") {
+          ASSERT_LE(err, 0x1p-8 * (abs_sum[i] + std::fabs(exact[i])) + arith) << i;
+        }
+      }
+      if (std::string(c) == "topk:0.05") {
+        EXPECT_LE(std::sqrt(err2), std::sqrt(1 - 0.05) * (sum_l2 + s_l2) * 1.001);
+      }
+      // Residuals under each named operation's own names, none for "#3".
+      for (int k = 0; k < n; ++k) {
+        EXPECT_EQ(fb[k]->GetStats().size_resets, 0u);
+      }
+    }
+  }
+}
+
+// The pieces must cover the buffer: a clear error otherwise.
+TEST(FusedCompressedTest, PiecesThatDoNotCoverTheBufferAreAnError) {
+  auto codec = MakeCodec(*ParseCodec("int8"));
+  InProcessHub hub(2, 1);
+  ScratchBuffer scratch;
+  InterNodeContext ctx{hub.transport(0), uint64_t{1} << 24, 4096, 2,
+                       std::chrono::steady_clock::now() + std::chrono::seconds(3), &scratch};
+  std::vector<float> d(100, 1.0f);
+  for (const auto& pieces : {Pack({{"a", 40}, {"b", 50}}), Pack({{"a", 40}, {"b", 70}})}) {
+    absl::Status s = AllreduceCompressedPieces(ctx, *codec, nullptr, pieces,
+                                               wire::DataType::kFloat32, d.data(), d.size(),
+                                               nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("cover"), absl::string_view::npos) << s;
+  }
+  auto gap = Pack({{"a", 40}, {"b", 60}});
+  gap[1].offset = 41;
+  absl::Status s = AllreduceCompressedPieces(ctx, *codec, nullptr, gap, wire::DataType::kFloat32,
+                                             d.data(), d.size(), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+}
+
+// Error feedback stays with each operation whatever it is fused with: three
+// operations of fixed inputs, over 30 steps packed in changing groups and
+// orders (an operation fused in one step runs alone, or fused at another
+// offset, in the next). Each one's running sum of results tracks T times its
+// exact sum within a bound that does not grow with T (the residuals left on
+// the nodes: contributions on every node, and the owner's sums on every node
+// that owned an element at some point), checked at every step, and no
+// residual is ever reset. Without feedback (or with residuals lost when the
+// grouping changes) the gap grows with T: fixed inputs round the same way
+// every step.
+TEST(FusedCompressedTest, ErrorFeedbackStaysPerOperationAcrossFusionGroups) {
+  const std::vector<std::pair<std::string, size_t>> all = {{"A", 1000}, {"B", 3000}, {"C", 517}};
+  // Groups per step (each a list of indices into `all`, packed in that order).
+  const std::vector<std::vector<std::vector<int>>> schedules = {
+      {{0, 1}, {2}}, {{0}, {2, 1}}, {{1, 2, 0}}, {{2, 0}, {1}}};
+  for (const char* c : {"int8", "fp16"}) {
+    for (int n : {2, 3}) {
+      SCOPED_TRACE(::testing::Message() << c << " nodes " << n);
+      auto codec = MakeCodec(*ParseCodec(c));
+      InProcessHub hub(n, 2);
+      std::vector<ScratchBuffer> scratch(n);
+      std::vector<std::unique_ptr<ErrorFeedback>> fb;
+      for (int k = 0; k < n; ++k) fb.push_back(std::make_unique<ErrorFeedback>(64 << 20));
+      // inputs[o][k]: operation o's input on node k.
+      std::vector<std::vector<std::vector<float>>> inputs(all.size());
+      std::vector<std::vector<double>> exact(all.size()), applied(all.size());
+      double sum_m = 0, max_s = 0;
+      std::vector<double> node_m(n, 0.0);
+      for (size_t o = 0; o < all.size(); ++o) {
+        exact[o].assign(all[o].second, 0.0);
+        applied[o].assign(all[o].second, 0.0);
+        for (int k = 0; k < n; ++k) {
+          inputs[o].push_back(Gradient(k, all[o].second, 20 + static_cast<uint32_t>(o)));
+          for (size_t i = 0; i < all[o].second; ++i) {
+            exact[o][i] += inputs[o][k][i];
+            node_m[k] = std::max(node_m[k], double{std::fabs(inputs[o][k][i])});
+          }
+        }
+        for (double e : exact[o]) max_s = std::max(max_s, std::fabs(e));
+      }
+      for (double m : node_m) sum_m += m;
+      const double bound = std::string(c) == "int8" ? 1.05 * (sum_m + n * max_s) / 254
+                                                    : 1.05 * 0x1p-11 * (sum_m + n * max_s);
+      const int steps = 30;
+      uint64_t seq = 1;
+      for (int step = 1; step <= steps; ++step) {
+        for (const auto& group : schedules[step % schedules.size()]) {
+          std::vector<std::pair<std::string, size_t>> ops;
+          for (int o : group) ops.push_back(all[o]);
+          const auto pieces = Pack(ops);
+          const size_t count = pieces.back().offset + pieces.back().count;
+          std::vector<std::vector<float>> bufs(n, std::vector<float>(count));
+          for (int k = 0; k < n; ++k) {
+            for (size_t g = 0; g < group.size(); ++g) {
+              std::memcpy(bufs[k].data() + pieces[g].offset, inputs[group[g]][k].data(),
+                          pieces[g].count * sizeof(float));
+            }
+          }
+          auto st = RunPieces(hub, *codec, &fb, pieces, bufs, 2048 + 1024 * (step % 3), seq++,
+                              scratch);
+          for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+          for (int k = 1; k < n; ++k) ASSERT_EQ(bufs[k], bufs[0]);
+          for (size_t g = 0; g < group.size(); ++g) {
+            for (size_t i = 0; i < pieces[g].count; ++i) {
+              applied[group[g]][i] += bufs[0][pieces[g].offset + i];
+            }
+          }
+        }
+        double worst = 0;
+        for (size_t o = 0; o < all.size(); ++o) {
+          for (size_t i = 0; i < exact[o].size(); ++i) {
+            const double gap = std::fabs(applied[o][i] - step * exact[o][i]);
+            worst = std::max(worst, gap - step * 0x1p-22 * (sum_m + max_s));
+          }
+        }
+        ASSERT_LE(worst, bound) << "step " << step;
+      }
+      for (int k = 0; k < n; ++k) EXPECT_EQ(fb[k]->GetStats().size_resets, 0u) << "node " << k;
+    }
+  }
+}
+
+// Counts, per node, the sends posted and not yet completed.
+class SendsInFlight final : public Transport {
+ public:
+  explicit SendsInFlight(Transport* inner) : inner_(inner) {}
+  int self() const override { return inner_->self(); }
+  int num_peers() const override { return inner_->num_peers(); }
+  int num_channels() const override { return inner_->num_channels(); }
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    const int now = ++in_flight_;
+    int seen = max_seen_.load();
+    while (now > seen && !max_seen_.compare_exchange_weak(seen, now)) {
+    }
+    inner_->Send(peer, channel, tag, data, bytes, [this, done = std::move(done)](absl::Status s) {
+      --in_flight_;
+      done(std::move(s));
+    });
+  }
+  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+            TransferDone done) override {
+    inner_->Recv(peer, channel, tag, data, bytes, std::move(done));
+  }
+  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
+  int max_seen() const { return max_seen_.load(); }
+  void Reset() { max_seen_ = 0; }
+
+ private:
+  Transport* inner_;
+  std::atomic<int> in_flight_{0};
+  std::atomic<int> max_seen_{0};
+};
+
+// Per node: never yields, yields throughout, or a flag that another thread
+// flips on and off while the operation runs.
+enum class YieldMode { kNo, kAlways, kToggling };
+
+std::vector<absl::Status> RunYielding(InProcessHub& hub,
+                                      std::vector<std::unique_ptr<SendsInFlight>>& wrapped,
+                                      const Codec& codec, std::vector<std::vector<uint8_t>>& bufs,
+                                      size_t count, const std::vector<YieldMode>& modes,
+                                      uint64_t seq) {
+  const int n = hub.num_nodes();
+  std::vector<absl::Status> status(n);
+  std::vector<ScratchBuffer> scratch(n);
+  std::vector<std::atomic<int>> flags(n);
+  std::atomic<bool> stop{false};
+  for (int k = 0; k < n; ++k) flags[k] = modes[k] == YieldMode::kAlways ? 1 : 0;
+  std::thread toggler([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      for (int k = 0; k < n; ++k) {
+        if (modes[k] == YieldMode::kToggling) flags[k] = i & 1;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{wrapped[k].get(), seq << 24, 4096, 4,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                           &scratch[k]};
+      ctx.yield = &flags[k];
+      CompressionStats stats;
+      status[k] = AllreduceCompressed(ctx, codec, nullptr, "y", wire::DataType::kFloat32,
+                                      bufs[k].data(), count, &stats);
+    });
+  }
+  for (auto& t : threads) t.join();
+  stop = true;
+  toggler.join();
+  return status;
+}
+
+// While yielding, at most one send is in flight; results are bit for bit
+// those of the operation that does not yield, also when nodes disagree about
+// yielding (some always, some never, some flipping during the operation).
+TEST(PipelinedCompressedYieldTest, YieldingKeepsOneSendInFlightAndTheSameBits) {
+  const size_t count = 20011;  // 1024-element chunks (4096 bytes): many per segment
+  for (const char* name : {"none", "fp16", "int8", "topk:0.05"}) {
+    auto codec = MakeCodec(*ParseCodec(name));
+    for (int n : {2, 3, 4}) {
+      SCOPED_TRACE(testing::Message() << name << " n=" << n);
+      InProcessHub hub(n, 2);
+      std::vector<std::unique_ptr<SendsInFlight>> wrapped;
+      for (int k = 0; k < n; ++k) wrapped.push_back(std::make_unique<SendsInFlight>(hub.transport(k)));
+      std::vector<std::vector<uint8_t>> inputs;
+      for (int k = 0; k < n; ++k) {
+        inputs.push_back(MakeBuffer(wire::DataType::kFloat32, count, 40 + k).bytes);
+      }
+      // Reference: nobody yields (and the counter must see more than one).
+      auto ref = inputs;
+      auto st = RunYielding(hub, wrapped, *codec, ref, count,
+                            std::vector<YieldMode>(n, YieldMode::kNo), 1);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      int most = 0;
+      for (auto& w : wrapped) most = std::max(most, w->max_seen());
+      EXPECT_GT(most, 1) << "the counter sees the window when nobody yields";
+
+      for (auto& w : wrapped) w->Reset();
+      auto yielded = inputs;
+      st = RunYielding(hub, wrapped, *codec, yielded, count,
+                       std::vector<YieldMode>(n, YieldMode::kAlways), 2);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      for (int k = 0; k < n; ++k) {
+        EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k << " had more than one send in flight";
+        EXPECT_EQ(yielded[k], ref[k]) << "node " << k;
+      }
+
+      std::vector<YieldMode> mixed(n);
+      for (int k = 0; k < n; ++k) {
+        mixed[k] = k == 0 ? YieldMode::kToggling : (k % 2 ? YieldMode::kAlways : YieldMode::kNo);
+      }
+      for (auto& w : wrapped) w->Reset();
+      auto disagreeing = inputs;
+      st = RunYielding(hub, wrapped, *codec, disagreeing, count, mixed, 3);
+      for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+      for (int k = 0; k < n; ++k) {
+        if (mixed[k] == YieldMode::kAlways) EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k;
+        EXPECT_EQ(disagreeing[k], ref[k]) << "node " << k;
+      }
+    }
+  }
 }
 
 TEST(CompressedAllreduceFaultTest, KilledNodeGivesAnErrorNotAHang) {

@@ -90,15 +90,37 @@ struct CompressionStats {
 // chunks in flight per direction: a chunk is encoded while earlier ones
 // travel and decoded as it arrives; the allgather of a chunk starts as soon
 // as its sum is complete. With `feedback` (float32 only), what each
-// compression dropped is kept under `name` (contributions, per element) and
-// `name#owner` (the owned segment's sum) and added to the next operation of
-// that name. `stats` (may be null) gets raw and wire bytes sent. Steps,
-// bytes on the wire and error bounds: ../README.md; codecs:
-// daemon/compression/README.md.
+// compression dropped is kept under `name` (contributions) and `name#owner`
+// (the owner's sums), both indexed by element of the operation, and added to
+// the next operation of that name. `stats` (may be null) gets raw and wire
+// bytes sent. Steps, bytes on the wire and error bounds: ../README.md;
+// codecs: daemon/compression/README.md.
 absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec,
                                  ErrorFeedback* feedback, const std::string& name,
                                  wire::DataType dtype, void* data, size_t count,
                                  CompressionStats* stats);
+
+// Elements [offset, offset + count) of a fused buffer belong to operation
+// `name`: its error feedback residuals are `name` and `name#owner`, indexed
+// by element of that operation, whatever it is packed with. An empty name:
+// no error feedback for those elements (an unnamed operation).
+struct FeedbackPiece {
+  std::string name;
+  size_t offset;
+  size_t count;
+};
+
+// AllreduceCompressed over several operations packed in one buffer (tensor
+// fusion): `pieces` cover [0, count) in order, without gaps. Each piece
+// keeps its own residuals (as if it had run alone, so an operation fused in
+// one step and alone or fused differently in the next keeps them); chunks,
+// segments and top-k's selection are over the packed buffer (see
+// ../README.md). The single-operation form is this with one piece.
+absl::Status AllreduceCompressedPieces(const InterNodeContext& ctx, const Codec& codec,
+                                       ErrorFeedback* feedback,
+                                       const std::vector<FeedbackPiece>& pieces,
+                                       wire::DataType dtype, void* data, size_t count,
+                                       CompressionStats* stats);
 
 // `input` (null or `data`: in place) is read and never written: the ring
 // then reads each segment's local contribution from `input` where it folds it
