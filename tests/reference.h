@@ -139,7 +139,39 @@ inline void FillInput(DataType t, ReduceOp op, int rank, void* out, size_t count
   }
 }
 
+// Small integers: exact in every dtype and through any order of reduction,
+// so every rank's result must equal the reference bit for bit, whatever
+// path (fused, staged through the host, several nodes) the data took.
+inline void FillSmall(DataType t, ReduceOp op, int rank, void* out, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t h = i * 2654435761u + static_cast<uint64_t>(rank) * 97u + 13;
+    int64_t v = op == ReduceOp::kProd ? ((h % 5 == 0) ? 2 : ((h % 7 == 0) ? -1 : 1))
+                                      : static_cast<int64_t>(h % 15) - 7;
+    if (t == DataType::kUInt8 && v < 0) v = -v;
+    switch (t) {
+      case DataType::kFloat32: static_cast<float*>(out)[i] = static_cast<float>(v); break;
+      case DataType::kFloat64: static_cast<double*>(out)[i] = static_cast<double>(v); break;
+      case DataType::kFloat16: static_cast<uint16_t*>(out)[i] = FloatToHalf(static_cast<float>(v)); break;
+      case DataType::kBFloat16: static_cast<uint16_t*>(out)[i] = FloatToBFloat(static_cast<float>(v)); break;
+      case DataType::kInt8: static_cast<int8_t*>(out)[i] = static_cast<int8_t>(v); break;
+      case DataType::kUInt8: static_cast<uint8_t*>(out)[i] = static_cast<uint8_t>(v); break;
+      case DataType::kInt32: static_cast<int32_t*>(out)[i] = static_cast<int32_t>(v); break;
+      case DataType::kInt64: static_cast<int64_t*>(out)[i] = v; break;
+    }
+  }
+}
+
 enum class Coll { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
+
+inline const char* CollName(Coll c) {
+  switch (c) {
+    case Coll::kAllreduce: return "allreduce";
+    case Coll::kReduceScatter: return "reduce_scatter";
+    case Coll::kAllgather: return "allgather";
+    case Coll::kBroadcast: return "broadcast";
+  }
+  return "?";
+}
 
 // What rank `rank` of `world` must receive from `coll` of `count` elements
 // (per rank block for reduce_scatter / allgather) when rank r's send buffer

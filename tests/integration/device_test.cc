@@ -95,21 +95,23 @@ TEST(DeviceBuffersTest, ClearErrorWithoutCuda) {
 
 #if CIUIC_HAVE_CUDA
 
-const char* Name(Coll c) {
-  switch (c) {
-    case Coll::kAllreduce: return "allreduce";
-    case Coll::kReduceScatter: return "reduce_scatter";
-    case Coll::kAllgather: return "allgather";
-    case Coll::kBroadcast: return "broadcast";
-  }
-  return "?";
-}
-
 #define CUDA_CHECK(call)                                                                  \
   do {                                                                                    \
     cudaError_t e_ = (call);                                                              \
     CHILD_CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));              \
   } while (0)
+
+// `coll` on device buffers (broadcast from `root`).
+Handle SubmitDevice(Communicator& comm, Coll coll, DeviceBuffer s, DeviceBuffer r, size_t count,
+                    DataType t, ReduceOp op, int root, const OpOptions& opts) {
+  switch (coll) {
+    case Coll::kAllreduce: return comm.Allreduce(s, r, count, t, op, opts);
+    case Coll::kReduceScatter: return comm.ReduceScatter(s, r, count, t, op, opts);
+    case Coll::kAllgather: return comm.Allgather(s, r, count, t, opts);
+    case Coll::kBroadcast: break;
+  }
+  return comm.Broadcast(s, r, count, t, root, opts);
+}
 
 // One rank, one operation on device buffers. The input is copied to the
 // device on `stream` without synchronising: the daemon must wait for it
@@ -147,14 +149,7 @@ int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, Coll coll,
   const int root = world - 1;
   const DeviceBuffer s{send_arg, device};
   const DeviceBuffer r{recv_arg, device};
-  Handle h;
-  switch (coll) {
-    case Coll::kAllreduce: h = comm.Allreduce(s, r, count, t, op, opts); break;
-    case Coll::kReduceScatter: h = comm.ReduceScatter(s, r, count, t, op, opts); break;
-    case Coll::kAllgather: h = comm.Allgather(s, r, count, t, opts); break;
-    case Coll::kBroadcast: h = comm.Broadcast(s, r, count, t, root, opts); break;
-  }
-  Status st = h.Wait();
+  Status st = SubmitDevice(comm, coll, s, r, count, t, op, root, opts).Wait();
   CHILD_CHECK(st.ok(), "%s: %s", name.c_str(), st.ToString().c_str());
   std::vector<uint8_t> got(recv_count * es + 1);
   const uint8_t* out = in_place && coll == Coll::kAllgather ? recv : recv_arg;
@@ -190,7 +185,7 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
         if (!reduces && op != ReduceOp::kSum) continue;
         for (size_t count : kCounts) {
           const bool in_place = ++combo % 3 == 0;
-          const std::string name = std::string(Name(coll)) + "/" + DataTypeName(t) + "/" +
+          const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
                                    ReduceOpName(op) + "/" + std::to_string(count) +
                                    (in_place ? "/inplace" : "");
           if (RunOneDevice(*comm, device, stream, coll, t, op, count, in_place, name) != 0) {
@@ -245,25 +240,6 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DeviceCollectivesTest, ::testing::Values(1, 2, 3
 // each, all on the GPU(s) of this machine; the device buffers go through
 // pinned host copies around the inter-node algorithm. Small integers, so that
 // any order of reduction gives the reference exactly.
-void FillSmallInt(DataType t, ReduceOp op, int rank, void* out, size_t count) {
-  for (size_t i = 0; i < count; ++i) {
-    const uint64_t h = i * 2654435761u + static_cast<uint64_t>(rank) * 97u + 13;
-    int64_t v = op == ReduceOp::kProd ? ((h % 5 == 0) ? 2 : ((h % 7 == 0) ? -1 : 1))
-                                      : static_cast<int64_t>(h % 15) - 7;
-    if (t == DataType::kUInt8 && v < 0) v = -v;
-    switch (t) {
-      case DataType::kFloat32: static_cast<float*>(out)[i] = static_cast<float>(v); break;
-      case DataType::kFloat64: static_cast<double*>(out)[i] = static_cast<double>(v); break;
-      case DataType::kFloat16: static_cast<uint16_t*>(out)[i] = FloatToHalf(static_cast<float>(v)); break;
-      case DataType::kBFloat16: static_cast<uint16_t*>(out)[i] = FloatToBFloat(static_cast<float>(v)); break;
-      case DataType::kInt8: static_cast<int8_t*>(out)[i] = static_cast<int8_t>(v); break;
-      case DataType::kUInt8: static_cast<uint8_t*>(out)[i] = static_cast<uint8_t>(v); break;
-      case DataType::kInt32: static_cast<int32_t*>(out)[i] = static_cast<int32_t>(v); break;
-      case DataType::kInt64: static_cast<int64_t*>(out)[i] = v; break;
-    }
-  }
-}
-
 int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, Coll coll,
                           DataType t, ReduceOp op, size_t count, const std::string& name) {
   const int world = comm.world_size();
@@ -272,7 +248,7 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, C
   const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
   const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
   std::vector<uint8_t> host(send_count * es + 1);
-  FillSmallInt(t, op, rank, host.data(), send_count);
+  FillSmall(t, op, rank, host.data(), send_count);
   uint8_t* send = nullptr;
   uint8_t* recv = nullptr;
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), std::max<size_t>(1, send_count * es)));
@@ -285,20 +261,13 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, C
   const int root = world - 1;
   const DeviceBuffer s{send, device};
   const DeviceBuffer r{recv, device};
-  Handle h;
-  switch (coll) {
-    case Coll::kAllreduce: h = comm.Allreduce(s, r, count, t, op, opts); break;
-    case Coll::kReduceScatter: h = comm.ReduceScatter(s, r, count, t, op, opts); break;
-    case Coll::kAllgather: h = comm.Allgather(s, r, count, t, opts); break;
-    case Coll::kBroadcast: h = comm.Broadcast(s, r, count, t, root, opts); break;
-  }
-  Status st = h.Wait();
+  Status st = SubmitDevice(comm, coll, s, r, count, t, op, root, opts).Wait();
   CHILD_CHECK(st.ok(), "%s: %s", name.c_str(), st.ToString().c_str());
   std::vector<uint8_t> got(recv_count * es + 1);
   CUDA_CHECK(cudaMemcpy(got.data(), recv, recv_count * es, cudaMemcpyDeviceToHost));
   const std::vector<uint8_t> want = ReferenceCollective(
       coll, t, op, world, rank, root, count,
-      [&](int q, void* o, size_t n) { FillSmallInt(t, op, q, o, n); });
+      [&](int q, void* o, size_t n) { FillSmall(t, op, q, o, n); });
   for (size_t i = 0; i < recv_count; ++i) {
     CHILD_CHECK(std::memcmp(got.data() + i * es, want.data() + i * es, es) == 0,
                 "%s rank %d: element %zu of %zu differs from the reference", name.c_str(), rank,
@@ -361,7 +330,7 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
         for (ReduceOp op : kAllReduceOps) {
           if (!reduces && op != ReduceOp::kSum) continue;
           for (size_t count : {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}}) {
-            const std::string name = std::string(Name(coll)) + "/" + DataTypeName(t) + "/" +
+            const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
                                      ReduceOpName(op) + "/" + std::to_string(count);
             if (RunOneDeviceMultiNode(*comm, device, stream, coll, t, op, count, name) != 0) {
               return 1;

@@ -42,82 +42,18 @@ std::string Ctl(const DaemonProcess& d, const std::string& args, int* code) {
   return out;
 }
 
-const char* CollName(Coll c) {
-  switch (c) {
-    case Coll::kAllreduce: return "allreduce";
-    case Coll::kReduceScatter: return "reduce_scatter";
-    case Coll::kAllgather: return "allgather";
-    case Coll::kBroadcast: return "broadcast";
-  }
-  return "?";
-}
-
 // One operation, its whole receive buffer compared byte for byte with the
 // reference. Heap buffers (the fast path copies straight from and to them)
 // and shared-memory ones alternate, and so does in-place.
 int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count, int variant) {
-  const int world = comm.world_size();
-  const int rank = comm.rank();
-  const size_t es = DataTypeSize(t);
-  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
-  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
-  const bool zero_copy = variant % 2 == 1;
-  const bool in_place = variant % 3 == 2;
-  Buffer sb, rb;
-  std::vector<uint8_t> sh, rh;
-  uint8_t* send;
-  uint8_t* recv;
-  if (zero_copy) {
-    CHILD_CHECK(comm.Allocate(send_count * es, &sb).ok(), "allocate");
-    CHILD_CHECK(comm.Allocate(recv_count * es, &rb).ok(), "allocate");
-    send = static_cast<uint8_t*>(sb.data());
-    recv = static_cast<uint8_t*>(rb.data());
-  } else {
-    sh.resize(send_count * es + 1);
-    rh.resize(recv_count * es + 1);
-    send = sh.data();
-    recv = rh.data();
-  }
-  FillInput(t, op, rank, send, send_count, variant);
-  std::memset(recv, 0x5a, recv_count * es);
-  const uint8_t* send_arg = send;
-  uint8_t* recv_arg = recv;
-  if (in_place) {
-    if (coll == Coll::kAllreduce || coll == Coll::kBroadcast) {
-      recv_arg = send;
-    } else if (coll == Coll::kReduceScatter) {
-      recv_arg = send + rank * count * es;
-    } else {
-      std::memcpy(recv + rank * count * es, send, count * es);
-      send_arg = recv + rank * count * es;
-    }
-  }
-  const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
-                           ReduceOpName(op) + "/" + std::to_string(count) + "/" +
-                           std::to_string(variant);
-  OpOptions opts;
-  opts.name = name;
-  const int root = (variant + 1) % world;
-  Handle h;
-  switch (coll) {
-    case Coll::kAllreduce: h = comm.Allreduce(send_arg, recv_arg, count, t, op, opts); break;
-    case Coll::kReduceScatter: h = comm.ReduceScatter(send_arg, recv_arg, count, t, op, opts); break;
-    case Coll::kAllgather: h = comm.Allgather(send_arg, recv_arg, count, t, opts); break;
-    case Coll::kBroadcast: h = comm.Broadcast(send_arg, recv_arg, count, t, root, opts); break;
-  }
-  Status s = h.Wait();
-  CHILD_CHECK(s.ok(), "%s: %s", name.c_str(), s.ToString().c_str());
-  const std::vector<uint8_t> want = ReferenceCollective(
-      coll, t, op, world, rank, root, count,
-      [&](int r, void* out, size_t n) { FillInput(t, op, r, out, n, variant); });
-  const uint8_t* got = recv_arg;
-  if (in_place && coll == Coll::kAllgather) got = recv;
-  for (size_t i = 0; i < recv_count; ++i) {
-    CHILD_CHECK(std::memcmp(got + i * es, want.data() + i * es, es) == 0,
-                "%s rank %d: element %zu of %zu differs from the reference", name.c_str(), rank,
-                i, recv_count);
-  }
-  return 0;
+  CheckOptions o;
+  o.name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" + ReduceOpName(op) + "/" +
+           std::to_string(count) + "/" + std::to_string(variant);
+  o.zero_copy = variant % 2 == 1;
+  o.in_place = variant % 3 == 2;
+  o.root = (variant + 1) % comm.world_size();
+  o.salt = static_cast<uint64_t>(variant);
+  return RunAndCheck(comm, coll, t, op, count, o);
 }
 
 // Counts per collective: 0, 1, odd, the most that fits the limit, one more.

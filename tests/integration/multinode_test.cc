@@ -87,28 +87,6 @@ struct Cluster {
   }
 };
 
-// Small integers: exact in every dtype and through any order of reduction,
-// so every rank's result must equal the reference bit for bit.
-void FillSmall(DataType t, ReduceOp op, int rank, void* out, size_t count) {
-  for (size_t i = 0; i < count; ++i) {
-    const uint64_t h = i * 2654435761u + static_cast<uint64_t>(rank) * 97u + 13;
-    int64_t v = op == ReduceOp::kProd ? ((h % 5 == 0) ? 2 : ((h % 7 == 0) ? -1 : 1))
-                                      : static_cast<int64_t>(h % 15) - 7;
-    if (t == DataType::kUInt8 && v < 0) v = -v;
-    switch (t) {
-      case DataType::kFloat32: static_cast<float*>(out)[i] = static_cast<float>(v); break;
-      case DataType::kFloat64: static_cast<double*>(out)[i] = static_cast<double>(v); break;
-      case DataType::kFloat16: static_cast<uint16_t*>(out)[i] = FloatToHalf(static_cast<float>(v)); break;
-      case DataType::kBFloat16: static_cast<uint16_t*>(out)[i] = FloatToBFloat(static_cast<float>(v)); break;
-      case DataType::kInt8: static_cast<int8_t*>(out)[i] = static_cast<int8_t>(v); break;
-      case DataType::kUInt8: static_cast<uint8_t*>(out)[i] = static_cast<uint8_t>(v); break;
-      case DataType::kInt32: static_cast<int32_t*>(out)[i] = static_cast<int32_t>(v); break;
-      case DataType::kInt64: static_cast<int64_t*>(out)[i] = v; break;
-    }
-  }
-}
-
-
 int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
            const std::string& name) {
   const int world = comm.world_size();
@@ -151,6 +129,15 @@ struct Shape {
   int ranks_per_node;
 };
 
+// The shapes every multi-node suite runs: 2 and 3 nodes, 1 and 2 ranks each.
+const auto kShapes =
+    ::testing::Values(Shape{2, 1}, Shape{2, 2}, Shape{3, 1}, Shape{3, 2});
+
+std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
+  return std::to_string(info.param.nodes) + "nodes_x" +
+         std::to_string(info.param.ranks_per_node) + "ranks";
+}
+
 class MultiNodeTest : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
@@ -188,11 +175,7 @@ TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MultiNodeTest,
-                         ::testing::Values(Shape{2, 1}, Shape{2, 2}, Shape{3, 1}, Shape{3, 2}),
-                         [](const auto& info) {
-                           return std::to_string(info.param.nodes) + "nodes_x" +
-                                  std::to_string(info.param.ranks_per_node) + "ranks";
-                         });
+                         kShapes, ShapeName);
 
 TEST(MultiNodeSemanticsTest, OutOfOrderNamesLargeBuffersAndMismatch) {
   auto cluster = Cluster::Start(2);
@@ -580,11 +563,7 @@ TEST_P(MultiNodeFusionTest, FusedResultsEqualUnfusedAndTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MultiNodeFusionTest,
-                         ::testing::Values(Shape{2, 1}, Shape{2, 2}, Shape{3, 1}, Shape{3, 2}),
-                         [](const auto& info) {
-                           return std::to_string(info.param.nodes) + "nodes_x" +
-                                  std::to_string(info.param.ranks_per_node) + "ranks";
-                         });
+                         kShapes, ShapeName);
 
 // Compressed allreduces fuse too: many small named float32 allreduces (sum
 // and avg, over min_compress_bytes) submitted in a different order by every

@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collectives/internode/in_process_transport.h"
+#include "collectives/internode/sends_in_flight.h"
 #include "collectives/internode/schedule.h"
 #include "reduce/half.h"
 #include "reduce/reduce.h"
@@ -342,42 +343,11 @@ TEST_P(AllreduceTest, OneChunkInFlight) {
   for (int k = 0; k < n; ++k) ASSERT_EQ(data[k], ref) << "node " << k;
 }
 
-// Counts, per node, the sends posted and not yet completed.
-class InFlightCounter final : public Transport {
- public:
-  explicit InFlightCounter(Transport* inner) : inner_(inner) {}
-  int self() const override { return inner_->self(); }
-  int num_peers() const override { return inner_->num_peers(); }
-  int num_channels() const override { return inner_->num_channels(); }
-  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
-            TransferDone done) override {
-    const int now = ++in_flight_;
-    int seen = max_seen_.load();
-    while (now > seen && !max_seen_.compare_exchange_weak(seen, now)) {
-    }
-    inner_->Send(peer, channel, tag, data, bytes, [this, done = std::move(done)](absl::Status s) {
-      --in_flight_;
-      done(std::move(s));
-    });
-  }
-  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
-            TransferDone done) override {
-    inner_->Recv(peer, channel, tag, data, bytes, std::move(done));
-  }
-  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
-  int max_seen() const { return max_seen_.load(); }
-
- private:
-  Transport* inner_;
-  std::atomic<int> in_flight_{0};
-  std::atomic<int> max_seen_{0};
-};
-
 TEST_P(AllreduceTest, YieldingKeepsOneSendInFlight) {
   const auto [n, channels, algo] = GetParam();
   InProcessHub hub(n, channels);
-  std::vector<std::unique_ptr<InFlightCounter>> counters;
-  for (int k = 0; k < n; ++k) counters.push_back(std::make_unique<InFlightCounter>(hub.transport(k)));
+  std::vector<std::unique_ptr<SendsInFlight>> counters;
+  for (int k = 0; k < n; ++k) counters.push_back(std::make_unique<SendsInFlight>(hub.transport(k)));
   std::vector<ScratchBuffer> scratch(n);
   const size_t count = 20011;
   std::vector<int32_t> ref(count, 0);
