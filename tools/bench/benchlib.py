@@ -73,3 +73,11 @@ def supervise(procs, timeout, name):
                 p.kill()
                 p.wait()
     return rc
+
+
+def fill_value(xp, rank, start, count):
+    """FillValue(rank, i) of ciuic-mpi-bench for i in [start, start+count):
+    small integers, exact in every dtype, as an int64 array of `xp` (numpy or
+    torch: both have arange and int64)."""
+    idx = xp.arange(start, start + count, dtype=xp.int64)
+    return (idx * 3 + rank * 5) % 17 - 8

@@ -129,10 +129,6 @@ def launch(args, argv):
 # ------------------------------------------------------------------ worker
 
 
-def fill_value(np, rank, count, start=0):
-    idx = np.arange(start, start + count, dtype=np.int64)
-    return (idx * 3 + rank * 5) % 17 - 8
-
 
 class SizeRun:
     def __init__(self, np, comm, args, rank, world, nbytes):
@@ -157,8 +153,8 @@ class SizeRun:
         if op == "broadcast" and self.rank != 0:
             self.buf[:] = -1000
         else:
-            self.buf[:] = fill_value(self.np, 0 if op == "broadcast" else self.rank,
-                                     self.send_count)
+            self.buf[:] = benchlib.fill_value(self.np, 0 if op == "broadcast" else self.rank, 0,
+                                              self.send_count)
         if self.out is not None:
             self.out[:] = -1000
 
@@ -186,14 +182,14 @@ class SizeRun:
         if op == "barrier":
             return 0
         if op == "allreduce":
-            want = sum(fill_value(np, r, self.recv_count) for r in range(self.world))
+            want = sum(benchlib.fill_value(np, r, 0, self.recv_count) for r in range(self.world))
             got = self.buf
         elif op == "reduce_scatter":
             base = self.rank * self.recv_count
-            want = sum(fill_value(np, r, self.recv_count, base) for r in range(self.world))
+            want = sum(benchlib.fill_value(np, r, base, self.recv_count) for r in range(self.world))
             got = self.out
         elif op == "broadcast":
-            want = fill_value(np, 0, self.recv_count)
+            want = benchlib.fill_value(np, 0, 0, self.recv_count)
             got = self.buf
         else:
             idx = np.arange(self.recv_count, dtype=np.int64)

@@ -120,11 +120,6 @@ def launch(args, argv):
 
 # ------------------------------------------------------------------ worker
 
-def fill_value(torch, rank, start, count):
-    """FillValue(rank, i) of ciuic-mpi-bench for i in [start, start+count)."""
-    idx = torch.arange(start, start + count, dtype=torch.int64)
-    return (idx * 3 + rank * 5) % 17 - 8
-
 
 class SizeRun:
     """The buffers and the op of one size on one rank."""
@@ -159,7 +154,7 @@ class SizeRun:
             if op == "broadcast" and self.rank != 0:
                 self.buf[start:start + n].fill_(-1000)
             else:
-                self.buf[start:start + n].copy_(fill_value(t, src_rank, start, n))
+                self.buf[start:start + n].copy_(benchlib.fill_value(t, src_rank, start, n))
         if op in ("reduce_scatter", "allgather"):
             self.out.fill_(-1000)
 
@@ -190,9 +185,9 @@ class SizeRun:
         for start in range(0, self.recv_count, CHUNK):
             n = min(CHUNK, self.recv_count - start)
             if op in ("allreduce", "reduce_scatter"):
-                want = sum(fill_value(t, r, base + start, n) for r in range(self.world))
+                want = sum(benchlib.fill_value(t, r, base + start, n) for r in range(self.world))
             elif op == "broadcast":
-                want = fill_value(t, 0, start, n)
+                want = benchlib.fill_value(t, 0, start, n)
             else:  # allgather: element i came from rank i // block, index i % block
                 idx = t.arange(start, start + n, dtype=t.int64)
                 src = idx // self.send_count
