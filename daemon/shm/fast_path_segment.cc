@@ -58,19 +58,8 @@ absl::StatusOr<std::unique_ptr<FastPathSegment>> FastPathSegment::Create(uint32_
   void* base = mmap(nullptr, g.segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
                     fd, 0);
   if (base == MAP_FAILED) return fail("mmap of the fast-path segment");
-  // A fresh memfd reads as zeros: every slot empty, every counter 0.
-  auto* h = new (base) wire::FastPathHeader();
-  h->magic = wire::kFastPathMagic;
-  h->version = wire::kFastPathVersion;
-  h->world_size = world_size;
-  h->segment_bytes = g.segment_bytes;
-  h->payload_bytes = payload_bytes;
-  h->slot_count = g.slot_count;
-  h->max_inflight_per_rank = g.max_inflight_per_rank;
-  h->slot_stride = g.slot_stride;
-  h->slots_offset = g.slots_offset;
-  h->counters_offset = g.counters_offset;
-  h->op_timeout_ms = op_timeout_ms;
+  wire::InitFastPathSegment(static_cast<uint8_t*>(base), g, world_size, payload_bytes,
+                            op_timeout_ms);
   return std::unique_ptr<FastPathSegment>(
       new FastPathSegment(fd, static_cast<uint8_t*>(base), g, world_size, payload_bytes));
 }

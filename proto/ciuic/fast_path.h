@@ -94,6 +94,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <new>
 #include <string>
 
 #include "ciuic/shm_layout.h"
@@ -233,6 +235,29 @@ inline FastPathGeometry ComputeFastPathGeometry(uint32_t world_size, uint64_t pa
     inflight /= 2;
   }
   return g;
+}
+
+// Writes the header of an empty segment of geometry `g` at `base` and marks
+// every slot empty: what ciuicd does when a job forms (the SDK's unit tests
+// do the same over memory of their own).
+inline void InitFastPathSegment(uint8_t* base, const FastPathGeometry& g, uint32_t world_size,
+                                uint64_t payload_bytes, uint32_t op_timeout_ms) {
+  std::memset(base, 0, g.slots_offset);
+  auto* h = new (base) FastPathHeader();
+  h->magic = kFastPathMagic;
+  h->version = kFastPathVersion;
+  h->world_size = world_size;
+  h->segment_bytes = g.segment_bytes;
+  h->payload_bytes = payload_bytes;
+  h->slot_count = g.slot_count;
+  h->max_inflight_per_rank = g.max_inflight_per_rank;
+  h->slot_stride = g.slot_stride;
+  h->slots_offset = g.slots_offset;
+  h->counters_offset = g.counters_offset;
+  h->op_timeout_ms = op_timeout_ms;
+  for (uint32_t i = 0; i < g.slot_count; ++i) {
+    std::memset(base + g.slots_offset + uint64_t{i} * g.slot_stride, 0, sizeof(FastSlot));
+  }
 }
 
 // Sent on the session socket with the segment's fd (SCM_RIGHTS).

@@ -89,26 +89,6 @@ uint64_t CountedBytes(wire::Collective c, uint64_t block, int world_size) {
 
 // ----------------------------------------------------------------- set-up
 
-void FastPath::InitSegment(uint8_t* base, const wire::FastPathGeometry& g, uint32_t world_size,
-                           uint64_t payload_bytes, uint32_t op_timeout_ms) {
-  std::memset(base, 0, g.slots_offset);
-  auto* h = reinterpret_cast<wire::FastPathHeader*>(base);
-  h->magic = wire::kFastPathMagic;
-  h->version = wire::kFastPathVersion;
-  h->world_size = world_size;
-  h->segment_bytes = g.segment_bytes;
-  h->payload_bytes = payload_bytes;
-  h->slot_count = g.slot_count;
-  h->max_inflight_per_rank = g.max_inflight_per_rank;
-  h->slot_stride = g.slot_stride;
-  h->slots_offset = g.slots_offset;
-  h->counters_offset = g.counters_offset;
-  h->op_timeout_ms = op_timeout_ms;
-  for (uint32_t i = 0; i < g.slot_count; ++i) {
-    std::memset(base + g.slots_offset + uint64_t{i} * g.slot_stride, 0, sizeof(wire::FastSlot));
-  }
-}
-
 FastPath::FastPath(uint8_t* base, uint64_t bytes, bool owned, int fd, int rank, int world_size,
                    std::string job_id)
     : base_(base), bytes_(bytes), owned_(owned), fd_(fd), rank_(rank), world_size_(world_size),

@@ -78,12 +78,9 @@ class FastPath {
   static Status Open(int fd, uint64_t bytes, int rank, int world_size, std::string job_id,
                      std::unique_ptr<FastPath>* out);
   // Over memory mapped by the caller (tests: ranks as threads); the memory
-  // must hold a header written by InitSegment and outlive the FastPath.
+  // must hold a header written by wire::InitFastPathSegment and outlive the FastPath.
   static Status Attach(uint8_t* base, uint64_t bytes, int rank, int world_size,
                        std::string job_id, std::unique_ptr<FastPath>* out);
-  // Writes the header of an empty segment (what the daemon does).
-  static void InitSegment(uint8_t* base, const wire::FastPathGeometry& geometry,
-                          uint32_t world_size, uint64_t payload_bytes, uint32_t op_timeout_ms);
 
   ~FastPath();
   FastPath(const FastPath&) = delete;

@@ -31,7 +31,7 @@ class Segment {
     base_ = static_cast<uint8_t*>(mmap(nullptr, geometry_.segment_bytes, PROT_READ | PROT_WRITE,
                                        MAP_SHARED | MAP_ANONYMOUS, -1, 0));
     EXPECT_NE(base_, MAP_FAILED);
-    FastPath::InitSegment(base_, geometry_, world_size, payload, timeout_ms);
+    wire::InitFastPathSegment(base_, geometry_, world_size, payload, timeout_ms);
   }
   ~Segment() { munmap(base_, geometry_.segment_bytes); }
 

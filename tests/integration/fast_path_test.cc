@@ -6,6 +6,7 @@
 // names; mismatches, also of operations on both sides of the limit (every
 // rank gets the error within seconds); a trainer killed while the others wait in a fast-path
 // operation; a trainer scribbling over the segment; counters in ciuicctl.
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -109,6 +110,31 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FastPathMatrixTest,
 // completes (it never touches the daemon) and one above it waits; after a
 // live `tune set fast_path_bytes=0`, a job formed later waits for the
 // daemon even for small operations, while the running job keeps its path.
+// Whether every thread of `pid` is in the stopped state ('T' in
+// /proc/PID/task/TID/stat) within `limit`.
+bool AllThreadsStopped(pid_t pid, std::chrono::milliseconds limit) {
+  const auto until = Clock::now() + limit;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  while (Clock::now() < until) {
+    bool all = true;
+    if (DIR* d = opendir(dir.c_str())) {
+      while (dirent* e = readdir(d)) {
+        if (e->d_name[0] == '.') continue;
+        std::ifstream f(dir + "/" + e->d_name + "/stat");
+        std::string line;
+        std::getline(f, line);
+        const size_t paren = line.rfind(')');
+        if (paren == std::string::npos || paren + 2 >= line.size()) continue;  // thread gone
+        if (line[paren + 2] != 'T' && line[paren + 2] != 't') all = false;
+      }
+      closedir(d);
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
 TEST(FastPathTest, SmallOperationsBypassTheDaemonAndTheLimitIsPerJob) {
   auto daemon = DaemonProcess::Start(Config(kLimit));
   ASSERT_NE(daemon, nullptr);
@@ -153,14 +179,20 @@ TEST(FastPathTest, SmallOperationsBypassTheDaemonAndTheLimitIsPerJob) {
       CHILD_CHECK(s.ok() && big[0] == 3.0f && big[1024] == 3.0f, "%s", s.ToString().c_str());
       return 0;
     });
+    // Only the ranks hold these ends: a rank that fails gives EOF, not a hang.
+    close(joined[1]);
+    close(go[0]);
     char c;
     for (int i = 0; i < 2; ++i) ASSERT_EQ(read(joined[0], &c, 1), 1);
     ASSERT_EQ(kill(daemon->pid(), SIGSTOP), 0);
+    // kill() returns before every thread has stopped: a daemon thread still
+    // running could serve the ranks' next operations.
+    ASSERT_TRUE(AllThreadsStopped(daemon->pid(), std::chrono::seconds(10)));
     ASSERT_EQ(write(go[1], "gg", 2), 2);
-    for (int i = 0; i < 2; ++i) ASSERT_EQ(read(joined[0], &c, 1), 1);
+    for (int i = 0; i < 2; ++i) EXPECT_EQ(read(joined[0], &c, 1), 1);
     ASSERT_EQ(kill(daemon->pid(), SIGCONT), 0);
     for (pid_t p : pids) EXPECT_EQ(WaitChild(p, std::chrono::seconds(60)), 0) << daemon->Log();
-    for (int fd : {joined[0], joined[1], go[0], go[1]}) close(fd);
+    for (int fd : {joined[0], go[1]}) close(fd);
   }
   EXPECT_EQ(daemon->Stop(), 0);
 }
