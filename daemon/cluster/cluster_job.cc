@@ -41,14 +41,21 @@ class ClusterJob::CountingTransport final : public Transport {
   }
   void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
             TransferDone done) override {
-    inner_->Recv(peer, channel, tag, data, bytes,
-                 [this, peer, bytes, done = std::move(done)](absl::Status s) {
-                   if (s.ok()) received_[peer].fetch_add(bytes, std::memory_order_relaxed);
-                   else RecordFailure(peer, s);
-                   done(std::move(s));
-                 });
+    inner_->Recv(peer, channel, tag, data, bytes, Received(peer, bytes, std::move(done)));
+  }
+  void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into, size_t bytes,
+                  TransferDone done) override {
+    inner_->RecvReduce(peer, channel, tag, into, bytes, Received(peer, bytes, std::move(done)));
   }
   void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
+
+  TransferDone Received(int peer, size_t bytes, TransferDone done) {
+    return [this, peer, bytes, done = std::move(done)](absl::Status s) {
+      if (s.ok()) received_[peer].fetch_add(bytes, std::memory_order_relaxed);
+      else RecordFailure(peer, s);
+      done(std::move(s));
+    };
+  }
 
   uint64_t sent(int peer) const { return sent_[peer].load(std::memory_order_relaxed); }
   uint64_t received(int peer) const { return received_[peer].load(std::memory_order_relaxed); }

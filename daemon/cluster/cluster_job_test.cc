@@ -119,6 +119,10 @@ class Borrowed final : public Transport {
             TransferDone done) override {
     inner_->Recv(peer, channel, tag, data, bytes, std::move(done));
   }
+  void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into, size_t bytes,
+                  TransferDone done) override {
+    inner_->RecvReduce(peer, channel, tag, into, bytes, std::move(done));
+  }
   void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
 
  private:

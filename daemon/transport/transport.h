@@ -19,7 +19,18 @@
 // disagree). A peer that failed stays failed: later operations with it fail
 // at once with the same error.
 //
-// Thread-safety: Send and Recv may be called from any thread.
+// RecvReduce is a Recv that folds the message into a destination as it
+// arrives instead of landing it there: for each element i,
+// dest[i] = op(received[i], local[i]) (op(local[i], received[i]) when
+// received_first is false), with ciuic::reduce's kernels and semantics. The
+// UCX transport does it straight from its receive buffers, fragment by
+// fragment on the channel's thread, so a reducing receive costs no copy into
+// a staging buffer and no pass over it afterwards. `dest` may equal `local`
+// (in place); the two must not otherwise overlap. `bytes` is a multiple of
+// the element size. On failure, dest may hold a mix of reduced and old
+// elements.
+//
+// Thread-safety: Send, Recv and RecvReduce may be called from any thread.
 #pragma once
 
 #include <cstddef>
@@ -28,10 +39,20 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "ciuic/shm_layout.h"
 
 namespace ciuic::daemon {
 
 using TransferDone = std::function<void(absl::Status)>;
+
+// Where and how a RecvReduce folds what it receives.
+struct ReduceInto {
+  wire::DataType dtype = wire::DataType::kUInt8;
+  wire::ReduceOp op = wire::ReduceOp::kSum;
+  bool received_first = true;  // op(received, local) rather than op(local, received)
+  void* dest = nullptr;
+  const void* local = nullptr;  // the same layout as dest; may be dest itself
+};
 
 class Transport {
  public:
@@ -49,6 +70,8 @@ class Transport {
                     TransferDone done) = 0;
   virtual void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
                     TransferDone done) = 0;
+  virtual void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into,
+                          size_t bytes, TransferDone done) = 0;
 
   // Fails every pending and future transfer with `peer` (used when the
   // control plane learns first that a node is gone).

@@ -20,7 +20,9 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
+#include "transport/fragment_reducer.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -63,6 +65,8 @@ absl::Status Annotate(const absl::Status& s, const std::string& what) {
 
 struct UcxTransport::Shared {
   ucp_context_h context = nullptr;
+  ucp_datatype_t reducer_dt = 0;  // kReducerOps; valid when has_reducer_dt
+  bool has_reducer_dt = false;
   std::string tls;  // UCX_TLS as configured, for Describe
 
   std::atomic<bool> shutting_down{false};
@@ -97,6 +101,9 @@ struct Op {
   size_t bytes;
   TransferDone done;
   UcxTransport::Channel* owner = nullptr;  // the channel that runs it
+  // RecvReduce: folds what arrives (the generic datatype below hands it the
+  // fragments); null for Send and Recv.
+  std::unique_ptr<FragmentReducer> reducer;
 
   absl::Status early;       // set: fail with this instead of posting
   absl::Status override;    // set: the reason it was cancelled
@@ -111,10 +118,40 @@ struct Op {
   std::string What() const {
     char tag_hex[32];
     std::snprintf(tag_hex, sizeof(tag_hex), "0x%" PRIx64, tag);
-    return std::string(kind == OpKind::kSend ? "send to" : "recv from") + " peer " +
+    return std::string(kind == OpKind::kSend ? "send to"
+                       : reducer != nullptr    ? "reducing recv from"
+                                               : "recv from") +
+           " peer " +
            std::to_string(peer) + " channel " + std::to_string(channel) + " tag " + tag_hex + ", " +
            std::to_string(bytes) + " bytes";
   }
+};
+
+// The ucp datatype of a reducing receive: a generic datatype whose unpack
+// folds each fragment into the destination straight from UCX's receive
+// buffer (FragmentReducer), instead of a contiguous receive into staging
+// memory followed by a reduce over it. The receive's "buffer" is the
+// FragmentReducer itself. Only ever used to receive: ciuic never sends with
+// it, so packing reports nothing to pack.
+void* ReducerStart(void* /*context*/, void* buffer, size_t /*count*/) { return buffer; }
+void* ReducerStartPack(void* /*context*/, const void* /*buffer*/, size_t /*count*/) {
+  return nullptr;
+}
+size_t ReducerPackedSize(void* state) {
+  return state == nullptr ? 0 : static_cast<FragmentReducer*>(state)->bytes();
+}
+size_t ReducerPack(void* /*state*/, size_t /*offset*/, void* /*dest*/, size_t /*max_length*/) {
+  return 0;
+}
+ucs_status_t ReducerUnpack(void* state, size_t offset, const void* src, size_t length) {
+  return static_cast<FragmentReducer*>(state)->Consume(offset, src, length)
+             ? UCS_OK
+             : UCS_ERR_MESSAGE_TRUNCATED;
+}
+void ReducerFinish(void* /*state*/) {}
+
+constexpr ucp_generic_dt_ops_t kReducerOps = {
+    ReducerStartPack, ReducerStart, ReducerPackedSize, ReducerPack, ReducerUnpack, ReducerFinish,
 };
 
 struct EpContext {
@@ -352,7 +389,14 @@ class UcxTransport::Channel {
       // completions that happened inside the call).
       param.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
       param.cb.recv = &Channel::OnRecvDone;
-      ptr = ucp_tag_recv_nbx(worker_, buffer, op->bytes, WireTag(op->peer, op->tag), ~uint64_t{0},
+      size_t count = op->bytes;
+      if (op->reducer != nullptr) {
+        param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+        param.datatype = shared.reducer_dt;
+        buffer = op->reducer.get();
+        count = 1;  // the size is the reducer's (packed_size)
+      }
+      ptr = ucp_tag_recv_nbx(worker_, buffer, count, WireTag(op->peer, op->tag), ~uint64_t{0},
                              &param);
     }
     op->posted = true;
@@ -414,6 +458,11 @@ class UcxTransport::Channel {
     const Shared& shared = *owner_->shared_;
     if (!op.override.ok()) return op.override;
     if (op.ucs == UCS_OK) {
+      if (op.kind == OpKind::kRecv && op.reducer != nullptr && !op.reducer->complete()) {
+        return absl::InvalidArgumentError("size mismatch: received " +
+                                          std::to_string(op.reducer->consumed()) + " of " +
+                                          std::to_string(op.bytes) + " bytes");
+      }
       if (op.kind == OpKind::kRecv && op.received != op.bytes) {
         return absl::InvalidArgumentError("size mismatch: received " + std::to_string(op.received) +
                                           " bytes");
@@ -628,6 +677,9 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_chann
     t->shared_->context = nullptr;
     return absl::UnavailableError("ucp_init: " + UcsError(st));
   }
+  st = ucp_dt_create_generic(&kReducerOps, nullptr, &t->shared_->reducer_dt);
+  if (st != UCS_OK) return absl::InternalError("ucp_dt_create_generic: " + UcsError(st));
+  t->shared_->has_reducer_dt = true;
   if (const char* mm = std::getenv("UCX_MM_ERROR_HANDLING"); mm != nullptr && mm[0] == 'y') {
     spdlog::warn(
         "ucx transport: UCX_MM_ERROR_HANDLING=y puts co-located peers on shared "
@@ -658,6 +710,7 @@ UcxTransport::~UcxTransport() {
   }
   channels_.clear();
   if (shared_->context != nullptr) ucp_cleanup(shared_->context);
+  if (shared_->has_reducer_dt) ucp_dt_destroy(shared_->reducer_dt);
 }
 
 std::vector<std::string> UcxTransport::WorkerAddresses() const { return addresses_; }
@@ -739,6 +792,36 @@ void UcxTransport::Recv(int peer, int channel, uint64_t tag, void* data, size_t 
   op->data = data;
   op->bytes = bytes;
   op->done = std::move(done);
+  if (channel < 0 || channel >= num_channels()) {
+    op->early = absl::InvalidArgumentError("no such channel");
+    channel = 0;
+  } else if (peer < 0 || peer >= num_peers_) {
+    op->early =
+        absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
+  }
+  op->owner = channels_[channel].get();
+  channels_[channel]->Enqueue(std::move(op));
+}
+
+void UcxTransport::RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into,
+                              size_t bytes, TransferDone done) {
+  auto op = std::make_unique<Op>();
+  op->kind = OpKind::kRecv;
+  op->peer = peer;
+  op->channel = channel;
+  op->tag = tag & kUserTagMask;
+  op->data = into.dest;
+  op->bytes = bytes;
+  op->done = std::move(done);
+  const size_t elem = wire::DataTypeSize(static_cast<uint32_t>(into.dtype));
+  if (absl::Status s = reduce::CheckReducible(into.dtype, into.op); !s.ok()) {
+    op->early = s;
+  } else if (bytes % elem != 0) {
+    op->early = absl::InvalidArgumentError("reducing receive of " + std::to_string(bytes) +
+                                           " bytes, not a multiple of the element size " +
+                                           std::to_string(elem));
+  }
+  op->reducer = std::make_unique<FragmentReducer>(into, bytes);
   if (channel < 0 || channel >= num_channels()) {
     op->early = absl::InvalidArgumentError("no such channel");
     channel = 0;

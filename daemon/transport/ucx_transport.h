@@ -67,6 +67,8 @@ class UcxTransport final : public Transport {
             TransferDone done) override;
   void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
             TransferDone done) override;
+  void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into, size_t bytes,
+                  TransferDone done) override;
   void FailPeer(int peer, const absl::Status& why) override;
 
   // The peer's sticky failure, or OK.

@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "reduce/reduce.h"
+
 namespace ciuic::daemon {
 namespace {
 
@@ -303,6 +305,127 @@ TEST(UcxTransportTest, TruncationIsAnErrorNamingTheTransfer) {
   EXPECT_TRUE(again.status(0).ok()) << again.status(0).ToString();
   EXPECT_TRUE(again.status(1).ok()) << again.status(1).ToString();
   EXPECT_EQ(b, a);
+}
+
+// RecvReduce over tcp: eager (small) and rendezvous (large, many
+// fragments) messages, posted before and after the send arrives, in place
+// and out of place, every element size, against one whole Reduce (integer
+// data: exact; float data is finite, so no NaN payloads to tell apart).
+TEST(UcxTransportTest, RecvReduceFoldsFragmentsIntoTheDestination) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 2);
+  ASSERT_EQ(r.t.size(), 2u);
+  struct Case {
+    wire::DataType dtype;
+    wire::ReduceOp op;
+    size_t count;
+  };
+  const Case cases[] = {
+      {wire::DataType::kFloat32, wire::ReduceOp::kSum, 1},
+      {wire::DataType::kFloat32, wire::ReduceOp::kSum, 3 * kMiB / 4 + 5},
+      {wire::DataType::kFloat64, wire::ReduceOp::kMax, 1000001},
+      {wire::DataType::kFloat16, wire::ReduceOp::kSum, 777},
+      {wire::DataType::kBFloat16, wire::ReduceOp::kProd, 2 * kMiB + 3},
+      {wire::DataType::kInt8, wire::ReduceOp::kSum, 4 * kMiB + 1},
+      {wire::DataType::kInt32, wire::ReduceOp::kMin, 65537},
+      {wire::DataType::kInt64, wire::ReduceOp::kSum, 0},
+  };
+  uint64_t tag = 100;
+  for (const Case& c : cases) {
+    for (bool in_place : {true, false}) {
+      for (bool recv_first : {true, false}) {
+        SCOPED_TRACE(std::string(wire::DataTypeName(static_cast<uint32_t>(c.dtype))) +
+                     " count " + std::to_string(c.count) + (in_place ? " in place" : "") +
+                     (recv_first ? " recv first" : " send first"));
+        const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+        const size_t n = c.count * es;
+        std::vector<uint8_t> sent(n), local(n), expected(n);
+        Fill(sent, tag);
+        Fill(local, tag + 1);
+        if (c.dtype == wire::DataType::kFloat32 || c.dtype == wire::DataType::kFloat64 ||
+            c.dtype == wire::DataType::kFloat16 || c.dtype == wire::DataType::kBFloat16) {
+          // Small finite values: clear each element's top bits below the sign.
+          for (size_t i = 0; i < n; i += es) {
+            sent[i + es - 1] &= 0x3f;
+            local[i + es - 1] &= 0x3f;
+          }
+        }
+        const void* inputs[2] = {sent.data(), local.data()};
+        reduce::Reduce(c.dtype, c.op, inputs, 2, expected.data(), c.count);
+        std::vector<uint8_t> dest = in_place ? local : std::vector<uint8_t>(n, 0);
+        ReduceInto into;
+        into.dtype = c.dtype;
+        into.op = c.op;
+        into.received_first = true;
+        into.dest = dest.data();
+        into.local = in_place ? static_cast<const void*>(dest.data()) : local.data();
+        Completions done(2);
+        if (recv_first) r[1].RecvReduce(0, 1, tag, into, n, done.Slot(0));
+        r[0].Send(1, 1, tag, sent.data(), n, done.Slot(1));
+        if (!recv_first) {
+          // An eager send completes unmatched; a rendezvous one waits for
+          // the receive: give its request time to arrive unexpected.
+          if (n <= 4096) {
+            ASSERT_TRUE(done.Wait(1, milliseconds(10000)));
+          } else {
+            std::this_thread::sleep_for(milliseconds(20));
+          }
+          r[1].RecvReduce(0, 1, tag, into, n, done.Slot(0));
+        }
+        ASSERT_TRUE(done.WaitAll(milliseconds(20000)));
+        EXPECT_TRUE(done.status(0).ok()) << done.status(0).ToString();
+        EXPECT_TRUE(done.status(1).ok()) << done.status(1).ToString();
+        EXPECT_TRUE(dest == expected);
+        ++tag;
+      }
+    }
+  }
+}
+
+TEST(UcxTransportTest, RecvReduceSizeMismatchAndBadArgumentsAreErrors) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 1);
+  ASSERT_EQ(r.t.size(), 2u);
+  std::vector<int32_t> dest(1024, 1);
+  ReduceInto into;
+  into.dtype = wire::DataType::kInt32;
+  into.op = wire::ReduceOp::kSum;
+  into.dest = dest.data();
+  into.local = dest.data();
+  for (size_t send_bytes : {size_t{4096} + 64, size_t{4096} - 64, size_t{2 * kMiB}}) {
+    SCOPED_TRACE("send " + std::to_string(send_bytes));
+    std::vector<uint8_t> out(send_bytes, 1);
+    Completions done(2);
+    r[1].RecvReduce(0, 0, 7, into, 4096, done.Slot(0));
+    r[0].Send(1, 0, 7, out.data(), out.size(), done.Slot(1));
+    ASSERT_TRUE(done.WaitAll(milliseconds(10000)));
+    absl::Status s = done.status(0);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("reducing recv from peer 0 channel 0 tag 0x7"),
+              absl::string_view::npos)
+        << s.ToString();
+  }
+  Completions bad(3);
+  into.dtype = static_cast<wire::DataType>(99);
+  r[1].RecvReduce(0, 0, 8, into, 4096, bad.Slot(0));
+  into.dtype = wire::DataType::kInt32;
+  r[1].RecvReduce(0, 0, 8, into, 4095, bad.Slot(1));
+  r[1].RecvReduce(0, 5, 8, into, 4096, bad.Slot(2));
+  ASSERT_TRUE(bad.WaitAll(milliseconds(10000)));
+  EXPECT_NE(bad.status(0).message().find("unknown data type 99"), absl::string_view::npos)
+      << bad.status(0).ToString();
+  EXPECT_NE(bad.status(1).message().find("not a multiple of the element size 4"),
+            absl::string_view::npos)
+      << bad.status(1).ToString();
+  EXPECT_NE(bad.status(2).message().find("no such channel"), absl::string_view::npos)
+      << bad.status(2).ToString();
+  // The connection is still good for reducing receives.
+  std::vector<int32_t> two(1024, 2);
+  Completions again(2);
+  r[1].RecvReduce(0, 0, 9, into, 4096, again.Slot(0));
+  r[0].Send(1, 0, 9, two.data(), 4096, again.Slot(1));
+  ASSERT_TRUE(again.WaitAll(milliseconds(10000)));
+  EXPECT_TRUE(again.status(0).ok()) << again.status(0).ToString();
 }
 
 TEST(UcxTransportTest, FailPeerCancelsPendingAndFailsLaterTransfers) {

@@ -1,5 +1,6 @@
 #include "collectives/internode/in_process_transport.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -27,6 +28,12 @@ void InProcessTransport::Send(int peer, int channel, uint64_t tag, const void* d
 void InProcessTransport::Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
                               TransferDone done) {
   hub_->Post(false, self_, peer, channel, tag, data, bytes, std::move(done));
+}
+
+void InProcessTransport::RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into,
+                                    size_t bytes, TransferDone done) {
+  hub_->Post(false, self_, peer, channel, tag, into.dest, bytes, std::move(done),
+             std::make_shared<FragmentReducer>(into, bytes));
 }
 
 void InProcessTransport::FailPeer(int peer, const absl::Status& why) {
@@ -85,7 +92,7 @@ void InProcessHub::DeliveryLoop() {
 }
 
 void InProcessHub::Post(bool is_send, int self, int peer, int channel, uint64_t tag, void* data,
-                        size_t bytes, TransferDone done) {
+                        size_t bytes, TransferDone done, std::shared_ptr<FragmentReducer> reducer) {
   std::lock_guard<std::mutex> lock(mu_);
   auto fail = [&](absl::Status why) {
     Deliver([done = std::move(done), why = std::move(why)] { done(why); });
@@ -104,10 +111,11 @@ void InProcessHub::Post(bool is_send, int self, int peer, int channel, uint64_t 
   Queues& q = pending_[key];
   std::deque<Pending>& other = is_send ? q.recvs : q.sends;
   if (other.empty()) {
-    (is_send ? q.sends : q.recvs).push_back(Pending{self, data, bytes, std::move(done)});
+    (is_send ? q.sends : q.recvs)
+        .push_back(Pending{self, data, bytes, std::move(done), std::move(reducer)});
     return;
   }
-  Pending mine{self, data, bytes, std::move(done)};
+  Pending mine{self, data, bytes, std::move(done), std::move(reducer)};
   Pending theirs = std::move(other.front());
   other.pop_front();
   if (q.sends.empty() && q.recvs.empty()) pending_.erase(key);
@@ -117,6 +125,20 @@ void InProcessHub::Post(bool is_send, int self, int peer, int channel, uint64_t 
   matched_bytes_ += send.bytes;
   const int src = std::get<0>(key), dst = std::get<1>(key);
   Deliver([send = std::move(send), recv = std::move(recv), src, dst] {
+    if (send.bytes == recv.bytes && recv.reducer != nullptr) {
+      const size_t n = send.bytes;
+      const auto* src = static_cast<const uint8_t*>(send.data);
+      const size_t a = std::min(n, n / 3 | 1);
+      const size_t b = std::min(n, std::max(a, 2 * n / 3 | 1));
+      FragmentReducer& fr = *recv.reducer;
+      fr.Consume(b, src + b, n - b);
+      fr.Consume(0, src, a);
+      fr.Consume(a, src + a, b - a);
+      send.done(absl::OkStatus());
+      recv.done(fr.complete() ? absl::OkStatus()
+                              : absl::InternalError("reducing receive left elements unfolded"));
+      return;
+    }
     if (send.bytes == recv.bytes) {
       if (send.bytes > 0) std::memcpy(recv.data, send.data, send.bytes);
       send.done(absl::OkStatus());

@@ -8,7 +8,9 @@
 // transport, a callback may run before or after Send/Recv returns). A send
 // completes when it has been matched and copied, i.e. like a rendezvous
 // protocol, the strictest case for the algorithms. Sizes that disagree fail
-// both transfers with DATA_LOSS.
+// both transfers with DATA_LOSS. A RecvReduce is fed to a FragmentReducer in
+// three pieces cut at odd byte offsets and handed over out of order (last
+// piece first), as a real transport's fragments may come.
 //
 // Faults: InProcessTransport::FailPeer fails that transport's own pending
 // and future transfers with the peer (as Transport requires); the hub's
@@ -35,6 +37,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "transport/fragment_reducer.h"
 #include "transport/transport.h"
 
 namespace ciuic::daemon {
@@ -50,6 +53,8 @@ class InProcessTransport : public Transport {
             TransferDone done) override;
   void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
             TransferDone done) override;
+  void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into, size_t bytes,
+                  TransferDone done) override;
   void FailPeer(int peer, const absl::Status& why) override;
 
  private:
@@ -84,6 +89,7 @@ class InProcessHub {
     void* data;
     size_t bytes;
     TransferDone done;
+    std::shared_ptr<FragmentReducer> reducer;  // a RecvReduce's
   };
   using Key = std::tuple<int, int, int, uint64_t>;  // src, dst, channel, tag
   struct Queues {
@@ -92,7 +98,7 @@ class InProcessHub {
   };
 
   void Post(bool is_send, int self, int peer, int channel, uint64_t tag, void* data, size_t bytes,
-            TransferDone done);
+            TransferDone done, std::shared_ptr<FragmentReducer> reducer = nullptr);
   void FailPeerOf(int self, int peer, const absl::Status& why);
   // Fails matching pending transfers; `involves(key, owner)` picks them.
   void FailPendingLocked(const std::function<bool(const Key&, int owner)>& involves,

@@ -73,6 +73,14 @@ namespace {
 
 enum : uint8_t { kIdle = 0, kPosted = 1, kArrived = 2, kDone = 3 };
 
+// A reducing step folds each chunk into its destination as it arrives
+// (Transport::RecvReduce) unless the destination must wait for a send to
+// complete first (write_after_send_step): such a chunk is received into
+// scratch and folded once the send is done. Posting the receive itself only
+// after that send could deadlock, since a rendezvous send completes only
+// once its receive is posted on the other side.
+bool FoldsOnArrival(const Step& st) { return st.reduce && st.write_after_send_step < 0; }
+
 // A finished transfer, queued by its callback for the running thread.
 struct Event {
   uint32_t step;
@@ -177,7 +185,7 @@ absl::Status Runner::Prepare() {
         !s_.steps[st.write_after_send_step].send.SameRanges(st.recv)) {
       return absl::InternalError(absl::StrCat(s_.name, ": write dependency between unequal sides"));
     }
-    if (st.reduce) {
+    if (st.reduce && !FoldsOnArrival(st)) {
       for (size_t c = 0; c < st.recv.num_chunks(); ++c) {
         reduce_chunk = std::max(reduce_chunk, st.recv.chunk(c).bytes);
       }
@@ -254,6 +262,21 @@ bool Runner::PostRecvs() {
     const Range r = st.recv.chunk(recv_chunk_);
     uint8_t* into = r.ptr;
     int slot = -1;
+    if (FoldsOnArrival(st)) {
+      state_[recv_step_].recv[recv_chunk_] = kPosted;
+      ++recvs_in_flight_;
+      ReduceInto fold;
+      fold.dtype = s_.dtype;
+      fold.op = s_.op;
+      fold.received_first = st.received_first;
+      fold.dest = r.ptr;
+      fold.local = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(r.ptr) + st.local_offset);
+      ctx_.transport->RecvReduce(st.recv.peer, Channel(st, recv_chunk_), Tag(st, recv_chunk_), fold,
+                                 r.bytes, Callback(recv_step_, false, recv_chunk_, -1));
+      ++recv_chunk_;
+      posted = true;
+      continue;
+    }
     if (st.reduce) {
       if (free_slots_.empty()) break;
       slot = free_slots_.back();

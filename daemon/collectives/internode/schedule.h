@@ -2,7 +2,11 @@
 // is a list of steps, each sending byte ranges to one peer and/or receiving
 // byte ranges from one peer; RunSchedule cuts them into chunks and moves them
 // with up to max_inflight chunks in flight per direction, reducing each
-// received chunk as soon as it is in while the others travel.
+// received chunk as it arrives (Transport::RecvReduce folds it into its
+// destination fragment by fragment, no staging) while the others travel.
+// A reducing chunk whose destination must wait for a send (see
+// write_after_send_step) is received into scratch instead and folded once
+// that send is done.
 //
 // Window: up to max_inflight sends, or one while ctx.yield says a
 // higher-priority operation runs beside this one (re-read before each send).
