@@ -7,11 +7,6 @@
 #include "reduce/reduce.h"
 
 namespace ciuic::daemon {
-namespace {
-
-constexpr size_t kBounceWords = 2048;  // 16 KiB, aligned for every element type
-
-}  // namespace
 
 FragmentReducer::FragmentReducer(const ReduceInto& into, size_t bytes)
     : into_(into), bytes_(bytes), elem_(wire::DataTypeSize(static_cast<uint32_t>(into.dtype))) {
@@ -45,25 +40,12 @@ void FragmentReducer::Piece(size_t pos, const uint8_t* src, size_t n) {
   std::memcpy(p.bytes + pos % elem_, src, n);
   p.have += n;
   if (p.have >= elem_) {
-    // p.bytes is 8-byte aligned as the map's value storage is: fold directly.
-    FoldAligned(element, p.bytes, 1);
+    Fold(element, p.bytes, 1);
     partial_.erase(element);
   }
 }
 
-void FragmentReducer::Fold(size_t first, const uint8_t* src, size_t count) {
-  if (reinterpret_cast<uintptr_t>(src) % elem_ == 0) return FoldAligned(first, src, count);
-  if (!bounce_) bounce_ = std::make_unique<uint64_t[]>(kBounceWords);
-  const size_t per = kBounceWords * sizeof(uint64_t) / elem_;
-  for (size_t done = 0; done < count;) {
-    const size_t n = std::min(per, count - done);
-    std::memcpy(bounce_.get(), src + done * elem_, n * elem_);
-    FoldAligned(first + done, bounce_.get(), n);
-    done += n;
-  }
-}
-
-void FragmentReducer::FoldAligned(size_t first, const void* src, size_t count) {
+void FragmentReducer::Fold(size_t first, const void* src, size_t count) {
   const size_t at = first * elem_;
   const void* local = static_cast<const uint8_t*>(into_.local) + at;
   const void* inputs[2] = {src, local};

@@ -4,17 +4,15 @@
 // kernels, as soon as each element's bytes are in.
 //
 // Ranges may come in any order and at any byte boundary (a transport's
-// fragments need not respect element boundaries, nor alignment: a range
-// that starts mid-element or at an address unaligned for the element type
-// is handled, the latter through a small bounce buffer). The bytes of an
-// element split across ranges wait in a side table until they are all in.
+// fragments need not respect element boundaries, nor alignment: the kernels
+// read inputs at any address). The bytes of an element split across ranges
+// wait in a side table until they are all in.
 //
 // Thread-safety: none; one thread consumes at a time (a UCX channel's).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <unordered_map>
 
 #include "transport/transport.h"
@@ -37,22 +35,20 @@ class FragmentReducer {
 
  private:
   struct Partial {
-    alignas(8) uint8_t bytes[8];
+    uint8_t bytes[8];
     size_t have = 0;
   };
 
   // A piece of one element: [pos, pos + n) within element pos / elem_.
   void Piece(size_t pos, const uint8_t* src, size_t n);
   // Folds `count` whole elements starting at element `first` from `src`.
-  void Fold(size_t first, const uint8_t* src, size_t count);
-  void FoldAligned(size_t first, const void* src, size_t count);
+  void Fold(size_t first, const void* src, size_t count);
 
   ReduceInto into_;
   size_t bytes_;
   size_t elem_;
   size_t consumed_ = 0;
   std::unordered_map<size_t, Partial> partial_;
-  std::unique_ptr<uint64_t[]> bounce_;  // for unaligned sources, made on first need
 };
 
 }  // namespace ciuic::daemon

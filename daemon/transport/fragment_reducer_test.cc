@@ -153,7 +153,7 @@ TEST(FragmentReducerTest, EveryMisalignmentOfTheSource) {
   std::mt19937_64 rng(13);
   for (size_t misalign = 0; misalign < 8; ++misalign) {
     for (DataType dtype : kTypes) {
-      // Large enough to need several rounds of the bounce buffer.
+      // Large enough for the kernel's vector loop.
       const size_t count = 100003;
       const size_t n = count * wire::DataTypeSize(static_cast<uint32_t>(dtype));
       Check(dtype, ReduceOp::kSum, count, true, true, Cut(n, 3, rng), misalign, rng);

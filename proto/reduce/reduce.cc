@@ -150,15 +150,21 @@ struct MaxOp {
 // it. So there is no dependence between iterations even in place, which
 // `#pragma GCC ivdep` tells the vectoriser (saving its runtime overlap
 // checks, which would send the in-place case to the scalar loop).
+//
+// Inputs are read through an under-aligned view of T (GCC's aligned(1)), so
+// they may sit at any address: the vector loop loads them with unaligned
+// loads anyway (movups; the same instructions as for aligned data), and the
+// compiler may not assume alignment in the scalar ends either. `out` is T*.
 template <typename F, typename Op>
 void Kernel(const void* const* inputs, int n, void* out_void, size_t count) {
   using T = typename F::Storage;
   using A = typename F::Acc;
+  typedef T __attribute__((aligned(1))) In;
   T* const out = static_cast<T*>(out_void);
-  const auto input = [inputs](int k) { return static_cast<const T*>(inputs[k]); };
+  const auto input = [inputs](int k) { return static_cast<const In*>(inputs[k]); };
 
   if (n == 1) {
-    const T* a = input(0);
+    const In* a = input(0);
 #pragma GCC ivdep
     for (size_t i = 0; i < count; ++i) {
       out[i] = Op::template Finish<F>(F::Load(a[i]), n);
@@ -166,8 +172,8 @@ void Kernel(const void* const* inputs, int n, void* out_void, size_t count) {
     return;
   }
   if (n == 2) {  // The common case, in one pass without a block buffer.
-    const T* a = input(0);
-    const T* b = input(1);
+    const In* a = input(0);
+    const In* b = input(1);
 #pragma GCC ivdep
     for (size_t i = 0; i < count; ++i) {
       out[i] = Op::template Finish<F>(Op::Combine(F::Load(a[i]), F::Load(b[i])), n);
@@ -179,19 +185,19 @@ void Kernel(const void* const* inputs, int n, void* out_void, size_t count) {
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);
     {
-      const T* a = input(0) + base;
-      const T* b = input(1) + base;
+      const In* a = input(0) + base;
+      const In* b = input(1) + base;
       for (size_t j = 0; j < len; ++j) {
         acc[j] = Op::Combine(F::Load(a[j]), F::Load(b[j]));
       }
     }
     for (int k = 2; k < n - 1; ++k) {
-      const T* c = input(k) + base;
+      const In* c = input(k) + base;
       for (size_t j = 0; j < len; ++j) {
         acc[j] = Op::Combine(acc[j], F::Load(c[j]));
       }
     }
-    const T* c = input(n - 1) + base;
+    const In* c = input(n - 1) + base;
     T* o = out + base;
 #pragma GCC ivdep
     for (size_t j = 0; j < len; ++j) {

@@ -46,8 +46,10 @@ absl::Status CheckReducible(uint32_t dtype, uint32_t op);
 
 // Reduces `num_inputs` (>= 1) buffers of `count` elements of `dtype` into
 // `out`. `out` may be exactly equal to any of the inputs (in place) but must
-// not partially overlap any of them; inputs may alias each other. With count
-// == 0 no pointer is dereferenced. Requires CheckReducible(dtype, op).ok().
+// not partially overlap any of them; inputs may alias each other. Inputs
+// may sit at any address (a transport's receive buffer need not align
+// them); `out` must be aligned to the element size. With count == 0 no
+// pointer is dereferenced. Requires CheckReducible(dtype, op).ok().
 void Reduce(wire::DataType dtype, wire::ReduceOp op, const void* const* inputs,
             int num_inputs, void* out, size_t count);
 
