@@ -79,16 +79,6 @@ class ClusterJob::CountingTransport final : public Transport {
 
 namespace {
 
-InterNodeAlgorithm AlgorithmFor(config::Algorithm a) {
-  switch (a) {
-    case config::Algorithm::kRing: return InterNodeAlgorithm::kRing;
-    case config::Algorithm::kHalvingDoubling:
-    case config::Algorithm::kTree: return InterNodeAlgorithm::kHalvingDoubling;
-    case config::Algorithm::kAuto: break;
-  }
-  return InterNodeAlgorithm::kAuto;
-}
-
 }  // namespace
 
 ClusterJob::ClusterJob(Options options, OpDone op_done, JobFailed job_failed)
@@ -301,8 +291,9 @@ void ClusterJob::LaneLoop(Lane& lane) {
       }
     }
     lanes_cv_.notify_all();  // the next run may start in another lane
-    absl::Status s = run.ops.size() == 1 ? Execute(run.ops.front(), run.seq, lane)
-                                         : ExecuteFused(run.ops, run.seq, lane);
+    absl::Status s = run.ops.size() == 1
+                         ? Execute(run.ops.front(), run.seq, run.settings, lane)
+                         : ExecuteFused(run.ops, run.seq, run.settings, lane);
     for (const auto& op : run.ops) op_done_(op.key, s);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -401,9 +392,6 @@ void ClusterJob::Run() {
         r->set_priority(e.op.priority);
         const config::Tuning tuning = options_.tuning->Snapshot();
         r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms : tuning.op_timeout_ms);
-        std::string fuse_class;
-        r->set_fusable(Fusable(e.op, tuning, &fuse_class));
-        r->set_fuse_class(fuse_class);
         const std::string name = e.op.name;
         awaiting_.emplace(name, std::move(e.op));
         if (!Write(ready)) {
@@ -417,6 +405,16 @@ void ClusterJob::Run() {
         if (c.has_run()) {
           Announced run;
           run.seq = c.run().seq();
+          run.settings.chunk_bytes = c.run().chunk_bytes();
+          run.settings.algorithm = static_cast<config::Algorithm>(c.run().algorithm());
+          run.settings.codec = c.run().codec();
+          if (run.settings.chunk_bytes == 0 ||
+              c.run().algorithm() > static_cast<uint32_t>(config::Algorithm::kTree)) {
+            job_failure = absl::InternalError(absl::StrCat(
+                "coordinator announced run ", run.seq, " of '", c.run().name(),
+                "' without valid settings (a daemon of another version?)"));
+            break;
+          }
           std::vector<std::string> names = {c.run().name()};
           names.insert(names.end(), c.run().fused_with().begin(), c.run().fused_with().end());
           for (const std::string& name : names) {
@@ -506,39 +504,15 @@ void ClusterJob::Run() {
   transport_.reset();
 }
 
-absl::StatusOr<const Codec*> ClusterJob::CodecFor(const ClusterOp& op,
-                                                   const config::Tuning& tuning,
-                                                   wire::ReduceOp wire_op, size_t bytes,
-                                                   std::string* chosen) {
-  std::string name;
-  switch (static_cast<wire::Codec>(op.sig.codec)) {
-    case wire::Codec::kDefault: name = tuning.compression; break;
-    case wire::Codec::kNone: name = "none"; break;
-    case wire::Codec::kFp16: name = "fp16"; break;
-    case wire::Codec::kBf16: name = "bf16"; break;
-    case wire::Codec::kInt8: name = "int8"; break;
-    case wire::Codec::kTopK: name = absl::StrCat("topk:", op.sig.codec_ratio); break;
-  }
-  if (name == "none" || bytes < tuning.min_compress_bytes) return nullptr;
+absl::StatusOr<const Codec*> ClusterJob::CodecNamed(const std::string& spec) {
+  if (spec.empty()) return nullptr;
   std::lock_guard<std::mutex> lock(codecs_mu_);  // codecs are never removed: the pointer stays
-  auto it = codecs_.find(name);
+  auto it = codecs_.find(spec);
   if (it == codecs_.end()) {
-    auto spec = ParseCodec(name);
-    if (!spec.ok()) return spec.status();
-    it = codecs_.emplace(name, MakeCodec(*spec)).first;
+    auto parsed = ParseCodec(spec);
+    if (!parsed.ok()) return parsed.status();
+    it = codecs_.emplace(spec, MakeCodec(*parsed)).first;
   }
-  const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
-  absl::Status supported = it->second->Supports(dtype);
-  if (supported.ok() && wire_op != wire::ReduceOp::kSum) {
-    supported = absl::InvalidArgumentError(absl::StrCat(
-        "compression applies to sum and avg, not ", wire::ReduceOpName(op.sig.reduce_op)));
-  }
-  if (!supported.ok()) {
-    if (!tuning.compression_strict) return nullptr;  // sent as it is
-    return absl::InvalidArgumentError(absl::StrCat("operation '", op.name, "': compression ",
-                                                   name, ": ", supported.message()));
-  }
-  if (chosen != nullptr) *chosen = name;
   return it->second.get();
 }
 
@@ -550,39 +524,12 @@ ClusterJob::FusionCounters ClusterJob::fusion() const {
   return FusionCounters{fused_ops_.load(), fused_runs_.load()};
 }
 
-bool ClusterJob::Fusable(const ClusterOp& op, const config::Tuning& tuning,
-                         std::string* fuse_class) {
-  fuse_class->clear();
-  if (static_cast<wire::Collective>(op.sig.collective) != wire::Collective::kAllreduce) {
-    return false;
-  }
-  const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
-  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
-  const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
-  if (!CheckReducible(dtype, wire_op).ok()) return false;
-  const size_t bytes = op.sig.count * op.sig.element_bytes();
-  auto codec = CodecFor(op, tuning, wire_op, bytes, fuse_class);
-  if (!codec.ok()) return false;
-  // Compressed: fused with operations of the same codec into one compressed
-  // allreduce, each keeping its own error feedback (AllreduceCompressedPieces).
-  if (*codec != nullptr) return true;
-  InterNodeAlgorithm algo = AlgorithmFor(tuning.algorithm);
-  if (algo == InterNodeAlgorithm::kAuto) {
-    algo = ChooseAllreduceAlgorithm(transport_->num_peers(), bytes);
-  }
-  // Fused runs use halving-doubling, whose result for an element does not
-  // depend on where the element lies in the buffer: fused == unfused, bit
-  // for bit. The ring's does (each segment is reduced starting from another
-  // node), so operations the ring would carry stay unfused.
-  return algo == InterNodeAlgorithm::kHalvingDoubling;
-}
-
 InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
-                                        const config::Tuning& tuning, Lane& lane) {
+                                        const RunSettings& settings, Lane& lane) {
   InterNodeContext ctx;
   ctx.transport = transport_.get();
   ctx.tag_base = (seq & 0xffffff) << 24;
-  ctx.chunk_bytes = tuning.chunk_bytes;
+  ctx.chunk_bytes = settings.chunk_bytes;
   ctx.max_inflight = 4;
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   ctx.scratch = &lane.scratch;
@@ -591,7 +538,7 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
 }
 
 absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
-                                      Lane& lane) {
+                                      const RunSettings& settings, Lane& lane) {
   const config::Tuning tuning = options_.tuning->Snapshot();
   const ClusterOp& head = ops.front();
   for (const ClusterOp& op : ops) {
@@ -626,20 +573,10 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
            op.sig.count);
     offset += op.sig.count * es;
   }
-  // All compressed with one codec or all uncompressed (the coordinator fuses
-  // one fuse_class only); this node checks with its tuning of now.
-  auto codec = CodecFor(head, tuning, wire_op, head.sig.count * es);
+  // All compressed with the run's codec, or all uncompressed.
+  auto codec = CodecNamed(settings.codec);
   if (!codec.ok()) return codec.status();
-  for (const ClusterOp& op : ops) {
-    auto other = CodecFor(op, tuning, wire_op, op.sig.count * es);
-    if (!other.ok()) return other.status();
-    if (*other != *codec) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "fused '", op.name, "' and '", head.name,
-          "' no longer have the same compression here (tuning changed since they were ready)"));
-    }
-  }
-  InterNodeContext ctx = ContextFor(seq, timeout_ms, tuning, lane);
+  InterNodeContext ctx = ContextFor(seq, timeout_ms, settings, lane);
   absl::Status s;
   if (*codec != nullptr) {
     // One compressed allreduce over the packed buffer; each operation keeps
@@ -673,7 +610,8 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   return absl::OkStatus();
 }
 
-absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, Lane& lane) {
+absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSettings& settings,
+                                 Lane& lane) {
   const config::Tuning tuning = options_.tuning->Snapshot();
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto collective = static_cast<wire::Collective>(op.sig.collective);
@@ -682,7 +620,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, Lane& lane) 
   const int world = options_.world_size;
   const size_t block = op.sig.count * es;
   const uint32_t timeout_ms = op.timeout_ms ? op.timeout_ms : tuning.op_timeout_ms;
-  InterNodeContext ctx = ContextFor(seq, timeout_ms, tuning, lane);
+  InterNodeContext ctx = ContextFor(seq, timeout_ms, settings, lane);
 
   // The node's buffer is the first local rank's receive buffer where it is
   // big enough (it lives in that rank's shared memory): no staging copy,
@@ -704,7 +642,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, Lane& lane) 
       const bool all = collective == wire::Collective::kAllreduce;
       const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
       uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
-      auto codec = CodecFor(op, tuning, wire_op, count * es);
+      auto codec = CodecNamed(settings.codec);
       if (!codec.ok()) return codec.status();
       // One local rank, send and receive buffers apart, uncompressed: the
       // inter-node allreduce reads the rank's input where it needs it and
@@ -727,7 +665,8 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, Lane& lane) 
         raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
         wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
       } else {
-        s = Allreduce(ctx, AlgorithmFor(tuning.algorithm), dtype, wire_op, node, count, input);
+        s = Allreduce(ctx, InterNodeAlgorithmFor(settings.algorithm), dtype, wire_op, node, count,
+                      input);
       }
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, count, world);

@@ -44,6 +44,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cluster/coordinator_client.h"
+#include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
 #include "collectives/op.h"
@@ -162,6 +163,7 @@ class ClusterJob {
   struct Announced {
     uint64_t seq = 0;
     std::vector<ClusterOp> ops;  // one, or several fused
+    RunSettings settings;        // the coordinator's, for every node alike
   };
 
   void Run();
@@ -178,19 +180,15 @@ class ClusterJob {
   // false once the stream is closed.
   bool Write(const proto::NodeEvent& event);
   void CloseWrites();
-  absl::Status Execute(const ClusterOp& op, uint64_t seq, Lane& lane);
-  absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq, Lane& lane);
-  InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const config::Tuning& tuning,
+  absl::Status Execute(const ClusterOp& op, uint64_t seq, const RunSettings& settings,
+                       Lane& lane);
+  absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
+                            const RunSettings& settings, Lane& lane);
+  InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const RunSettings& settings,
                               Lane& lane);
-  // Whether `op` may be fused, and with which class of operations (see
-  // peer.proto's Ready.fusable and fuse_class).
-  bool Fusable(const ClusterOp& op, const config::Tuning& tuning, std::string* fuse_class);
-  // The codec for `op` (nullptr: send as it is), by its own choice or the
-  // tuning's; an error if compression_strict and the codec cannot take it.
-  // `name` (may be null) gets the codec's name when one is returned.
-  absl::StatusOr<const Codec*> CodecFor(const ClusterOp& op, const config::Tuning& tuning,
-                                        wire::ReduceOp wire_op, size_t bytes,
-                                        std::string* name = nullptr);
+  // The announced codec (nullptr: uncompressed); an error for a spec this
+  // daemon cannot parse.
+  absl::StatusOr<const Codec*> CodecNamed(const std::string& spec);
   void FailAll(const absl::Status& why);
   void Push(Event e);
 

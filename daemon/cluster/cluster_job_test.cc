@@ -156,7 +156,9 @@ struct Ends {
 // Two nodes, one rank each, their jobs and the coordinator.
 class TwoNodes {
  public:
-  TwoNodes() : coordinator_("token", &tuning_), hub_(2, 1) {
+  // Each node has its own daemon tuning; node 0's daemon hosts the
+  // coordinator (rank 0), so its tuning decides the runs' settings.
+  TwoNodes() : coordinator_("token", &tuning_[0]), hub_(2, 1) {
     for (int k = 0; k < 2; ++k) {
       ClusterJob::Options o;
       o.job_id = "job";
@@ -167,7 +169,7 @@ class TwoNodes {
       o.coordinator = "direct";
       o.cluster_token = "token";
       o.channels = 1;
-      o.tuning = &tuning_;
+      o.tuning = &tuning_[k];
       o.transports = [this](int) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
         return std::make_unique<HubUnconnected>(&hub_);
       };
@@ -188,12 +190,19 @@ class TwoNodes {
   ~TwoNodes() {
     for (auto& j : jobs_) j.reset();
   }
-  config::TuningRegistry& tuning() { return tuning_; }
+  // Sets a tuning key on both nodes' daemons.
+  absl::Status SetBoth(const std::string& key, const std::string& value) {
+    for (auto& t : tuning_) {
+      if (absl::Status s = t.Set(key, value); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  config::TuningRegistry& tuning(int k) { return tuning_[k]; }
   ClusterJob& job(int k) { return *jobs_[k]; }
   Ends& ends(int k) { return ends_[k]; }
 
  private:
-  config::TuningRegistry tuning_;
+  config::TuningRegistry tuning_[2];
   Coordinator coordinator_;
   InProcessHub hub_;
   Ends ends_[2];
@@ -226,7 +235,7 @@ float Value(int rank, size_t op, size_t i) {
 // are the unfused ones' bits, and the counters say what happened.
 TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
   TwoNodes nodes;
-  ASSERT_TRUE(nodes.tuning().Set("cycle_time_us", "50000").ok());
+  ASSERT_TRUE(nodes.SetBoth("cycle_time_us", "50000").ok());
   const std::vector<size_t> sizes = {0, 1, 7, 1000, 5003, 1, 333, 4096};
   const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg, wire::ReduceOp::kMax};
   const size_t n_ops = sizes.size() * 3;
@@ -240,7 +249,7 @@ TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
     }
   }
   for (int round = 0; round < 2; ++round) {
-    if (round == 1) ASSERT_TRUE(nodes.tuning().Set("fusion_threshold_bytes", "0").ok());
+    if (round == 1) ASSERT_TRUE(nodes.SetBoth("fusion_threshold_bytes", "0").ok());
     for (int k = 0; k < 2; ++k) {
       for (size_t j = 0; j < n_ops; ++j) {
         const size_t o = k == 0 ? j : n_ops - 1 - j;
@@ -287,9 +296,9 @@ TEST(ClusterJobTest, FusedCompressedRunsWithinTheBoundNeverMixedWithUncompressed
   for (const char* codec : {"int8", "fp16"}) {
     SCOPED_TRACE(codec);
     TwoNodes nodes;
-    ASSERT_TRUE(nodes.tuning().Set("cycle_time_us", "50000").ok());
-    ASSERT_TRUE(nodes.tuning().Set("compression", codec).ok());
-    ASSERT_TRUE(nodes.tuning().Set("min_compress_bytes", "1K").ok());
+    ASSERT_TRUE(nodes.SetBoth("cycle_time_us", "50000").ok());
+    ASSERT_TRUE(nodes.SetBoth("compression", codec).ok());
+    ASSERT_TRUE(nodes.SetBoth("min_compress_bytes", "1K").ok());
     {
       // Compressed ones alone first: they fuse (not only the uncompressed).
       std::vector<float> d[2][6];
@@ -372,8 +381,8 @@ TEST(ClusterJobTest, FusedCompressedRunsWithinTheBoundNeverMixedWithUncompressed
 
 TEST(ClusterJobTest, FusionOffCountsNothing) {
   TwoNodes nodes;
-  ASSERT_TRUE(nodes.tuning().Set("cycle_time_us", "50000").ok());
-  ASSERT_TRUE(nodes.tuning().Set("fusion_threshold_bytes", "0").ok());
+  ASSERT_TRUE(nodes.SetBoth("cycle_time_us", "50000").ok());
+  ASSERT_TRUE(nodes.SetBoth("fusion_threshold_bytes", "0").ok());
   std::vector<float> data[2][10];
   for (int k = 0; k < 2; ++k) {
     for (int o = 0; o < 10; ++o) {
@@ -390,12 +399,76 @@ TEST(ClusterJobTest, FusionOffCountsNothing) {
   }
 }
 
+// The settings that both nodes must apply alike come from the coordinator's
+// daemon (node 0 here): node 1's own chunk size, algorithm and compression
+// differ wildly and change nothing. A live change on node 0 applies to both
+// nodes from the next run. (Before, each node cut and encoded with its own
+// tuning, so with these settings their messages could not match.)
+TEST(ClusterJobTest, RunSettingsComeFromTheCoordinatorsDaemon) {
+  TwoNodes nodes;
+  ASSERT_TRUE(nodes.tuning(1).Set("chunk_bytes", "4K").ok());
+  ASSERT_TRUE(nodes.tuning(1).Set("algorithm", "halving_doubling").ok());
+  ASSERT_TRUE(nodes.tuning(1).Set("compression", "int8").ok());
+  ASSERT_TRUE(nodes.tuning(1).Set("min_compress_bytes", "0").ok());
+  ASSERT_TRUE(nodes.tuning(0).Set("chunk_bytes", "64K").ok());
+  ASSERT_TRUE(nodes.tuning(0).Set("algorithm", "ring").ok());
+  const size_t sizes[] = {1, 4099, 300000};
+  std::vector<float> data[2][3];
+  uint64_t key = 0;
+  for (int k = 0; k < 2; ++k) {
+    for (int o = 0; o < 3; ++o) {
+      data[k][o].resize(sizes[o]);
+      for (size_t i = 0; i < sizes[o]; ++i) data[k][o][i] = Value(k, o, i);
+    }
+  }
+  for (int o = 0; o < 3; ++o, ++key) {
+    for (int k = 0; k < 2; ++k) {
+      nodes.job(k).Submit(Allreduce(key, "exact" + std::to_string(o), wire::DataType::kFloat32,
+                                    wire::ReduceOp::kSum, sizes[o], k, data[k][o].data(),
+                                    data[k][o].data()));
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(3));
+    for (auto& [end_key, status] : nodes.ends(k).ends) EXPECT_TRUE(status.ok()) << status;
+    EXPECT_EQ(nodes.job(k).compression().ops, 0u) << "node " << k << " compressed";
+    for (int o = 0; o < 3; ++o) {
+      for (size_t i = 0; i < sizes[o]; ++i) {
+        ASSERT_EQ(data[k][o][i], Value(0, o, i) + Value(1, o, i)) << "node " << k << " op " << o;
+      }
+    }
+  }
+  // Live, on the coordinator's daemon only: both nodes now send fp16.
+  ASSERT_TRUE(nodes.tuning(0).Set("compression", "fp16").ok());
+  ASSERT_TRUE(nodes.tuning(0).Set("min_compress_bytes", "0").ok());
+  std::vector<float> half[2];
+  for (int k = 0; k < 2; ++k) {
+    half[k].resize(300000);
+    for (size_t i = 0; i < half[k].size(); ++i) half[k][i] = Value(k, 7, i);
+    nodes.job(k).Submit(Allreduce(key, "fp16", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                  half[k].size(), k, half[k].data(), half[k].data()));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(4));
+    EXPECT_TRUE(nodes.ends(k).ends[3].second.ok()) << nodes.ends(k).ends[3].second;
+    EXPECT_EQ(nodes.job(k).compression().ops, 1u) << "node " << k;
+    double worst = 0;
+    for (size_t i = 0; i < half[k].size(); ++i) {
+      const double exact = static_cast<double>(Value(0, 7, i)) + Value(1, 7, i);
+      worst = std::max(worst, std::abs(half[k][i] - exact));
+    }
+    // fp16 keeps 11 significant bits of values below 3 in magnitude.
+    EXPECT_LT(worst, 3.0 / 1024) << "node " << k;
+    EXPECT_GT(worst, 0.0) << "node " << k << ": nothing was lost, so nothing was compressed";
+  }
+}
+
 // A large low-priority allreduce, then a small high-priority one: the
 // small one ends first on both nodes (it runs in the other lane), and both
 // results are right.
 TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
   TwoNodes nodes;
-  ASSERT_TRUE(nodes.tuning().Set("chunk_bytes", "256K").ok());
+  ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "256K").ok());
   const size_t big = 24u << 20;  // 96 MiB of float32
   std::vector<float> large[2], small[2];
   for (int k = 0; k < 2; ++k) {
@@ -428,9 +501,9 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
 // first on both nodes, the large one within int8's bound.
 TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) {
   TwoNodes nodes;
-  ASSERT_TRUE(nodes.tuning().Set("chunk_bytes", "256K").ok());
-  ASSERT_TRUE(nodes.tuning().Set("compression", "int8").ok());
-  ASSERT_TRUE(nodes.tuning().Set("min_compress_bytes", "4K").ok());
+  ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "256K").ok());
+  ASSERT_TRUE(nodes.SetBoth("compression", "int8").ok());
+  ASSERT_TRUE(nodes.SetBoth("min_compress_bytes", "4K").ok());
   const size_t big = 24u << 20;  // 96 MiB of float32
   std::vector<float> large[2], small[2];
   for (int k = 0; k < 2; ++k) {

@@ -5,7 +5,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ciuic/shm_layout.h"
+#include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
+#include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
 
 namespace ciuic::daemon {
@@ -293,10 +295,8 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     run.first_ready = now;
     run.deadline = now + timeout;
     run.priority = ready.priority();
-    run.fuse_class = ready.fuse_class();
   }
   run.priority = std::max(run.priority, ready.priority());
-  run.fusable = run.fusable && ready.fusable() && ready.fuse_class() == run.fuse_class;
   auto send_fail = [&](int to, const absl::Status& s) {
     proto::CoordinatorEvent e;
     e.mutable_fail()->set_name(ready.name());
@@ -328,8 +328,6 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
       q.name = ready.name();
       q.signature = run.signature;
       q.priority = run.priority;
-      q.fusable = run.fusable;
-      q.fuse_class = run.fuse_class;
       q.bytes = run.signature.count() * wire::DataTypeSize(run.signature.dtype());
       q.order = job.next_order++;
       q.ready_at = now;
@@ -345,9 +343,12 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
 
 Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
   if (!job.failure.ok() || job.backlog.empty()) return Clock::time_point::max();
+  // The run's settings come from this daemon's tuning as it is now, and go
+  // to every node with the announcement (run_settings.h).
   const config::Tuning tuning = tuning_ ? tuning_->Snapshot() : config::Tuning{};
   const auto hold = std::chrono::microseconds(tuning.cycle_time_us);
   uint64_t threshold = tuning.fusion_threshold_bytes;
+  const int nodes = job.membership.nodes_size();
   // Fused uncompressed runs use halving-doubling; with the auto rule, no
   // bigger than the rule would let it carry (with 3 nodes it costs 3 full
   // exchanges against the ring's 4/3 of the bytes: packing must not make the
@@ -355,27 +356,64 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
   // their size: the threshold alone.
   const uint64_t compressed_threshold = threshold;
   if (tuning.algorithm == config::Algorithm::kAuto) {
-    threshold = std::min(threshold, HalvingDoublingLimit(job.membership.nodes_size()));
+    threshold = std::min(threshold, HalvingDoublingLimit(nodes));
   }
   std::sort(job.backlog.begin(), job.backlog.end(), [](const Queued& a, const Queued& b) {
     return a.priority != b.priority ? a.priority > b.priority : a.order < b.order;
   });
-  const int nodes = job.membership.nodes_size();
+  // An operation's codec under the current tuning ("" uncompressed), or the
+  // compression_strict refusal, which fails it on every node.
+  // A reduce_scatter moves (and compresses) every rank's block.
+  auto codec_of = [&tuning, &job](const Queued& q) {
+    const auto& sig = q.signature;
+    const bool scatter =
+        sig.collective() == static_cast<uint32_t>(wire::Collective::kReduceScatter);
+    const uint64_t bytes = scatter ? q.bytes * static_cast<uint64_t>(job.world_size) : q.bytes;
+    return ResolveCodec(
+        q.name, CodecRequest{sig.codec(), sig.codec_ratio(), sig.dtype(), sig.reduce_op(), bytes},
+        tuning);
+  };
+  auto reducing = [](const Queued& q) {
+    const auto c = static_cast<wire::Collective>(q.signature.collective());
+    return (c == wire::Collective::kAllreduce || c == wire::Collective::kReduceScatter) &&
+           CheckReducible(q.signature.dtype(), q.signature.reduce_op()).ok();
+  };
+  auto allreduce = [&reducing](const Queued& q) {
+    return reducing(q) &&
+           q.signature.collective() == static_cast<uint32_t>(wire::Collective::kAllreduce);
+  };
   while (!job.backlog.empty() && job.running.size() < static_cast<size_t>(kRunningRuns)) {
     const Queued& head = job.backlog.front();
     if (hold.count() > 0 && now < head.ready_at + hold) return head.ready_at + hold;
+    std::string head_codec;
+    if (reducing(head)) {
+      absl::StatusOr<std::string> codec = codec_of(head);
+      if (!codec.ok()) {
+        proto::CoordinatorEvent e;
+        e.mutable_fail()->set_name(head.name);
+        e.mutable_fail()->set_code(static_cast<int>(codec.status().code()));
+        e.mutable_fail()->set_message(std::string(codec.status().message()));
+        SendAll(job, e);
+        job.backlog.erase(job.backlog.begin());
+        continue;
+      }
+      head_codec = *codec;
+    }
     // The head, and the fusable operations like it that fit, in backlog order.
     std::vector<size_t> group = {0};
-    const uint64_t limit = head.fuse_class.empty() ? threshold : compressed_threshold;
-    const bool fuse = head.fusable && limit > 0 && head.bytes <= limit &&
-                      head.signature.collective() == static_cast<uint32_t>(wire::Collective::kAllreduce);
+    const uint64_t limit = head_codec.empty() ? threshold : compressed_threshold;
+    const bool fuse = allreduce(head) && limit > 0 && head.bytes <= limit &&
+                      FusableAllreduce(head.bytes, head_codec, tuning.algorithm, nodes);
     uint64_t total = head.bytes;
     for (size_t i = 1; fuse && i < job.backlog.size(); ++i) {
       const Queued& q = job.backlog[i];
-      if (q.fusable && q.signature.collective() == head.signature.collective() &&
-          q.signature.dtype() == head.signature.dtype() &&
-          q.signature.reduce_op() == head.signature.reduce_op() &&
-          q.fuse_class == head.fuse_class && total + q.bytes <= limit) {
+      if (!allreduce(q) || q.signature.dtype() != head.signature.dtype() ||
+          q.signature.reduce_op() != head.signature.reduce_op() || total + q.bytes > limit) {
+        continue;
+      }
+      absl::StatusOr<std::string> codec = codec_of(q);
+      if (codec.ok() && *codec == head_codec &&
+          FusableAllreduce(q.bytes, *codec, tuning.algorithm, nodes)) {
         group.push_back(i);
         total += q.bytes;
       }
@@ -385,6 +423,9 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     run->set_name(head.name);
     run->set_seq(job.next_seq++);
     for (size_t g = 1; g < group.size(); ++g) run->add_fused_with(job.backlog[group[g]].name);
+    run->set_chunk_bytes(tuning.chunk_bytes);
+    run->set_algorithm(static_cast<uint32_t>(tuning.algorithm));
+    run->set_codec(head_codec);
     job.running.emplace(run->seq(), std::vector<bool>(nodes, false));
     SendAll(job, e);
     for (auto g = group.rbegin(); g != group.rend(); ++g) {

@@ -97,16 +97,12 @@ class Coordinator {
     std::chrono::steady_clock::time_point deadline;
     absl::Status failure;  // poisoned: later nodes get it at once
     int32_t priority = 0;  // the highest any node gave
-    bool fusable = true;   // AND over the nodes
-    std::string fuse_class;  // the first node's; a node that differs clears fusable
   };
   // Ready on every node, waiting to be announced.
   struct Queued {
     std::string name;
     proto::OpSignature signature;
     int32_t priority = 0;
-    bool fusable = true;  // AND over the nodes
-    std::string fuse_class;  // "" uncompressed, else the codec (fused only within a class)
     uint64_t bytes = 0;
     uint64_t order = 0;   // when it became ready, for ties
     std::chrono::steady_clock::time_point ready_at;

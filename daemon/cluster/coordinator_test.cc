@@ -51,17 +51,21 @@ proto::RegisterNodeRequest Reg(const std::string& node, std::vector<int> ranks, 
   return r;
 }
 
+// A sum over `count` elements of `dtype`: an allreduce when `fusable` (the
+// coordinator may fuse it with others like it), else a reduce_scatter (never
+// fused).
 proto::NodeEvent Ready(const std::string& name, uint64_t count, uint32_t timeout_ms = 0,
-                       int32_t priority = 0, bool fusable = false, uint32_t dtype = 1) {
+                       int32_t priority = 0, bool fusable = false, uint32_t dtype = 1,
+                       uint32_t reduce_op = 1, uint32_t codec = 0) {
   proto::NodeEvent e;
   e.mutable_ready()->set_name(name);
-  e.mutable_ready()->mutable_signature()->set_collective(1);
+  e.mutable_ready()->mutable_signature()->set_collective(fusable ? 1 : 2);
   e.mutable_ready()->mutable_signature()->set_dtype(dtype);
-  e.mutable_ready()->mutable_signature()->set_reduce_op(1);
+  e.mutable_ready()->mutable_signature()->set_reduce_op(reduce_op);
   e.mutable_ready()->mutable_signature()->set_count(count);
+  e.mutable_ready()->mutable_signature()->set_codec(codec);
   e.mutable_ready()->set_timeout_ms(timeout_ms);
   e.mutable_ready()->set_priority(priority);
-  e.mutable_ready()->set_fusable(fusable);
   return e;
 }
 
@@ -217,8 +221,11 @@ TEST(CoordinatorTest, LostNodeFailsTheJobOnTheOthers) {
 
 // Both nodes ready `name` with the same arguments.
 void BothReady(Coordinator& c, Formed& f, const std::string& name, uint64_t count,
-               int32_t priority = 0, bool fusable = false, uint32_t dtype = 1) {
-  for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], Ready(name, count, 0, priority, fusable, dtype));
+               int32_t priority = 0, bool fusable = false, uint32_t dtype = 1,
+               uint32_t reduce_op = 1) {
+  for (int n = 0; n < 2; ++n) {
+    c.OnEvent(f.handles[n], Ready(name, count, 0, priority, fusable, dtype, reduce_op));
+  }
 }
 
 void BothDone(Coordinator& c, Formed& f, uint64_t seq) {
@@ -264,8 +271,9 @@ TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
   BothReady(c, f, "a", 1024, 0, true);         // 4 KiB float32
   BothReady(c, f, "i", 1024, 0, true, 7);      // int32: another dtype
   BothReady(c, f, "b", 1024, 0, true);
-  c.OnEvent(f.handles[0], Ready("n", 1024, 0, 0, true));
-  c.OnEvent(f.handles[1], Ready("n", 1024, 0, 0, false));  // one node says no
+  for (int n = 0; n < 2; ++n) {  // max, not sum: another reduce op
+    c.OnEvent(f.handles[n], Ready("m", 1024, 0, 0, true, 1, 4));
+  }
   BothReady(c, f, "d", 1024, 0, true);
   BothReady(c, f, "e", 1024, 0, true);  // would pass 12 KiB
   BothReady(c, f, "big", 4096, 0, true);  // 16 KiB alone: over the threshold
@@ -275,7 +283,7 @@ TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
   BothDone(c, f, 3);
   BothDone(c, f, 4);
   BothDone(c, f, 5);
-  const std::vector<std::string> want = {"busy0", "busy1", "a+b+d", "i", "n", "e", "big"};
+  const std::vector<std::string> want = {"busy0", "busy1", "a+b+d", "i", "m", "e", "big"};
   for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
 }
 
@@ -293,39 +301,91 @@ TEST(CoordinatorTest, FusedRunsStayWithinWhatTheAutoRuleGivesHalvingDoubling) {
   EXPECT_EQ(Runs(f.streams[0].WaitFor(want.size())), want);
 }
 
-// Compressed operations (fuse_class = the codec) fuse only with operations
-// of the same class, never with uncompressed ones (class ""), nor when the
-// nodes report different classes; the halving-doubling cap of the auto rule
-// does not limit them (they run the compressed allreduce).
-TEST(CoordinatorTest, FusesOnlyWithinOneFuseClass) {
-  Coordinator c("secret");  // defaults: 4M threshold, algorithm auto: 1 MiB on 2 nodes
+// Compressed operations fuse only with operations of the same codec, never
+// with uncompressed ones; the halving-doubling cap of the auto rule does not
+// limit them (they run the compressed allreduce). Each Run names its codec.
+TEST(CoordinatorTest, FusesOnlyWithinOneCodec) {
+  config::TuningRegistry tuning;  // 4M threshold, algorithm auto: 1 MiB on 2 nodes
+  ASSERT_TRUE(tuning.Set("min_compress_bytes", "0").ok());
+  Coordinator c("secret", &tuning);
   Formed f;
   Form(c, &f);
-  auto ready = [](const std::string& name, uint64_t count, const std::string& cls) {
-    proto::NodeEvent e = Ready(name, count, 0, 0, true);
-    e.mutable_ready()->set_fuse_class(cls);
-    return e;
+  constexpr uint32_t kNone = 1, kFp16 = 2, kInt8 = 4;
+  auto both = [&](const std::string& name, uint64_t count, uint32_t codec) {
+    for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], Ready(name, count, 0, 0, true, 1, 1, codec));
   };
-  auto both = [&](const std::string& name, uint64_t count, const std::string& cls) {
-    for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], ready(name, count, cls));
-  };
-  both("busy0", 10, "");
-  both("busy1", 10, "");
-  both("i1", 96 * 1024, "int8");  // 384 KiB each: 3 of them pass 1 MiB, not 4 MiB
-  both("u1", 100, "");
-  both("f1", 100, "fp16");
-  both("i2", 96 * 1024, "int8");
-  both("u2", 100, "");
-  c.OnEvent(f.handles[0], ready("x", 100, "int8"));  // the nodes disagree
-  c.OnEvent(f.handles[1], ready("x", 100, "fp16"));
-  both("i3", 96 * 1024, "int8");
-  both("f2", 100, "fp16");
+  both("busy0", 10, kNone);
+  both("busy1", 10, kNone);
+  both("i1", 96 * 1024, kInt8);  // 384 KiB each: 3 of them pass 1 MiB, not 4 MiB
+  both("u1", 100, kNone);
+  both("f1", 100, kFp16);
+  both("i2", 96 * 1024, kInt8);
+  both("u2", 100, kNone);
+  both("i3", 96 * 1024, kInt8);
+  both("f2", 100, kFp16);
   BothDone(c, f, 0);
   BothDone(c, f, 1);
   BothDone(c, f, 2);
   BothDone(c, f, 3);
-  const std::vector<std::string> want = {"busy0", "busy1", "i1+i2+i3", "u1+u2", "f1+f2", "x"};
-  for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
+  const std::vector<std::string> want = {"busy0", "busy1", "i1+i2+i3", "u1+u2", "f1+f2"};
+  const std::vector<std::string> codecs = {"", "", "int8", "", "fp16"};
+  for (auto& s : f.streams) {
+    auto ev = s.WaitFor(want.size());
+    EXPECT_EQ(Runs(ev), want);
+    for (size_t i = 0; i < ev.size() && i < codecs.size(); ++i) {
+      EXPECT_EQ(ev[i].run().codec(), codecs[i]) << i;
+    }
+  }
+}
+
+// Every Run carries the coordinator daemon's settings of the moment: chunk
+// size, algorithm and the codec resolved for the operation (the tuning's
+// compression for operations that ask for the default; none below
+// min_compress_bytes or for what the codec cannot take; with
+// compression_strict, the latter fails on every node instead).
+TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
+  config::TuningRegistry tuning;
+  ASSERT_TRUE(tuning.Set("chunk_bytes", "256K").ok());
+  ASSERT_TRUE(tuning.Set("algorithm", "ring").ok());
+  ASSERT_TRUE(tuning.Set("compression", "int8").ok());
+  ASSERT_TRUE(tuning.Set("min_compress_bytes", "1K").ok());
+  ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());
+  Coordinator c("secret", &tuning);
+  Formed f;
+  Form(c, &f);
+  BothReady(c, f, "big", 4096, 0, true);          // 16 KiB float32: int8
+  BothReady(c, f, "small", 16, 0, true);          // 64 bytes: below min_compress_bytes
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  BothReady(c, f, "ints", 4096, 0, true, 7);      // int32: int8 cannot take it, sent as is
+  BothReady(c, f, "max", 4096, 0, true, 1, 4);    // max: compression is for sum/avg
+  BothDone(c, f, 2);
+  BothDone(c, f, 3);
+  ASSERT_TRUE(tuning.Set("chunk_bytes", "1M").ok());  // live: the next run has it
+  ASSERT_TRUE(tuning.Set("algorithm", "auto").ok());
+  ASSERT_TRUE(tuning.Set("compression_strict", "on").ok());
+  BothReady(c, f, "strict_ints", 4096, 0, true, 7);  // now refused on every node
+  BothReady(c, f, "after", 4096, 0, true);
+  for (auto& s : f.streams) {
+    auto ev = s.WaitFor(6);
+    ASSERT_EQ(Runs(ev), (std::vector<std::string>{"big", "small", "ints", "max",
+                                                  "fail:strict_ints", "after"}));
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(ev[i].run().chunk_bytes(), 256u * 1024) << i;
+      EXPECT_EQ(ev[i].run().algorithm(), static_cast<uint32_t>(config::Algorithm::kRing)) << i;
+    }
+    EXPECT_EQ(ev[0].run().codec(), "int8");
+    EXPECT_EQ(ev[1].run().codec(), "");
+    EXPECT_EQ(ev[2].run().codec(), "");
+    EXPECT_EQ(ev[3].run().codec(), "");
+    EXPECT_NE(ev[4].fail().message().find("operation 'strict_ints': compression int8"),
+              std::string::npos)
+        << ev[4].fail().message();
+    EXPECT_EQ(ev[4].fail().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_EQ(ev[5].run().chunk_bytes(), 1024u * 1024);
+    EXPECT_EQ(ev[5].run().algorithm(), static_cast<uint32_t>(config::Algorithm::kAuto));
+    EXPECT_EQ(ev[5].run().codec(), "int8");
+  }
 }
 
 TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {

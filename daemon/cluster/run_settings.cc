@@ -1,0 +1,87 @@
+#include "cluster/run_settings.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "ciuic/shm_layout.h"
+#include "compression/codec.h"
+#include "reduce/reduce.h"
+
+namespace ciuic::daemon {
+namespace {
+
+// Codecs are stateless objects: one per spec, kept for the process.
+const Codec* CodecForSpec(const std::string& spec_text, absl::Status* error) {
+  static std::mutex mu;
+  static std::map<std::string, std::unique_ptr<Codec>>* cache =
+      new std::map<std::string, std::unique_ptr<Codec>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(spec_text);
+  if (it == cache->end()) {
+    auto spec = ParseCodec(spec_text);
+    if (!spec.ok()) {
+      *error = spec.status();
+      return nullptr;
+    }
+    it = cache->emplace(spec_text, MakeCodec(*spec)).first;
+  }
+  return it->second.get();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ResolveCodec(const std::string& op_name, const CodecRequest& request,
+                                         const config::Tuning& tuning) {
+  std::string name;
+  switch (static_cast<wire::Codec>(request.codec)) {
+    case wire::Codec::kDefault: name = tuning.compression; break;
+    case wire::Codec::kNone: name = "none"; break;
+    case wire::Codec::kFp16: name = "fp16"; break;
+    case wire::Codec::kBf16: name = "bf16"; break;
+    case wire::Codec::kInt8: name = "int8"; break;
+    case wire::Codec::kTopK: name = absl::StrCat("topk:", request.codec_ratio); break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("operation '", op_name, "': unknown codec ", request.codec));
+  }
+  if (name == "none" || request.bytes < tuning.min_compress_bytes) return std::string();
+  absl::Status error;
+  const Codec* codec = CodecForSpec(name, &error);
+  if (codec == nullptr) return error;
+  const auto requested = static_cast<wire::ReduceOp>(request.reduce_op);
+  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+  absl::Status supported = codec->Supports(static_cast<wire::DataType>(request.dtype));
+  if (supported.ok() && wire_op != wire::ReduceOp::kSum) {
+    const char* op = wire::ReduceOpName(request.reduce_op);
+    supported = absl::InvalidArgumentError(
+        absl::StrCat("compression applies to sum and avg, not ", op ? op : "?"));
+  }
+  if (!supported.ok()) {
+    if (!tuning.compression_strict) return std::string();  // sent as it is
+    return absl::InvalidArgumentError(absl::StrCat("operation '", op_name, "': compression ", name,
+                                                   ": ", supported.message()));
+  }
+  return name;
+}
+
+bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorithm algorithm,
+                      int num_nodes) {
+  if (!codec.empty()) return true;
+  InterNodeAlgorithm algo = InterNodeAlgorithmFor(algorithm);
+  if (algo == InterNodeAlgorithm::kAuto) algo = ChooseAllreduceAlgorithm(num_nodes, bytes);
+  return algo == InterNodeAlgorithm::kHalvingDoubling;
+}
+
+InterNodeAlgorithm InterNodeAlgorithmFor(config::Algorithm algorithm) {
+  switch (algorithm) {
+    case config::Algorithm::kRing: return InterNodeAlgorithm::kRing;
+    case config::Algorithm::kHalvingDoubling:
+    case config::Algorithm::kTree: return InterNodeAlgorithm::kHalvingDoubling;
+    case config::Algorithm::kAuto: break;
+  }
+  return InterNodeAlgorithm::kAuto;
+}
+
+}  // namespace ciuic::daemon

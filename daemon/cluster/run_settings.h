@@ -1,0 +1,56 @@
+// The settings of a run that every node of a job must apply alike: how the
+// bytes are cut into chunks, which inter-node algorithm carries them, and
+// what goes on the wire (the codec). A node that cut or encoded differently
+// from its peers would send messages they do not expect, so these are not
+// each daemon's own business: the job's coordinator decides them from its
+// daemon's tuning when it announces a run, and sends them with the
+// announcement (peer.proto, CoordinatorEvent.Run). `ciuicctl tune set
+// chunk_bytes=...` (or algorithm, compression, min_compress_bytes,
+// compression_strict) on the coordinator's daemon (the one hosting rank 0)
+// therefore changes them for the whole job from its next run; the other
+// daemons' values for these keys do not matter for that job.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "collectives/internode/internode.h"
+#include "config/tuning.h"
+
+namespace ciuic::daemon {
+
+struct RunSettings {
+  uint64_t chunk_bytes = 0;  // 0: not announced (use the local tuning)
+  config::Algorithm algorithm = config::Algorithm::kAuto;
+  std::string codec;  // "" uncompressed, else a codec spec for ParseCodec ("int8", "topk:0.01")
+};
+
+// What an operation's signature says about compression, for ResolveCodec.
+struct CodecRequest {
+  uint32_t codec = 0;  // wire::Codec; kDefault (0): tuning.compression
+  float codec_ratio = 0;
+  uint32_t dtype = 0;
+  uint32_t reduce_op = 0;
+  uint64_t bytes = 0;  // the operation's payload per rank
+};
+
+// The codec spec the operation travels with under `tuning`: "" when it goes
+// uncompressed (asked for none, below min_compress_bytes, or a dtype or
+// reduce op the codec cannot take with compression_strict off), else the
+// spec. With compression_strict on, a codec that cannot take the operation
+// is INVALID_ARGUMENT naming the operation and why.
+absl::StatusOr<std::string> ResolveCodec(const std::string& op_name, const CodecRequest& request,
+                                         const config::Tuning& tuning);
+
+// Whether an allreduce of `bytes` with `codec` may run fused with others:
+// compressed ones always (within the codec's per-element bound), and
+// uncompressed ones that halving-doubling would carry (its result for an
+// element does not depend on where the element lies in the buffer, so
+// packing changes no bit; the ring's does).
+bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorithm algorithm,
+                      int num_nodes);
+
+InterNodeAlgorithm InterNodeAlgorithmFor(config::Algorithm algorithm);
+
+}  // namespace ciuic::daemon
