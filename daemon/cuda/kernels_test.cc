@@ -27,13 +27,10 @@ namespace {
 using wire::DataType;
 using wire::ReduceOp;
 
-constexpr DataType kAllTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
-                                  DataType::kBFloat16, DataType::kInt8,   DataType::kUInt8,
-                                  DataType::kInt32,   DataType::kInt64};
+constexpr auto& kAllTypes = wire::kAllDataTypes;
 constexpr DataType kFloatTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
                                     DataType::kBFloat16};
-constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                                ReduceOp::kProd};
+constexpr auto& kAllOps = wire::kAllReduceOps;
 // 0, 1, odd, not a multiple of the 16-byte vectors or of the int8 blocks, and
 // large (several grid strides' worth for the reduction).
 constexpr size_t kCounts[] = {0, 1, 7, 255, 256, 257, 4099, 1000003};

@@ -23,12 +23,6 @@ namespace {
 using wire::DataType;
 using wire::ReduceOp;
 
-constexpr DataType kTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
-                               DataType::kBFloat16, DataType::kInt8,    DataType::kUInt8,
-                               DataType::kInt32,   DataType::kInt64};
-constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                             ReduceOp::kProd};
-
 std::vector<uint8_t> RandomBytes(size_t n, std::mt19937_64& rng) {
   std::vector<uint8_t> v(n);
   for (auto& b : v) b = static_cast<uint8_t>(rng());
@@ -123,8 +117,8 @@ void Check(DataType dtype, ReduceOp op, size_t count, bool received_first, bool 
 
 TEST(FragmentReducerTest, EveryTypeOpAndCutMatchesOneWholeReduce) {
   std::mt19937_64 rng(7);
-  for (DataType dtype : kTypes) {
-    for (ReduceOp op : kOps) {
+  for (DataType dtype : wire::kAllDataTypes) {
+    for (ReduceOp op : wire::kAllReduceOps) {
       for (size_t count : {size_t{1}, size_t{7}, size_t{1000}, size_t{4099}}) {
         const size_t n = count * wire::DataTypeSize(static_cast<uint32_t>(dtype));
         for (bool received_first : {true, false}) {
@@ -152,7 +146,7 @@ TEST(FragmentReducerTest, OneByteFragmentsInReverseOrder) {
 TEST(FragmentReducerTest, EveryMisalignmentOfTheSource) {
   std::mt19937_64 rng(13);
   for (size_t misalign = 0; misalign < 8; ++misalign) {
-    for (DataType dtype : kTypes) {
+    for (DataType dtype : wire::kAllDataTypes) {
       // Large enough for the kernel's vector loop.
       const size_t count = 100003;
       const size_t n = count * wire::DataTypeSize(static_cast<uint32_t>(dtype));

@@ -85,14 +85,12 @@ struct UcxTransport::Shared {
   }
 };
 
-namespace {
-
 enum class OpKind { kSend, kRecv };
 
 // One Send or Recv, from the call until its callback. Owned by the channel's
 // queue, then by its in-flight list; touched only on the channel's thread
 // after it was queued.
-struct Op {
+struct UcxTransport::Op {
   OpKind kind;
   int peer;
   int channel;
@@ -126,6 +124,10 @@ struct Op {
            std::to_string(bytes) + " bytes";
   }
 };
+
+namespace {
+
+using Op = UcxTransport::Op;
 
 // The ucp datatype of a reducing receive: a generic datatype whose unpack
 // folds each fragment into the destination straight from UCX's receive
@@ -761,41 +763,29 @@ absl::Status UcxTransport::Connect(int self,
   return absl::OkStatus();
 }
 
-void UcxTransport::Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
-                        TransferDone done) {
-  auto op = std::make_unique<Op>();
-  op->kind = OpKind::kSend;
-  op->peer = peer;
-  op->channel = channel;
-  op->tag = tag & kUserTagMask;
-  op->data = const_cast<void*>(data);
-  op->bytes = bytes;
-  op->done = std::move(done);
-  if (channel < 0 || channel >= num_channels()) {
-    op->early = absl::InvalidArgumentError("no such channel");
-    channel = 0;
-  } else if (peer < 0 || peer >= num_peers_) {
-    op->early =
-        absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
-  }
-  op->owner = channels_[channel].get();
-  channels_[channel]->Enqueue(std::move(op));
-}
+namespace {
 
-void UcxTransport::Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
-                        TransferDone done) {
+std::unique_ptr<Op> NewOp(OpKind kind, int peer, int channel, uint64_t tag, void* data,
+                          size_t bytes, TransferDone done) {
   auto op = std::make_unique<Op>();
-  op->kind = OpKind::kRecv;
+  op->kind = kind;
   op->peer = peer;
   op->channel = channel;
   op->tag = tag & kUserTagMask;
   op->data = data;
   op->bytes = bytes;
   op->done = std::move(done);
+  return op;
+}
+
+}  // namespace
+
+void UcxTransport::Route(std::unique_ptr<Op> op) {
+  int channel = op->channel;
   if (channel < 0 || channel >= num_channels()) {
     op->early = absl::InvalidArgumentError("no such channel");
     channel = 0;
-  } else if (peer < 0 || peer >= num_peers_) {
+  } else if (op->peer < 0 || op->peer >= num_peers_) {
     op->early =
         absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
   }
@@ -803,16 +793,20 @@ void UcxTransport::Recv(int peer, int channel, uint64_t tag, void* data, size_t 
   channels_[channel]->Enqueue(std::move(op));
 }
 
+void UcxTransport::Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+                        TransferDone done) {
+  Route(NewOp(OpKind::kSend, peer, channel, tag, const_cast<void*>(data), bytes,
+              std::move(done)));
+}
+
+void UcxTransport::Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
+                        TransferDone done) {
+  Route(NewOp(OpKind::kRecv, peer, channel, tag, data, bytes, std::move(done)));
+}
+
 void UcxTransport::RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into,
                               size_t bytes, TransferDone done) {
-  auto op = std::make_unique<Op>();
-  op->kind = OpKind::kRecv;
-  op->peer = peer;
-  op->channel = channel;
-  op->tag = tag & kUserTagMask;
-  op->data = into.dest;
-  op->bytes = bytes;
-  op->done = std::move(done);
+  auto op = NewOp(OpKind::kRecv, peer, channel, tag, into.dest, bytes, std::move(done));
   const size_t elem = wire::DataTypeSize(static_cast<uint32_t>(into.dtype));
   if (absl::Status s = reduce::CheckReducible(into.dtype, into.op); !s.ok()) {
     op->early = s;
@@ -822,15 +816,7 @@ void UcxTransport::RecvReduce(int peer, int channel, uint64_t tag, const ReduceI
                                            std::to_string(elem));
   }
   op->reducer = std::make_unique<FragmentReducer>(into, bytes);
-  if (channel < 0 || channel >= num_channels()) {
-    op->early = absl::InvalidArgumentError("no such channel");
-    channel = 0;
-  } else if (peer < 0 || peer >= num_peers_) {
-    op->early =
-        absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
-  }
-  op->owner = channels_[channel].get();
-  channels_[channel]->Enqueue(std::move(op));
+  Route(std::move(op));
 }
 
 void UcxTransport::FailPeer(int peer, const absl::Status& why) {

@@ -84,11 +84,16 @@ class UcxTransport final : public Transport {
   static bool SupportsCudaMemory();
 
   class Channel;  // one worker and its thread (ucx_transport.cc)
+  struct Op;      // one Send, Recv or RecvReduce in flight (ucx_transport.cc)
 
  private:
   struct Shared;  // the state the channels share with the transport
 
   UcxTransport();
+
+  // Checks the op's peer and channel (an early error otherwise) and hands
+  // it to its channel's thread.
+  void Route(std::unique_ptr<Op> op);
 
   // Marks `peer` failed with `why` unless it already failed; tells every
   // channel to cancel its pending work with the peer. Any thread.

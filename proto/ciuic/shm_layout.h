@@ -64,6 +64,14 @@ enum class ReduceOp : uint32_t {
   kProd = 5,
 };
 
+// Every DataType and ReduceOp, for code (and tests) that go through them all.
+inline constexpr DataType kAllDataTypes[] = {
+    DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16,
+    DataType::kInt8,    DataType::kUInt8,   DataType::kInt32,   DataType::kInt64,
+};
+inline constexpr ReduceOp kAllReduceOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin,
+                                             ReduceOp::kMax, ReduceOp::kProd};
+
 // Size in bytes of one element, or 0 for a value that is no DataType.
 inline constexpr size_t DataTypeSize(uint32_t dtype) {
   switch (static_cast<DataType>(dtype)) {

@@ -20,12 +20,8 @@ namespace {
 using wire::DataType;
 using wire::ReduceOp;
 
-constexpr DataType kAllTypes[] = {
-    DataType::kFloat32, DataType::kFloat64, DataType::kFloat16, DataType::kBFloat16,
-    DataType::kInt8,    DataType::kUInt8,   DataType::kInt32,   DataType::kInt64,
-};
-constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin,
-                                ReduceOp::kMax, ReduceOp::kProd};
+constexpr auto& kAllTypes = wire::kAllDataTypes;
+constexpr auto& kAllOps = wire::kAllReduceOps;
 
 // ---------------------------------------------------------------------------
 // Reference conversions: plain arithmetic on doubles (ldexp, nearbyint), no
