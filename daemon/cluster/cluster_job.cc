@@ -406,9 +406,11 @@ void ClusterJob::Run() {
           Announced run;
           run.seq = c.run().seq();
           run.settings.chunk_bytes = c.run().chunk_bytes();
+          run.settings.chunks_in_flight = c.run().chunks_in_flight();
           run.settings.algorithm = static_cast<config::Algorithm>(c.run().algorithm());
           run.settings.codec = c.run().codec();
-          if (run.settings.chunk_bytes == 0 ||
+          if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
+              run.settings.chunks_in_flight > 64 ||
               c.run().algorithm() > static_cast<uint32_t>(config::Algorithm::kTree)) {
             job_failure = absl::InternalError(absl::StrCat(
                 "coordinator announced run ", run.seq, " of '", c.run().name(),
@@ -530,7 +532,7 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
   ctx.transport = transport_.get();
   ctx.tag_base = (seq & 0xffffff) << 24;
   ctx.chunk_bytes = settings.chunk_bytes;
-  ctx.max_inflight = 4;
+  ctx.max_inflight = static_cast<int>(settings.chunks_in_flight);
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   ctx.scratch = &lane.scratch;
   ctx.yield = &lane.yield;

@@ -407,6 +407,7 @@ TEST(ClusterJobTest, FusionOffCountsNothing) {
 TEST(ClusterJobTest, RunSettingsComeFromTheCoordinatorsDaemon) {
   TwoNodes nodes;
   ASSERT_TRUE(nodes.tuning(1).Set("chunk_bytes", "4K").ok());
+  ASSERT_TRUE(nodes.tuning(1).Set("chunks_in_flight", "1").ok());
   ASSERT_TRUE(nodes.tuning(1).Set("algorithm", "halving_doubling").ok());
   ASSERT_TRUE(nodes.tuning(1).Set("compression", "int8").ok());
   ASSERT_TRUE(nodes.tuning(1).Set("min_compress_bytes", "0").ok());

@@ -424,6 +424,7 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     run->set_seq(job.next_seq++);
     for (size_t g = 1; g < group.size(); ++g) run->add_fused_with(job.backlog[group[g]].name);
     run->set_chunk_bytes(tuning.chunk_bytes);
+    run->set_chunks_in_flight(tuning.chunks_in_flight);
     run->set_algorithm(static_cast<uint32_t>(tuning.algorithm));
     run->set_codec(head_codec);
     job.running.emplace(run->seq(), std::vector<bool>(nodes, false));

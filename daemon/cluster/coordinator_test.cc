@@ -339,13 +339,14 @@ TEST(CoordinatorTest, FusesOnlyWithinOneCodec) {
 }
 
 // Every Run carries the coordinator daemon's settings of the moment: chunk
-// size, algorithm and the codec resolved for the operation (the tuning's
+// size, chunks in flight, algorithm and the codec resolved for the operation (the tuning's
 // compression for operations that ask for the default; none below
 // min_compress_bytes or for what the codec cannot take; with
 // compression_strict, the latter fails on every node instead).
 TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("chunk_bytes", "256K").ok());
+  ASSERT_TRUE(tuning.Set("chunks_in_flight", "16").ok());
   ASSERT_TRUE(tuning.Set("algorithm", "ring").ok());
   ASSERT_TRUE(tuning.Set("compression", "int8").ok());
   ASSERT_TRUE(tuning.Set("min_compress_bytes", "1K").ok());
@@ -372,6 +373,7 @@ TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
                                                   "fail:strict_ints", "after"}));
     for (int i = 0; i < 4; ++i) {
       EXPECT_EQ(ev[i].run().chunk_bytes(), 256u * 1024) << i;
+      EXPECT_EQ(ev[i].run().chunks_in_flight(), 16u) << i;
       EXPECT_EQ(ev[i].run().algorithm(), static_cast<uint32_t>(config::Algorithm::kRing)) << i;
     }
     EXPECT_EQ(ev[0].run().codec(), "int8");

@@ -5,8 +5,8 @@
 // each daemon's own business: the job's coordinator decides them from its
 // daemon's tuning when it announces a run, and sends them with the
 // announcement (peer.proto, CoordinatorEvent.Run). `ciuicctl tune set
-// chunk_bytes=...` (or algorithm, compression, min_compress_bytes,
-// compression_strict) on the coordinator's daemon (the one hosting rank 0)
+// chunk_bytes=...` (or chunks_in_flight, algorithm, compression,
+// min_compress_bytes, compression_strict) on the coordinator's daemon (the one hosting rank 0)
 // therefore changes them for the whole job from its next run; the other
 // daemons' values for these keys do not matter for that job.
 #pragma once
@@ -21,7 +21,8 @@
 namespace ciuic::daemon {
 
 struct RunSettings {
-  uint64_t chunk_bytes = 0;  // 0: not announced (use the local tuning)
+  uint64_t chunk_bytes = 0;      // 0: not announced
+  uint32_t chunks_in_flight = 0;  // per direction; 1..64
   config::Algorithm algorithm = config::Algorithm::kAuto;
   std::string codec;  // "" uncompressed, else a codec spec for ParseCodec ("int8", "topk:0.01")
 };

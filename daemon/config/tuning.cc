@@ -154,6 +154,10 @@ const std::vector<Field>& Table() {
                    &Tuning::op_timeout_ms, 100, 86400000),
       IntegerField("channels", "UCX workers for the inter-node phase", "", &Tuning::channels, 1,
                    64),
+      IntegerField("chunks_in_flight",
+                   "Chunks of a multi-node run in flight per direction (enough to keep a link "
+                   "busy through the rendezvous handshakes)",
+                   "", &Tuning::chunks_in_flight, 1, 64),
       AlgorithmField("algorithm", "Inter-node collective algorithm"),
       CodecField("compression",
                  "Codec for inter-node traffic of float sum/avg operations (per operation: "

@@ -39,6 +39,10 @@ struct Tuning {
   uint32_t op_timeout_ms = 60000;
   // UCX workers for the inter-node phase. 1..64.
   uint32_t channels = 2;
+  // Chunks of a multi-node run in flight per direction (each one a UCX
+  // rendezvous: enough of them keep a link with queueing delay busy through
+  // the handshakes). 1..64.
+  uint32_t chunks_in_flight = 8;
   Algorithm algorithm = Algorithm::kAuto;
   // Codec for what crosses the network in float sum/avg operations of
   // multi-node jobs: none, fp16, bf16, int8, topk:RATIO. Operations may

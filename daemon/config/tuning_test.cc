@@ -50,11 +50,12 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
     EXPECT_FALSE(entry.description.empty()) << entry.key;
   }
   EXPECT_THAT(keys, ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms",
-                                "channels", "algorithm", "compression", "min_compress_bytes",
+                                "channels", "chunks_in_flight", "algorithm", "compression",
+                                "min_compress_bytes",
                                 "error_feedback", "compression_strict", "fast_path_bytes",
                                 "fusion_threshold_bytes", "cycle_time_us"));
-  EXPECT_THAT(values, ElementsAre("4M", "256K", "50", "60000", "2", "auto", "none", "64K", "on",
-                                  "off", "4K", "4M", "0"));
+  EXPECT_THAT(values, ElementsAre("4M", "256K", "50", "60000", "2", "8", "auto", "none", "64K",
+                                  "on", "off", "4K", "4M", "0"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
   EXPECT_THAT((*entries)[0].description, HasSubstr("default 4M"));

@@ -57,8 +57,8 @@ options:
   --json          print the daemon's reply as one JSON object
   -h, --help      show this help
 
-Multi-node jobs take chunk_bytes, algorithm, compression, min_compress_bytes
-and compression_strict from the daemon hosting their rank 0 (the job's
+Multi-node jobs take chunk_bytes, chunks_in_flight, algorithm, compression,
+min_compress_bytes and compression_strict from the daemon hosting their rank 0 (the job's
 coordinator), which announces them to every node with each operation: tune
 that daemon to change them for a running job.
 
