@@ -28,8 +28,11 @@ enum class Algorithm { kAuto, kRing, kHalvingDoubling, kTree };
 absl::string_view AlgorithmName(Algorithm algorithm);
 
 struct Tuning {
-  // Unit of work the engine splits large operations into. 4K..1G.
-  uint64_t chunk_bytes = uint64_t{4} << 20;
+  // Unit of work the engine splits large operations into, and the chunk of
+  // the inter-node pipeline. 4K..1G. 1M: in DDP training over a 1 Gbit/s
+  // link (4 MB buckets, one chunk per ring step at 4M) a step took 9% less,
+  // and a 2-node 16 MiB allreduce on loopback was 5-20% faster, than with 4M.
+  uint64_t chunk_bytes = uint64_t{1} << 20;
   // Operations at most this big run inline on the engine thread instead of
   // the worker pool. 0..1G.
   uint64_t small_op_bytes = uint64_t{256} << 10;

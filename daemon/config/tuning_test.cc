@@ -30,7 +30,7 @@ std::string ValueOf(const TuningRegistry& registry, absl::string_view key) {
 
 TEST(TuningTest, Defaults) {
   Tuning tuning;
-  EXPECT_EQ(tuning.chunk_bytes, 4u << 20);
+  EXPECT_EQ(tuning.chunk_bytes, 1u << 20);
   EXPECT_EQ(tuning.small_op_bytes, 256u << 10);
   EXPECT_EQ(tuning.spin_us, 50u);
   EXPECT_EQ(tuning.op_timeout_ms, 60000u);
@@ -54,11 +54,11 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
                                 "min_compress_bytes",
                                 "error_feedback", "compression_strict", "fast_path_bytes",
                                 "fusion_threshold_bytes", "cycle_time_us"));
-  EXPECT_THAT(values, ElementsAre("4M", "256K", "50", "60000", "2", "8", "auto", "none", "64K",
+  EXPECT_THAT(values, ElementsAre("1M", "256K", "50", "60000", "2", "8", "auto", "none", "64K",
                                   "on", "off", "4K", "4M", "0"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
-  EXPECT_THAT((*entries)[0].description, HasSubstr("default 4M"));
+  EXPECT_THAT((*entries)[0].description, HasSubstr("default 1M"));
 }
 
 TEST(TuningTest, GetOneKey) {

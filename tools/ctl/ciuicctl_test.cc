@@ -230,11 +230,11 @@ TEST_F(CiuicctlTest, TuneGet) {
   EXPECT_EQ(result.exit_code, 0) << result.err;
   EXPECT_THAT(result.out, StartsWith("KEY"));
   for (const std::string& key : config::TuningKeys()) EXPECT_THAT(result.out, HasSubstr(key));
-  EXPECT_THAT(result.out, HasSubstr("4M"));
+  EXPECT_THAT(result.out, HasSubstr("1M"));
 
   result = Run(Socket() + " tune get chunk_bytes");
   EXPECT_EQ(result.exit_code, 0) << result.err;
-  EXPECT_THAT(result.out, HasSubstr("chunk_bytes  4M"));
+  EXPECT_THAT(result.out, HasSubstr("chunk_bytes  1M"));
   EXPECT_THAT(result.out, Not(HasSubstr("channels")));
 
   result = Run(Socket() + " tune get chunk_byte");
