@@ -49,14 +49,6 @@ class ClusterJob::CountingTransport final : public Transport {
   }
   void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
 
-  TransferDone Received(int peer, size_t bytes, TransferDone done) {
-    return [this, peer, bytes, done = std::move(done)](absl::Status s) {
-      if (s.ok()) received_[peer].fetch_add(bytes, std::memory_order_relaxed);
-      else RecordFailure(peer, s);
-      done(std::move(s));
-    };
-  }
-
   uint64_t sent(int peer) const { return sent_[peer].load(std::memory_order_relaxed); }
   uint64_t received(int peer) const { return received_[peer].load(std::memory_order_relaxed); }
   std::string failure(int peer) {
@@ -66,6 +58,14 @@ class ClusterJob::CountingTransport final : public Transport {
   }
 
  private:
+  // Wraps a receive's callback: counts its bytes, or records its failure.
+  TransferDone Received(int peer, size_t bytes, TransferDone done) {
+    return [this, peer, bytes, done = std::move(done)](absl::Status s) {
+      if (s.ok()) received_[peer].fetch_add(bytes, std::memory_order_relaxed);
+      else RecordFailure(peer, s);
+      done(std::move(s));
+    };
+  }
   void RecordFailure(int peer, const absl::Status& s) {
     std::lock_guard<std::mutex> lock(mu_);
     failures_.emplace(peer, std::string(s.message()));
