@@ -29,23 +29,12 @@ void Difference(const float* a, const float* b, float* out, size_t count) {
 ErrorFeedback::ErrorFeedback(size_t max_bytes) : max_bytes_(max_bytes) {}
 
 void ErrorFeedback::Apply(const std::string& name, float* data, size_t count) {
-  absl::MutexLock lock(&mu_);
-  auto it = entries_.find(name);
-  if (it == entries_.end()) return;
-  if (it->second.residual.size() != count) {
-    ++stats_.size_resets;
-    EraseLocked(it);
-    return;
-  }
-  lru_.splice(lru_.begin(), lru_, it->second.lru);
-  AddInto(it->second.residual.data(), data, count);
+  ApplyRange(name, count, 0, data, count);
 }
 
 void ErrorFeedback::Update(const std::string& name, const float* original_with_residual,
                            const float* decoded, size_t count) {
-  absl::MutexLock lock(&mu_);
-  std::vector<float>* residual = ResidualForUpdateLocked(name, count);
-  if (residual != nullptr) Difference(original_with_residual, decoded, residual->data(), count);
+  UpdateRange(name, count, 0, original_with_residual, decoded, count);
 }
 
 void ErrorFeedback::ApplyRange(const std::string& name, size_t count, size_t offset, float* data,
