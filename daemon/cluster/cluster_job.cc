@@ -9,6 +9,7 @@
 #include "collectives/internode/scratch.h"
 #include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
+#include "transport/forwarding_transport.h"
 
 namespace ciuic::daemon {
 
@@ -23,31 +24,28 @@ struct ClusterJob::Event {
 };
 
 // Counts bytes per peer on their way through the job's transport.
-class ClusterJob::CountingTransport final : public Transport {
+class ClusterJob::CountingTransport final : public ForwardingTransport {
  public:
   explicit CountingTransport(std::unique_ptr<Transport> inner)
-      : inner_(std::move(inner)), sent_(inner_->num_peers()), received_(inner_->num_peers()) {}
-  int self() const override { return inner_->self(); }
-  int num_peers() const override { return inner_->num_peers(); }
-  int num_channels() const override { return inner_->num_channels(); }
+      : ForwardingTransport(inner.get()),
+        owned_(std::move(inner)),
+        sent_(owned_->num_peers()),
+        received_(owned_->num_peers()) {}
   void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
             TransferDone done) override {
-    inner_->Send(peer, channel, tag, data, bytes,
-                 [this, peer, bytes, done = std::move(done)](absl::Status s) {
-                   if (s.ok()) sent_[peer].fetch_add(bytes, std::memory_order_relaxed);
-                   else RecordFailure(peer, s);
-                   done(std::move(s));
-                 });
+    ForwardingTransport::Send(peer, channel, tag, data, bytes,
+                              Counted(&sent_, peer, bytes, std::move(done)));
   }
   void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
             TransferDone done) override {
-    inner_->Recv(peer, channel, tag, data, bytes, Received(peer, bytes, std::move(done)));
+    ForwardingTransport::Recv(peer, channel, tag, data, bytes,
+                              Counted(&received_, peer, bytes, std::move(done)));
   }
   void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into, size_t bytes,
                   TransferDone done) override {
-    inner_->RecvReduce(peer, channel, tag, into, bytes, Received(peer, bytes, std::move(done)));
+    ForwardingTransport::RecvReduce(peer, channel, tag, into, bytes,
+                                    Counted(&received_, peer, bytes, std::move(done)));
   }
-  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
 
   uint64_t sent(int peer) const { return sent_[peer].load(std::memory_order_relaxed); }
   uint64_t received(int peer) const { return received_[peer].load(std::memory_order_relaxed); }
@@ -58,10 +56,12 @@ class ClusterJob::CountingTransport final : public Transport {
   }
 
  private:
-  // Wraps a receive's callback: counts its bytes, or records its failure.
-  TransferDone Received(int peer, size_t bytes, TransferDone done) {
-    return [this, peer, bytes, done = std::move(done)](absl::Status s) {
-      if (s.ok()) received_[peer].fetch_add(bytes, std::memory_order_relaxed);
+  // Wraps a transfer's callback: adds its bytes to `counter`, or records
+  // its failure.
+  TransferDone Counted(std::vector<std::atomic<uint64_t>>* counter, int peer, size_t bytes,
+                       TransferDone done) {
+    return [this, counter, peer, bytes, done = std::move(done)](absl::Status s) {
+      if (s.ok()) (*counter)[peer].fetch_add(bytes, std::memory_order_relaxed);
       else RecordFailure(peer, s);
       done(std::move(s));
     };
@@ -70,7 +70,7 @@ class ClusterJob::CountingTransport final : public Transport {
     std::lock_guard<std::mutex> lock(mu_);
     failures_.emplace(peer, std::string(s.message()));
   }
-  std::unique_ptr<Transport> inner_;
+  std::unique_ptr<Transport> owned_;
   std::vector<std::atomic<uint64_t>> sent_;
   std::vector<std::atomic<uint64_t>> received_;
   std::mutex mu_;

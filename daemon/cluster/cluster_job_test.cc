@@ -16,6 +16,7 @@
 
 #include "cluster/coordinator.h"
 #include "collectives/internode/in_process_transport.h"
+#include "transport/forwarding_transport.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -104,38 +105,13 @@ class DirectClient final : public CoordinatorClient {
   std::atomic<bool> cancelled_{false};
 };
 
-// A hub transport, borrowed (the hub outlives the jobs).
-class Borrowed final : public Transport {
- public:
-  explicit Borrowed(Transport* inner) : inner_(inner) {}
-  int self() const override { return inner_->self(); }
-  int num_peers() const override { return inner_->num_peers(); }
-  int num_channels() const override { return inner_->num_channels(); }
-  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
-            TransferDone done) override {
-    inner_->Send(peer, channel, tag, data, bytes, std::move(done));
-  }
-  void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
-            TransferDone done) override {
-    inner_->Recv(peer, channel, tag, data, bytes, std::move(done));
-  }
-  void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into, size_t bytes,
-                  TransferDone done) override {
-    inner_->RecvReduce(peer, channel, tag, into, bytes, std::move(done));
-  }
-  void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
-
- private:
-  Transport* inner_;
-};
-
 class HubUnconnected final : public UnconnectedTransport {
  public:
   explicit HubUnconnected(InProcessHub* hub) : hub_(hub) {}
   std::vector<std::string> Addresses() const override { return {"hub"}; }
   absl::StatusOr<std::unique_ptr<Transport>> Connect(
       int self, const std::vector<std::vector<std::string>>&) override {
-    return std::make_unique<Borrowed>(hub_->transport(self));
+    return std::make_unique<ForwardingTransport>(hub_->transport(self));  // the hub outlives the jobs
   }
 
  private:
@@ -464,21 +440,16 @@ TEST(ClusterJobTest, RunSettingsComeFromTheCoordinatorsDaemon) {
   }
 }
 
-// A large low-priority allreduce, then a small high-priority one: the
-// small one ends first on both nodes (it runs in the other lane), and both
-// results are right.
-TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
-  TwoNodes nodes;
-  ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "256K").ok());
-  const size_t big = 24u << 20;  // 96 MiB of float32
-  std::vector<float> large[2], small[2];
+// Submits `large` (low priority) on both nodes, then, 5 ms later, a small
+// allreduce of 64 floats at priority 9, and waits for both ends on both
+// nodes: the small one must end first everywhere, both OK, the small sum
+// right. `large[k]` is node k's buffer (in place).
+void LargeThenSmallUrgent(TwoNodes& nodes, std::vector<float> (&large)[2]) {
+  std::vector<float> small[2];
+  for (int k = 0; k < 2; ++k) small[k].assign(64, static_cast<float>(10 * (k + 1)));
   for (int k = 0; k < 2; ++k) {
-    large[k].assign(big, static_cast<float>(k + 1));
-    small[k].assign(64, static_cast<float>(10 * (k + 1)));
-  }
-  for (int k = 0; k < 2; ++k) {
-    nodes.job(k).Submit(Allreduce(1, "large", wire::DataType::kFloat32, wire::ReduceOp::kSum, big,
-                                  k, large[k].data(), large[k].data(), 0));
+    nodes.job(k).Submit(Allreduce(1, "large", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                  large[k].size(), k, large[k].data(), large[k].data(), 0));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   for (int k = 0; k < 2; ++k) {
@@ -491,6 +462,20 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
     EXPECT_EQ(ends[0].first, 2u) << "node " << k << ": the small run ended after the large one";
     for (auto& [key, status] : ends) EXPECT_TRUE(status.ok()) << status;
     EXPECT_EQ(small[k][63], 30.0f);
+  }
+}
+
+// A large low-priority allreduce, then a small high-priority one: the
+// small one ends first on both nodes (it runs in the other lane), and both
+// results are right.
+TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeOneAnnouncedFirst) {
+  TwoNodes nodes;
+  ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "256K").ok());
+  const size_t big = 24u << 20;  // 96 MiB of float32
+  std::vector<float> large[2];
+  for (int k = 0; k < 2; ++k) large[k].assign(big, static_cast<float>(k + 1));
+  LargeThenSmallUrgent(nodes, large);
+  for (int k = 0; k < 2; ++k) {
     EXPECT_EQ(large[k][big - 1], 3.0f);
     EXPECT_EQ(large[k][0], 3.0f);
   }
@@ -506,27 +491,13 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) 
   ASSERT_TRUE(nodes.SetBoth("compression", "int8").ok());
   ASSERT_TRUE(nodes.SetBoth("min_compress_bytes", "4K").ok());
   const size_t big = 24u << 20;  // 96 MiB of float32
-  std::vector<float> large[2], small[2];
+  std::vector<float> large[2];
   for (int k = 0; k < 2; ++k) {
     large[k].resize(big);
     for (size_t i = 0; i < big; ++i) large[k][i] = Value(k, 0, i % 4099);
-    small[k].assign(64, static_cast<float>(10 * (k + 1)));
   }
+  LargeThenSmallUrgent(nodes, large);
   for (int k = 0; k < 2; ++k) {
-    nodes.job(k).Submit(Allreduce(1, "large", wire::DataType::kFloat32, wire::ReduceOp::kSum, big,
-                                  k, large[k].data(), large[k].data(), 0));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  for (int k = 0; k < 2; ++k) {
-    nodes.job(k).Submit(Allreduce(2, "small", wire::DataType::kFloat32, wire::ReduceOp::kSum, 64,
-                                  k, small[k].data(), small[k].data(), 9));
-  }
-  for (int k = 0; k < 2; ++k) {
-    ASSERT_TRUE(nodes.ends(k).WaitFor(2));
-    const auto& ends = nodes.ends(k).ends;
-    EXPECT_EQ(ends[0].first, 2u) << "node " << k << ": the small run ended after the large one";
-    for (auto& [key, status] : ends) EXPECT_TRUE(status.ok()) << status;
-    EXPECT_EQ(small[k][63], 30.0f);
     EXPECT_EQ(nodes.job(k).compression().ops, 1u) << "node " << k;
   }
   // int8: |result - sum| <= (max|x_0| + max|x_1| + max|sum|) / 254 (+ rounding);
