@@ -55,13 +55,12 @@
 // each of them completes in turn, since its receives are posted everywhere.
 // A phase-1 chunk goes to the other nodes one at a time while yielding.
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/internode/common.h"
 #include "collectives/internode/internode.h"
 
 namespace ciuic::daemon {
@@ -93,13 +92,7 @@ struct Event {
   absl::Status status;
 };
 
-// What transfer callbacks touch; shared, since a callback may still be
-// unwinding after the operation returned.
-struct Mailbox {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<Event> events;  // guarded by mu
-};
+using EventMailbox = internode_internal::Mailbox<Event>;
 
 // One chunk to send: phase 0 to its owner, or phase 1 (the own segment's
 // chunk) to every other node.
@@ -144,7 +137,7 @@ class Pipeline {
         me_(t_->self()),
         channels_(std::max(1, t_->num_channels())),
         es_(wire::DataTypeSize(static_cast<uint32_t>(dtype))),
-        mailbox_(std::make_shared<Mailbox>()) {
+        mailbox_(std::make_shared<EventMailbox>()) {
     for (const FeedbackPiece& p : pieces_) owner_names_.push_back(p.name + "#owner");
   }
 
@@ -199,7 +192,7 @@ class Pipeline {
   CompressionStats* const stats_;
   const int n_, me_, channels_;
   const size_t es_;
-  std::shared_ptr<Mailbox> mailbox_;
+  std::shared_ptr<EventMailbox> mailbox_;
 
   size_t elems_ = 0;       // elements per chunk
   size_t slot_bytes_ = 0;  // header + MaxEncodedBytes of a chunk, rounded to 64
@@ -278,9 +271,7 @@ absl::Status Pipeline::Prepare() {
 
 TransferDone Pipeline::Callback(bool is_send, size_t item, int peer) {
   return [mailbox = mailbox_, is_send, item, peer](absl::Status status) {
-    std::lock_guard<std::mutex> lock(mailbox->mu);
-    mailbox->events.push_back(Event{is_send, item, peer, std::move(status)});
-    mailbox->cv.notify_one();
+    mailbox->Post(Event{is_send, item, peer, std::move(status)});
   };
 }
 
@@ -579,17 +570,9 @@ absl::Status Pipeline::Run() {
       break;
     }
     batch.clear();
-    {
-      std::unique_lock<std::mutex> lock(mailbox_->mu);
-      const auto has_events = [this] { return !mailbox_->events.empty(); };
-      if (cancelled_) {
-        mailbox_->cv.wait(lock, has_events);  // FailPeer fires every callback
-      } else if (!mailbox_->cv.wait_until(lock, ctx_.deadline, has_events)) {
-        lock.unlock();
-        CancelAtDeadline();
-        continue;
-      }
-      batch.swap(mailbox_->events);
+    if (!mailbox_->Take(&batch, cancelled_, ctx_.deadline)) {
+      CancelAtDeadline();
+      continue;
     }
     for (Event& e : batch) Apply(e);
   }

@@ -1,8 +1,13 @@
 // Helpers shared by the algorithm files (internal).
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <mutex>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -23,6 +28,39 @@ inline absl::Status CheckReduction(wire::DataType dtype, wire::ReduceOp op,
   }
   return absl::OkStatus();
 }
+
+// Where transfer callbacks (on the transport's threads) leave their events
+// for the thread that runs an operation. Held by shared_ptr: a callback may
+// still be unwinding after the operation returned.
+template <typename E>
+struct Mailbox {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<E> events;  // guarded by mu
+
+  void Post(E e) {
+    std::lock_guard<std::mutex> lock(mu);
+    events.push_back(std::move(e));
+    cv.notify_one();
+  }
+
+  // Waits for events and appends them to *batch. Until `deadline`, or
+  // without limit once the operation was `cancelled` (after FailPeer the
+  // transport fires every callback). False at the deadline with none.
+  bool Take(std::vector<E>* batch, bool cancelled,
+            std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mu);
+    const auto has_events = [this] { return !events.empty(); };
+    if (cancelled) {
+      cv.wait(lock, has_events);
+    } else if (!cv.wait_until(lock, deadline, has_events)) {
+      return false;
+    }
+    for (E& e : events) batch->push_back(std::move(e));
+    events.clear();
+    return true;
+  }
+};
 
 // Peer index arithmetic on a ring of n.
 inline int Mod(long long a, int n) { return static_cast<int>(((a % n) + n) % n); }

@@ -2,12 +2,11 @@
 
 #include <algorithm>
 #include <bit>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/internode/common.h"
 #include "reduce/reduce.h"
 
 namespace ciuic::daemon::internode_internal {
@@ -90,13 +89,7 @@ struct Event {
   absl::Status status;
 };
 
-// What callbacks touch. Shared ownership: a callback may still be unwinding
-// (after queuing its event) when RunSchedule has returned.
-struct Mailbox {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<Event> events;  // guarded by mu
-};
+using EventMailbox = Mailbox<Event>;
 
 struct StepState {
   std::vector<uint8_t> send;  // kIdle, kPosted, kDone per chunk
@@ -120,7 +113,7 @@ class Runner {
         max_inflight_(std::max(1, ctx.max_inflight)),
         num_channels_(std::max(1, ctx.transport->num_channels())),
         elem_(wire::DataTypeSize(static_cast<uint32_t>(s.dtype))),
-        mailbox_(std::make_shared<Mailbox>()) {}
+        mailbox_(std::make_shared<EventMailbox>()) {}
 
   absl::Status Run();
 
@@ -148,7 +141,7 @@ class Runner {
   const int max_inflight_;
   const int num_channels_;
   const size_t elem_;
-  std::shared_ptr<Mailbox> mailbox_;
+  std::shared_ptr<EventMailbox> mailbox_;
 
   std::vector<StepState> state_;
   size_t send_step_ = 0, send_chunk_ = 0;  // next send to post
@@ -217,9 +210,7 @@ absl::Status Runner::Named(const absl::Status& s, uint32_t step, bool is_send,
 
 TransferDone Runner::Callback(uint32_t step, bool is_send, size_t chunk, int slot) {
   return [mailbox = mailbox_, step, is_send, chunk, slot](absl::Status status) {
-    std::lock_guard<std::mutex> lock(mailbox->mu);
-    mailbox->events.push_back(Event{step, is_send, slot, chunk, std::move(status)});
-    mailbox->cv.notify_one();
+    mailbox->Post(Event{step, is_send, slot, chunk, std::move(status)});
   };
 }
 
@@ -396,18 +387,9 @@ absl::Status Runner::Run() {
       break;
     }
     batch.clear();
-    {
-      std::unique_lock<std::mutex> lock(mailbox_->mu);
-      const auto has_events = [this] { return !mailbox_->events.empty(); };
-      if (cancelled_) {
-        // The transport fires every callback after FailPeer.
-        mailbox_->cv.wait(lock, has_events);
-      } else if (!mailbox_->cv.wait_until(lock, ctx_.deadline, has_events)) {
-        lock.unlock();
-        CancelAtDeadline();
-        continue;
-      }
-      batch.swap(mailbox_->events);
+    if (!mailbox_->Take(&batch, cancelled_, ctx_.deadline)) {
+      CancelAtDeadline();
+      continue;
     }
     for (Event& e : batch) Apply(e);
   }
