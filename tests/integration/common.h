@@ -1,6 +1,11 @@
 // Small helpers shared by the integration tests' rank functions.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -106,5 +111,67 @@ inline int RunAndCheck(Communicator& comm, Coll coll, DataType t, ReduceOp op, s
   }
   return 0;
 }
+
+// A free TCP port on 127.0.0.1 (bound, read, released).
+inline int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// N daemons, each with its own socket, peer port and node name.
+struct Cluster {
+  std::vector<std::unique_ptr<DaemonProcess>> nodes;
+  std::vector<std::string> peers;  // host:port of each peer service
+
+  static std::unique_ptr<Cluster> Start(int n, const std::string& config = "",
+                                        const std::vector<std::string>& token_files = {}) {
+    auto c = std::make_unique<Cluster>();
+    for (int i = 0; i < n; ++i) {
+      std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+      std::vector<std::string> args = {"--listen", peer, "--node-name", "node" + std::to_string(i)};
+      std::string yaml = config;
+      if (i < static_cast<int>(token_files.size()) && !token_files[i].empty()) {
+        yaml += "cluster_token_file: " + token_files[i] + "\n";
+      }
+      auto d = DaemonProcess::StartWith(yaml, args, {}, {"UCX_TLS=tcp", "UCX_WARN_UNUSED_ENV_VARS=n"});
+      if (!d) return nullptr;
+      c->nodes.push_back(std::move(d));
+      c->peers.push_back(peer);
+    }
+    return c;
+  }
+  // Rank r lives on node r / ranks_per_node.
+  std::unique_ptr<Communicator> Join(const std::string& job, int rank, int nodes,
+                                     int ranks_per_node, uint64_t arena = 64 << 20) {
+    JobOptions o;
+    o.socket_path = this->nodes[rank / ranks_per_node]->socket();
+    o.job_id = job;
+    o.rank = rank;
+    o.world_size = nodes * ranks_per_node;
+    o.local_rank = rank % ranks_per_node;
+    o.local_size = ranks_per_node;
+    o.coordinator = peers[0];
+    o.arena_bytes = arena;
+    std::unique_ptr<Communicator> comm;
+    Status s = Communicator::Create(o, &comm);
+    if (!s.ok()) fprintf(stderr, "rank %d: Create: %s\n", rank, s.ToString().c_str());
+    return comm;
+  }
+  // Stops the running daemons; true if each exited 0.
+  bool StopAll() {
+    bool clean = true;
+    for (auto& d : nodes) {
+      if (d && d->Alive()) clean = d->Stop() == 0 && clean;
+    }
+    return clean;
+  }
+};
 
 }  // namespace ciuic::testing

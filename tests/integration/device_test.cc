@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ciuic/ciuic.h"
+#include "common.h"
 #include "harness.h"
 #include "reference.h"
 
@@ -278,32 +279,14 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, C
   return 0;
 }
 
-int FreeLoopbackPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
   const std::string no_gpu = WhyNoGpu();
   if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
   constexpr int kNodes = 2;
   constexpr int kPerNode = 2;
-  std::vector<std::unique_ptr<DaemonProcess>> nodes;
-  std::vector<std::string> peers;
-  for (int i = 0; i < kNodes; ++i) {
-    peers.push_back("127.0.0.1:" + std::to_string(FreeLoopbackPort()));
-    nodes.push_back(DaemonProcess::StartWith(
-        "", {"--listen", peers.back(), "--node-name", "node" + std::to_string(i)}, {},
-        {"UCX_TLS=tcp", "UCX_WARN_UNUSED_ENV_VARS=n"}));
-    ASSERT_NE(nodes.back(), nullptr);
-  }
+  auto cluster = Cluster::Start(kNodes);
+  ASSERT_NE(cluster, nullptr);
   const std::string job = UniqueJobId("devmn");
   auto codes = RunRanks(kNodes * kPerNode, [&](int rank) {
     int devices = 0;
@@ -313,13 +296,13 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
     cudaStream_t stream = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     JobOptions o;
-    o.socket_path = nodes[rank / kPerNode]->socket();
+    o.socket_path = cluster->nodes[rank / kPerNode]->socket();
     o.job_id = job;
     o.rank = rank;
     o.world_size = kNodes * kPerNode;
     o.local_rank = rank % kPerNode;
     o.local_size = kPerNode;
-    o.coordinator = peers[0];
+    o.coordinator = cluster->peers[0];
     o.arena_bytes = 16 << 20;
     std::unique_ptr<Communicator> comm;
     Status s = Communicator::Create(o, &comm);
@@ -342,10 +325,10 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
     return 0;
   });
   for (int r = 0; r < kNodes * kPerNode; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
-  for (auto& d : nodes) {
-    if (HasFailure()) fprintf(stderr, "%s\n", d->Log().c_str());
-    EXPECT_EQ(d->Stop(), 0);
+  if (HasFailure()) {
+    for (auto& d : cluster->nodes) fprintf(stderr, "%s\n", d->Log().c_str());
   }
+  EXPECT_TRUE(cluster->StopAll());
 }
 
 #else
