@@ -46,6 +46,7 @@ struct CheckOptions {
   bool in_place = false;
   int root = 0;            // broadcast
   uint64_t salt = 0;       // FillInput's
+  bool small_values = false;  // FillSmall's data instead of FillInput's
 };
 
 // One rank: runs `coll` on FillInput data and compares the whole receive
@@ -75,7 +76,14 @@ inline int RunAndCheck(Communicator& comm, Coll coll, DataType t, ReduceOp op, s
     send = sh.data();
     recv = rh.data();
   }
-  FillInput(t, op, rank, send, send_count, o.salt);
+  const auto fill = [&](int r, void* out, size_t n) {
+    if (o.small_values) {
+      FillSmall(t, op, r, out, n);
+    } else {
+      FillInput(t, op, r, out, n, o.salt);
+    }
+  };
+  fill(rank, send, send_count);
   std::memset(recv, 0x5a, recv_count * es);
   const uint8_t* send_arg = send;
   uint8_t* recv_arg = recv;
@@ -100,9 +108,8 @@ inline int RunAndCheck(Communicator& comm, Coll coll, DataType t, ReduceOp op, s
   }
   Status s = h.Wait();
   CHILD_CHECK(s.ok(), "%s: %s", o.name.c_str(), s.ToString().c_str());
-  const std::vector<uint8_t> want = ReferenceCollective(
-      coll, t, op, world, rank, o.root, count,
-      [&](int r, void* out, size_t n) { FillInput(t, op, r, out, n, o.salt); });
+  const std::vector<uint8_t> want =
+      ReferenceCollective(coll, t, op, world, rank, o.root, count, fill);
   const uint8_t* got = o.in_place && coll == Coll::kAllgather ? recv : recv_arg;
   for (size_t i = 0; i < recv_count; ++i) {
     CHILD_CHECK(std::memcmp(got + i * es, want.data() + i * es, es) == 0,
