@@ -535,13 +535,14 @@ void FastPath::FinishLocked(FastOp& op, Status status) {
   op.status = std::move(status);
   op.finished.store(true, std::memory_order_release);
   Depart(op.slot);
+  Forget(op);
+}
+
+void FastPath::Forget(const FastOp& op) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < inflight_.size(); ++i) {
-    if (inflight_[i].get() == &op) {
-      inflight_.erase(inflight_.begin() + static_cast<long>(i));
-      break;
-    }
-  }
+  inflight_.erase(std::remove_if(inflight_.begin(), inflight_.end(),
+                                 [&](const auto& p) { return p.get() == &op; }),
+                  inflight_.end());
 }
 
 void FastPath::CheckDeadlineLocked(FastOp& op) {
@@ -574,10 +575,7 @@ bool FastPath::Progress(FastOp& op, bool check_deadline) {
       // The job is over; the slot is not reused (the daemon drops the segment).
       op.status = why;
       op.finished.store(true, std::memory_order_release);
-      std::lock_guard<std::mutex> l(mu_);
-      inflight_.erase(std::remove_if(inflight_.begin(), inflight_.end(),
-                                     [&](auto& p) { return p.get() == &op; }),
-                      inflight_.end());
+      Forget(op);
       return true;
     }
     if (!check_deadline) return false;
@@ -649,10 +647,7 @@ bool FastPath::Wait(FastOp& op, Clock::time_point until, uint32_t spin_us,
       if (!op.finished.load(std::memory_order_acquire)) {
         op.status = alive;
         op.finished.store(true, std::memory_order_release);
-          std::lock_guard<std::mutex> l(mu_);
-        inflight_.erase(std::remove_if(inflight_.begin(), inflight_.end(),
-                                       [&](auto& p) { return p.get() == &op; }),
-                        inflight_.end());
+        Forget(op);
       }
       return true;
     }

@@ -150,6 +150,8 @@ class FastPath {
   void Depart(uint32_t slot);
   // Finishes `op` from its slot's final state; op.mu held.
   void FinishLocked(FastOp& op, Status status);
+  // Drops `op` from the in-flight list (takes mu_).
+  void Forget(const FastOp& op);
   void CheckDeadlineLocked(FastOp& op);
   // Poll(), optionally without the deadline check (it reads the clock).
   bool Progress(FastOp& op, bool check_deadline);

@@ -81,3 +81,17 @@ def fill_value(xp, rank, start, count):
     torch: both have arange and int64)."""
     idx = xp.arange(start, start + count, dtype=xp.int64)
     return (idx * 3 + rank * 5) % 17 - 8
+
+
+def valid_codec(text):
+    """Whether `text` names a codec ciuic takes: none, fp16, bf16, int8 or
+    topk:RATIO with 0 < RATIO <= 1 (the daemon gives the full error)."""
+    text = text.strip().lower()
+    if text in ("none", "fp16", "bf16", "int8"):
+        return True
+    if text.startswith("topk:"):
+        try:
+            return 0 < float(text[5:]) <= 1
+        except ValueError:
+            return False
+    return False

@@ -81,7 +81,7 @@ def parse_args(argv):
         args.size_list = [parse_size(s) for s in args.sizes.split(",") if s]
     except ValueError:
         p.error("bad --sizes %s" % args.sizes)
-    if args.compression and not valid_codec(args.compression):
+    if args.compression and not benchlib.valid_codec(args.compression):
         p.error("unknown compression codec '%s' (none, fp16, bf16, int8, topk:RATIO with "
                 "0 < RATIO <= 1)" % args.compression)
     if args.compression and args.op not in ("allreduce", "reduce_scatter"):
@@ -89,19 +89,6 @@ def parse_args(argv):
     if args.iters < 1 or args.warmup < 0 or args.nodes < 1 or args.ranks_per_node < 1:
         p.error("--iters, --nodes, --ranks-per-node must be >= 1, --warmup >= 0")
     return args
-
-
-def valid_codec(text):
-    text = text.strip().lower()
-    if text in ("none", "fp16", "bf16", "int8"):
-        return True
-    if text.startswith("topk:"):
-        try:
-            r = float(text[5:])
-        except ValueError:
-            return False
-        return 0 < r <= 1
-    return False
 
 
 def lossy(args):

@@ -48,6 +48,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import benchlib  # noqa: E402  (beside this file)
+
 SYSTEMS = ("ciuic", "mpi", "mpi_tuned", "gloo")
 LABEL = {"ciuic": "ciuic", "mpi": "OpenMPI", "mpi_tuned": "OpenMPI+malloc", "gloo": "gloo"}
 # --codecs turns the ciuic system into one row per codec: "ciuic" (codec none)
@@ -60,22 +62,6 @@ def base_system(system):
     return system.split("+", 1)[0]
 
 
-def valid_codec(text):
-    text = text.strip().lower()
-    if text in ("none", "fp16", "bf16", "int8"):
-        return True
-    if text.startswith("topk:"):
-        try:
-            return 0 < float(text[5:]) <= 1
-        except ValueError:
-            return False
-    return False
-
-# OpenMPI's allreduce mallocs a temporary buffer (half the message for 2 ranks)
-# on every call. Above 32 MiB glibc maps it fresh, and with only the mmap
-# threshold raised the heap top is trimmed back on free(): either way every op
-# pays first-touch page faults (~8200 per op at 64 MiB, measured). Raising
-# both thresholds keeps the buffer in the heap; "mpi_tuned" is OpenMPI so.
 MPI_TUNED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
                  "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
@@ -827,7 +813,7 @@ def parse_args(argv):
     if args.codecs:
         codecs = [c.strip().lower() for c in args.codecs.split(",") if c.strip()]
         for c in codecs:
-            if not valid_codec(c):
+            if not benchlib.valid_codec(c):
                 p.error("unknown codec %s in --codecs (none, fp16, bf16, int8, topk:RATIO "
                         "with 0 < RATIO <= 1)" % c)
         if "ciuic" not in args.system_list:
