@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -89,7 +91,27 @@ struct Event {
   absl::Status status;
 };
 
-using EventMailbox = Mailbox<Event>;
+class Runner;
+
+// What the transfer callbacks share with the runner: a queue of finished
+// transfers and a "driver" token. The thread that queues an event while no
+// thread drives takes the token and runs the runner on the queue (applies
+// the events, reduces, posts what they unblock) until the queue is empty;
+// an event that arrives meanwhile (from another channel's thread, or from
+// within a transport call of the driver itself) is left for the driver. So
+// the schedule advances on the transport's threads as transfers complete,
+// with no hop to another thread per chunk, and the calling thread sleeps
+// once per schedule. Held by shared_ptr: a callback may still be unwinding
+// after the runner finished.
+struct Driver {
+  std::mutex mu;
+  std::condition_variable finished_cv;
+  std::vector<Event> events;      // guarded by mu
+  bool driving = false;           // guarded by mu
+  bool deadline_passed = false;   // guarded by mu: for the driver to act on
+  bool finished = false;          // guarded by mu
+  Runner* runner = nullptr;       // used by the driving thread until finished
+};
 
 struct StepState {
   std::vector<uint8_t> send;  // kIdle, kPosted, kDone per chunk
@@ -113,9 +135,13 @@ class Runner {
         max_inflight_(std::max(1, ctx.max_inflight)),
         num_channels_(std::max(1, ctx.transport->num_channels())),
         elem_(wire::DataTypeSize(static_cast<uint32_t>(s.dtype))),
-        mailbox_(std::make_shared<EventMailbox>()) {}
+        driver_(std::make_shared<Driver>()) {}
 
   absl::Status Run();
+  // One round on the driving thread: applies `events`, acts on a passed
+  // deadline, posts and reduces what can go now. True once the schedule is
+  // over (every transfer's callback has run).
+  bool Advance(std::vector<Event>& events, bool deadline_passed);
 
  private:
   absl::Status Prepare();
@@ -141,7 +167,7 @@ class Runner {
   const int max_inflight_;
   const int num_channels_;
   const size_t elem_;
-  std::shared_ptr<EventMailbox> mailbox_;
+  std::shared_ptr<Driver> driver_;
 
   std::vector<StepState> state_;
   size_t send_step_ = 0, send_chunk_ = 0;  // next send to post
@@ -152,7 +178,6 @@ class Runner {
   size_t slot_bytes_ = 0;
   std::vector<int> free_slots_;
   absl::Status error_;
-  bool cancelled_ = false;
 };
 
 absl::Status Runner::Prepare() {
@@ -208,9 +233,40 @@ absl::Status Runner::Named(const absl::Status& s, uint32_t step, bool is_send,
                              ", chunk ", chunk, ") failed: ", s.message()));
 }
 
+// Holding the token (driving set, lock held): runs rounds while there is
+// something to act on, then gives the token back (or marks the schedule
+// finished and wakes the caller). `first`: run one round even with nothing
+// queued (the caller's initial posting).
+void Drive(Driver& d, std::unique_lock<std::mutex>& lock, bool first) {
+  std::vector<Event> batch;
+  while (first || !d.events.empty() || d.deadline_passed) {
+    first = false;
+    batch.clear();
+    batch.swap(d.events);
+    const bool deadline_passed = std::exchange(d.deadline_passed, false);
+    lock.unlock();
+    const bool over = d.runner->Advance(batch, deadline_passed);
+    lock.lock();
+    if (over) {
+      // Nothing is in flight, so no callback will queue anything: the runner
+      // (on the caller's stack) must not be touched after this.
+      d.finished = true;
+      d.runner = nullptr;
+      d.finished_cv.notify_all();
+      break;
+    }
+  }
+  d.driving = false;
+}
+
 TransferDone Runner::Callback(uint32_t step, bool is_send, size_t chunk, int slot) {
-  return [mailbox = mailbox_, step, is_send, chunk, slot](absl::Status status) {
-    mailbox->Post(Event{step, is_send, slot, chunk, std::move(status)});
+  return [driver = driver_, step, is_send, chunk, slot](absl::Status status) {
+    Driver& d = *driver;
+    std::unique_lock<std::mutex> lock(d.mu);
+    d.events.push_back(Event{step, is_send, slot, chunk, std::move(status)});
+    if (d.driving) return;
+    d.driving = true;
+    Drive(d, lock, false);
   };
 }
 
@@ -340,7 +396,6 @@ bool Runner::AllDone() const {
 }
 
 void Runner::CancelAtDeadline() {
-  cancelled_ = true;
   // Name the first transfer still awaited: receives first (a send usually
   // waits on the same peer's progress), in schedule order.
   std::vector<int> peers;
@@ -367,31 +422,48 @@ void Runner::CancelAtDeadline() {
   for (int peer : peers) ctx_.transport->FailPeer(peer, error_);
 }
 
+bool Runner::Advance(std::vector<Event>& events, bool deadline_passed) {
+  for (Event& e : events) Apply(e);
+  if (deadline_passed) CancelAtDeadline();
+  if (error_.ok()) {
+    // Reduce first: it frees scratch slots and satisfies send dependencies.
+    while (ReduceArrived() | PostSends() | PostRecvs()) {
+    }
+  } else {
+    for (const Arrived& a : arrived_) free_slots_.push_back(a.slot);
+    arrived_.clear();
+  }
+  const bool idle = sends_in_flight_ == 0 && recvs_in_flight_ == 0;
+  if (!idle) return false;
+  if (error_.ok() && !AllDone()) {
+    // Nothing outstanding and nothing can start: a schedule bug, not a hang.
+    error_ = absl::InternalError(absl::StrCat(s_.name, ": schedule cannot progress"));
+  }
+  return true;
+}
+
 absl::Status Runner::Run() {
   if (absl::Status s = Prepare(); !s.ok()) return s;
-  std::vector<Event> batch;
-  while (true) {
-    if (error_.ok()) {
-      // Reduce first: it frees scratch slots and satisfies send dependencies.
-      while (ReduceArrived() | PostSends() | PostRecvs()) {
+  Driver& d = *driver_;
+  std::unique_lock<std::mutex> lock(d.mu);
+  d.runner = this;
+  d.driving = true;
+  Drive(d, lock, true);
+  // Until the deadline; after it, until the cancelled transfers' callbacks
+  // have all come (the transport fires every one after FailPeer).
+  bool cancelled = false;
+  while (!d.finished) {
+    if (cancelled) {
+      d.finished_cv.wait(lock);
+    } else if (d.finished_cv.wait_until(lock, ctx_.deadline) == std::cv_status::timeout &&
+               !d.finished) {
+      cancelled = true;
+      d.deadline_passed = true;
+      if (!d.driving) {
+        d.driving = true;
+        Drive(d, lock, false);
       }
-    } else {
-      for (const Arrived& a : arrived_) free_slots_.push_back(a.slot);
-      arrived_.clear();
     }
-    const bool idle = sends_in_flight_ == 0 && recvs_in_flight_ == 0;
-    if (idle && (!error_.ok() || AllDone())) break;
-    if (idle) {
-      // Nothing outstanding and nothing can start: a schedule bug, not a hang.
-      error_ = absl::InternalError(absl::StrCat(s_.name, ": schedule cannot progress"));
-      break;
-    }
-    batch.clear();
-    if (!mailbox_->Take(&batch, cancelled_, ctx_.deadline)) {
-      CancelAtDeadline();
-      continue;
-    }
-    for (Event& e : batch) Apply(e);
   }
   return error_;
 }

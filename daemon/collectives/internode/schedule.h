@@ -36,9 +36,13 @@
 // for that operation, identically on every node. Chunk i of a step travels
 // on channel (step + i) % num_channels.
 //
-// Threads: RunSchedule runs on the calling thread, which does all posting
-// and reducing; transfer callbacks (on the transport's threads) only queue
-// an event for it.
+// Threads: RunSchedule posts the first transfers on the calling thread and
+// then sleeps until the schedule is over or its deadline. The rest runs on
+// the transport's threads as transfers complete: one of them at a time
+// applies the completions, reduces what arrived into scratch and posts what
+// they unblock (see Driver in schedule.cc), so a chunk costs no wakeup of
+// another thread. Callbacks may therefore also come synchronously from
+// within a Send or Recv call.
 #pragma once
 
 #include <cstddef>
