@@ -195,6 +195,8 @@ int Main(int argc, char** argv) {
                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
   config::TuningRegistry tuning(cfg.tuning);
+  // Before the engine, whose jobs may order through it in-process.
+  Coordinator coordinator(cluster_token, &tuning);  // fusion and cycle time for its jobs
   Engine::Options options;
   options.session_socket_path = cfg.socket_path + ".session";
   options.worker_threads = workers;
@@ -204,6 +206,7 @@ int Main(int argc, char** argv) {
   options.cluster_token = cluster_token;
   options.transports = UcxTransportFactory();
   options.coordinator_clients = GrpcCoordinatorClients();
+  options.local_coordinator = &coordinator;
   auto engine = Engine::Start(options);
   if (!engine.ok()) {
     spdlog::critical("{}", std::string(engine.status().message()));
@@ -216,7 +219,6 @@ int Main(int argc, char** argv) {
     (*engine)->Shutdown();
     return 1;
   }
-  Coordinator coordinator(cluster_token, &tuning);  // fusion and cycle time for its jobs
   PeerService peer_service(&coordinator);
   std::unique_ptr<grpc::Server> peer_server;
   if (!cfg.listen.empty()) {

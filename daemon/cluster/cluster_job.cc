@@ -205,13 +205,25 @@ absl::Status ClusterJob::Form() {
     peers_ = std::move(rows);
     state_ = State::kRunning;
   }
-  spdlog::info("job '{}': node {} of {} in the membership table, {} channel(s)", options_.job_id,
-               self_, membership.nodes_size(), options_.channels);
+  spdlog::info("job '{}': node {} of {} in the membership table, {} channel(s){}",
+               options_.job_id, self_, membership.nodes_size(), options_.channels,
+               options_.local_coordinator != nullptr &&
+                       membership.coordinator() == options_.local_coordinator->id()
+                   ? ", coordinated by this daemon"
+                   : "");
 
-  // The ordering stream, read by its own thread.
-  auto opened = client_->OpenStream();
-  if (!opened.ok()) return opened.status();
-  std::shared_ptr<OrderingStream> stream = std::move(*opened);
+  // The ordering stream, read by its own thread: in-process when this
+  // daemon is the job's coordinator.
+  std::shared_ptr<OrderingStream> stream;
+  if (options_.local_coordinator != nullptr &&
+      membership.coordinator() == options_.local_coordinator->id()) {
+    stream = options_.local_coordinator->OpenLocalStream();
+    in_process_ordering_ = true;
+  } else {
+    auto opened = client_->OpenStream();
+    if (!opened.ok()) return opened.status();
+    stream = std::move(*opened);
+  }
   proto::NodeEvent hello;
   auto* h = hello.mutable_hello();
   h->set_cluster_token(options_.cluster_token);

@@ -43,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cluster/coordinator.h"
 #include "cluster/coordinator_client.h"
 #include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
@@ -101,6 +102,9 @@ class ClusterJob {
     config::TuningRegistry* tuning = nullptr;
     TransportFactory transports;
     CoordinatorClientFactory coordinator_clients;  // control/peer_client.h's in ciuicd
+    // This daemon's coordinator, if any: when the membership names it (the
+    // job's rank 0 is local), the ordering stream is in-process.
+    Coordinator* local_coordinator = nullptr;
   };
   using OpDone = std::function<void(uint64_t key, absl::Status status)>;
   using JobFailed = std::function<void(absl::Status status)>;
@@ -116,6 +120,9 @@ class ClusterJob {
   // Lanes: runs in progress at once on this node (the coordinator allows
   // Coordinator::kRunningRuns).
   static constexpr int kLanes = 2;
+
+  // Whether the ordering stream is in-process (Options::local_coordinator).
+  bool ordering_in_process() const { return in_process_ordering_.load(); }
 
   enum class State { kForming, kRunning, kFailed };
   State state();
@@ -210,6 +217,7 @@ class ClusterJob {
   // Owned by the ClusterJob thread (transport_ is also read under mu_).
   std::unique_ptr<CountingTransport> transport_;
   std::shared_ptr<OrderingStream> stream_;  // written under write_mu_ once lanes run
+  std::atomic<bool> in_process_ordering_{false};
   std::thread reader_;
   std::mutex write_mu_;
   bool writes_closed_ = false;        // guarded by write_mu_

@@ -23,73 +23,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// An ordering stream straight into the Coordinator.
-class DirectStream final : public OrderingStream, public NodeStream {
- public:
-  explicit DirectStream(Coordinator* c) : c_(c) {}
-  ~DirectStream() override { Close(absl::CancelledError("stream destroyed")); }
-
-  bool Write(const proto::NodeEvent& e) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (closed_) return false;
-    if (e.has_hello()) {
-      lock.unlock();
-      auto h = c_->Attach(e.hello(), this);
-      lock.lock();
-      if (!h.ok()) return false;
-      handle_ = *h;
-      attached_ = true;
-      return true;
-    }
-    const uint64_t handle = handle_;
-    lock.unlock();
-    c_->OnEvent(handle, e);  // may call Send
-    return true;
-  }
-  void Send(const proto::CoordinatorEvent& e) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    events_.push_back(e);
-    cv_.notify_all();
-  }
-  bool Read(proto::CoordinatorEvent* e) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return !events_.empty() || closed_; });
-    if (events_.empty()) return false;
-    *e = std::move(events_.front());
-    events_.pop_front();
-    return true;
-  }
-  void WritesDone() override { Close(absl::OkStatus()); }
-  absl::Status Finish() override { return absl::OkStatus(); }
-  void Cancel() override { Close(absl::CancelledError("cancelled")); }
-
- private:
-  void Close(const absl::Status& why) {
-    bool detach;
-    uint64_t handle;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      detach = attached_;
-      attached_ = false;
-      closed_ = true;
-      handle = handle_;
-      cv_.notify_all();
-    }
-    if (detach) c_->Detach(handle, why);
-  }
-
-  Coordinator* const c_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<proto::CoordinatorEvent> events_;
-  bool closed_ = false;
-  bool attached_ = false;
-  uint64_t handle_ = 0;
-};
-
+// Registers with the Coordinator directly; its streams are the
+// coordinator's in-process ones (standing in for gRPC), counted.
 class DirectClient final : public CoordinatorClient {
  public:
-  explicit DirectClient(Coordinator* c) : c_(c) {}
+  DirectClient(Coordinator* c, std::atomic<int>* streams) : c_(c), streams_(streams) {}
   absl::StatusOr<proto::Membership> Register(const proto::RegisterNodeRequest& request,
                                              std::chrono::system_clock::time_point deadline) override {
     return c_->Register(request, Clock::now() + (deadline - std::chrono::system_clock::now()),
@@ -97,11 +35,13 @@ class DirectClient final : public CoordinatorClient {
   }
   void CancelRegister() override { cancelled_ = true; }
   absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream() override {
-    return std::make_unique<DirectStream>(c_);
+    ++*streams_;
+    return c_->OpenLocalStream();
   }
 
  private:
   Coordinator* const c_;
+  std::atomic<int>* const streams_;
   std::atomic<bool> cancelled_{false};
 };
 
@@ -150,8 +90,10 @@ class TwoNodes {
         return std::make_unique<HubUnconnected>(&hub_);
       };
       o.coordinator_clients = [this](const std::string&) -> std::unique_ptr<CoordinatorClient> {
-        return std::make_unique<DirectClient>(&coordinator_);
+        return std::make_unique<DirectClient>(&coordinator_, &client_streams_);
       };
+      // Node 0's daemon is the coordinator's: it orders in-process.
+      if (k == 0) o.local_coordinator = &coordinator_;
       Ends* ends = &ends_[k];
       jobs_[k] = std::make_unique<ClusterJob>(
           std::move(o),
@@ -176,8 +118,10 @@ class TwoNodes {
   config::TuningRegistry& tuning(int k) { return tuning_[k]; }
   ClusterJob& job(int k) { return *jobs_[k]; }
   Ends& ends(int k) { return ends_[k]; }
+  int client_streams() const { return client_streams_.load(); }
 
  private:
+  std::atomic<int> client_streams_{0};
   config::TuningRegistry tuning_[2];
   Coordinator coordinator_;
   InProcessHub hub_;
@@ -209,6 +153,38 @@ float Value(int rank, size_t op, size_t i) {
 // collects them, then with fusion off. Every result is the plain loop's
 // (two nodes: one addition, the lower node's value first), fused results
 // are the unfused ones' bits, and the counters say what happened.
+// Node 0's daemon is the coordinator's: it orders in-process, node 1 through
+// its client's stream; the results are the same, and node 0 leaving through
+// its in-process stream still fails node 1's pending operation, naming it.
+TEST(ClusterJobTest, TheCoordinatorsOwnNodeOrdersInProcess) {
+  TwoNodes nodes;
+  const size_t count = 1001;
+  std::vector<float> send[2], recv[2];
+  for (int k = 0; k < 2; ++k) {
+    send[k].resize(count);
+    recv[k].assign(count, -1.0f);
+    for (size_t i = 0; i < count; ++i) send[k][i] = Value(k, 0, i);
+    nodes.job(k).Submit(Allreduce(1, "a", wire::DataType::kFloat32, wire::ReduceOp::kSum, count, k,
+                                  send[k].data(), recv[k].data()));
+  }
+  for (int k = 0; k < 2; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(1));
+  EXPECT_TRUE(nodes.job(0).ordering_in_process());
+  EXPECT_FALSE(nodes.job(1).ordering_in_process());
+  EXPECT_EQ(nodes.client_streams(), 1);
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).ends[0].second.ok()) << nodes.ends(k).ends[0].second;
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(recv[k][i], send[0][i] + send[1][i]) << i;
+  }
+  std::vector<float> lonely(count), out(count);
+  nodes.job(1).Submit(Allreduce(2, "b", wire::DataType::kFloat32, wire::ReduceOp::kSum, count, 1,
+                                lonely.data(), out.data()));
+  nodes.job(0).Abort(absl::CancelledError("rank 0 left"));
+  ASSERT_TRUE(nodes.ends(1).WaitFor(2));
+  const absl::Status& failed = nodes.ends(1).ends[1].second;
+  EXPECT_FALSE(failed.ok());
+  EXPECT_NE(failed.message().find("n0"), std::string::npos) << failed;
+}
+
 TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
   TwoNodes nodes;
   ASSERT_TRUE(nodes.SetBoth("cycle_time_us", "50000").ok());

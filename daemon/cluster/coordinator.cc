@@ -1,6 +1,9 @@
 #include "cluster/coordinator.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -66,8 +69,111 @@ bool SameSignature(const proto::OpSignature& a, const proto::OpSignature& b) {
 
 }  // namespace
 
+namespace {
+
+uint64_t NewCoordinatorId() {
+  std::random_device device;
+  uint64_t id = 0;
+  while (id == 0) id = (uint64_t{device()} << 32) ^ device();
+  return id;
+}
+
+// An ordering stream straight into a Coordinator: Write calls Attach/OnEvent
+// on the writing thread, and the coordinator's Send queues for Read.
+class LocalStream final : public OrderingStream, public NodeStream {
+ public:
+  explicit LocalStream(Coordinator* c) : c_(c) {}
+  ~LocalStream() override { Close(absl::CancelledError("ordering stream destroyed")); }
+
+  bool Write(const proto::NodeEvent& e) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (closed_) return false;
+    if (e.has_hello()) {
+      lock.unlock();
+      auto h = c_->Attach(e.hello(), this);
+      lock.lock();
+      if (!h.ok()) {
+        closed_ = true;
+        why_ = h.status();
+        cv_.notify_all();
+        return false;
+      }
+      handle_ = *h;
+      attached_ = true;
+      return true;
+    }
+    if (e.has_leave()) left_ = true;
+    const uint64_t handle = handle_;
+    lock.unlock();
+    c_->OnEvent(handle, e);  // may call Send
+    return true;
+  }
+  void Send(const proto::CoordinatorEvent& e) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(e);
+    cv_.notify_all();
+  }
+  bool Read(proto::CoordinatorEvent* e) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !events_.empty() || closed_; });
+    if (events_.empty()) return false;
+    *e = std::move(events_.front());
+    events_.pop_front();
+    return true;
+  }
+  // As over the network: the coordinator sees the stream end (cleanly after
+  // a Leave), and the reading side ends once it has read what was sent.
+  void WritesDone() override { Close(absl::OkStatus()); }
+  absl::Status Finish() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return why_;
+  }
+  void Cancel() override { Close(absl::CancelledError("ordering stream cancelled")); }
+
+ private:
+  void Close(const absl::Status& why) {
+    bool detach;
+    uint64_t handle;
+    absl::Status detach_why;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return;
+      detach = attached_;
+      attached_ = false;
+      closed_ = true;
+      why_ = why;
+      handle = handle_;
+      // What the peer service tells the coordinator of a stream that ends.
+      if (left_) {
+        detach_why = absl::OkStatus();
+      } else {
+        detach_why = absl::UnavailableError(why.ok() ? "its stream ended"
+                                                     : "its stream was cancelled");
+      }
+      cv_.notify_all();
+    }
+    if (detach) c_->Detach(handle, detach_why);
+  }
+
+  Coordinator* const c_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<proto::CoordinatorEvent> events_;  // guarded by mu_
+  bool closed_ = false;                         // guarded by mu_
+  bool attached_ = false;                       // guarded by mu_
+  bool left_ = false;                           // guarded by mu_
+  uint64_t handle_ = 0;                         // guarded by mu_
+  absl::Status why_;                            // guarded by mu_
+};
+
+}  // namespace
+
+std::unique_ptr<OrderingStream> Coordinator::OpenLocalStream() {
+  return std::make_unique<LocalStream>(this);
+}
+
 Coordinator::Coordinator(std::string cluster_token, config::TuningRegistry* tuning)
-    : token_(std::move(cluster_token)), tuning_(tuning) {
+    : token_(std::move(cluster_token)), tuning_(tuning), id_(NewCoordinatorId()) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -165,6 +271,7 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
              *std::min_element(b->ranks().begin(), b->ranks().end());
     });
     job->membership.set_instance(job->instance);
+    job->membership.set_coordinator(id_);
     job->membership.set_channels(job->channels);
     for (auto* reg : order) {
       auto* n = job->membership.add_nodes();

@@ -46,6 +46,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "ciuic/peer.pb.h"
+#include "cluster/coordinator_client.h"
 #include "config/tuning.h"
 
 namespace ciuic::daemon {
@@ -86,6 +87,14 @@ class Coordinator {
 
   // Jobs known (for status): "uid/job" -> nodes registered.
   size_t num_jobs();
+
+  // This coordinator (random, never 0), as memberships carry it: a node
+  // whose own daemon formed its job opens its ordering stream with
+  // OpenLocalStream, in-process, instead of over the network. Its events
+  // then reach the coordinator on the writing thread and its runs come
+  // without a round trip through gRPC's threads.
+  uint64_t id() const { return id_; }
+  std::unique_ptr<OrderingStream> OpenLocalStream();
 
  private:
   struct PendingRun {
@@ -143,6 +152,7 @@ class Coordinator {
 
   const std::string token_;
   config::TuningRegistry* const tuning_;
+  const uint64_t id_;
   std::mutex mu_;
   std::condition_variable changed_;
   std::map<std::string, std::unique_ptr<Job>> jobs_;

@@ -469,6 +469,7 @@ void Engine::StartClusterOnLoop(Job& job) {
   o.tuning = options_.tuning;
   o.transports = options_.transports;
   o.coordinator_clients = options_.coordinator_clients;
+  o.local_coordinator = options_.local_coordinator;
   const std::string key = job.key;
   job.cluster = std::make_unique<ClusterJob>(
       std::move(o),

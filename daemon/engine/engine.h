@@ -132,6 +132,9 @@ class Engine {
     std::string cluster_token;
     TransportFactory transports;
     CoordinatorClientFactory coordinator_clients;
+    // This daemon's coordinator (may be null): jobs it coordinates order
+    // through it in-process. Must outlive the engine.
+    Coordinator* local_coordinator = nullptr;
   };
 
   // Listens on the session socket and starts the loop, acceptor and workers.
