@@ -26,6 +26,7 @@
 #include "config/config.h"
 #include "config/tuning.h"
 #include "cluster/coordinator.h"
+#include "cluster/tcp_ordering.h"
 #include "cluster/ucx_transports.h"
 #include "control/control_service.h"
 #include "control/peer_client.h"
@@ -221,6 +222,7 @@ int Main(int argc, char** argv) {
   }
   PeerService peer_service(&coordinator);
   std::unique_ptr<grpc::Server> peer_server;
+  std::unique_ptr<OrderingListener> ordering_listener;  // before the coordinator goes
   if (!cfg.listen.empty()) {
     int port = 0;
     auto started = StartPeerServer(cfg.listen, &peer_service, &port);
@@ -232,8 +234,19 @@ int Main(int argc, char** argv) {
     }
     peer_server = std::move(*started);
     const std::string host = cfg.listen.substr(0, cfg.listen.rfind(':'));
+    auto listener = OrderingListener::Start(host, cfg.ordering_port, &coordinator);
+    if (!listener.ok()) {
+      spdlog::critical("{}", std::string(listener.status().message()));
+      peer_server->Shutdown();
+      (*server)->Shutdown();
+      (*engine)->Shutdown();
+      return 1;
+    }
+    ordering_listener = std::move(*listener);
+    coordinator.set_ordering_port(ordering_listener->port());
     service.set_peer_address(absl::StrCat(host, ":", port));
-    spdlog::info("peer service on {}:{}{}", host, port,
+    spdlog::info("peer service on {}:{}, ordering streams on port {}{}", host, port,
+                 ordering_listener->port(),
                  cluster_token.empty() ? " (no cluster token: any daemon may register)" : "");
   }
   // Probed once here, so that `ciuicctl status` answers from the cache.
@@ -251,6 +264,7 @@ int Main(int argc, char** argv) {
   coordinator.Shutdown();
   (*engine)->Shutdown();
   if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (ordering_listener) ordering_listener->Shutdown();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   unlink(cfg.socket_path.c_str());
   spdlog::info("ciuicd stopped");

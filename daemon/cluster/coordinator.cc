@@ -272,6 +272,7 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
     });
     job->membership.set_instance(job->instance);
     job->membership.set_coordinator(id_);
+    job->membership.set_ordering_port(static_cast<uint32_t>(ordering_port_.load()));
     job->membership.set_channels(job->channels);
     for (auto* reg : order) {
       auto* n = job->membership.add_nodes();

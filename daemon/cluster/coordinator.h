@@ -31,6 +31,7 @@
 // called under the lock and must not block for long.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -96,6 +97,11 @@ class Coordinator {
   uint64_t id() const { return id_; }
   std::unique_ptr<OrderingStream> OpenLocalStream();
 
+  // The port of this daemon's OrderingListener (tcp_ordering.h), announced
+  // in memberships formed from now on; 0 (the default): none, the nodes
+  // order through the peer service's gRPC stream.
+  void set_ordering_port(int port) { ordering_port_.store(port); }
+
  private:
   struct PendingRun {
     proto::OpSignature signature;
@@ -153,6 +159,7 @@ class Coordinator {
   const std::string token_;
   config::TuningRegistry* const tuning_;
   const uint64_t id_;
+  std::atomic<int> ordering_port_{0};
   std::mutex mu_;
   std::condition_variable changed_;
   std::map<std::string, std::unique_ptr<Job>> jobs_;

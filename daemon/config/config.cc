@@ -62,6 +62,16 @@ class Parser {
          })},
         {"listen",
          Scalar([&](const auto& key, const auto& value) { return SetListen(key, value, config); })},
+        {"ordering_port", Scalar([&](const auto& key, const auto& value) {
+           absl::StatusOr<uint64_t> number = ParseUnsigned(value);
+           if (!number.ok() || *number > 65535) {
+             return Error(key, absl::StrCat("invalid value '", value,
+                                            "' for 'ordering_port': expected an integer in "
+                                            "0..65535 (0 = a free port)"));
+           }
+           config.ordering_port = static_cast<int>(*number);
+           return absl::OkStatus();
+         })},
         {"cluster_token_file", Scalar([&](const auto& key, const auto& value) {
            config.cluster_token_file = value;
            return absl::OkStatus();

@@ -32,6 +32,10 @@ struct DaemonConfig {
   uint64_t max_arena_bytes = uint64_t{8} << 30;
   // host:port of the peer service (TCP, for the other daemons).
   std::string listen = "0.0.0.0:7361";
+  // TCP port of the ordering streams that the other nodes' daemons open to
+  // this one for the jobs it coordinates, on the host of `listen`; 0 = a
+  // free port, announced to the nodes when a job forms. 0..65535.
+  int ordering_port = 0;
   // File holding the secret shared by the cluster's daemons; "" = none.
   std::string cluster_token_file;
   // Initial live-tunable settings (YAML map `tuning`).

@@ -750,6 +750,11 @@ TEST(MultiNodeNamespaceTest, TwoHostsJoinedByAVethPair) {
                                              << "\nhost1 log:\n" << daemons[1]->Log();
   // The 16 MiB allreduce crossed the veth.
   EXPECT_GE(ns.TxBytes(0) - tx0, 8u << 20) << "traffic did not go through the veth";
+  // Host 0 hosts rank 0: its daemon coordinates and orders in-process; host
+  // 1 orders over TCP to host 0's veth address (not gRPC, not loopback).
+  EXPECT_NE(daemons[0]->Log().find("ordering in-process"), std::string::npos) << daemons[0]->Log();
+  EXPECT_NE(daemons[1]->Log().find(std::string("ordering over TCP to 10.77.0.1 port")), std::string::npos)
+      << daemons[1]->Log();
   for (auto& d : daemons) EXPECT_EQ(d->Stop(), 0);
 }
 

@@ -1,0 +1,90 @@
+// Ordering streams over plain TCP: what a node's daemon and the coordinator
+// daemon of its job exchange once per operation (Ready, Run, Done), without
+// gRPC's threads in between.
+//
+// Why not the gRPC stream: on these machines one message through a gRPC
+// bidirectional stream costs 50-100 µs of thread hand-offs on each side, and
+// every multi-node operation needs two on its critical path (a node's Ready
+// to the coordinator, the Run back). A TCP connection read by a blocked
+// thread on each side carries the same messages in tens of microseconds.
+// Registration (once per job) stays on gRPC; the membership table tells the
+// nodes this listener's port (Membership.ordering_port), and a node that
+// cannot reach it falls back to the gRPC stream.
+//
+// The stream has the gRPC stream's semantics: ordered and reliable, the
+// first NodeEvent must be Hello, the node half-closes with WritesDone, and
+// either side's end (close, reset, the daemon killed, TCP keepalive giving
+// up after ~5 s of silence from a vanished host) ends it for the other.
+// Frames: a 4-byte little-endian length, then the serialized message
+// (NodeEvent towards the coordinator, CoordinatorEvent back), at most
+// kMaxFrameBytes. A connection that breaks the protocol (no Hello, a frame
+// too large, bytes that do not parse, a Hello the coordinator refuses) gets
+// a JobFailed naming the problem and is closed; the listener goes on.
+//
+// Threads: the listener accepts on its own thread and reads each connection
+// on a thread of its own (a job has a handful of nodes); the coordinator
+// writes to a connection from its own threads, under its lock, bounded by a
+// send timeout.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cluster/coordinator.h"
+#include "cluster/coordinator_client.h"
+
+namespace ciuic::daemon {
+
+inline constexpr uint32_t kMaxFrameBytes = 16u << 20;
+
+class OrderingListener {
+ public:
+  // Listens on host:port (host as in `listen`: a name, an IPv4 address, or
+  // an IPv6 address with or without brackets; port 0: a free one) for the
+  // ordering streams of the jobs `coordinator` serves. It must outlive this.
+  static absl::StatusOr<std::unique_ptr<OrderingListener>> Start(const std::string& host, int port,
+                                                                 Coordinator* coordinator);
+  ~OrderingListener();  // Shutdown()
+
+  int port() const { return port_; }
+  // Stops accepting and ends every connection (the coordinator sees their
+  // streams end); returns once their threads are done.
+  void Shutdown();
+
+ private:
+  struct Connection {
+    int fd = -1;
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+
+  OrderingListener(int fd, int port, Coordinator* coordinator)
+      : listen_fd_(fd), port_(port), coordinator_(coordinator) {}
+  void AcceptLoop();
+  void Serve(Connection* c);
+  void ReapDone();  // joins the threads of ended connections; mu_ held
+
+  const int listen_fd_;
+  const int port_;
+  Coordinator* const coordinator_;
+  std::thread acceptor_;
+  std::mutex mu_;
+  bool stopping_ = false;           // guarded by mu_
+  std::list<Connection> connections_;  // guarded by mu_
+};
+
+// Connects to the ordering listener at host:port (within `timeout_ms`).
+absl::StatusOr<std::unique_ptr<OrderingStream>> OpenTcpOrderingStream(const std::string& host,
+                                                                      int port, int timeout_ms);
+
+// The host of "host:port" or "[v6]:port", without brackets.
+std::string HostOfAddress(const std::string& address);
+
+}  // namespace ciuic::daemon
