@@ -52,6 +52,7 @@ log_level: debug
 worker_threads: 12
 max_arena_bytes: 16G
 listen: "[::1]:9000"
+ordering_port: 7362
 cluster_token_file: /etc/ciuic/token
 tuning:
   chunk_bytes: 8M
@@ -68,6 +69,7 @@ tuning:
   EXPECT_EQ(config->worker_threads, 12);
   EXPECT_EQ(config->max_arena_bytes, uint64_t{16} << 30);
   EXPECT_EQ(config->listen, "[::1]:9000");
+  EXPECT_EQ(config->ordering_port, 7362);
   EXPECT_EQ(config->cluster_token_file, "/etc/ciuic/token");
   EXPECT_EQ(config->tuning.chunk_bytes, 8u << 20);
   EXPECT_EQ(config->tuning.small_op_bytes, 64u << 10);
@@ -87,6 +89,7 @@ TEST(ConfigTest, ExampleFileParses) {
   EXPECT_EQ(config->worker_threads, defaults.worker_threads);
   EXPECT_EQ(config->max_arena_bytes, defaults.max_arena_bytes);
   EXPECT_EQ(config->listen, defaults.listen);
+  EXPECT_EQ(config->ordering_port, defaults.ordering_port);
   EXPECT_EQ(config->cluster_token_file, defaults.cluster_token_file);
   EXPECT_EQ(config->tuning, defaults.tuning);
 }
@@ -95,7 +98,8 @@ TEST(ConfigTest, ExampleMentionsEveryKey) {
   std::ifstream file(CIUIC_EXAMPLE_CONFIG);
   std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   for (const char* key : {"socket:", "node_name:", "log_level:", "worker_threads:",
-                          "max_arena_bytes:", "listen:", "cluster_token_file:", "tuning:"}) {
+                          "max_arena_bytes:", "listen:", "ordering_port:", "cluster_token_file:",
+                          "tuning:"}) {
     EXPECT_THAT(text, HasSubstr(key));
   }
   for (const std::string& key : TuningKeys()) EXPECT_THAT(text, HasSubstr(key + ":"));
@@ -128,6 +132,10 @@ TEST(ConfigTest, BadValuesNameKeyValueAndRange) {
   EXPECT_THAT(ErrorOf("worker_threads: -1\n"), HasSubstr("'worker_threads'"));
   EXPECT_THAT(ErrorOf("worker_threads: many\n"), HasSubstr("'many'"));
   EXPECT_THAT(ErrorOf("max_arena_bytes: 512K\n"), HasSubstr("expected a size in 1M..1T"));
+  EXPECT_EQ(ErrorOf("ordering_port: 70000\n"),
+            "config.yaml:1: invalid value '70000' for 'ordering_port': expected an integer in "
+            "0..65535 (0 = a free port)");
+  EXPECT_THAT(ErrorOf("ordering_port: seven\n"), HasSubstr("'ordering_port'"));
   EXPECT_THAT(ErrorOf("max_arena_bytes: 2T\n"), HasSubstr("out of range"));
   EXPECT_THAT(ErrorOf("max_arena_bytes: 99999999999G\n"), HasSubstr("too large"));
   EXPECT_THAT(ErrorOf("node_name: \"two words\"\n"), HasSubstr("'node_name'"));

@@ -1,0 +1,289 @@
+// Ordering streams over TCP on loopback, against a real Coordinator: the
+// job's traffic, the ends (half-close after Leave, a node that vanishes,
+// the listener shutting down) and every protocol violation a connection can
+// commit, each answered with a JobFailed naming it while the listener keeps
+// serving the others.
+#include "cluster/tcp_ordering.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <string>
+#include <vector>
+
+namespace ciuic::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+proto::RegisterNodeRequest Reg(const std::string& node, int rank, const std::string& token) {
+  proto::RegisterNodeRequest r;
+  r.set_cluster_token(token);
+  r.set_job_id("job");
+  r.set_uid(7);
+  r.set_world_size(2);
+  r.set_node_name(node);
+  r.add_ranks(rank);
+  r.add_transport_addresses("addr-" + node);
+  r.set_channels(1);
+  return r;
+}
+
+proto::NodeEvent Hello(const proto::Membership& m, int node, const std::string& token) {
+  proto::NodeEvent e;
+  auto* h = e.mutable_hello();
+  h->set_cluster_token(token);
+  h->set_job_id("job");
+  h->set_uid(7);
+  h->set_instance(m.instance());
+  h->set_node(node);
+  return e;
+}
+
+proto::NodeEvent Ready(const std::string& name) {
+  proto::NodeEvent e;
+  e.mutable_ready()->set_name(name);
+  e.mutable_ready()->mutable_signature()->set_collective(2);
+  e.mutable_ready()->mutable_signature()->set_dtype(1);
+  e.mutable_ready()->mutable_signature()->set_reduce_op(1);
+  e.mutable_ready()->mutable_signature()->set_count(10);
+  return e;
+}
+
+class TcpOrderingTest : public ::testing::Test {
+ protected:
+  TcpOrderingTest() : coordinator_("secret") {
+    auto l = OrderingListener::Start("127.0.0.1", 0, &coordinator_);
+    EXPECT_TRUE(l.ok()) << l.status();
+    listener_ = std::move(*l);
+    EXPECT_GT(listener_->port(), 0);
+  }
+
+  // Registers both nodes of the job (concurrently: Register blocks until
+  // the job has formed) and returns the table.
+  proto::Membership Form() {
+    auto deadline = Clock::now() + std::chrono::seconds(10);
+    auto other = std::async(std::launch::async, [&] {
+      return coordinator_.Register(Reg("n1", 1, "secret"), deadline);
+    });
+    auto m = coordinator_.Register(Reg("n0", 0, "secret"), deadline);
+    EXPECT_TRUE(m.ok()) << m.status();
+    EXPECT_TRUE(other.get().ok());
+    return *m;
+  }
+
+  std::unique_ptr<OrderingStream> Open() {
+    auto s = OpenTcpOrderingStream("127.0.0.1", listener_->port(), 2000);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+
+  // A raw connection to the listener, for writing what no stream would.
+  int Raw() {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(listener_->port()));
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    return fd;
+  }
+
+  // Reads one length-prefixed CoordinatorEvent from a raw connection.
+  static bool ReadRaw(int fd, proto::CoordinatorEvent* e) {
+    timeval tv{10, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    unsigned char h[4];
+    if (recv(fd, h, 4, MSG_WAITALL) != 4) return false;
+    const uint32_t n = h[0] | (h[1] << 8) | (h[2] << 16) | (uint32_t{h[3]} << 24);
+    std::string body(n, '\0');
+    if (n > 0 && recv(fd, body.data(), n, MSG_WAITALL) != static_cast<ssize_t>(n)) return false;
+    return e->ParseFromString(body);
+  }
+
+  // The JobFailed a refused connection gets, then the end of its stream.
+  static std::string Refusal(int fd) {
+    proto::CoordinatorEvent e;
+    if (!ReadRaw(fd, &e) || !e.has_job_failed()) return "<no JobFailed>";
+    char byte;
+    if (recv(fd, &byte, 1, 0) != 0) return "<stream did not end>";
+    return e.job_failed().message();
+  }
+
+  Coordinator coordinator_;
+  std::unique_ptr<OrderingListener> listener_;
+};
+
+TEST_F(TcpOrderingTest, CarriesAJobAndEndsCleanlyAfterLeave) {
+  const proto::Membership m = Form();
+  auto s0 = Open();
+  auto s1 = Open();
+  ASSERT_TRUE(s0 && s1);
+  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
+  ASSERT_TRUE(s1->Write(Hello(m, 1, "secret")));
+  for (int i = 0; i < 50; ++i) {
+    const std::string name = "op" + std::to_string(i);
+    ASSERT_TRUE(s1->Write(Ready(name)));  // the order of the two nodes' Ready does not matter
+    ASSERT_TRUE(s0->Write(Ready(name)));
+    for (auto* s : {s0.get(), s1.get()}) {
+      proto::CoordinatorEvent e;
+      ASSERT_TRUE(s->Read(&e));
+      ASSERT_TRUE(e.has_run()) << e.DebugString();
+      EXPECT_EQ(e.run().name(), name);
+      EXPECT_EQ(e.run().seq(), static_cast<uint64_t>(i));
+      proto::NodeEvent done;
+      done.mutable_done()->set_seq(e.run().seq());
+      ASSERT_TRUE(s->Write(done));
+    }
+  }
+  // Node 1 leaves and half-closes: node 0 learns why, and node 1's stream
+  // ends cleanly once the coordinator is done with it.
+  proto::NodeEvent leave;
+  leave.mutable_leave()->set_reason("rank 1 exited");
+  ASSERT_TRUE(s1->Write(leave));
+  s1->WritesDone();
+  EXPECT_FALSE(s1->Write(Ready("late")));
+  proto::CoordinatorEvent e;
+  ASSERT_TRUE(s0->Read(&e));
+  ASSERT_TRUE(e.has_job_failed()) << e.DebugString();
+  EXPECT_NE(e.job_failed().message().find("n1"), std::string::npos) << e.job_failed().message();
+  EXPECT_NE(e.job_failed().message().find("rank 1 exited"), std::string::npos);
+  s0->WritesDone();
+  while (s1->Read(&e)) {
+  }
+  EXPECT_TRUE(s1->Finish().ok()) << s1->Finish();
+}
+
+TEST_F(TcpOrderingTest, ANodeThatVanishesFailsTheJobNamingIt) {
+  const proto::Membership m = Form();
+  auto s0 = Open();
+  int raw = Raw();  // node 1, which will just close its socket
+  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
+  for (const proto::NodeEvent& event : {Hello(m, 1, "secret"), Ready("x")}) {
+    std::string frame(4, '\0');
+    ASSERT_TRUE(event.AppendToString(&frame));
+    const uint32_t n = static_cast<uint32_t>(frame.size() - 4);
+    for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>(n >> (8 * i));
+    ASSERT_EQ(send(raw, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
+  }
+  ASSERT_TRUE(s0->Write(Ready("x")));
+  proto::CoordinatorEvent e;
+  ASSERT_TRUE(s0->Read(&e));  // both nodes are attached once "x" runs
+  ASSERT_TRUE(e.has_run()) << e.DebugString();
+  close(raw);
+  ASSERT_TRUE(s0->Read(&e));
+  ASSERT_TRUE(e.has_job_failed()) << e.DebugString();
+  EXPECT_NE(e.job_failed().message().find("n1"), std::string::npos) << e.job_failed().message();
+  // "ended", or "broke: Connection reset by peer" when the Run it never
+  // read was still in its socket as it closed.
+  EXPECT_NE(e.job_failed().message().find("its stream "), std::string::npos)
+      << e.job_failed().message();
+}
+
+TEST_F(TcpOrderingTest, ProtocolViolationsAreRefusedByNameAndTheListenerGoesOn) {
+  const proto::Membership m = Form();
+  auto frame_of = [](const proto::NodeEvent& e) {
+    std::string f(4, '\0');
+    e.AppendToString(&f);
+    const uint32_t n = static_cast<uint32_t>(f.size() - 4);
+    for (int i = 0; i < 4; ++i) f[i] = static_cast<char>(n >> (8 * i));
+    return f;
+  };
+  struct Case {
+    std::string what;
+    std::string bytes;
+    std::string expect;
+  };
+  const std::string huge = std::string("\xff\xff\xff\x7f", 4);
+  const std::string junk = std::string("\x05\x00\x00\x00", 4) + "\xff\xff\xff\xff\xff";
+  const std::vector<Case> cases = {
+      {"no Hello first", frame_of(Ready("x")), "the first message must be Hello"},
+      {"a frame too large", huge, "more than the"},
+      {"bytes that do not parse", junk, "not an ordering message"},
+      {"a wrong token", frame_of(Hello(m, 1, "guess")), "cluster token"},
+      {"a job that is not here", [&] {
+         proto::NodeEvent h = Hello(m, 1, "secret");
+         h.mutable_hello()->set_instance(m.instance() + 99);
+         return frame_of(h);
+       }(), "no formed job"},
+      {"a node index out of range", frame_of(Hello(m, 5, "secret")), "bad or duplicate node"},
+  };
+  for (const Case& c : cases) {
+    int fd = Raw();
+    ASSERT_EQ(send(fd, c.bytes.data(), c.bytes.size(), 0), static_cast<ssize_t>(c.bytes.size()));
+    const std::string why = Refusal(fd);
+    EXPECT_NE(why.find(c.expect), std::string::npos) << c.what << ": " << why;
+    EXPECT_NE(why.find("ordering stream refused"), std::string::npos) << c.what << ": " << why;
+    close(fd);
+  }
+  // A connection that says nothing holds no one up; the job still runs.
+  int silent = Raw();
+  auto s0 = Open();
+  auto s1 = Open();
+  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
+  ASSERT_TRUE(s1->Write(Hello(m, 1, "secret")));
+  ASSERT_TRUE(s0->Write(Ready("y")));
+  ASSERT_TRUE(s1->Write(Ready("y")));
+  proto::CoordinatorEvent e;
+  ASSERT_TRUE(s1->Read(&e));
+  EXPECT_TRUE(e.has_run()) << e.DebugString();
+  close(silent);
+}
+
+TEST_F(TcpOrderingTest, ShutdownEndsOpenStreams) {
+  const proto::Membership m = Form();
+  auto s0 = Open();
+  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
+  auto reader = std::async(std::launch::async, [&] {
+    proto::CoordinatorEvent e;
+    while (s0->Read(&e)) {
+    }
+    return s0->Finish();
+  });
+  listener_->Shutdown();
+  ASSERT_EQ(reader.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  reader.get();  // ended; OK or broken depending on how the close arrived
+  EXPECT_FALSE(OpenTcpOrderingStream("127.0.0.1", listener_->port(), 1000).ok());
+}
+
+TEST_F(TcpOrderingTest, CancelEndsTheNodesOwnRead) {
+  const proto::Membership m = Form();
+  auto s0 = Open();
+  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
+  auto reader = std::async(std::launch::async, [&] {
+    proto::CoordinatorEvent e;
+    while (s0->Read(&e)) {
+    }
+    return s0->Finish();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  s0->Cancel();
+  ASSERT_EQ(reader.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_TRUE(absl::IsCancelled(reader.get()));
+}
+
+TEST(TcpOrderingAddressTest, HostOfAddress) {
+  EXPECT_EQ(HostOfAddress("10.0.0.1:7361"), "10.0.0.1");
+  EXPECT_EQ(HostOfAddress("node-3.cluster:7361"), "node-3.cluster");
+  EXPECT_EQ(HostOfAddress("[fd00::1]:7361"), "fd00::1");
+  EXPECT_EQ(HostOfAddress("localhost"), "localhost");
+}
+
+TEST(TcpOrderingAddressTest, NothingListeningIsAClearError) {
+  Coordinator c("t");
+  auto l = OrderingListener::Start("127.0.0.1", 0, &c);
+  ASSERT_TRUE(l.ok());
+  const int port = (*l)->port();
+  (*l)->Shutdown();
+  auto s = OpenTcpOrderingStream("127.0.0.1", port, 1000);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("ordering stream to 127.0.0.1 port"), std::string::npos)
+      << s.status();
+}
+
+}  // namespace
+}  // namespace ciuic::daemon
