@@ -50,5 +50,22 @@ for system in ("mpi", "gloo"):
             ok = False
 sys.exit(0 if ok else 1)
 PY
+# md_table.py turns the file into a table with both systems' rows, and
+# refuses what is not such a file by name.
+table="$("$python" "$here/md_table.py" "$tmp/out.json")"
+for want in "| 8 |" "| 4K |" "OpenMPI µs" "gloo µs"; do
+  if [[ "$table" != *"$want"* ]]; then
+    echo "FAIL: md_table.py output lacks '$want':" >&2
+    echo "$table" >&2
+    exit 1
+  fi
+done
+echo '[1]' >"$tmp/bad.json"
+if err="$("$python" "$here/md_table.py" "$tmp/bad.json" 2>&1)" ||
+   [[ "$err" != *"not a compare.py --json-out file"* ]]; then
+  echo "FAIL: md_table.py on a non-compare file: '$err'" >&2
+  exit 1
+fi
 cat "$tmp/stdout"
+echo "$table"
 echo "PASS"

@@ -102,9 +102,19 @@ def train(doc):
 
 
 def main(paths):
+    if not paths or any(p in ("-h", "--help") for p in paths):
+        print(__doc__.strip())
+        return 0 if paths else 64
     for i, p in enumerate(paths):
-        with open(p) as f:
-            doc = json.load(f)
+        try:
+            with open(p) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            print("md_table.py: cannot read %s: %s" % (p, e), file=sys.stderr)
+            return 1
+        if not isinstance(doc, dict) or "rows" not in doc:
+            print("md_table.py: %s is not a compare.py --json-out file" % p, file=sys.stderr)
+            return 1
         if i:
             print()
         if doc.get("scenario") == "train":
