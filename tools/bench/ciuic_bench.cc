@@ -761,8 +761,8 @@ int main(int argc, char** argv) {
     }
     if (f.json) {
       printf("{\"op\":\"%s\",\"dtype\":\"%s\",\"reduce_op\":\"%s\",\"bytes\":%llu,\"count\":%llu,"
-             "\"ranks\":%d,\"nodes\":%d,\"time_us\":%.3f,\"cold_us\":%.3f,\"algbw_gbps\":%.4f,"
-             "\"busbw_gbps\":%.4f,\"compression\":\"%s\",%s}\n",
+             "\"ranks\":%d,\"nodes\":%d,\"time_us\":%.3f,\"cold_us\":%.3f,\"algbw_gbps\":%.6g,"
+             "\"busbw_gbps\":%.6g,\"compression\":\"%s\",%s}\n",
              f.op.c_str(), ciuic::DataTypeName(f.dtype), ciuic::ReduceOpName(f.reduce_op),
              (unsigned long long)moved, (unsigned long long)count, world, f.nodes, med, cold,
              algbw, busbw, f.compression.empty() ? "default" : f.compression.c_str(), check_json);
