@@ -66,6 +66,19 @@ if err="$("$python" "$here/md_table.py" "$tmp/bad.json" 2>&1)" ||
   echo "FAIL: md_table.py on a non-compare file: '$err'" >&2
   exit 1
 fi
+# A --scenario train file (no "rows": per-run "results" and a "summary").
+cat >"$tmp/train.json" <<'JSON'
+{"scenario": "train", "link_rate": "1gbit",
+ "config": {"steps": 2, "reps": 1, "hidden": 8, "layers": 2, "train_threads": 1},
+ "results": [{"row": "ciuic", "final_loss": 0.5, "link_tx_bytes": [2000000, 1000000]}],
+ "summary": [{"row": "ciuic", "median_step_s": 0.25, "status": "ok"}]}
+JSON
+train_table="$("$python" "$here/md_table.py" "$tmp/train.json")"
+if [[ "$train_table" != *"| ciuic | 0.250 | 0.500000 | ok | 2/1 |"* ]]; then
+  echo "FAIL: md_table.py on a train file:" >&2
+  echo "$train_table" >&2
+  exit 1
+fi
 cat "$tmp/stdout"
 echo "$table"
 echo "PASS"

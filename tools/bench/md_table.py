@@ -112,7 +112,8 @@ def main(paths):
         except (OSError, ValueError) as e:
             print("md_table.py: cannot read %s: %s" % (p, e), file=sys.stderr)
             return 1
-        if not isinstance(doc, dict) or "rows" not in doc:
+        if not isinstance(doc, dict) or not (
+                "rows" in doc or (doc.get("scenario") == "train" and "results" in doc)):
             print("md_table.py: %s is not a compare.py --json-out file" % p, file=sys.stderr)
             return 1
         if i:
