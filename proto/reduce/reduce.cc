@@ -218,6 +218,14 @@ void DispatchOp(ReduceOp op, const void* const* inputs, int n, void* out,
   }
 }
 
+template <typename F>
+void DivideKernel(void* data, size_t count, int n) {
+  using T = typename F::Storage;
+  T* const p = static_cast<T*>(data);
+#pragma GCC ivdep
+  for (size_t i = 0; i < count; ++i) p[i] = AvgOp::template Finish<F>(F::Load(p[i]), n);
+}
+
 [[noreturn]] void Die(const std::string& message) {
   std::fprintf(stderr, "ciuic::reduce::Reduce: %s\n", message.c_str());
   std::fflush(stderr);
@@ -263,6 +271,24 @@ void Reduce(DataType dtype, ReduceOp op, const void* const* inputs,
     case DataType::kUInt8: return DispatchOp<Plain<uint8_t>>(op, inputs, num_inputs, out, count);
     case DataType::kInt32: return DispatchOp<Plain<int32_t>>(op, inputs, num_inputs, out, count);
     case DataType::kInt64: return DispatchOp<Plain<int64_t>>(op, inputs, num_inputs, out, count);
+  }
+}
+
+void DivideInPlace(DataType dtype, void* data, size_t count, int divisor) {
+  if (divisor < 1) Die(absl::StrCat("DivideInPlace by ", divisor));
+  if (wire::DataTypeName(static_cast<uint32_t>(dtype)) == nullptr) {
+    Die(absl::StrCat("DivideInPlace: unknown data type ", static_cast<uint32_t>(dtype)));
+  }
+  if (count == 0) return;
+  switch (dtype) {
+    case DataType::kFloat32: return DivideKernel<Plain<float>>(data, count, divisor);
+    case DataType::kFloat64: return DivideKernel<Plain<double>>(data, count, divisor);
+    case DataType::kFloat16: return DivideKernel<Half>(data, count, divisor);
+    case DataType::kBFloat16: return DivideKernel<BFloat16>(data, count, divisor);
+    case DataType::kInt8: return DivideKernel<Plain<int8_t>>(data, count, divisor);
+    case DataType::kUInt8: return DivideKernel<Plain<uint8_t>>(data, count, divisor);
+    case DataType::kInt32: return DivideKernel<Plain<int32_t>>(data, count, divisor);
+    case DataType::kInt64: return DivideKernel<Plain<int64_t>>(data, count, divisor);
   }
 }
 

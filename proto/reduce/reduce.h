@@ -53,6 +53,13 @@ absl::Status CheckReducible(uint32_t dtype, uint32_t op);
 void Reduce(wire::DataType dtype, wire::ReduceOp op, const void* const* inputs,
             int num_inputs, void* out, size_t count);
 
+// avg's division on its own, in place: data[i] = data[i] / divisor with
+// exactly the rounding and integer truncation (toward zero) that Reduce's
+// kAvg applies to its sum, for a sum made elsewhere (between nodes).
+// Vectorised like Reduce. Requires divisor >= 1 and a valid dtype; `data`
+// aligned to the element size.
+void DivideInPlace(wire::DataType dtype, void* data, size_t count, int divisor);
+
 }  // namespace ciuic::reduce
 
 // The daemon's code calls these unqualified from namespace ciuic::daemon.

@@ -509,6 +509,80 @@ INSTANTIATE_TEST_SUITE_P(
 // Inputs at any byte address (a transport hands over fragments where its
 // receive buffer has them): every dtype x op, inputs misaligned by 1..7
 // bytes, against the reference; the output stays aligned (the contract).
+// The reference's avg step alone (RefFloatFold and RefIntFold divide the
+// same way): x / d, rounded once to the type; integers truncate toward zero.
+void RefDivide(DataType dtype, const uint8_t* in, uint8_t* out, size_t count, int d) {
+  for (size_t i = 0; i < count; ++i) {
+    switch (dtype) {
+      case DataType::kFloat32: {
+        float x;
+        std::memcpy(&x, in + 4 * i, 4);
+        x = x / static_cast<float>(d);
+        std::memcpy(out + 4 * i, &x, 4);
+        break;
+      }
+      case DataType::kFloat64: {
+        double x;
+        std::memcpy(&x, in + 8 * i, 8);
+        x = x / static_cast<double>(d);
+        std::memcpy(out + 8 * i, &x, 8);
+        break;
+      }
+      case DataType::kFloat16:
+      case DataType::kBFloat16: {
+        const SmallFloat f = dtype == DataType::kFloat16 ? kBinary16 : kBFloat16Format;
+        uint16_t x;
+        std::memcpy(&x, in + 2 * i, 2);
+        x = RefFromFloat(RefToFloat(x, f) / static_cast<float>(d), f);
+        std::memcpy(out + 2 * i, &x, 2);
+        break;
+      }
+      case DataType::kInt8:
+      case DataType::kInt32:
+      case DataType::kInt64: {
+        int64_t x = 0;
+        const size_t n = SizeOf(dtype);
+        std::memcpy(&x, in + n * i, n);
+        if (n < 8) x = (x << (64 - 8 * n)) >> (64 - 8 * n);  // sign-extend
+        x /= d;
+        std::memcpy(out + n * i, &x, n);
+        break;
+      }
+      case DataType::kUInt8: out[i] = static_cast<uint8_t>(in[i] / d); break;
+    }
+  }
+}
+
+// DivideInPlace (avg's division of a sum made between nodes): every dtype,
+// size class and a few divisors, against the reference bit for bit; the
+// elements past `count` stay untouched.
+TEST(DivideInPlaceTest, MatchesTheReferencesAvgStep) {
+  Rng rng(77);
+  for (DataType dtype : kAllTypes) {
+    const size_t es = SizeOf(dtype);
+    for (size_t count : kCounts) {
+      for (int d : {1, 2, 3, 7, 1000}) {
+        std::vector<uint8_t> in((count + kGuard) * es), got, want((count + kGuard) * es);
+        FillRandom(dtype, in.data(), count + kGuard, rng);
+        got = in;
+        want = in;
+        RefDivide(dtype, in.data(), want.data(), count, d);
+        DivideInPlace(dtype, got.data(), count, d);
+        for (size_t i = 0; i < count + kGuard; ++i) {
+          ASSERT_TRUE(SameElement(dtype, got.data() + i * es, want.data() + i * es))
+              << wire::DataTypeName(static_cast<uint32_t>(dtype)) << " count " << count
+              << " divisor " << d << " element " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(DivideInPlaceDeathTest, ADivisorBelowOneStopsTheProcess) {
+  float x = 1;
+  EXPECT_DEATH(DivideInPlace(DataType::kFloat32, &x, 1, 0), "DivideInPlace by 0");
+}
+
 TEST(ReduceAlignmentTest, InputsAtAnyAddress) {
   Rng rng(99);
   for (DataType dtype : kAllTypes) {

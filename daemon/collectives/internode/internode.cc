@@ -2,10 +2,11 @@
 #include <bit>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "collectives/internode/internode.h"
-#include "reduce/half.h"
+#include "reduce/reduce.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -17,27 +18,6 @@ constexpr double kAlphaBetaBytes = 64 * 1024;
 // Recursive doubling reduces the whole buffer on every node at every round;
 // above this its compute cost outweighs the latency it saves.
 constexpr size_t kHalvingDoublingMaxBytes = size_t{1} << 20;
-
-template <typename T, typename W>
-void DivideIntegers(void* data, size_t count, uint64_t divisor) {
-  auto* p = static_cast<T*>(data);
-  const W d = static_cast<W>(divisor);
-  for (size_t i = 0; i < count; ++i) p[i] = static_cast<T>(static_cast<W>(p[i]) / d);
-}
-
-template <typename T>
-void DivideFloats(void* data, size_t count, uint64_t divisor) {
-  auto* p = static_cast<T*>(data);
-  const T d = static_cast<T>(divisor);
-  for (size_t i = 0; i < count; ++i) p[i] = p[i] / d;
-}
-
-template <float (*Load)(uint16_t), uint16_t (*Store)(float)>
-void DivideHalves(void* data, size_t count, uint64_t divisor) {
-  auto* p = static_cast<uint16_t*>(data);
-  const float d = static_cast<float>(divisor);
-  for (size_t i = 0; i < count; ++i) p[i] = Store(Load(p[i]) / d);
-}
 
 }  // namespace
 
@@ -69,20 +49,10 @@ absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wir
 }
 
 void DivideInPlace(wire::DataType dtype, void* data, size_t count, uint64_t divisor) {
-  if (divisor == 0) std::abort();  // a broken invariant: avg over no contributor
-  switch (dtype) {
-    case wire::DataType::kFloat32: return DivideFloats<float>(data, count, divisor);
-    case wire::DataType::kFloat64: return DivideFloats<double>(data, count, divisor);
-    case wire::DataType::kFloat16:
-      return DivideHalves<HalfToFloat, FloatToHalf>(data, count, divisor);
-    case wire::DataType::kBFloat16:
-      return DivideHalves<BFloat16ToFloat, FloatToBFloat16>(data, count, divisor);
-    case wire::DataType::kInt8: return DivideIntegers<int8_t, int64_t>(data, count, divisor);
-    case wire::DataType::kUInt8: return DivideIntegers<uint8_t, uint64_t>(data, count, divisor);
-    case wire::DataType::kInt32: return DivideIntegers<int32_t, int64_t>(data, count, divisor);
-    case wire::DataType::kInt64: return DivideIntegers<int64_t, int64_t>(data, count, divisor);
-  }
-  std::abort();  // not a DataType: callers validate with CheckReducible first
+  // A broken invariant, not bad input: avg over no contributor, or more
+  // contributors than ranks can number.
+  if (divisor == 0 || divisor > static_cast<uint64_t>(std::numeric_limits<int>::max())) std::abort();
+  reduce::DivideInPlace(dtype, data, count, static_cast<int>(divisor));
 }
 
 }  // namespace ciuic::daemon
