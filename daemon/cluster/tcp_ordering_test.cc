@@ -54,6 +54,26 @@ proto::NodeEvent Ready(const std::string& name) {
   return e;
 }
 
+// A NodeEvent as the stream frames it: 4-byte little-endian length, then
+// the message.
+std::string Frame(const proto::NodeEvent& e) {
+  std::string f(4, '\0');
+  e.AppendToString(&f);
+  const uint32_t n = static_cast<uint32_t>(f.size() - 4);
+  for (int i = 0; i < 4; ++i) f[i] = static_cast<char>(n >> (8 * i));
+  return f;
+}
+
+// Reads `stream` to its end on another thread; the future holds Finish().
+std::future<absl::Status> ReadToEnd(OrderingStream* stream) {
+  return std::async(std::launch::async, [stream] {
+    proto::CoordinatorEvent e;
+    while (stream->Read(&e)) {
+    }
+    return stream->Finish();
+  });
+}
+
 class TcpOrderingTest : public ::testing::Test {
  protected:
   TcpOrderingTest() : coordinator_("secret") {
@@ -164,10 +184,7 @@ TEST_F(TcpOrderingTest, ANodeThatVanishesFailsTheJobNamingIt) {
   int raw = Raw();  // node 1, which will just close its socket
   ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
   for (const proto::NodeEvent& event : {Hello(m, 1, "secret"), Ready("x")}) {
-    std::string frame(4, '\0');
-    ASSERT_TRUE(event.AppendToString(&frame));
-    const uint32_t n = static_cast<uint32_t>(frame.size() - 4);
-    for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>(n >> (8 * i));
+    const std::string frame = Frame(event);
     ASSERT_EQ(send(raw, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
   }
   ASSERT_TRUE(s0->Write(Ready("x")));
@@ -186,13 +203,6 @@ TEST_F(TcpOrderingTest, ANodeThatVanishesFailsTheJobNamingIt) {
 
 TEST_F(TcpOrderingTest, ProtocolViolationsAreRefusedByNameAndTheListenerGoesOn) {
   const proto::Membership m = Form();
-  auto frame_of = [](const proto::NodeEvent& e) {
-    std::string f(4, '\0');
-    e.AppendToString(&f);
-    const uint32_t n = static_cast<uint32_t>(f.size() - 4);
-    for (int i = 0; i < 4; ++i) f[i] = static_cast<char>(n >> (8 * i));
-    return f;
-  };
   struct Case {
     std::string what;
     std::string bytes;
@@ -201,16 +211,16 @@ TEST_F(TcpOrderingTest, ProtocolViolationsAreRefusedByNameAndTheListenerGoesOn) 
   const std::string huge = std::string("\xff\xff\xff\x7f", 4);
   const std::string junk = std::string("\x05\x00\x00\x00", 4) + "\xff\xff\xff\xff\xff";
   const std::vector<Case> cases = {
-      {"no Hello first", frame_of(Ready("x")), "the first message must be Hello"},
+      {"no Hello first", Frame(Ready("x")), "the first message must be Hello"},
       {"a frame too large", huge, "more than the"},
       {"bytes that do not parse", junk, "not an ordering message"},
-      {"a wrong token", frame_of(Hello(m, 1, "guess")), "cluster token"},
+      {"a wrong token", Frame(Hello(m, 1, "guess")), "cluster token"},
       {"a job that is not here", [&] {
          proto::NodeEvent h = Hello(m, 1, "secret");
          h.mutable_hello()->set_instance(m.instance() + 99);
-         return frame_of(h);
+         return Frame(h);
        }(), "no formed job"},
-      {"a node index out of range", frame_of(Hello(m, 5, "secret")), "bad or duplicate node"},
+      {"a node index out of range", Frame(Hello(m, 5, "secret")), "bad or duplicate node"},
   };
   for (const Case& c : cases) {
     int fd = Raw();
@@ -238,12 +248,7 @@ TEST_F(TcpOrderingTest, ShutdownEndsOpenStreams) {
   const proto::Membership m = Form();
   auto s0 = Open();
   ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
-  auto reader = std::async(std::launch::async, [&] {
-    proto::CoordinatorEvent e;
-    while (s0->Read(&e)) {
-    }
-    return s0->Finish();
-  });
+  auto reader = ReadToEnd(s0.get());
   listener_->Shutdown();
   ASSERT_EQ(reader.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   reader.get();  // ended; OK or broken depending on how the close arrived
@@ -254,12 +259,7 @@ TEST_F(TcpOrderingTest, CancelEndsTheNodesOwnRead) {
   const proto::Membership m = Form();
   auto s0 = Open();
   ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
-  auto reader = std::async(std::launch::async, [&] {
-    proto::CoordinatorEvent e;
-    while (s0->Read(&e)) {
-    }
-    return s0->Finish();
-  });
+  auto reader = ReadToEnd(s0.get());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   s0->Cancel();
   ASSERT_EQ(reader.wait_for(std::chrono::seconds(10)), std::future_status::ready);
