@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "ciuic/peer.pb.h"
-#include "cluster/tcp_ordering.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
 #include "reduce/reduce.h"
@@ -77,13 +76,6 @@ class ClusterJob::CountingTransport final : public ForwardingTransport {
   std::mutex mu_;
   std::map<int, std::string> failures_;
 };
-
-namespace {
-
-// How long a node waits for the coordinator's ordering listener to accept.
-constexpr int kOrderingConnectTimeoutMs = 5000;
-
-}  // namespace
 
 ClusterJob::ClusterJob(Options options, OpDone op_done, JobFailed job_failed)
     : options_(std::move(options)),
@@ -210,36 +202,21 @@ absl::Status ClusterJob::Form() {
     state_ = State::kRunning;
   }
   // The ordering stream, read by its own thread: in-process when this
-  // daemon is the job's coordinator, else over TCP to the coordinator's
-  // ordering listener, else (no listener announced, or not reachable) the
-  // coordinator's gRPC stream.
+  // daemon is the job's coordinator, else the client's (over TCP to the
+  // coordinator's ordering listener where it can).
   std::shared_ptr<OrderingStream> stream;
-  std::string ordering;
   if (options_.local_coordinator != nullptr &&
       membership.coordinator() == options_.local_coordinator->id()) {
     stream = options_.local_coordinator->OpenLocalStream();
     in_process_ordering_ = true;
-    ordering = "in-process (this daemon coordinates the job)";
-  } else if (membership.ordering_port() != 0) {
-    const std::string host = HostOfAddress(options_.coordinator);
-    auto tcp = OpenTcpOrderingStream(host, static_cast<int>(membership.ordering_port()),
-                                     kOrderingConnectTimeoutMs);
-    if (tcp.ok()) {
-      stream = std::move(*tcp);
-      ordering = absl::StrCat("over TCP to ", host, " port ", membership.ordering_port());
-    } else {
-      spdlog::warn("job '{}': {}; ordering over the coordinator's gRPC service instead",
-                   options_.job_id, std::string(tcp.status().message()));
-    }
-  }
-  if (!stream) {
-    auto opened = client_->OpenStream();
+  } else {
+    auto opened = client_->OpenStream(membership.ordering_port());
     if (!opened.ok()) return opened.status();
     stream = std::move(*opened);
-    ordering = absl::StrCat("over gRPC to ", options_.coordinator);
   }
   spdlog::info("job '{}': node {} of {} in the membership table, {} channel(s), ordering {}",
-               options_.job_id, self_, membership.nodes_size(), options_.channels, ordering);
+               options_.job_id, self_, membership.nodes_size(), options_.channels,
+               stream->Describe());
   proto::NodeEvent hello;
   auto* h = hello.mutable_hello();
   h->set_cluster_token(options_.cluster_token);

@@ -34,7 +34,7 @@ class DirectClient final : public CoordinatorClient {
                         [this] { return cancelled_.load(); });
   }
   void CancelRegister() override { cancelled_ = true; }
-  absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream() override {
+  absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream(uint32_t /*ordering_port*/) override {
     ++*streams_;
     return c_->OpenLocalStream();
   }
@@ -74,10 +74,7 @@ class TwoNodes {
  public:
   // Each node has its own daemon tuning; node 0's daemon hosts the
   // coordinator (rank 0), so its tuning decides the runs' settings.
-  // `ordering_port`: what the coordinator announces for ordering over TCP
-  // (0: nothing; the nodes use their client's stream).
-  explicit TwoNodes(int ordering_port = 0) : coordinator_("token", &tuning_[0]), hub_(2, 1) {
-    coordinator_.set_ordering_port(ordering_port);
+  TwoNodes() : coordinator_("token", &tuning_[0]), hub_(2, 1) {
     for (int k = 0; k < 2; ++k) {
       ClusterJob::Options o;
       o.job_id = "job";
@@ -186,28 +183,6 @@ TEST(ClusterJobTest, TheCoordinatorsOwnNodeOrdersInProcess) {
   const absl::Status& failed = nodes.ends(1).ends[1].second;
   EXPECT_FALSE(failed.ok());
   EXPECT_NE(failed.message().find("n0"), std::string::npos) << failed;
-}
-
-// The coordinator announces an ordering port that node 1 cannot reach (its
-// address here, "direct", does not resolve): node 1 says so and orders
-// through its client's stream instead, with the same results.
-TEST(ClusterJobTest, AnUnreachableOrderingPortFallsBackToTheClientStream) {
-  TwoNodes nodes(/*ordering_port=*/7);
-  const size_t count = 333;
-  std::vector<int32_t> send[2], recv[2];
-  for (int k = 0; k < 2; ++k) {
-    send[k].resize(count);
-    recv[k].assign(count, -1);
-    for (size_t i = 0; i < count; ++i) send[k][i] = static_cast<int32_t>(i * 3 + k);
-    nodes.job(k).Submit(Allreduce(1, "a", wire::DataType::kInt32, wire::ReduceOp::kMax, count, k,
-                                  send[k].data(), recv[k].data()));
-  }
-  for (int k = 0; k < 2; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(1));
-  EXPECT_EQ(nodes.client_streams(), 1);
-  for (int k = 0; k < 2; ++k) {
-    ASSERT_TRUE(nodes.ends(k).ends[0].second.ok()) << nodes.ends(k).ends[0].second;
-    for (size_t i = 0; i < count; ++i) ASSERT_EQ(recv[k][i], std::max(send[0][i], send[1][i]));
-  }
 }
 
 TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {

@@ -129,6 +129,7 @@ class LocalStream final : public OrderingStream, public NodeStream {
     return why_;
   }
   void Cancel() override { Close(absl::CancelledError("ordering stream cancelled")); }
+  std::string Describe() const override { return "in-process (this daemon coordinates the job)"; }
 
  private:
   void Close(const absl::Status& why) {

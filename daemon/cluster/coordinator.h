@@ -97,7 +97,7 @@ class Coordinator {
   uint64_t id() const { return id_; }
   std::unique_ptr<OrderingStream> OpenLocalStream();
 
-  // The port of this daemon's OrderingListener (tcp_ordering.h), announced
+  // The port of this daemon's OrderingListener (control/tcp_ordering.h), announced
   // in memberships formed from now on; 0 (the default): none, the nodes
   // order through the peer service's gRPC stream.
   void set_ordering_port(int port) { ordering_port_.store(port); }

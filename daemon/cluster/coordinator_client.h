@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -32,6 +33,9 @@ class OrderingStream {
   // After Read returned false: why the stream ended (OK: closed cleanly).
   virtual absl::Status Finish() = 0;
   virtual void Cancel() = 0;
+  // How the stream travels, for the log: "in-process ...", "over TCP to
+  // HOST port N", "over gRPC to HOST:PORT".
+  virtual std::string Describe() const = 0;
 };
 
 class CoordinatorClient {
@@ -44,7 +48,10 @@ class CoordinatorClient {
       const proto::RegisterNodeRequest& request,
       std::chrono::system_clock::time_point deadline) = 0;
   virtual void CancelRegister() = 0;
-  virtual absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream() = 0;
+  // `ordering_port`: Membership.ordering_port, the coordinator daemon's
+  // TCP ordering listener (0: none announced). A client uses it where it
+  // can and falls back to a slower stream (logging why) where it cannot.
+  virtual absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream(uint32_t ordering_port) = 0;
 };
 
 // A client for the coordinator at `address` (host:port of its peer service).

@@ -295,18 +295,8 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
     CUDA_CHECK(cudaSetDevice(device));
     cudaStream_t stream = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    JobOptions o;
-    o.socket_path = cluster->nodes[rank / kPerNode]->socket();
-    o.job_id = job;
-    o.rank = rank;
-    o.world_size = kNodes * kPerNode;
-    o.local_rank = rank % kPerNode;
-    o.local_size = kPerNode;
-    o.coordinator = cluster->peers[0];
-    o.arena_bytes = 16 << 20;
-    std::unique_ptr<Communicator> comm;
-    Status s = Communicator::Create(o, &comm);
-    CHILD_CHECK(s.ok(), "join: %s", s.ToString().c_str());
+    std::unique_ptr<Communicator> comm = cluster->Join(job, rank, kNodes, kPerNode, 16 << 20);
+    CHILD_CHECK(comm != nullptr, "rank %d could not join (see stderr)", rank);
     for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
       const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
       for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt32}) {

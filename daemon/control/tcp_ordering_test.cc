@@ -1,9 +1,10 @@
-// Ordering streams over TCP on loopback, against a real Coordinator: the
+// Ordering streams over TCP on loopback, against a real Coordinator (and the
+// gRPC client choosing between them and its own stream): the
 // job's traffic, the ends (half-close after Leave, a node that vanishes,
 // the listener shutting down) and every protocol violation a connection can
 // commit, each answered with a JobFailed naming it while the listener keeps
 // serving the others.
-#include "cluster/tcp_ordering.h"
+#include "control/tcp_ordering.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -14,6 +15,8 @@
 #include <future>
 #include <string>
 #include <vector>
+
+#include "control/peer_client.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -264,6 +267,24 @@ TEST_F(TcpOrderingTest, CancelEndsTheNodesOwnRead) {
   s0->Cancel();
   ASSERT_EQ(reader.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   EXPECT_TRUE(absl::IsCancelled(reader.get()));
+}
+
+// The gRPC coordinator client orders over TCP where the coordinator
+// announces a listener it can reach, and over its gRPC stream otherwise
+// (nothing announced, or the port closed): the stream says which.
+TEST_F(TcpOrderingTest, TheGrpcClientUsesTheListenerWhereItCanAndFallsBack) {
+  auto client = GrpcCoordinatorClients()("127.0.0.1:1");
+  auto tcp = client->OpenStream(static_cast<uint32_t>(listener_->port()));
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  EXPECT_EQ((*tcp)->Describe(), "over TCP to 127.0.0.1 port " + std::to_string(listener_->port()));
+  auto none = client->OpenStream(0);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ((*none)->Describe(), "over gRPC to 127.0.0.1:1");
+  const int closed = listener_->port();
+  listener_->Shutdown();
+  auto fallback = client->OpenStream(static_cast<uint32_t>(closed));
+  ASSERT_TRUE(fallback.ok()) << fallback.status();
+  EXPECT_EQ((*fallback)->Describe(), "over gRPC to 127.0.0.1:1");
 }
 
 TEST(TcpOrderingAddressTest, HostOfAddress) {

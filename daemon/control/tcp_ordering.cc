@@ -1,4 +1,4 @@
-#include "cluster/tcp_ordering.h"
+#include "control/tcp_ordering.h"
 
 #include <fcntl.h>
 #include <netdb.h>
@@ -132,7 +132,7 @@ class TcpNodeStream final : public NodeStream {
 // A node's side.
 class TcpOrderingStream final : public OrderingStream {
  public:
-  explicit TcpOrderingStream(int fd) : fd_(fd) {}
+  TcpOrderingStream(int fd, std::string where) : fd_(fd), where_(std::move(where)) {}
   ~TcpOrderingStream() override { close(fd_); }
 
   bool Write(const proto::NodeEvent& event) override {
@@ -170,9 +170,11 @@ class TcpOrderingStream final : public OrderingStream {
     }
     shutdown(fd_, SHUT_RDWR);
   }
+  std::string Describe() const override { return "over TCP to " + where_; }
 
  private:
   const int fd_;
+  const std::string where_;  // "HOST port N"
   std::mutex write_mu_;
   bool writes_done_ = false;  // guarded by write_mu_
   std::mutex end_mu_;
@@ -406,7 +408,7 @@ absl::StatusOr<std::unique_ptr<OrderingStream>> OpenTcpOrderingStream(const std:
   }
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   SetStreamOptions(fd);
-  return std::make_unique<TcpOrderingStream>(fd);
+  return std::make_unique<TcpOrderingStream>(fd, where);
 }
 
 }  // namespace ciuic::daemon
