@@ -84,6 +84,7 @@ class TcpOrderingTest : public ::testing::Test {
     EXPECT_TRUE(l.ok()) << l.status();
     listener_ = std::move(*l);
     EXPECT_GT(listener_->port(), 0);
+    coordinator_.set_ordering_port(listener_->port());
   }
 
   // Registers both nodes of the job (concurrently: Register blocks until
@@ -96,6 +97,9 @@ class TcpOrderingTest : public ::testing::Test {
     auto m = coordinator_.Register(Reg("n0", 0, "secret"), deadline);
     EXPECT_TRUE(m.ok()) << m.status();
     EXPECT_TRUE(other.get().ok());
+    // The table tells the nodes where to connect, and which daemon coordinates.
+    EXPECT_EQ(m->ordering_port(), static_cast<uint32_t>(listener_->port()));
+    EXPECT_EQ(m->coordinator(), coordinator_.id());
     return *m;
   }
 

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "collectives/internode/common.h"
 #include "reduce/reduce.h"
 
 namespace ciuic::daemon::internode_internal {

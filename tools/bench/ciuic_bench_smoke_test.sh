@@ -1,0 +1,35 @@
+#!/bin/bash
+# Smoke test of ciuic-bench --json: one node of 2 ranks (it starts its own
+# ciuicd) and two 2-node jobs of 1 rank, sizes 8 and 4K, checked. Passes when
+# every row has 0 wrong elements and a busbw that agrees with its own time
+# (for 2 ranks busbw = algbw = bytes / time): an 8-byte row's busbw is about
+# 1e-4 GB/s, so it must keep its significant digits, not 4 decimals.
+# Usage: ciuic_bench_smoke_test.sh PATH/TO/ciuic-bench
+set -euo pipefail
+bench="${1:?usage: $0 PATH/TO/ciuic-bench}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+export UCX_TLS=tcp UCX_WARN_UNUSED_ENV_VARS=n
+"$bench" --op allreduce --sizes 8,4K --iters 20 --warmup 2 --check --json \
+    --ranks-per-node 2 >"$tmp/local.json" 2>"$tmp/local.err" ||
+  { echo "FAIL: ciuic-bench (1 node x 2) exited $?" >&2; cat "$tmp/local.err" >&2; exit 1; }
+"$bench" --op allreduce --sizes 8,4K --iters 20 --warmup 2 --check --json \
+    --nodes 2 --ranks-per-node 1 >"$tmp/nodes.json" 2>"$tmp/nodes.err" ||
+  { echo "FAIL: ciuic-bench (2 nodes x 1) exited $?" >&2; cat "$tmp/nodes.err" >&2; exit 1; }
+/usr/bin/python3 - "$tmp/local.json" "$tmp/nodes.json" <<'PY'
+import json, sys
+ok = True
+for path in sys.argv[1:]:
+    rows = [json.loads(l) for l in open(path) if l.startswith("{")]
+    if sorted(r["bytes"] for r in rows) != [8, 4096]:
+        print("FAIL: %s: rows for %s" % (path, [r["bytes"] for r in rows])); ok = False
+    for r in rows:
+        want = r["bytes"] / (r["time_us"] * 1e3)  # GB/s; busbw factor 1 for 2 ranks
+        if r["errors"] != 0 or r["ranks"] != 2:
+            print("FAIL: %s: %s" % (path, r)); ok = False
+        elif not abs(r["busbw_gbps"] - want) <= 0.01 * want:
+            print("FAIL: %s: busbw %s, time says %.6g: %s" % (path, r["busbw_gbps"], want, r))
+            ok = False
+sys.exit(0 if ok else 1)
+PY
+echo PASS
