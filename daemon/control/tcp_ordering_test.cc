@@ -298,6 +298,22 @@ TEST(TcpOrderingAddressTest, HostOfAddress) {
   EXPECT_EQ(HostOfAddress("localhost"), "localhost");
 }
 
+// A fixed ordering_port that is taken, or a host that is not there, stops
+// ciuicd at start with a message naming it.
+TEST_F(TcpOrderingTest, APortInUseOrABadHostIsAClearError) {
+  auto taken = OrderingListener::Start("127.0.0.1", listener_->port(), &coordinator_);
+  ASSERT_FALSE(taken.ok());
+  EXPECT_NE(taken.status().message().find("cannot listen on 127.0.0.1:" +
+                                          std::to_string(listener_->port())),
+            std::string::npos)
+      << taken.status();
+  auto bad = OrderingListener::Start("no-such-host.invalid", 0, &coordinator_);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("cannot resolve 'no-such-host.invalid'"),
+            std::string::npos)
+      << bad.status();
+}
+
 TEST(TcpOrderingAddressTest, NothingListeningIsAClearError) {
   Coordinator c("t");
   auto l = OrderingListener::Start("127.0.0.1", 0, &c);
