@@ -34,6 +34,7 @@
 #include "cuda/gpu_info.h"
 #include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
+#include "reduce/reduce.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "transport/ucx_transport.h"
@@ -245,10 +246,19 @@ int Main(int argc, char** argv) {
     ordering_listener = std::move(*listener);
     coordinator.set_ordering_port(ordering_listener->port());
     service.set_peer_address(absl::StrCat(host, ":", port));
+    service.set_ordering_port(ordering_listener->port());
     spdlog::info("peer service on {}:{}, ordering streams on port {}{}", host, port,
                  ordering_listener->port(),
                  cluster_token.empty() ? " (no cluster token: any daemon may register)" : "");
   }
+  {
+    std::string runs;
+    for (std::string_view isa : reduce::SupportedIsas()) {
+      absl::StrAppend(&runs, runs.empty() ? "" : ", ", std::string(isa));
+    }
+    spdlog::info("reduction kernels: {} (this CPU runs: {})", reduce::ActiveIsa(), runs);
+  }
+  if (std::string note = reduce::IsaNote(); !note.empty()) spdlog::warn("{}", note);
   // Probed once here, so that `ciuicctl status` answers from the cache.
   spdlog::info("GPUs: {} (built {} CUDA; UCX moves CUDA memory: {})",
                DescribeGpus(ProbeGpus()), ProbeGpus().built_with_cuda ? "with" : "without",

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/gpu_info.h"
 #include "grpcpp/grpcpp.h"
+#include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
 #include "transport/ucx_transport.h"
 
@@ -68,6 +69,8 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
   reply->set_node_name(node_name_);
   reply->set_socket_path(socket_path_);
   reply->set_peer_address(peer_address_);
+  reply->set_ordering_port(ordering_port_);
+  reply->set_reduce_kernels(std::string(reduce::ActiveIsa()));
   reply->set_uptime_seconds(st.uptime_seconds);
   reply->set_worker_threads(st.worker_threads);
   reply->set_ops_completed(st.ops_completed);

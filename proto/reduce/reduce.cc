@@ -1,12 +1,15 @@
 #include "reduce/reduce.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "reduce/half.h"
@@ -156,7 +159,8 @@ struct MaxOp {
 // loads anyway (movups; the same instructions as for aligned data), and the
 // compiler may not assume alignment in the scalar ends either. `out` is T*.
 template <typename F, typename Op>
-void Kernel(const void* const* inputs, int n, void* out_void, size_t count) {
+[[gnu::always_inline]] inline void KernelBody(const void* const* inputs, int n, void* out_void,
+                                              size_t count) {
   using T = typename F::Storage;
   using A = typename F::Acc;
   typedef T __attribute__((aligned(1))) In;
@@ -207,23 +211,179 @@ void Kernel(const void* const* inputs, int n, void* out_void, size_t count) {
 }
 
 template <typename F>
-void DispatchOp(ReduceOp op, const void* const* inputs, int n, void* out,
-                size_t count) {
-  switch (op) {
-    case ReduceOp::kSum: return Kernel<F, SumOp>(inputs, n, out, count);
-    case ReduceOp::kAvg: return Kernel<F, AvgOp>(inputs, n, out, count);
-    case ReduceOp::kMin: return Kernel<F, MinOp>(inputs, n, out, count);
-    case ReduceOp::kMax: return Kernel<F, MaxOp>(inputs, n, out, count);
-    case ReduceOp::kProd: return Kernel<F, ProdOp>(inputs, n, out, count);
-  }
-}
-
-template <typename F>
-void DivideKernel(void* data, size_t count, int n) {
+[[gnu::always_inline]] inline void DivideBody(void* data, size_t count, int n) {
   using T = typename F::Storage;
   T* const p = static_cast<T*>(data);
 #pragma GCC ivdep
   for (size_t i = 0; i < count; ++i) p[i] = AvgOp::template Finish<F>(F::Load(p[i]), n);
+}
+
+// The kernels, built once per instruction set. Each set's functions carry a
+// target attribute and inline the bodies above, so the vectoriser uses that
+// set inside them. They are templates in an unnamed namespace: no copy built
+// for a wider set can stand in for a baseline one at link time (compiling
+// whole files with -mavx2 risks that for every inline function they share).
+// Only ISA flags change, never the architecture, so the default-target
+// bodies may be inlined into them. No FMA is enabled and the file is built
+// with -ffp-contract=off: every build rounds the same operations in the same
+// order and gives the same bits.
+struct BaselineIsa {
+  static constexpr const char* kName = "baseline";
+  template <typename F, typename Op>
+  static void Kernel(const void* const* inputs, int n, void* out, size_t count) {
+    KernelBody<F, Op>(inputs, n, out, count);
+  }
+  template <typename F>
+  static void Divide(void* data, size_t count, int n) {
+    DivideBody<F>(data, count, n);
+  }
+};
+
+#if defined(__x86_64__)
+struct Avx2Isa {
+  static constexpr const char* kName = "avx2";
+  template <typename F, typename Op>
+  [[gnu::target("avx2")]] static void Kernel(const void* const* inputs, int n, void* out,
+                                             size_t count) {
+    KernelBody<F, Op>(inputs, n, out, count);
+  }
+  template <typename F>
+  [[gnu::target("avx2")]] static void Divide(void* data, size_t count, int n) {
+    DivideBody<F>(data, count, n);
+  }
+};
+
+// 512-bit vectors: GCC's generic tuning would keep AVX-512 code at 256 bits.
+#define CIUIC_AVX512_TARGET \
+  gnu::target("avx2,avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")
+struct Avx512Isa {
+  static constexpr const char* kName = "avx512";
+  template <typename F, typename Op>
+  [[CIUIC_AVX512_TARGET]] static void Kernel(const void* const* inputs, int n, void* out,
+                                             size_t count) {
+    KernelBody<F, Op>(inputs, n, out, count);
+  }
+  template <typename F>
+  [[CIUIC_AVX512_TARGET]] static void Divide(void* data, size_t count, int n) {
+    DivideBody<F>(data, count, n);
+  }
+};
+#undef CIUIC_AVX512_TARGET
+#endif
+
+template <typename Isa, typename F>
+void DispatchOp(ReduceOp op, const void* const* inputs, int n, void* out, size_t count) {
+  switch (op) {
+    case ReduceOp::kSum: return Isa::template Kernel<F, SumOp>(inputs, n, out, count);
+    case ReduceOp::kAvg: return Isa::template Kernel<F, AvgOp>(inputs, n, out, count);
+    case ReduceOp::kMin: return Isa::template Kernel<F, MinOp>(inputs, n, out, count);
+    case ReduceOp::kMax: return Isa::template Kernel<F, MaxOp>(inputs, n, out, count);
+    case ReduceOp::kProd: return Isa::template Kernel<F, ProdOp>(inputs, n, out, count);
+  }
+}
+
+template <typename Isa>
+void ReduceWith(DataType dtype, ReduceOp op, const void* const* in, int n, void* out,
+                size_t count) {
+  switch (dtype) {
+    case DataType::kFloat32: return DispatchOp<Isa, Plain<float>>(op, in, n, out, count);
+    case DataType::kFloat64: return DispatchOp<Isa, Plain<double>>(op, in, n, out, count);
+    case DataType::kFloat16: return DispatchOp<Isa, Half>(op, in, n, out, count);
+    case DataType::kBFloat16: return DispatchOp<Isa, BFloat16>(op, in, n, out, count);
+    case DataType::kInt8: return DispatchOp<Isa, Plain<int8_t>>(op, in, n, out, count);
+    case DataType::kUInt8: return DispatchOp<Isa, Plain<uint8_t>>(op, in, n, out, count);
+    case DataType::kInt32: return DispatchOp<Isa, Plain<int32_t>>(op, in, n, out, count);
+    case DataType::kInt64: return DispatchOp<Isa, Plain<int64_t>>(op, in, n, out, count);
+  }
+}
+
+template <typename Isa>
+void DivideWith(DataType dtype, void* data, size_t count, int n) {
+  switch (dtype) {
+    case DataType::kFloat32: return Isa::template Divide<Plain<float>>(data, count, n);
+    case DataType::kFloat64: return Isa::template Divide<Plain<double>>(data, count, n);
+    case DataType::kFloat16: return Isa::template Divide<Half>(data, count, n);
+    case DataType::kBFloat16: return Isa::template Divide<BFloat16>(data, count, n);
+    case DataType::kInt8: return Isa::template Divide<Plain<int8_t>>(data, count, n);
+    case DataType::kUInt8: return Isa::template Divide<Plain<uint8_t>>(data, count, n);
+    case DataType::kInt32: return Isa::template Divide<Plain<int32_t>>(data, count, n);
+    case DataType::kInt64: return Isa::template Divide<Plain<int64_t>>(data, count, n);
+  }
+}
+
+struct Kernels {
+  const char* name;
+  void (*reduce)(DataType, ReduceOp, const void* const*, int, void*, size_t);
+  void (*divide)(DataType, void*, size_t, int);
+  bool (*supported)();
+};
+
+template <typename Isa>
+constexpr Kernels KernelsOf(bool (*supported)()) {
+  return {Isa::kName, &ReduceWith<Isa>, &DivideWith<Isa>, supported};
+}
+
+// Narrowest first. __builtin_cpu_supports also checks that the operating
+// system saves the wider registers.
+constexpr Kernels kAllKernels[] = {
+    KernelsOf<BaselineIsa>([] { return true; }),
+#if defined(__x86_64__)
+    KernelsOf<Avx2Isa>([] { return __builtin_cpu_supports("avx2") != 0; }),
+    KernelsOf<Avx512Isa>([] {
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vl");
+    }),
+#endif
+};
+
+struct Choice {
+  const Kernels* kernels;
+  std::string note;  // why CIUIC_REDUCE_ISA was not followed; empty if it was or is unset
+};
+
+// The widest supported build, or CIUIC_REDUCE_ISA's when this CPU has it.
+Choice Choose() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+#endif
+  const Kernels* best = &kAllKernels[0];
+  for (const Kernels& k : kAllKernels) {
+    if (k.supported()) best = &k;
+  }
+  const char* env = std::getenv("CIUIC_REDUCE_ISA");
+  if (env == nullptr || env[0] == '\0') return {best, ""};
+  std::string known;
+  for (const Kernels& k : kAllKernels) {
+    if (std::string_view(env) == k.name) {
+      if (k.supported()) return {&k, ""};
+      return {best, absl::StrCat("CIUIC_REDUCE_ISA=", env, ": this CPU lacks it; using ",
+                                 best->name)};
+    }
+    absl::StrAppend(&known, known.empty() ? "" : ", ", k.name);
+  }
+  return {best, absl::StrCat("CIUIC_REDUCE_ISA=", env, " is not one of ", known, "; using ",
+                             best->name)};
+}
+
+const Choice& InitialChoice() {
+  static const Choice choice = Choose();
+  return choice;
+}
+
+std::atomic<const Kernels*> active_kernels{nullptr};
+
+const Kernels& Active() {
+  const Kernels* k = active_kernels.load(std::memory_order_acquire);
+  if (k == nullptr) {
+    k = InitialChoice().kernels;
+    const Kernels* expected = nullptr;
+    // A concurrent SetIsa wins over the initial choice.
+    if (!active_kernels.compare_exchange_strong(expected, k, std::memory_order_acq_rel)) {
+      k = expected;
+    }
+  }
+  return *k;
 }
 
 [[noreturn]] void Die(const std::string& message) {
@@ -262,16 +422,7 @@ void Reduce(DataType dtype, ReduceOp op, const void* const* inputs,
     }
     return;
   }
-  switch (dtype) {
-    case DataType::kFloat32: return DispatchOp<Plain<float>>(op, inputs, num_inputs, out, count);
-    case DataType::kFloat64: return DispatchOp<Plain<double>>(op, inputs, num_inputs, out, count);
-    case DataType::kFloat16: return DispatchOp<Half>(op, inputs, num_inputs, out, count);
-    case DataType::kBFloat16: return DispatchOp<BFloat16>(op, inputs, num_inputs, out, count);
-    case DataType::kInt8: return DispatchOp<Plain<int8_t>>(op, inputs, num_inputs, out, count);
-    case DataType::kUInt8: return DispatchOp<Plain<uint8_t>>(op, inputs, num_inputs, out, count);
-    case DataType::kInt32: return DispatchOp<Plain<int32_t>>(op, inputs, num_inputs, out, count);
-    case DataType::kInt64: return DispatchOp<Plain<int64_t>>(op, inputs, num_inputs, out, count);
-  }
+  Active().reduce(dtype, op, inputs, num_inputs, out, count);
 }
 
 void DivideInPlace(DataType dtype, void* data, size_t count, int divisor) {
@@ -280,16 +431,33 @@ void DivideInPlace(DataType dtype, void* data, size_t count, int divisor) {
     Die(absl::StrCat("DivideInPlace: unknown data type ", static_cast<uint32_t>(dtype)));
   }
   if (count == 0) return;
-  switch (dtype) {
-    case DataType::kFloat32: return DivideKernel<Plain<float>>(data, count, divisor);
-    case DataType::kFloat64: return DivideKernel<Plain<double>>(data, count, divisor);
-    case DataType::kFloat16: return DivideKernel<Half>(data, count, divisor);
-    case DataType::kBFloat16: return DivideKernel<BFloat16>(data, count, divisor);
-    case DataType::kInt8: return DivideKernel<Plain<int8_t>>(data, count, divisor);
-    case DataType::kUInt8: return DivideKernel<Plain<uint8_t>>(data, count, divisor);
-    case DataType::kInt32: return DivideKernel<Plain<int32_t>>(data, count, divisor);
-    case DataType::kInt64: return DivideKernel<Plain<int64_t>>(data, count, divisor);
+  Active().divide(dtype, data, count, divisor);
+}
+
+std::string_view ActiveIsa() { return Active().name; }
+
+std::vector<std::string_view> SupportedIsas() {
+  InitialChoice();  // __builtin_cpu_init
+  std::vector<std::string_view> names;
+  for (const Kernels& k : kAllKernels) {
+    if (k.supported()) names.push_back(k.name);
   }
+  return names;
+}
+
+std::string IsaNote() { return InitialChoice().note; }
+
+absl::Status SetIsa(std::string_view name) {
+  InitialChoice();
+  for (const Kernels& k : kAllKernels) {
+    if (name != k.name) continue;
+    if (!k.supported()) {
+      return absl::FailedPreconditionError(absl::StrCat("this CPU lacks ", std::string(name)));
+    }
+    active_kernels.store(&k, std::memory_order_release);
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown instruction set '", std::string(name), "'"));
 }
 
 }  // namespace ciuic::reduce

@@ -31,6 +31,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "ciuic/shm_layout.h"
@@ -59,6 +62,23 @@ void Reduce(wire::DataType dtype, wire::ReduceOp op, const void* const* inputs,
 // Vectorised like Reduce. Requires divisor >= 1 and a valid dtype; `data`
 // aligned to the element size.
 void DivideInPlace(wire::DataType dtype, void* data, size_t count, int divisor);
+
+// The kernels are built for several instruction sets ("baseline": SSE2 on
+// x86-64; "avx2"; "avx512": F, BW, DQ and VL, 512-bit vectors) and one is
+// chosen per process on first use: the widest this CPU supports, or the one
+// named by the environment variable CIUIC_REDUCE_ISA if the CPU has it. All
+// give the same bits (no FMA, no reassociation; the payload of NaN + NaN,
+// which is unspecified, aside), so processes that chose differently agree.
+std::string_view ActiveIsa();
+// Names of the builds this CPU can run, narrowest first ("baseline" always).
+std::vector<std::string_view> SupportedIsas();
+// Why CIUIC_REDUCE_ISA was not followed (an unknown name, or one this CPU
+// lacks), for the caller's log; empty when it was, or is unset.
+std::string IsaNote();
+// Switches this process to another build (tests, benchmarks).
+// INVALID_ARGUMENT for an unknown name, FAILED_PRECONDITION for one this CPU
+// lacks.
+absl::Status SetIsa(std::string_view name);
 
 }  // namespace ciuic::reduce
 

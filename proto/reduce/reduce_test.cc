@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -19,6 +21,25 @@ namespace {
 
 using wire::DataType;
 using wire::ReduceOp;
+
+// Every instruction-set build of the kernels this CPU can run (reduce.h):
+// the result tests run each of them against the same reference. Restores
+// the process's build when it goes out of scope.
+class ForEachIsa {
+ public:
+  ForEachIsa() : saved_(ActiveIsa()) {}
+  ~ForEachIsa() { EXPECT_TRUE(SetIsa(saved_).ok()); }
+  std::vector<std::string_view> names() const { return SupportedIsas(); }
+  // Switches to `isa`; false (with a test failure) if that did not work.
+  bool Use(std::string_view isa) {
+    const absl::Status s = SetIsa(isa);
+    EXPECT_TRUE(s.ok()) << s;
+    return s.ok() && ActiveIsa() == isa;
+  }
+
+ private:
+  std::string_view saved_;
+};
 
 constexpr auto& kAllTypes = wire::kAllDataTypes;
 constexpr auto& kAllOps = wire::kAllReduceOps;
@@ -475,25 +496,31 @@ TEST_P(ReduceMatrixTest, MatchesReference) {
         }
       };
 
-      // Out of place, with a guard after the end.
-      std::fill(out.begin(), out.end(), 0xa5);
-      Reduce(dtype, op, in.data(), n, out.data(), count);
-      check(out.data(), "out of place");
-      for (size_t i = count * size; i < (count + kGuard) * size; ++i) {
-        ASSERT_EQ(out[i], 0xa5) << "wrote past the end";
-      }
+      ForEachIsa isas;
+      for (const std::string_view isa : isas.names()) {
+        SCOPED_TRACE(testing::Message() << "kernels " << isa);
+        ASSERT_TRUE(isas.Use(isa));
+        // Out of place, with a guard after the end.
+        std::fill(out.begin(), out.end(), 0xa5);
+        Reduce(dtype, op, in.data(), n, out.data(), count);
+        check(out.data(), "out of place");
+        for (size_t i = count * size; i < (count + kGuard) * size; ++i) {
+          ASSERT_EQ(out[i], 0xa5) << "wrote past the end";
+        }
 
-      // In place on the first input, then on the last (same alignment as the
-      // input it replaces).
-      for (const int target : {0, n - 1}) {
-        const size_t offset = (target % 3) * size;
-        std::memcpy(inplace.data() + offset, data[target], count * size);
-        std::vector<const void*> aliased = in;
-        aliased[target] = inplace.data() + offset;
-        Reduce(dtype, op, aliased.data(), n, inplace.data() + offset, count);
-        check(inplace.data() + offset, target == 0 ? "in place on inputs[0]" : "in place on last");
+        // In place on the first input, then on the last (same alignment as
+        // the input it replaces).
+        for (const int target : {0, n - 1}) {
+          const size_t offset = (target % 3) * size;
+          std::memcpy(inplace.data() + offset, data[target], count * size);
+          std::vector<const void*> aliased = in;
+          aliased[target] = inplace.data() + offset;
+          Reduce(dtype, op, aliased.data(), n, inplace.data() + offset, count);
+          check(inplace.data() + offset,
+                target == 0 ? "in place on inputs[0]" : "in place on last");
+        }
+        if (HasFailure()) return;
       }
-      if (HasFailure()) return;
     }
   }
 }
@@ -564,14 +591,18 @@ TEST(DivideInPlaceTest, MatchesTheReferencesAvgStep) {
       for (int d : {1, 2, 3, 7, 1000}) {
         std::vector<uint8_t> in((count + kGuard) * es), got, want((count + kGuard) * es);
         FillRandom(dtype, in.data(), count + kGuard, rng);
-        got = in;
         want = in;
         RefDivide(dtype, in.data(), want.data(), count, d);
-        DivideInPlace(dtype, got.data(), count, d);
-        for (size_t i = 0; i < count + kGuard; ++i) {
-          ASSERT_TRUE(SameElement(dtype, got.data() + i * es, want.data() + i * es))
-              << wire::DataTypeName(static_cast<uint32_t>(dtype)) << " count " << count
-              << " divisor " << d << " element " << i;
+        ForEachIsa isas;
+        for (const std::string_view isa : isas.names()) {
+          ASSERT_TRUE(isas.Use(isa));
+          got = in;
+          DivideInPlace(dtype, got.data(), count, d);
+          for (size_t i = 0; i < count + kGuard; ++i) {
+            ASSERT_TRUE(SameElement(dtype, got.data() + i * es, want.data() + i * es))
+                << wire::DataTypeName(static_cast<uint32_t>(dtype)) << " count " << count
+                << " divisor " << d << " element " << i << " kernels " << isa;
+          }
         }
       }
     }
@@ -608,10 +639,14 @@ TEST(ReduceAlignmentTest, InputsAtAnyAddress) {
           }
           std::vector<uint8_t> expected(count * size), out(count * size);
           RefReduce(dtype, op, ref_in, expected.data(), count);
-          Reduce(dtype, op, in.data(), n, out.data(), count);
-          for (size_t i = 0; i < count; ++i) {
-            ASSERT_TRUE(SameElement(dtype, out.data() + i * size, expected.data() + i * size))
-                << "element " << i;
+          ForEachIsa isas;
+          for (const std::string_view isa : isas.names()) {
+            ASSERT_TRUE(isas.Use(isa));
+            Reduce(dtype, op, in.data(), n, out.data(), count);
+            for (size_t i = 0; i < count; ++i) {
+              ASSERT_TRUE(SameElement(dtype, out.data() + i * size, expected.data() + i * size))
+                  << "element " << i << " kernels " << isa;
+            }
           }
         }
       }
@@ -633,8 +668,23 @@ std::vector<T> ReduceColumns(DataType dtype, ReduceOp op,
   }
   std::vector<const void*> in;
   for (const auto& row : rows) in.push_back(row.data());
+  // Every build must give these bits; the baseline's are returned.
   std::vector<T> out(columns.size());
-  Reduce(dtype, op, in.data(), static_cast<int>(n), out.data(), out.size());
+  ForEachIsa isas;
+  for (const std::string_view isa : isas.names()) {
+    if (!isas.Use(isa)) break;
+    std::vector<T> got(columns.size());
+    Reduce(dtype, op, in.data(), static_cast<int>(n), got.data(), got.size());
+    if (isa == "baseline") {
+      out = got;
+      continue;
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+      EXPECT_TRUE(SameElement(dtype, reinterpret_cast<const uint8_t*>(&got[i]),
+                              reinterpret_cast<const uint8_t*>(&out[i])))
+          << "kernels " << isa << " differ from baseline at element " << i;
+    }
+  }
   return out;
 }
 
@@ -824,6 +874,47 @@ TEST(ReduceSemanticsTest, ZeroCountTouchesNothing) {
       for (int n : kInputCounts) Reduce(dtype, op, in, std::min(n, 3), nullptr, 0);
     }
   }
+}
+
+
+// ---------------------------------------------------------------------------
+// Choosing the kernels' instruction set.
+
+TEST(IsaTest, BaselineAlwaysAndTheActiveBuildIsSupported) {
+  const std::vector<std::string_view> isas = SupportedIsas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), "baseline");
+  EXPECT_NE(std::find(isas.begin(), isas.end(), ActiveIsa()), isas.end()) << ActiveIsa();
+}
+
+TEST(IsaTest, SetIsaRefusesUnknownNamesAndKeepsTheBuild) {
+  const std::string before(ActiveIsa());
+  const absl::Status s = SetIsa("sse9");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("sse9"), std::string_view::npos) << s;
+  EXPECT_EQ(ActiveIsa(), before);
+}
+
+// CIUIC_REDUCE_ISA, read once per process: ctest runs this test again with
+// it set to each build and to a bad name (proto/reduce/CMakeLists.txt).
+// Unset, the widest build runs; set to a build this CPU has, that one;
+// otherwise the widest, with a note naming the variable and the value.
+TEST(IsaTest, FollowsTheEnvironment) {
+  const std::vector<std::string_view> isas = SupportedIsas();
+  const char* env = std::getenv("CIUIC_REDUCE_ISA");
+  if (env == nullptr || env[0] == '\0') {
+    EXPECT_EQ(ActiveIsa(), isas.back());
+    EXPECT_EQ(IsaNote(), "");
+    return;
+  }
+  if (std::find(isas.begin(), isas.end(), std::string_view(env)) != isas.end()) {
+    EXPECT_EQ(ActiveIsa(), env);
+    EXPECT_EQ(IsaNote(), "");
+    return;
+  }
+  EXPECT_EQ(ActiveIsa(), isas.back());
+  EXPECT_NE(IsaNote().find(std::string("CIUIC_REDUCE_ISA=") + env), std::string::npos)
+      << IsaNote();
 }
 
 }  // namespace

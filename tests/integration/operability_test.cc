@@ -89,6 +89,21 @@ TEST(OperabilityTest, StatusJobsAndPendingOperations) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// The reduction kernels' instruction set (CIUIC_REDUCE_ISA, else the widest
+// this CPU runs) is what status reports.
+TEST(OperabilityTest, StatusNamesTheReductionKernels) {
+  auto daemon = DaemonProcess::StartWith("", {}, {}, {"CIUIC_REDUCE_ISA=baseline"});
+  ASSERT_NE(daemon, nullptr);
+  int code = 0;
+  std::string out = Ctl(*daemon, "status", &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "  reduce kernels  baseline\n")) << out;
+  out = Ctl(*daemon, "--json status", &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "\"reduceKernels\":\"baseline\"")) << out;
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 // A tuning change applies from the next operation: operations keep
 // producing the right answer while chunk_bytes changes under them.
 TEST(OperabilityTest, LiveTuningAppliesAndIsValidated) {

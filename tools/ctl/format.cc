@@ -138,11 +138,15 @@ std::string FormatStatus(const proto::StatusReply& status) {
   };
   field("uptime", HumanDuration(status.uptime_seconds()));
   field("socket", OrDash(status.socket_path()));
-  field("peer service", OrDash(status.peer_address()));
+  field("peer service", status.ordering_port() == 0 || status.peer_address().empty()
+                            ? OrDash(status.peer_address())
+                            : absl::StrCat(status.peer_address(), " (ordering streams on port ",
+                                           status.ordering_port(), ")"));
   field("worker threads", absl::StrCat(status.worker_threads()));
   field("operations",
         absl::StrCat(status.ops_completed(), " completed, ", status.ops_failed(), " failed"));
   field("bytes reduced", HumanBytes(status.bytes_reduced()));
+  field("reduce kernels", OrDash(status.reduce_kernels()));
   field("cuda", status.cuda_built() ? "built with CUDA" : "built without CUDA");
   if (status.gpus().empty()) {
     field("gpus", absl::StrCat("none: ", OrDash(status.gpus_unavailable())));

@@ -23,6 +23,9 @@ proto::StatusReply SampleStatus() {
   status.set_uptime_seconds(3 * 3600 + 5 * 60 + 7);
   status.set_socket_path("/run/ciuic/ciuicd.sock");
   status.set_worker_threads(8);
+  status.set_peer_address("10.0.0.1:7361");
+  status.set_ordering_port(40123);
+  status.set_reduce_kernels("avx512");
   status.set_ops_completed(1234);
   status.set_ops_failed(2);
   status.set_bytes_reduced(uint64_t{3} << 30);
@@ -125,6 +128,9 @@ TEST(FormatStatusTest, ShowsSummarySessionsAndJobs) {
   EXPECT_THAT(text, HasSubstr("  worker threads  8\n"));
   EXPECT_THAT(text, HasSubstr("  operations      1234 completed, 2 failed\n"));
   EXPECT_THAT(text, HasSubstr("  bytes reduced   3.0 GiB\n"));
+  EXPECT_THAT(text,
+              HasSubstr("  peer service    10.0.0.1:7361 (ordering streams on port 40123)\n"));
+  EXPECT_THAT(text, HasSubstr("  reduce kernels  avx512\n"));
   EXPECT_THAT(text, HasSubstr("  cuda            built with CUDA\n"));
   EXPECT_THAT(text, HasSubstr("  gpus            0: NVIDIA H200 (140.0 GiB, sm_90)\n"
                               "                  1: NVIDIA H200 (140.0 GiB, sm_90)\n"));
@@ -148,6 +154,8 @@ TEST(FormatStatusTest, EmptyDaemon) {
   EXPECT_THAT(text, HasSubstr("bytes reduced   0 B"));
   EXPECT_THAT(text, HasSubstr("  cuda            built without CUDA\n"));
   EXPECT_THAT(text, HasSubstr("  gpus            none: -\n"));
+  EXPECT_THAT(text, HasSubstr("  peer service    -\n"));
+  EXPECT_THAT(text, HasSubstr("  reduce kernels  -\n"));
   status.set_gpus_unavailable("ciuicd was built without CUDA");
   EXPECT_THAT(FormatStatus(status), HasSubstr("  gpus            none: ciuicd was built without CUDA\n"));
 }
