@@ -133,14 +133,6 @@ absl::Status Errno(absl::string_view what) {
 constexpr int kFastPolls = 512;
 constexpr int kYieldMask = 3;
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // epoll data: low 2 bits say which fd of which session woke us.
 enum : uint64_t { kWake = 0, kSock = 1, kBell = 2 };
 uint64_t Tag(uint64_t session_id, uint64_t kind) { return session_id << 2 | kind; }
@@ -604,7 +596,7 @@ void Engine::Loop() {
           continue;
         }
         if (posted_count_.load(std::memory_order_relaxed) != 0) break;
-        CpuRelax();
+        wire::CpuRelax();
         if ((i & kYieldMask) == kYieldMask) sched_yield();  // let a trainer on this core run
       }
     } else {

@@ -23,6 +23,7 @@
 #include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
 #include "transport/fragment_reducer.h"
+#include "transport/idle_poll.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -33,22 +34,12 @@ constexpr uint64_t kUserTagMask = (uint64_t{1} << Transport::kTagBits) - 1;
 // How long an idle progress thread keeps polling (yielding the core between
 // rounds) before it arms the worker and sleeps: long enough to catch a reply
 // to a small message without a wakeup, short enough not to burn a core.
-// CIUIC_UCX_POLL_US overrides it (0: sleep as soon as idle).
+// CIUIC_UCX_POLL_US overrides it (0: sleep as soon as idle). Whether an idle
+// thread polls at all: IdlePolicy (idle_poll.h).
 const std::chrono::microseconds kPollBeforeSleep = [] {
   const char* env = std::getenv("CIUIC_UCX_POLL_US");
   return std::chrono::microseconds(env != nullptr ? std::atoi(env) : 100);
 }();
-// Polling only pays when work comes back within the window. A thread keeps
-// a moving average of its idle gaps (from going idle to the next work,
-// whether it polled or slept meanwhile) and polls only while that average
-// is within the window: on a fast link gaps are microseconds and it polls;
-// on a slow one (a 64 KiB fragment every 0.5 ms at 1 Gbit/s) it would poll
-// in vain after every fragment, so it sleeps at once and leaves the core to
-// the trainers (measured: DDP over a 1 Gbit/s link, the daemons' CPU time
-// fell from 4.6 s to 2.5 s for 36 steps with no polling at all). Gaps count
-// capped at 4 windows, so that one long pause (a training step's compute)
-// costs a few sleeps, not many.
-constexpr double kGapWeight = 0.25;  // of the newest gap in the average
 // The longest an idle thread sleeps: UCX does periodic work (keepalive,
 // timers) from ucp_worker_progress, so a sleeping worker wakes now and then.
 constexpr int kSleepMs = 1000;
@@ -315,10 +306,7 @@ class UcxTransport::Channel {
   void Run() {
     std::string name = "ciuic-ucx" + std::to_string(index_);
     pthread_setname_np(pthread_self(), name.c_str());
-    const double window_us = static_cast<double>(kPollBeforeSleep.count());
-    double gap_us = 0;  // moving average of idle gaps
-    bool idle = false;
-    Clock::time_point idle_since{};
+    IdlePolicy idle(kPollBeforeSleep);
     while (true) {
       bool worked = DrainQueue();
       if (stop_.load()) break;
@@ -326,19 +314,10 @@ class UcxTransport::Channel {
       while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
       ReapCloseRequests();
       if (worked || progressed != 0) {
-        if (idle) {
-          const double gap =
-              std::chrono::duration<double, std::micro>(Clock::now() - idle_since).count();
-          gap_us += kGapWeight * (std::min(gap, 4 * window_us) - gap_us);
-          idle = false;
-        }
+        idle.Worked(Clock::now());
         continue;
       }
-      if (!idle) {
-        idle = true;
-        idle_since = Clock::now();
-      }
-      if (gap_us <= window_us && Clock::now() - idle_since < kPollBeforeSleep) {
+      if (idle.KeepPolling(Clock::now())) {
         std::this_thread::yield();  // a core shared with the other side's thread
         continue;
       }

@@ -232,6 +232,17 @@ inline constexpr uint64_t kCqOffset = kSqOffset + kRingCapacity * sizeof(Submiss
 inline constexpr uint64_t kDataOffset = 1 << 20;  // data starts 1 MiB in
 static_assert(kCqOffset + kRingCapacity * sizeof(CompletionEntry) <= kDataOffset);
 
+// One round of a spin on a word in shared memory (the rings here, the fast
+// path's slots): tells the core the thread is waiting, so that the sibling
+// hyperthread gets the pipeline and leaving the loop costs no pipeline flush.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 // Session socket messages (one datagram each on SOCK_SEQPACKET).
 struct HelloRequest {
   uint64_t magic;         // kSessionMagic

@@ -55,14 +55,6 @@ uint64_t ArenaBytesFromEnv() {
 // to others (the daemon, when cores are few) every ~0.5 us.
 constexpr int kPausesPerYield = 12;
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 std::string CoordinatorFromEnv() {
   const char* c = std::getenv("CIUIC_COORDINATOR");
   if (c != nullptr && c[0] != '\0') return c;
@@ -247,7 +239,7 @@ struct Core {
               header->cq_head.load(std::memory_order_relaxed)) {
             break;
           }
-          CpuRelax();
+          wire::CpuRelax();
         }
         sched_yield();
         continue;

@@ -19,14 +19,6 @@ namespace ciuic {
 
 namespace {
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // Microseconds a waiter spins without yielding (see Wait).
 constexpr int kQuietSpinUs = 5;
 
@@ -198,7 +190,7 @@ bool FastPath::LockTable() {
         lock.exchange(1, std::memory_order_acquire) == 0) {
       return true;
     }
-    CpuRelax();
+    wire::CpuRelax();
     if ((i & 63) == 63) {
       // The holder may be descheduled (cores are few) or dead: in the latter
       // case the daemon aborts the segment.
@@ -627,7 +619,7 @@ bool FastPath::Wait(FastOp& op, Clock::time_point until, uint32_t spin_us,
     for (bool first = true;; first = false) {
       for (int i = 0; i < 64; ++i) {
         if (s.status.load(std::memory_order_acquire) != pending) return Progress(op, false);
-        CpuRelax();
+        wire::CpuRelax();
       }
       const Clock::time_point now = Clock::now();
       if (first) {
