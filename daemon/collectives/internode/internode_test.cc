@@ -735,7 +735,11 @@ TEST(TagTest, ChunkFieldAndGrowth) {
 TEST(AutoTest, Rule) {
   EXPECT_EQ(ChooseAllreduceAlgorithm(1, 100), InterNodeAlgorithm::kRing);
   EXPECT_EQ(ChooseAllreduceAlgorithm(2, 1000), InterNodeAlgorithm::kHalvingDoubling);
-  EXPECT_EQ(ChooseAllreduceAlgorithm(2, 1 << 20), InterNodeAlgorithm::kHalvingDoubling);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(2, 32 << 10), InterNodeAlgorithm::kHalvingDoubling);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(2, 64 << 10), InterNodeAlgorithm::kRing);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(2, 1 << 20), InterNodeAlgorithm::kRing);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(8, 64 << 10), InterNodeAlgorithm::kHalvingDoubling);
+  EXPECT_EQ(ChooseAllreduceAlgorithm(8, 256 << 10), InterNodeAlgorithm::kRing);
   EXPECT_EQ(ChooseAllreduceAlgorithm(2, (1 << 20) + 1), InterNodeAlgorithm::kRing);
   EXPECT_EQ(ChooseAllreduceAlgorithm(8, 4096), InterNodeAlgorithm::kHalvingDoubling);
   EXPECT_EQ(ChooseAllreduceAlgorithm(8, 1 << 20), InterNodeAlgorithm::kRing);

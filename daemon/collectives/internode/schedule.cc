@@ -156,7 +156,7 @@ class Runner {
     return ctx_.tag_base | (uint64_t{st.tag_step} << chunk_bits_) | chunk;
   }
   int Channel(const Step& st, size_t chunk) const {
-    return static_cast<int>((st.tag_step + chunk) % num_channels_);
+    return static_cast<int>(chunk % num_channels_);
   }
 
   const InterNodeContext& ctx_;
