@@ -602,7 +602,13 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
     raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
     wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
   } else {
-    s = Allreduce(ctx, InterNodeAlgorithm::kHalvingDoubling, dtype, wire_op, node, total);
+    // Halving-doubling, where an element's bits do not depend on its offset;
+    // on two nodes the ring has that property too (allreduce_ring.cc), and
+    // the run's algorithm (auto: by the packed size) applies.
+    const InterNodeAlgorithm algo = ctx.transport->num_peers() == 2
+                                        ? InterNodeAlgorithmFor(settings.algorithm)
+                                        : InterNodeAlgorithm::kHalvingDoubling;
+    s = Allreduce(ctx, algo, dtype, wire_op, node, total);
   }
   if (!s.ok()) return s;
   if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, total, options_.world_size);

@@ -464,7 +464,9 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
   // transfer dearer). Compressed ones run the compressed allreduce, whatever
   // their size: the threshold alone.
   const uint64_t compressed_threshold = threshold;
-  if (tuning.algorithm == config::Algorithm::kAuto) {
+  // Two nodes: fused runs take whichever algorithm suits their size (both
+  // give the same bits there), so no cap.
+  if (tuning.algorithm == config::Algorithm::kAuto && nodes != 2) {
     threshold = std::min(threshold, HalvingDoublingLimit(nodes));
   }
   std::sort(job.backlog.begin(), job.backlog.end(), [](const Queued& a, const Queued& b) {

@@ -9,6 +9,13 @@
 // send forwards what the previous step received, chunk by chunk, so chunk c
 // of a segment moves on as soon as it is reduced, without a step barrier.
 //
+// Two nodes: each element is reduced once, by the node that owns its
+// segment, and in node order, op(node 0's value, node 1's value), not ring
+// order (node 0 would otherwise put node 1's value first for its segment).
+// So every element's result is what recursive doubling gives too, whatever
+// its offset: a 2-node allreduce fused with others (ClusterJob::ExecuteFused)
+// or not, by either algorithm, gives the same bits.
+//
 // Out of place (`input` given): every segment but r is folded in at exactly
 // one reduce-scatter step, which can read the local contribution from
 // `input` and write the partial sum into `data`; segment r is sent at step 0
@@ -80,7 +87,7 @@ absl::Status AllreduceRing(const InterNodeContext& ctx, wire::DataType dtype, wi
     st.recv.peer = Mod(r - 1, n);
     st.recv.Add(seg_ptr(Mod(r - s - 1, n)), seg_bytes(Mod(r - s - 1, n)));
     st.reduce = true;
-    st.received_first = true;
+    st.received_first = n > 2 || st.recv.peer < r;  // see "Two nodes" above
     st.local_offset = input_offset;
     if (s > 0) {
       st.send_dep = Dep::kChunk;
