@@ -5,7 +5,7 @@
 // a worker, its endpoints or its requests runs on that worker's thread
 // (workers are created UCS_THREAD_MODE_SINGLE): Send, Recv, Connect,
 // FailPeer and Describe hand work to the thread through a queue and wake it
-// with ucp_worker_signal. An idle thread polls (yielding) for 100 us, then
+// with ucp_worker_signal. An idle thread polls (yielding) for 300 us, then
 // arms the worker and sleeps in poll() on the worker's event fd (waking once
 // a second so that UCX's periodic work can run).
 //
