@@ -349,7 +349,16 @@ void Coordinator::SendAll(Job& job, const proto::CoordinatorEvent& e) {
 void Coordinator::FailJob(Job& job, int code, const std::string& message) {
   if (!job.failure.ok()) return;
   job.failure = absl::Status(static_cast<absl::StatusCode>(code), message);
-  spdlog::warn("job '{}' failed: {}", job.id, message);
+  // A node that leaves (its ranks finished) while no operation is pending,
+  // queued or running is how a job ends: not worth a warning. Anything else
+  // (a lost stream, operations cut off) is.
+  const bool quiet_end = code == static_cast<int>(absl::StatusCode::kAborted) &&
+                         job.pending.empty() && job.backlog.empty() && job.running.empty();
+  if (quiet_end) {
+    spdlog::info("job '{}' ended: {}", job.id, message);
+  } else {
+    spdlog::warn("job '{}' failed: {}", job.id, message);
+  }
   proto::CoordinatorEvent e;
   e.mutable_job_failed()->set_code(code);
   e.mutable_job_failed()->set_message(message);

@@ -829,18 +829,26 @@ void UcxTransport::RecvReduce(int peer, int channel, uint64_t tag, const ReduceI
 void UcxTransport::FailPeer(int peer, const absl::Status& why) {
   if (peer < 0 || peer >= num_peers_) return;
   absl::Status status = why.ok() ? absl::UnavailableError("failed by the control plane") : why;
-  MarkPeerFailed(peer, absl::Status(status.code(), "lost peer " + std::to_string(peer) + ": " +
-                                                       std::string(status.message())));
+  MarkPeerFailed(peer,
+                 absl::Status(status.code(), "lost peer " + std::to_string(peer) + ": " +
+                                                 std::string(status.message())),
+                 /*by_control_plane=*/true);
 }
 
-void UcxTransport::MarkPeerFailed(int peer, absl::Status why) {
+void UcxTransport::MarkPeerFailed(int peer, absl::Status why, bool by_control_plane) {
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     if (shared_->failed[peer].load()) return;  // sticky: the first reason wins
     shared_->peer_status[peer] = why;
     shared_->failed[peer].store(true, std::memory_order_release);
   }
-  spdlog::warn("ucx transport: {}", why.ToString());
+  // The control plane's reasons (a job ending, a node that left) are its to
+  // report, at its level; what the transport found itself is a warning.
+  if (by_control_plane) {
+    spdlog::info("ucx transport: {}", why.ToString());
+  } else {
+    spdlog::warn("ucx transport: {}", why.ToString());
+  }
   for (auto& channel : channels_) {
     Channel* ch = channel.get();
     ch->RunOnThread([ch, peer] { ch->FailPeerOnThread(peer); });

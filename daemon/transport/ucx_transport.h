@@ -95,9 +95,11 @@ class UcxTransport final : public Transport {
   // it to its channel's thread.
   void Route(std::unique_ptr<Op> op);
 
-  // Marks `peer` failed with `why` unless it already failed; tells every
-  // channel to cancel its pending work with the peer. Any thread.
-  void MarkPeerFailed(int peer, absl::Status why);
+  // Marks `peer` failed with `why` unless it already failed (the first
+  // reason wins); tells every channel to cancel its pending work with the
+  // peer. Any thread. Logs a warning, or at info level when the control
+  // plane asked (FailPeer): it reports its reasons itself.
+  void MarkPeerFailed(int peer, absl::Status why, bool by_control_plane = false);
 
   std::unique_ptr<Shared> shared_;
   std::vector<std::unique_ptr<Channel>> channels_;
