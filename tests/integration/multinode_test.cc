@@ -86,6 +86,19 @@ TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
     return 0;
   }, std::chrono::seconds(300));
   for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  // Every rank finished and left: the job ends quietly. The coordinator's
+  // daemon says so at info level, and no daemon warns (not "job failed",
+  // not "lost peer").
+  const std::string ended = "job '" + job + "' ended";
+  for (int i = 0; i < 200 && cluster->nodes[0]->Log().find(ended) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_NE(cluster->nodes[0]->Log().find(ended), std::string::npos) << cluster->nodes[0]->Log();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the other nodes' ends
+  for (auto& node : cluster->nodes) {
+    const std::string log = node->Log();
+    EXPECT_EQ(log.find("[warning]"), std::string::npos) << log;
+  }
   EXPECT_TRUE(cluster->StopAll());
 }
 
