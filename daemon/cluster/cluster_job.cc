@@ -602,12 +602,13 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
     raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
     wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
   } else {
-    // Halving-doubling, where an element's bits do not depend on its offset;
-    // on two nodes the ring has that property too (allreduce_ring.cc), and
-    // the run's algorithm (auto: by the packed size) applies.
-    const InterNodeAlgorithm algo = ctx.transport->num_peers() == 2
-                                        ? InterNodeAlgorithmFor(settings.algorithm)
-                                        : InterNodeAlgorithm::kHalvingDoubling;
+    // The run's algorithm (auto: by the packed size) where an element's bits
+    // do not depend on its offset (the coordinator fused only such
+    // operations), halving-doubling otherwise.
+    const int nodes = ctx.transport->num_peers();
+    InterNodeAlgorithm algo = InterNodeAlgorithmFor(settings.algorithm);
+    if (algo == InterNodeAlgorithm::kAuto) algo = ChooseAllreduceAlgorithm(nodes, total * es);
+    if (!OffsetIndependent(nodes, algo)) algo = InterNodeAlgorithm::kHalvingDoubling;
     s = Allreduce(ctx, algo, dtype, wire_op, node, total);
   }
   if (!s.ok()) return s;

@@ -467,15 +467,15 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
   const auto hold = std::chrono::microseconds(tuning.cycle_time_us);
   uint64_t threshold = tuning.fusion_threshold_bytes;
   const int nodes = job.membership.nodes_size();
-  // Fused uncompressed runs use halving-doubling; with the auto rule, no
-  // bigger than the rule would let it carry (with 3 nodes it costs 3 full
-  // exchanges against the ring's 4/3 of the bytes: packing must not make the
-  // transfer dearer). Compressed ones run the compressed allreduce, whatever
-  // their size: the threshold alone.
+  // Fused uncompressed runs use halving-doubling unless the ring gives the
+  // same bits (two nodes: then the run's algorithm, by its packed size);
+  // with the auto rule, no bigger than the rule would let halving-doubling
+  // carry (with 3 nodes it costs 3 full exchanges against the ring's 4/3 of
+  // the bytes: packing must not make the transfer dearer). Compressed ones
+  // run the compressed allreduce, whatever their size: the threshold alone.
   const uint64_t compressed_threshold = threshold;
-  // Two nodes: fused runs take whichever algorithm suits their size (both
-  // give the same bits there), so no cap.
-  if (tuning.algorithm == config::Algorithm::kAuto && nodes != 2) {
+  if (tuning.algorithm == config::Algorithm::kAuto &&
+      !OffsetIndependent(nodes, InterNodeAlgorithm::kRing)) {
     threshold = std::min(threshold, HalvingDoublingLimit(nodes));
   }
   std::sort(job.backlog.begin(), job.backlog.end(), [](const Queued& a, const Queued& b) {

@@ -69,12 +69,9 @@ absl::StatusOr<std::string> ResolveCodec(const std::string& op_name, const Codec
 bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorithm algorithm,
                       int num_nodes) {
   if (!codec.empty()) return true;
-  // On two nodes the ring and halving-doubling give every element the same
-  // bits at any offset (allreduce_ring.cc), so packing never changes them.
-  if (num_nodes == 2) return true;
   InterNodeAlgorithm algo = InterNodeAlgorithmFor(algorithm);
   if (algo == InterNodeAlgorithm::kAuto) algo = ChooseAllreduceAlgorithm(num_nodes, bytes);
-  return algo == InterNodeAlgorithm::kHalvingDoubling;
+  return OffsetIndependent(num_nodes, algo);
 }
 
 InterNodeAlgorithm InterNodeAlgorithmFor(config::Algorithm algorithm) {

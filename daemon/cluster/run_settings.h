@@ -46,9 +46,9 @@ absl::StatusOr<std::string> ResolveCodec(const std::string& op_name, const Codec
 
 // Whether an allreduce of `bytes` with `codec` may run fused with others:
 // compressed ones always (within the codec's per-element bound), and
-// uncompressed ones that halving-doubling would carry (its result for an
-// element does not depend on where the element lies in the buffer, so
-// packing changes no bit; the ring's does).
+// uncompressed ones whose algorithm would be OffsetIndependent (internode.h:
+// halving-doubling, or the ring on two nodes), so that packing changes no
+// bit.
 bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorithm algorithm,
                       int num_nodes);
 

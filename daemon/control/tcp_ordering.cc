@@ -324,7 +324,9 @@ void OrderingListener::Serve(Connection* c) {
   SetTimeout(fd, SO_SNDTIMEO, kSendTimeoutS);
   proto::NodeEvent first;
   absl::Status s = ReadFrame(fd, &first);
-  if (s.ok() && !first.has_hello()) s = absl::InvalidArgumentError("the first message must be Hello");
+  if (s.ok() && !first.has_hello()) {
+    s = absl::InvalidArgumentError("the first message must be Hello");
+  }
   absl::StatusOr<uint64_t> handle = absl::UnknownError("unset");
   if (s.ok()) {
     SetTimeout(fd, SO_RCVTIMEO, 0);  // from now on a stream may idle: keepalive watches it

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -42,10 +43,9 @@ constexpr uint64_t kUserTagMask = (uint64_t{1} << Transport::kTagBits) - 1;
 // loopback, interleaved: 8 B 137-152 -> 109-128 us, 64 KiB 170-182 ->
 // 150-159 us, 1 MiB 692-818 -> 592-620 us; in DDP over a 1 Gbit/s link the
 // daemons' CPU for 36 steps stayed 2.4 s (gaps there exceed the window).
-const std::chrono::microseconds kPollBeforeSleep = [] {
-  const char* env = std::getenv("CIUIC_UCX_POLL_US");
-  return std::chrono::microseconds(env != nullptr ? std::atoi(env) : 300);
-}();
+constexpr std::chrono::microseconds kDefaultPollWindow{300};
+
+
 // The longest an idle thread sleeps: UCX does periodic work (keepalive,
 // timers) from ucp_worker_progress, so a sleeping worker wakes now and then.
 constexpr int kSleepMs = 1000;
@@ -312,7 +312,7 @@ class UcxTransport::Channel {
   void Run() {
     std::string name = "ciuic-ucx" + std::to_string(index_);
     pthread_setname_np(pthread_self(), name.c_str());
-    IdlePolicy idle(kPollBeforeSleep);
+    IdlePolicy idle(UcxTransport::PollWindow());
     while (true) {
       bool worked = DrainQueue();
       if (stop_.load()) break;
@@ -661,6 +661,7 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_chann
                                       std::to_string(num_channels));
   }
   std::unique_ptr<UcxTransport> t(new UcxTransport());
+  PollWindow();  // a bad CIUIC_UCX_POLL_US is reported now, not from a channel thread
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return absl::InternalError("ucp_config_read: " + UcsError(st));
@@ -862,7 +863,8 @@ absl::Status UcxTransport::PeerStatus(int peer) const {
 
 std::string UcxTransport::Describe() const {
   std::string out = "UCX " + UcxVersion() + ", UCX_TLS=" + shared_->tls + ", " +
-                    std::to_string(channels_.size()) + " channel(s)";
+                    std::to_string(channels_.size()) + " channel(s), poll window " +
+                    std::to_string(PollWindow().count()) + " us";
   if (num_peers_ == 0) return out + ", not connected\n";
   out += ", peer " + std::to_string(self_) + " of " + std::to_string(num_peers_) + "\n";
   for (const auto& channel : channels_) {
@@ -872,6 +874,24 @@ std::string UcxTransport::Describe() const {
     out += s.ok() ? *s : "channel: " + s.status().ToString() + "\n";
   }
   return out;
+}
+
+std::chrono::microseconds UcxTransport::PollWindow() {
+  static const std::chrono::microseconds window = [] {
+    const char* env = std::getenv("CIUIC_UCX_POLL_US");
+    if (env == nullptr) return kDefaultPollWindow;
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(env, &end, 10);
+    if (errno != 0 || end == env || *end != '\0' || v < 0 || v > 1000000) {
+      spdlog::warn("CIUIC_UCX_POLL_US='{}' is not a number of microseconds in 0..1000000; "
+                   "using {}",
+                   env, kDefaultPollWindow.count());
+      return kDefaultPollWindow;
+    }
+    return std::chrono::microseconds(v);
+  }();
+  return window;
 }
 
 std::string UcxTransport::UcxVersion() { return ucp_get_version_string(); }

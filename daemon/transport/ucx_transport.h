@@ -23,6 +23,7 @@
 // environment, read by Create().
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,6 +78,10 @@ class UcxTransport final : public Transport {
   // One line per channel and peer: the UCX transports (tl/device) its
   // endpoint uses, plus the UCX version and the configured UCX_TLS.
   std::string Describe() const;
+  // How long an idle channel thread may poll before it sleeps (IdlePolicy):
+  // 300 us, or CIUIC_UCX_POLL_US (0..1000000; anything else is refused with
+  // a warning naming it). Read once per process.
+  static std::chrono::microseconds PollWindow();
 
   static std::string UcxVersion();
   // Whether this UCX build can move CUDA memory (UCS_MEMORY_TYPE_CUDA among

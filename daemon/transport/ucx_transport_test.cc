@@ -747,6 +747,15 @@ void Latency(const char* tls) {
   std::printf("UCX_TLS=%s: 8-byte send/recv round trip %.1f us\n", tls ? tls : "(default)", us);
 }
 
+// The idle threads' poll window from CIUIC_UCX_POLL_US. ctest runs this
+// again with the variable set to good and bad values and CIUIC_TEST_POLL_US
+// to what must come out (a bad value keeps the default, with a warning);
+// unset, the default.
+TEST(UcxTransportPollWindowTest, FollowsTheEnvironment) {
+  const char* want = std::getenv("CIUIC_TEST_POLL_US");
+  EXPECT_EQ(UcxTransport::PollWindow().count(), want != nullptr ? std::atol(want) : 300);
+}
+
 TEST(UcxTransportBench, ThroughputTcp) { Throughput("tcp"); }
 TEST(UcxTransportBench, ThroughputDefault) { Throughput(nullptr); }
 TEST(UcxTransportBench, LatencyTcp) { Latency("tcp"); }

@@ -457,7 +457,8 @@ absl::Status SetIsa(std::string_view name) {
     active_kernels.store(&k, std::memory_order_release);
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown instruction set '", std::string(name), "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown instruction set '", std::string(name), "'"));
 }
 
 }  // namespace ciuic::reduce

@@ -533,28 +533,21 @@ INSTANTIATE_TEST_SUITE_P(
              "_" + wire::ReduceOpName(static_cast<uint32_t>(std::get<1>(info.param)));
     });
 
-// Inputs at any byte address (a transport hands over fragments where its
-// receive buffer has them): every dtype x op, inputs misaligned by 1..7
-// bytes, against the reference; the output stays aligned (the contract).
 // The reference's avg step alone (RefFloatFold and RefIntFold divide the
 // same way): x / d, rounded once to the type; integers truncate toward zero.
+template <typename T>
+void RefDivideFloat(const uint8_t* in, uint8_t* out, size_t i, int d) {
+  T x;
+  std::memcpy(&x, in + sizeof(T) * i, sizeof(T));
+  x = x / static_cast<T>(d);
+  std::memcpy(out + sizeof(T) * i, &x, sizeof(T));
+}
+
 void RefDivide(DataType dtype, const uint8_t* in, uint8_t* out, size_t count, int d) {
   for (size_t i = 0; i < count; ++i) {
     switch (dtype) {
-      case DataType::kFloat32: {
-        float x;
-        std::memcpy(&x, in + 4 * i, 4);
-        x = x / static_cast<float>(d);
-        std::memcpy(out + 4 * i, &x, 4);
-        break;
-      }
-      case DataType::kFloat64: {
-        double x;
-        std::memcpy(&x, in + 8 * i, 8);
-        x = x / static_cast<double>(d);
-        std::memcpy(out + 8 * i, &x, 8);
-        break;
-      }
+      case DataType::kFloat32: RefDivideFloat<float>(in, out, i, d); break;
+      case DataType::kFloat64: RefDivideFloat<double>(in, out, i, d); break;
       case DataType::kFloat16:
       case DataType::kBFloat16: {
         const SmallFloat f = dtype == DataType::kFloat16 ? kBinary16 : kBFloat16Format;
@@ -614,6 +607,9 @@ TEST(DivideInPlaceDeathTest, ADivisorBelowOneStopsTheProcess) {
   EXPECT_DEATH(DivideInPlace(DataType::kFloat32, &x, 1, 0), "DivideInPlace by 0");
 }
 
+// Inputs at any byte address (a transport hands over fragments where its
+// receive buffer has them): every dtype x op, inputs misaligned by 1..7
+// bytes, against the reference; the output stays aligned (the contract).
 TEST(ReduceAlignmentTest, InputsAtAnyAddress) {
   Rng rng(99);
   for (DataType dtype : kAllTypes) {

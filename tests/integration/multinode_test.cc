@@ -766,7 +766,7 @@ TEST(MultiNodeNamespaceTest, TwoHostsJoinedByAVethPair) {
   // Host 0 hosts rank 0: its daemon coordinates and orders in-process; host
   // 1 orders over TCP to host 0's veth address (not gRPC, not loopback).
   EXPECT_NE(daemons[0]->Log().find("ordering in-process"), std::string::npos) << daemons[0]->Log();
-  EXPECT_NE(daemons[1]->Log().find(std::string("ordering over TCP to 10.77.0.1 port")), std::string::npos)
+  EXPECT_NE(daemons[1]->Log().find("ordering over TCP to 10.77.0.1 port"), std::string::npos)
       << daemons[1]->Log();
   for (auto& d : daemons) EXPECT_EQ(d->Stop(), 0);
 }

@@ -37,12 +37,17 @@ InterNodeAlgorithm ChooseAllreduceAlgorithm(int num_nodes, size_t bytes) {
   const double s = static_cast<double>(bytes);
   const double a = kAlphaBetaBytes;
   const unsigned p = std::bit_floor(static_cast<unsigned>(num_nodes));
-  const double hd_steps = std::countr_zero(p) + (p == static_cast<unsigned>(num_nodes) ? 0 : 2);
   const double rounds = std::countr_zero(p);
+  const double hd_steps = rounds + (p == static_cast<unsigned>(num_nodes) ? 0 : 2);
   const double g = kReduceCostBytes;
   const double ring = 2 * (n - 1) * a + 2 * (n - 1) / n * s + (n - 1) / n * s * g;
   const double hd = hd_steps * (a + s) + rounds * 2 * s * g;
   return hd < ring ? InterNodeAlgorithm::kHalvingDoubling : InterNodeAlgorithm::kRing;
+}
+
+bool OffsetIndependent(int num_nodes, InterNodeAlgorithm algo) {
+  return algo == InterNodeAlgorithm::kHalvingDoubling ||
+         (algo == InterNodeAlgorithm::kRing && num_nodes == 2);
 }
 
 absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wire::DataType dtype,
@@ -63,7 +68,9 @@ absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wir
 void DivideInPlace(wire::DataType dtype, void* data, size_t count, uint64_t divisor) {
   // A broken invariant, not bad input: avg over no contributor, or more
   // contributors than ranks can number.
-  if (divisor == 0 || divisor > static_cast<uint64_t>(std::numeric_limits<int>::max())) std::abort();
+  if (divisor == 0 || divisor > static_cast<uint64_t>(std::numeric_limits<int>::max())) {
+    std::abort();
+  }
   reduce::DivideInPlace(dtype, data, count, static_cast<int>(divisor));
 }
 

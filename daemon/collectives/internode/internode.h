@@ -143,9 +143,16 @@ absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wir
                        wire::ReduceOp op, void* data, size_t count, const void* input = nullptr);
 
 // kAuto's rule (never returns kAuto): halving-doubling for at most 1 MiB when
-// an alpha-beta model with alpha*beta = 64 KiB says it is faster than the
-// ring, the ring otherwise. See ../README.md.
+// an alpha-beta model with alpha*beta = 64 KiB, plus the reductions' cost,
+// says it is faster than the ring, the ring otherwise. See ../README.md.
 InterNodeAlgorithm ChooseAllreduceAlgorithm(int num_nodes, size_t bytes);
+
+// Whether `algo` (kRing or kHalvingDoubling) on `num_nodes` nodes gives every
+// element a result that depends on the nodes' values alone, never on where
+// the element lies in the buffer, so that packing allreduces into one
+// (fusion) changes no bit: halving-doubling always, the ring on two nodes
+// (allreduce_ring.cc).
+bool OffsetIndependent(int num_nodes, InterNodeAlgorithm algo);
 
 // Every node ends up with every block. Blocks may be empty and a node may own
 // any number of them; blocks must not overlap and must lie inside `data`

@@ -209,9 +209,6 @@ TEST_P(AllreduceTest, EveryDtypeAndOpMatchesPlainLoops) {
   }
 }
 
-// Arbitrary floats (and, for min/max, NaNs with different payloads and
-// signed zeros, where the order of operands decides the bits): every node
-// must end with the same bits.
 bool IsNaN(DataType t, const uint8_t* p) {
   switch (t) {
     case DataType::kFloat32: {
@@ -284,6 +281,9 @@ void FillArbitrary(DataType t, ReduceOp op, int k, uint8_t* data, size_t count,
   }
 }
 
+// Arbitrary floats (and, for min/max, NaNs with different payloads and
+// signed zeros, where the order of operands decides the bits): every node
+// must end with the same bits.
 TEST_P(AllreduceTest, AllNodesAgreeBitwiseOnArbitraryFloats) {
   const auto [n, channels, algo] = GetParam();
   Cluster cluster(n, channels);
@@ -828,6 +828,14 @@ TEST(AutoTest, Rule) {
   EXPECT_EQ(ChooseAllreduceAlgorithm(8, 1 << 20), InterNodeAlgorithm::kRing);
   EXPECT_EQ(ChooseAllreduceAlgorithm(3, 64 << 10), InterNodeAlgorithm::kRing);
   EXPECT_EQ(ChooseAllreduceAlgorithm(3, 16 << 10), InterNodeAlgorithm::kHalvingDoubling);
+}
+
+// What fusion may pack (TwoNodesTest above shows the ring's 2-node bits).
+TEST(AutoTest, OffsetIndependence) {
+  for (int n : {2, 3, 5, 8}) {
+    EXPECT_TRUE(OffsetIndependent(n, InterNodeAlgorithm::kHalvingDoubling)) << n;
+    EXPECT_EQ(OffsetIndependent(n, InterNodeAlgorithm::kRing), n == 2) << n;
+  }
 }
 
 }  // namespace
