@@ -444,12 +444,21 @@ class UcxTransport::Channel {
     auto* ctx = static_cast<EpContext*>(arg);
     Channel* self = ctx->channel;
     if (self->owner_->shared_->shutting_down.load()) return;
-    spdlog::warn("ucx channel {}: endpoint to peer {} failed: {}", self->index_, ctx->peer,
-                 UcsError(status));
+    // With transfers in flight the loss cuts them off: a warning. With none,
+    // the peer has most likely ended its job and closed its endpoints before
+    // the control plane told us; that plane says whether it was a failure.
+    const int peer = ctx->peer;
+    const bool cut_off = std::any_of(self->in_flight_.begin(), self->in_flight_.end(),
+                                     [peer](const Op* op) { return op->peer == peer; });
+    spdlog::log(cut_off ? spdlog::level::warn : spdlog::level::info,
+                "ucx channel {}: endpoint to peer {} failed: {}{}", self->index_, peer,
+                UcsError(status), cut_off ? "" : " (nothing in flight)");
     self->owner_->MarkPeerFailed(
-        ctx->peer, absl::UnavailableError("lost peer " + std::to_string(ctx->peer) + ": " +
-                                          ucs_status_string(status) + " (channel " +
-                                          std::to_string(self->index_) + ")"));
+        peer,
+        absl::UnavailableError("lost peer " + std::to_string(peer) + ": " +
+                               ucs_status_string(status) + " (channel " +
+                               std::to_string(self->index_) + ")"),
+        /*warn=*/cut_off);
   }
 
   // The op's ucp part is over: free the request and run the callback.
@@ -491,7 +500,7 @@ class UcxTransport::Channel {
       absl::Status lost = absl::UnavailableError("lost peer " + std::to_string(op.peer) + ": " +
                                                  ucs_status_string(op.ucs) + " (channel " +
                                                  std::to_string(index_) + ")");
-      owner_->MarkPeerFailed(op.peer, lost);
+      owner_->MarkPeerFailed(op.peer, lost, /*warn=*/true);
       return shared.PeerStatus(op.peer);
     }
     return absl::InternalError("UCX error: " + UcsError(op.ucs));
@@ -833,23 +842,18 @@ void UcxTransport::FailPeer(int peer, const absl::Status& why) {
   MarkPeerFailed(peer,
                  absl::Status(status.code(), "lost peer " + std::to_string(peer) + ": " +
                                                  std::string(status.message())),
-                 /*by_control_plane=*/true);
+                 /*warn=*/false);  // the control plane reports its reasons itself
 }
 
-void UcxTransport::MarkPeerFailed(int peer, absl::Status why, bool by_control_plane) {
+void UcxTransport::MarkPeerFailed(int peer, absl::Status why, bool warn) {
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     if (shared_->failed[peer].load()) return;  // sticky: the first reason wins
     shared_->peer_status[peer] = why;
     shared_->failed[peer].store(true, std::memory_order_release);
   }
-  // The control plane's reasons (a job ending, a node that left) are its to
-  // report, at its level; what the transport found itself is a warning.
-  if (by_control_plane) {
-    spdlog::info("ucx transport: {}", why.ToString());
-  } else {
-    spdlog::warn("ucx transport: {}", why.ToString());
-  }
+  spdlog::log(warn ? spdlog::level::warn : spdlog::level::info, "ucx transport: {}",
+              why.ToString());
   for (auto& channel : channels_) {
     Channel* ch = channel.get();
     ch->RunOnThread([ch, peer] { ch->FailPeerOnThread(peer); });

@@ -102,9 +102,10 @@ class UcxTransport final : public Transport {
 
   // Marks `peer` failed with `why` unless it already failed (the first
   // reason wins); tells every channel to cancel its pending work with the
-  // peer. Any thread. Logs a warning, or at info level when the control
-  // plane asked (FailPeer): it reports its reasons itself.
-  void MarkPeerFailed(int peer, absl::Status why, bool by_control_plane = false);
+  // peer. Any thread. Logs `why` as a warning if `warn` (transfers were cut
+  // off), else at info level (the control plane asked, or nothing was in
+  // flight: a peer that ended its job).
+  void MarkPeerFailed(int peer, absl::Status why, bool warn);
 
   std::unique_ptr<Shared> shared_;
   std::vector<std::unique_ptr<Channel>> channels_;
