@@ -197,5 +197,16 @@ else
   status=1
 fi
 
+say "multi-node allreduce: 2 daemons x 1 rank on this GPU (UCX tcp on loopback), device vs host"
+# Device buffers: reduced on the GPU and staged through pinned host memory in
+# staging_segment_bytes pieces, overlapped with the network; the host-buffer
+# run beside it is the same inter-node path without the GPU.
+for device in cuda cpu; do
+  echo "--device $device"
+  timeout 300 "$bench" --op allreduce --nodes 2 --ranks-per-node 1 --device "$device" \
+    --sizes 1M,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
+    --ciuicd "$(find_bin ciuicd)" || status=1
+done
+
 say "done (status $status)"
 exit $status

@@ -15,6 +15,30 @@ namespace ciuic::daemon {
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+
+// Tags (InterNodeContext::tag_base): bits 24..47 are the run's, the low 24
+// the algorithm's. A whole run: bit 47 clear, its seq's low 23 bits. Segment
+// k of a run announced with segment_bytes: bit 47 set, the seq's low 11 bits
+// (runs in flight at once are consecutive), k's 12. At most kMaxSegments
+// segments: a bigger operation gets bigger segments, on every node alike.
+constexpr size_t kMaxSegments = size_t{1} << 12;
+
+uint64_t RunTagBase(uint64_t seq) { return (seq & 0x7fffff) << 24; }
+
+uint64_t SegmentTagBase(uint64_t seq, size_t segment) {
+  return (uint64_t{1} << 47) | ((seq & 0x7ff) << 36) | ((segment & 0xfff) << 24);
+}
+
+// Elements per segment of an allreduce of `count` elements of `element_bytes`
+// announced with `segment_bytes` (> 0).
+size_t SegmentElements(uint64_t segment_bytes, size_t count, size_t element_bytes) {
+  const size_t per = std::max<size_t>(1, segment_bytes / element_bytes);
+  return std::max(per, (count + kMaxSegments - 1) / kMaxSegments);
+}
+
+}  // namespace
+
 struct ClusterJob::Event {
   // kBroken: the ordering stream ended; kRunFailed: a lane's run failed.
   enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort } kind;
@@ -395,6 +419,7 @@ void ClusterJob::Run() {
         sig->set_codec(e.op.sig.codec);
         sig->set_codec_ratio(e.op.sig.codec_ratio);
         r->set_priority(e.op.priority);
+        r->set_device_buffers(e.op.staged != nullptr);
         const config::Tuning tuning = options_.tuning->Snapshot();
         r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms : tuning.op_timeout_ms);
         const std::string name = e.op.name;
@@ -414,6 +439,7 @@ void ClusterJob::Run() {
           run.settings.chunks_in_flight = c.run().chunks_in_flight();
           run.settings.algorithm = static_cast<config::Algorithm>(c.run().algorithm());
           run.settings.codec = c.run().codec();
+          run.settings.segment_bytes = c.run().segment_bytes();
           if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
               run.settings.chunks_in_flight > 64 ||
               c.run().algorithm() > static_cast<uint32_t>(config::Algorithm::kTree)) {
@@ -535,7 +561,7 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
                                         const RunSettings& settings, Lane& lane) {
   InterNodeContext ctx;
   ctx.transport = transport_.get();
-  ctx.tag_base = (seq & 0xffffff) << 24;
+  ctx.tag_base = RunTagBase(seq);
   ctx.chunk_bytes = settings.chunk_bytes;
   ctx.max_inflight = static_cast<int>(settings.chunks_in_flight);
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -550,9 +576,10 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   const ClusterOp& head = ops.front();
   for (const ClusterOp& op : ops) {
     if (op.sig.collective != static_cast<uint32_t>(wire::Collective::kAllreduce) ||
-        op.sig.dtype != head.sig.dtype || op.sig.reduce_op != head.sig.reduce_op) {
+        op.sig.dtype != head.sig.dtype || op.sig.reduce_op != head.sig.reduce_op || op.staged) {
       return absl::InternalError(absl::StrCat("coordinator fused '", op.name, "' with '",
-                                              head.name, "', which do not match"));
+                                              head.name,
+                                              "', which do not match (or one is on a GPU)"));
     }
   }
   const auto dtype = static_cast<wire::DataType>(head.sig.dtype);
@@ -624,6 +651,77 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   return absl::OkStatus();
 }
 
+absl::Status ClusterJob::CarryAllreduce(InterNodeContext ctx, uint64_t seq, int segment,
+                                        const RunSettings& settings, const Codec* codec,
+                                        bool feedback, const std::string& name,
+                                        wire::DataType dtype, wire::ReduceOp op, void* data,
+                                        size_t count, const void* input) {
+  if (segment >= 0) ctx.tag_base = SegmentTagBase(seq, static_cast<size_t>(segment));
+  if (codec == nullptr) {
+    return Allreduce(ctx, InterNodeAlgorithmFor(settings.algorithm), dtype, op, data, count,
+                     input);
+  }
+  CompressionStats stats;
+  absl::Status s = AllreduceCompressed(ctx, *codec, feedback ? &feedback_ : nullptr, name, dtype,
+                                       data, count, &stats);
+  compressed_ops_.fetch_add(1, std::memory_order_relaxed);
+  raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
+  wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+  return s;
+}
+
+absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx,
+                                       uint64_t seq, const RunSettings& settings,
+                                       const Codec* codec, bool feedback) {
+  StagedNodeBuffer& device = *op.staged;
+  const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
+  const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
+  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+  const size_t es = op.sig.element_bytes();
+  const size_t count = op.sig.count;
+  // Segments: [at, at + n) by element. Unsegmented (compressed, or a
+  // coordinator that announced none): the whole buffer as one.
+  const bool segmented = settings.segment_bytes > 0;
+  const size_t per = segmented ? SegmentElements(settings.segment_bytes, count, es) : count;
+  const size_t segments = count == 0 ? 0 : (count + per - 1) / per;
+  auto range = [&](size_t k) { return std::make_pair(k * per, std::min(per, count - k * per)); };
+  uint8_t* slot[2] = {nullptr, nullptr};
+  auto run = [&]() -> absl::Status {
+    if (absl::Status s = device.ReduceLocal(wire_op); !s.ok()) return s;
+    // Fetch the first two segments, one per slot; segment k + 2 is fetched
+    // into k's slot right after k's store (the device queue orders them).
+    for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
+      auto p = device.Slot(static_cast<int>(k), std::min(per, count) * es);
+      if (!p.ok()) return p.status();
+      slot[k] = *p;
+      const auto [at, n] = range(k);
+      if (absl::Status s = device.Fetch(static_cast<int>(k), at * es, n * es); !s.ok()) return s;
+    }
+    for (size_t k = 0; k < segments; ++k) {
+      const int sl = static_cast<int>(k % 2);
+      const auto [at, n] = range(k);
+      if (absl::Status s = device.Wait(sl); !s.ok()) return s;
+      absl::Status s = CarryAllreduce(ctx, seq, segmented ? static_cast<int>(k) : -1, settings,
+                                      codec, feedback, op.name, dtype, wire_op, slot[sl], n,
+                                      nullptr);
+      if (!s.ok()) return s;
+      if (requested == wire::ReduceOp::kAvg) {
+        DivideInPlace(dtype, slot[sl], n, options_.world_size);
+      }
+      if (s = device.Store(sl, at * es, n * es); !s.ok()) return s;
+      if (k + 2 < segments) {
+        const auto [next_at, next_n] = range(k + 2);
+        if (s = device.Fetch(sl, next_at * es, next_n * es); !s.ok()) return s;
+      }
+    }
+    return device.Finish();
+  };
+  absl::Status s = run();
+  // The ranks hear of the end once nothing is left in flight on the device.
+  if (!s.ok()) device.Drain().IgnoreError();
+  return s;
+}
+
 absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSettings& settings,
                                  Lane& lane) {
   const config::Tuning tuning = options_.tuning->Snapshot();
@@ -655,9 +753,16 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
       const bool all = collective == wire::Collective::kAllreduce;
       const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
-      uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
       auto codec = CodecNamed(settings.codec);
       if (!codec.ok()) return codec.status();
+      // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so
+      // a residual would only cost a fresh allocation and evict others'.
+      const bool feedback = tuning.error_feedback && (op.name.empty() || op.name[0] != '#');
+      if (op.staged) {
+        if (!all) return absl::InternalError("only allreduces are staged through host memory");
+        return ExecuteStaged(op, ctx, seq, settings, *codec, feedback);
+      }
+      uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
       // One local rank, send and receive buffers apart, uncompressed: the
       // inter-node allreduce reads the rank's input where it needs it and
       // writes the node buffer, instead of a copy of the input first.
@@ -668,19 +773,17 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
         Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
       }
       absl::Status s;
-      if (*codec != nullptr) {
-        CompressionStats stats;
-        // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so
-        // a residual would only cost a fresh allocation and evict others'.
-        const bool feedback = tuning.error_feedback && (op.name.empty() || op.name[0] != '#');
-        s = AllreduceCompressed(ctx, **codec, feedback ? &feedback_ : nullptr,
-                                op.name, dtype, node, count, &stats);
-        compressed_ops_.fetch_add(1, std::memory_order_relaxed);
-        raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
-        wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+      if (settings.segment_bytes == 0 || count == 0) {
+        s = CarryAllreduce(ctx, seq, -1, settings, *codec, feedback, op.name, dtype, wire_op,
+                           node, count, input);
       } else {
-        s = Allreduce(ctx, InterNodeAlgorithmFor(settings.algorithm), dtype, wire_op, node, count,
-                      input);
+        // Segments, as a node with GPU buffers runs them (ExecuteStaged).
+        const size_t per = SegmentElements(settings.segment_bytes, count, es);
+        for (size_t k = 0, at = 0; s.ok() && at < count; ++k, at += per) {
+          s = CarryAllreduce(ctx, seq, static_cast<int>(k), settings, *codec, feedback, op.name,
+                             dtype, wire_op, node + at * es, std::min(per, count - at),
+                             input ? static_cast<const uint8_t*>(input) + at * es : nullptr);
+        }
       }
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, count, world);

@@ -20,8 +20,11 @@
 // a large one runs beside it, and the earliest unfinished run is always
 // started on every node: no deadlock. Each run's transfers carry its
 // sequence number in their tags. A run announced with fused_with is one
-// halving-doubling allreduce over the operations packed back to back in the
-// lane's staging buffer; each lane reports Done(seq) to the coordinator.
+// allreduce over the operations packed back to back in the lane's staging
+// buffer; each lane reports Done(seq) to the coordinator. A run announced
+// with segment_bytes is an allreduce in consecutive segments, each with its
+// own tags: a node whose buffers are in GPU memory (ClusterOp::staged)
+// copies one segment to host memory while another travels.
 //
 // Thread-safety: Submit, Abort, state and Peers may be called from any
 // thread; the callbacks run on the ClusterJob's threads (the main one and
@@ -49,6 +52,7 @@
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
 #include "collectives/op.h"
+#include "collectives/staged_buffer.h"
 #include "compression/codec.h"
 #include "compression/error_feedback.h"
 #include "config/tuning.h"
@@ -86,6 +90,10 @@ struct ClusterOp {
   // Owns the parts' memory where the engine staged it (device buffers in
   // pinned host copies); released with the op.
   std::shared_ptr<void> keep_alive;
+  // An allreduce on GPU buffers: the node buffer lives on the device and is
+  // staged through host memory in segments (parts' send and recv are then
+  // null). Released with the op, which waits for its device work.
+  std::shared_ptr<StagedNodeBuffer> staged;
 };
 
 class ClusterJob {
@@ -191,6 +199,18 @@ class ClusterJob {
                        Lane& lane);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                             const RunSettings& settings, Lane& lane);
+  // An allreduce whose node buffer is on a GPU (op.staged), segment by
+  // segment through two host slots (see staged_buffer.h).
+  absl::Status ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
+                             const RunSettings& settings, const Codec* codec, bool feedback);
+  // The inter-node part of an allreduce of `count` elements in `data`
+  // (segment `segment` of a run announced with segment_bytes, else the
+  // whole): compressed with `codec` (may be null; `input` must then be
+  // null), or by the run's algorithm (`input`: Allreduce's).
+  absl::Status CarryAllreduce(InterNodeContext ctx, uint64_t seq, int segment,
+                              const RunSettings& settings, const Codec* codec, bool feedback,
+                              const std::string& name, wire::DataType dtype, wire::ReduceOp op,
+                              void* data, size_t count, const void* input);
   InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const RunSettings& settings,
                               Lane& lane);
   // The announced codec (nullptr: uncompressed); an error for a spec this

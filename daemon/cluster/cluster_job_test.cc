@@ -6,16 +6,22 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "cluster/coordinator.h"
 #include "collectives/internode/in_process_transport.h"
+#include "reduce/half.h"
+#include "reduce/reduce.h"
 #include "transport/forwarding_transport.h"
 
 namespace ciuic::daemon {
@@ -69,17 +75,18 @@ struct Ends {
   }
 };
 
-// Two nodes, one rank each, their jobs and the coordinator.
-class TwoNodes {
+// `n` nodes (two by default), one rank each, their jobs and the
+// coordinator.
+class Nodes {
  public:
   // Each node has its own daemon tuning; node 0's daemon hosts the
   // coordinator (rank 0), so its tuning decides the runs' settings.
-  TwoNodes() : coordinator_("token", &tuning_[0]), hub_(2, 1) {
-    for (int k = 0; k < 2; ++k) {
+  explicit Nodes(int n = 2) : tuning_(n), coordinator_("token", &tuning_[0]), hub_(n, 1), ends_(n) {
+    for (int k = 0; k < n; ++k) {
       ClusterJob::Options o;
       o.job_id = "job";
       o.uid = 1;
-      o.world_size = 2;
+      o.world_size = n;
       o.local_ranks = {k};
       o.node_name = "n" + std::to_string(k);
       o.coordinator = "direct";
@@ -95,20 +102,20 @@ class TwoNodes {
       // Node 0's daemon is the coordinator's: it orders in-process.
       if (k == 0) o.local_coordinator = &coordinator_;
       Ends* ends = &ends_[k];
-      jobs_[k] = std::make_unique<ClusterJob>(
+      jobs_.push_back(std::make_unique<ClusterJob>(
           std::move(o),
           [ends](uint64_t key, absl::Status s) {
             std::lock_guard<std::mutex> lock(ends->mu);
             ends->ends.emplace_back(key, std::move(s));
             ends->cv.notify_all();
           },
-          [](absl::Status) {});
+          [](absl::Status) {}));
     }
   }
-  ~TwoNodes() {
+  ~Nodes() {
     for (auto& j : jobs_) j.reset();
   }
-  // Sets a tuning key on both nodes' daemons.
+  // Sets a tuning key on every node's daemon.
   absl::Status SetBoth(const std::string& key, const std::string& value) {
     for (auto& t : tuning_) {
       if (absl::Status s = t.Set(key, value); !s.ok()) return s;
@@ -122,12 +129,13 @@ class TwoNodes {
 
  private:
   std::atomic<int> client_streams_{0};
-  config::TuningRegistry tuning_[2];
+  std::deque<config::TuningRegistry> tuning_;
   Coordinator coordinator_;
   InProcessHub hub_;
-  Ends ends_[2];
-  std::unique_ptr<ClusterJob> jobs_[2];
+  std::deque<Ends> ends_;
+  std::vector<std::unique_ptr<ClusterJob>> jobs_;
 };
+using TwoNodes = Nodes;
 
 ClusterOp Allreduce(uint64_t key, const std::string& name, wire::DataType t, wire::ReduceOp op,
                     size_t count, int rank, const void* send, void* recv, int32_t priority = 0) {
@@ -486,6 +494,376 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) 
   EXPECT_LE(worst, 6.0 / 254 * 1.001);
   EXPECT_GT(worst, 0.0) << "int8 was not applied";
   EXPECT_EQ(0, std::memcmp(large[0].data(), large[1].data(), big * sizeof(float)));
+}
+
+
+// ---------------------------------------------------------------- staged
+
+// A StagedNodeBuffer over plain memory, standing in for a GPU: its "device"
+// is a thread that runs what is enqueued in order, so the lane really
+// overlaps copies with transfers. Records the order of the calls (F<k> for
+// the fetch of byte offset k's segment, S<k> for its store) and can fail a
+// fetch on the device, as an asynchronous fault would.
+class HostStagedBuffer final : public StagedNodeBuffer {
+ public:
+  HostStagedBuffer(wire::DataType dtype, size_t count, std::vector<const void*> inputs,
+                   std::vector<void*> outputs)
+      : dtype_(dtype),
+        count_(count),
+        bytes_(count * wire::DataTypeSize(static_cast<uint32_t>(dtype))),
+        inputs_(std::move(inputs)),
+        outputs_(std::move(outputs)),
+        device_([this] { DeviceLoop(); }) {}
+  ~HostStagedBuffer() override {
+    Drain().IgnoreError();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    device_.join();
+  }
+
+  absl::Status ReduceLocal(wire::ReduceOp op) override {
+    return Enqueue(-1, "R", [this, op] {
+      reduce::Reduce(dtype_, op, inputs_.data(), static_cast<int>(inputs_.size()), outputs_[0],
+                     count_);
+      return absl::OkStatus();
+    });
+  }
+  absl::StatusOr<uint8_t*> Slot(int slot, size_t bytes) override {
+    if (slot < 0 || slot > 1) return absl::InvalidArgumentError("slot");
+    if (slots_[slot].size() < bytes) slots_[slot].resize(bytes);
+    return slots_[slot].data();
+  }
+  absl::Status Fetch(int slot, size_t offset, size_t bytes) override {
+    if (offset + bytes > bytes_ || bytes > slots_[slot].size()) {
+      return absl::OutOfRangeError("fetch outside the buffer");
+    }
+    const bool fail = fail_fetch_at >= 0 && offset == static_cast<size_t>(fail_fetch_at);
+    return Enqueue(slot, "F" + std::to_string(offset), [this, slot, offset, bytes, fail] {
+      if (fail) return absl::InternalError("device fault (test)");
+      std::memcpy(slots_[slot].data(), Node() + offset, bytes);
+      return absl::OkStatus();
+    });
+  }
+  absl::Status Store(int slot, size_t offset, size_t bytes) override {
+    if (offset + bytes > bytes_ || bytes > slots_[slot].size()) {
+      return absl::OutOfRangeError("store outside the buffer");
+    }
+    return Enqueue(slot, "S" + std::to_string(offset), [this, slot, offset, bytes] {
+      std::memcpy(Node() + offset, slots_[slot].data(), bytes);
+      return absl::OkStatus();
+    });
+  }
+  absl::Status Wait(int slot) override { return WaitFor(last_[slot]); }
+  absl::Status Finish() override {
+    Enqueue(-1, "fan-out", [this] {
+      for (size_t r = 1; r < outputs_.size(); ++r) std::memcpy(outputs_[r], Node(), bytes_);
+      return absl::OkStatus();
+    }).IgnoreError();
+    return Drain();
+  }
+  absl::Status Drain() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    return WaitLocked(lock, enqueued_);
+  }
+
+  std::vector<std::string> calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+  int fail_fetch_at = -1;  // byte offset of the segment whose fetch fails
+
+ private:
+  uint8_t* Node() { return static_cast<uint8_t*>(outputs_[0]); }
+  absl::Status Enqueue(int slot, std::string call, std::function<absl::Status()> work) {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back(std::move(call));
+    queue_.push_back(std::move(work));
+    ++enqueued_;
+    if (slot >= 0) last_[slot] = enqueued_;
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+  absl::Status WaitFor(uint64_t ticket) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return WaitLocked(lock, ticket);
+  }
+  absl::Status WaitLocked(std::unique_lock<std::mutex>& lock, uint64_t ticket) {
+    cv_.wait(lock, [&] { return done_ >= ticket; });
+    return error_;  // sticky, as a broken CUDA context
+  }
+  void DeviceLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      auto work = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(200));  // a copy takes time
+      absl::Status s = error_ok_snapshot() ? work() : absl::OkStatus();
+      lock.lock();
+      if (!s.ok() && error_.ok()) error_ = s;
+      ++done_;
+      cv_.notify_all();
+    }
+  }
+  // After a fault the device runs nothing more (read without the lock: only
+  // this thread writes error_ once, under it).
+  bool error_ok_snapshot() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_.ok();
+  }
+
+  const wire::DataType dtype_;
+  const size_t count_;
+  const size_t bytes_;
+  const std::vector<const void*> inputs_;
+  const std::vector<void*> outputs_;
+  std::vector<uint8_t> slots_[2];
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<absl::Status()>> queue_;
+  std::vector<std::string> calls_;
+  uint64_t enqueued_ = 0, done_ = 0, last_[2] = {0, 0};
+  absl::Status error_;
+  bool stop_ = false;
+  std::thread device_;
+};
+
+// Small integers, so that every dtype holds every sum, product and order of
+// reduction exactly (unsigned ones non-negative).
+double SmallValue(wire::DataType t, int node, size_t op, size_t i) {
+  const bool is_unsigned = t == wire::DataType::kUInt8;
+  return static_cast<double>((i * 7 + static_cast<size_t>(node) * 3 + op) % 5) -
+         (is_unsigned ? 0 : 2);
+}
+
+void Put(wire::DataType t, void* buf, size_t i, double v) {
+  switch (t) {
+    case wire::DataType::kFloat32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
+    case wire::DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
+    case wire::DataType::kFloat16:
+      static_cast<uint16_t*>(buf)[i] = reduce::FloatToHalf(static_cast<float>(v));
+      break;
+    case wire::DataType::kBFloat16:
+      static_cast<uint16_t*>(buf)[i] = reduce::FloatToBFloat16(static_cast<float>(v));
+      break;
+    case wire::DataType::kInt8: static_cast<int8_t*>(buf)[i] = static_cast<int8_t>(v); break;
+    case wire::DataType::kUInt8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
+    case wire::DataType::kInt32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
+    case wire::DataType::kInt64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
+  }
+}
+
+// The plain loop: the exact result of `op` over the nodes' values, with
+// avg's documented division (reduce.h): float32 arithmetic for 16-bit floats
+// and float32, double for float64, truncation toward zero for integers.
+double Expected(wire::DataType t, wire::ReduceOp op, size_t o, size_t i, int nodes) {
+  double acc = SmallValue(t, 0, o, i);
+  for (int k = 1; k < nodes; ++k) {
+    const double v = SmallValue(t, k, o, i);
+    switch (op) {
+      case wire::ReduceOp::kSum:
+      case wire::ReduceOp::kAvg: acc += v; break;
+      case wire::ReduceOp::kProd: acc *= v; break;
+      case wire::ReduceOp::kMin: acc = std::min(acc, v); break;
+      case wire::ReduceOp::kMax: acc = std::max(acc, v); break;
+    }
+  }
+  if (op != wire::ReduceOp::kAvg) return acc;
+  switch (t) {
+    case wire::DataType::kFloat64: return acc / nodes;
+    case wire::DataType::kFloat32:
+    case wire::DataType::kFloat16:
+    case wire::DataType::kBFloat16: return static_cast<float>(acc) / static_cast<float>(nodes);
+    default: return std::trunc(acc / nodes);
+  }
+}
+
+// The value stored as `t` (a float32 quotient rounded to 16 bits, say), back
+// as a double, for comparison.
+double Stored(wire::DataType t, double v) {
+  uint8_t b[8];
+  Put(t, b, 0, v);
+  switch (t) {
+    case wire::DataType::kFloat32: return *reinterpret_cast<float*>(b);
+    case wire::DataType::kFloat64: return *reinterpret_cast<double*>(b);
+    case wire::DataType::kFloat16: return reduce::HalfToFloat(*reinterpret_cast<uint16_t*>(b));
+    case wire::DataType::kBFloat16:
+      return reduce::BFloat16ToFloat(*reinterpret_cast<uint16_t*>(b));
+    case wire::DataType::kInt8: return *reinterpret_cast<int8_t*>(b);
+    case wire::DataType::kUInt8: return *reinterpret_cast<uint8_t*>(b);
+    case wire::DataType::kInt32: return *reinterpret_cast<int32_t*>(b);
+    case wire::DataType::kInt64: return *reinterpret_cast<int64_t*>(b);
+  }
+  return 0;
+}
+
+double Get(wire::DataType t, const void* buf, size_t i) {
+  switch (t) {
+    case wire::DataType::kFloat32: return static_cast<const float*>(buf)[i];
+    case wire::DataType::kFloat64: return static_cast<const double*>(buf)[i];
+    case wire::DataType::kFloat16: return reduce::HalfToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case wire::DataType::kBFloat16:
+      return reduce::BFloat16ToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case wire::DataType::kInt8: return static_cast<const int8_t*>(buf)[i];
+    case wire::DataType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
+    case wire::DataType::kInt32: return static_cast<const int32_t*>(buf)[i];
+    case wire::DataType::kInt64: return static_cast<const int64_t*>(buf)[i];
+  }
+  return 0;
+}
+
+struct StagedCase {
+  wire::DataType dtype;
+  wire::ReduceOp op;
+  size_t count;
+};
+
+// Allreduces on `nodes` nodes where the nodes in `staged` hold their buffers
+// "on a GPU" (HostStagedBuffer, fetched and stored in 4 KiB segments) and the
+// others in host memory; every node ends with the plain loop's result.
+// Returns the staged buffers' call logs by case.
+std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& staged,
+                                                const std::vector<StagedCase>& cases) {
+  Nodes nodes(n);
+  EXPECT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
+  EXPECT_TRUE(nodes.SetBoth("chunk_bytes", "4K").ok());
+  std::vector<std::vector<std::vector<uint8_t>>> send(n), recv(n);
+  std::vector<std::shared_ptr<HostStagedBuffer>> buffers(cases.size());
+  for (int k = 0; k < n; ++k) {
+    const bool gpu = std::find(staged.begin(), staged.end(), k) != staged.end();
+    for (size_t o = 0; o < cases.size(); ++o) {
+      const StagedCase& c = cases[o];
+      const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+      send[k].emplace_back(c.count * es + 1);
+      recv[k].emplace_back(c.count * es + 1, 0xee);
+      for (size_t i = 0; i < c.count; ++i) {
+        Put(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
+      }
+      ClusterOp op = Allreduce(o, "s" + std::to_string(o), c.dtype, c.op, c.count, k,
+                               send[k][o].data(), recv[k][o].data());
+      if (gpu) {
+        auto b = std::make_shared<HostStagedBuffer>(
+            c.dtype, c.count, std::vector<const void*>{send[k][o].data()},
+            std::vector<void*>{recv[k][o].data()});
+        if (k == staged.front()) buffers[o] = b;
+        op.staged = b;
+        op.parts[0].send = nullptr;
+        op.parts[0].recv = nullptr;
+      }
+      nodes.job(k).Submit(std::move(op));
+    }
+  }
+  for (int k = 0; k < n; ++k) EXPECT_TRUE(nodes.ends(k).WaitFor(cases.size())) << "node " << k;
+  for (int k = 0; k < n; ++k) {
+    for (auto& [key, status] : nodes.ends(k).ends) {
+      EXPECT_TRUE(status.ok()) << "node " << k << " op " << key << ": " << status;
+    }
+    for (size_t o = 0; o < cases.size(); ++o) {
+      const StagedCase& c = cases[o];
+      const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+      for (size_t i = 0; i < c.count; ++i) {
+        const double want = Stored(c.dtype, Expected(c.dtype, c.op, o, i, n));
+        const double got = Get(c.dtype, recv[k][o].data(), i);
+        if (got != want) {
+          ADD_FAILURE() << n << " nodes, node " << k << ", dtype " << static_cast<int>(c.dtype)
+                        << " op " << static_cast<int>(c.op) << " count " << c.count << " [" << i
+                        << "]: " << got << ", want " << want;
+          break;
+        }
+      }
+      EXPECT_EQ(recv[k][o][c.count * es], 0xee) << "written past the end";
+    }
+  }
+  std::vector<std::vector<std::string>> logs;
+  for (auto& b : buffers) logs.push_back(b->calls());
+  return logs;
+}
+
+// Every dtype x reduce op, sizes 0, 1, odd, not a multiple of the 4 KiB
+// segment, several segments; two nodes (one staged) and three (two staged,
+// the ring's segments then depend on the split, and the result is still the
+// exact one).
+TEST(ClusterJobStagedTest, EveryDtypeOpAndSizeMatchesThePlainLoop) {
+  const wire::DataType dtypes[] = {wire::DataType::kFloat32, wire::DataType::kFloat64,
+                                   wire::DataType::kFloat16, wire::DataType::kBFloat16,
+                                   wire::DataType::kInt8,    wire::DataType::kUInt8,
+                                   wire::DataType::kInt32,   wire::DataType::kInt64};
+  const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg, wire::ReduceOp::kMin,
+                                wire::ReduceOp::kMax, wire::ReduceOp::kProd};
+  std::vector<StagedCase> cases;
+  for (auto t : dtypes) {
+    for (auto op : ops) {
+      for (size_t count : {0, 1, 7, 3001}) cases.push_back({t, op, count});
+    }
+  }
+  cases.push_back({wire::DataType::kFloat32, wire::ReduceOp::kSum, 40000});
+  cases.push_back({wire::DataType::kBFloat16, wire::ReduceOp::kAvg, 25001});
+  cases.push_back({wire::DataType::kInt64, wire::ReduceOp::kMax, 9000});
+  {
+    SCOPED_TRACE("2 nodes");
+    RunStaged(2, {0}, cases);
+  }
+  {
+    SCOPED_TRACE("3 nodes");
+    RunStaged(3, {0, 2}, cases);
+  }
+}
+
+// The pipeline: the local reduction first, then segment k + 1 is fetched
+// before segment k is stored (it travels while k's copy runs), each slot's
+// next fetch comes right after its store, and every segment is stored once.
+TEST(ClusterJobStagedTest, TheNextSegmentIsFetchedWhileThisOneTravels) {
+  const size_t count = 10 * 1024 + 5;  // 11 segments of 4 KiB float32, the last short
+  auto logs = RunStaged(2, {1}, {{wire::DataType::kFloat32, wire::ReduceOp::kSum, count}});
+  ASSERT_EQ(logs.size(), 1u);
+  const std::vector<std::string>& calls = logs[0];
+  std::vector<std::string> want = {"R", "F0", "F4096"};
+  const size_t segments = 11;
+  for (size_t k = 0; k < segments; ++k) {
+    want.push_back("S" + std::to_string(k * 4096));
+    if (k + 2 < segments) want.push_back("F" + std::to_string((k + 2) * 4096));
+  }
+  want.push_back("fan-out");
+  EXPECT_EQ(calls, want);
+}
+
+// A fault on the device mid-operation (the fetch of the third segment) fails
+// that node's operation with the device's error, after what was enqueued has
+// drained; the job fails, and the other node's operation ends with an error
+// too, not a hang.
+TEST(ClusterJobStagedTest, ADeviceFaultFailsTheOperationEverywhere) {
+  Nodes nodes(2);
+  ASSERT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
+  ASSERT_TRUE(nodes.SetBoth("op_timeout_ms", "3000").ok());
+  const size_t count = 8 * 1024;
+  std::vector<float> send[2], recv[2];
+  std::shared_ptr<HostStagedBuffer> gpu;
+  for (int k = 0; k < 2; ++k) {
+    send[k].assign(count, 1.0f);
+    recv[k].assign(count, 0.0f);
+    ClusterOp op = Allreduce(1, "f", wire::DataType::kFloat32, wire::ReduceOp::kSum, count, k,
+                             send[k].data(), recv[k].data());
+    if (k == 0) {
+      gpu = std::make_shared<HostStagedBuffer>(wire::DataType::kFloat32, count,
+                                               std::vector<const void*>{send[0].data()},
+                                               std::vector<void*>{recv[0].data()});
+      gpu->fail_fetch_at = 2 * 4096;
+      op.staged = gpu;
+    }
+    nodes.job(k).Submit(std::move(op));
+  }
+  for (int k = 0; k < 2; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(1)) << "node " << k;
+  const absl::Status& s0 = nodes.ends(0).ends[0].second;
+  EXPECT_EQ(s0.code(), absl::StatusCode::kInternal) << s0;
+  EXPECT_NE(s0.message().find("device fault"), std::string::npos) << s0;
+  EXPECT_FALSE(nodes.ends(1).ends[0].second.ok());
+  // Nothing of the failed operation is left running on the "device".
+  EXPECT_TRUE(absl::IsInternal(gpu->Drain()));
 }
 
 }  // namespace

@@ -415,6 +415,7 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     run.priority = ready.priority();
   }
   run.priority = std::max(run.priority, ready.priority());
+  run.device_buffers = run.device_buffers || ready.device_buffers();
   auto send_fail = [&](int to, const absl::Status& s) {
     proto::CoordinatorEvent e;
     e.mutable_fail()->set_name(ready.name());
@@ -449,6 +450,7 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
       q.bytes = run.signature.count() * wire::DataTypeSize(run.signature.dtype());
       q.order = job.next_order++;
       q.ready_at = now;
+      q.device_buffers = run.device_buffers;
       job.backlog.push_back(std::move(q));
       job.pending.erase(it);
       Schedule(job, now);
@@ -522,12 +524,14 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     // The head, and the fusable operations like it that fit, in backlog order.
     std::vector<size_t> group = {0};
     const uint64_t limit = head_codec.empty() ? threshold : compressed_threshold;
-    const bool fuse = allreduce(head) && limit > 0 && head.bytes <= limit &&
+    // Operations on GPU buffers run alone, in segments (below).
+    const bool fuse = allreduce(head) && !head.device_buffers && limit > 0 &&
+                      head.bytes <= limit &&
                       FusableAllreduce(head.bytes, head_codec, tuning.algorithm, nodes);
     uint64_t total = head.bytes;
     for (size_t i = 1; fuse && i < job.backlog.size(); ++i) {
       const Queued& q = job.backlog[i];
-      if (!allreduce(q) || q.signature.dtype() != head.signature.dtype() ||
+      if (!allreduce(q) || q.device_buffers || q.signature.dtype() != head.signature.dtype() ||
           q.signature.reduce_op() != head.signature.reduce_op() || total + q.bytes > limit) {
         continue;
       }
@@ -547,6 +551,13 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     run->set_chunks_in_flight(tuning.chunks_in_flight);
     run->set_algorithm(static_cast<uint32_t>(tuning.algorithm));
     run->set_codec(head_codec);
+    // Some node stages GPU buffers through host memory: every node runs the
+    // allreduce in the same segments, so that node overlaps one segment's
+    // copies with another's transfers. Compressed ones go whole (their
+    // error feedback is kept per operation element, not per segment).
+    if (allreduce(head) && head.device_buffers && head_codec.empty()) {
+      run->set_segment_bytes(tuning.staging_segment_bytes);
+    }
     job.running.emplace(run->seq(), std::vector<bool>(nodes, false));
     SendAll(job, e);
     for (auto g = group.rbegin(); g != group.rend(); ++g) {

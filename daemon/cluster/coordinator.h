@@ -112,6 +112,7 @@ class Coordinator {
     std::chrono::steady_clock::time_point deadline;
     absl::Status failure;  // poisoned: later nodes get it at once
     int32_t priority = 0;  // the highest any node gave
+    bool device_buffers = false;  // some node's buffers are in GPU memory
   };
   // Ready on every node, waiting to be announced.
   struct Queued {
@@ -121,6 +122,7 @@ class Coordinator {
     uint64_t bytes = 0;
     uint64_t order = 0;   // when it became ready, for ties
     std::chrono::steady_clock::time_point ready_at;
+    bool device_buffers = false;  // announced in segments, never fused
   };
   struct Job {
     std::string key;

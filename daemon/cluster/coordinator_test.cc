@@ -400,6 +400,45 @@ TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
   }
 }
 
+// An allreduce whose buffers are on a GPU on some node (Ready.device_buffers,
+// from one node is enough) is announced alone, never fused with others, and
+// with segment_bytes (staging_segment_bytes) when it goes uncompressed; host
+// ones, compressed ones and other collectives get no segments.
+TEST(CoordinatorTest, GpuAllreducesRunAloneInSegments) {
+  config::TuningRegistry tuning;
+  ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
+  Coordinator c("secret", &tuning);
+  Formed f;
+  Form(c, &f);
+  auto ready = [&](const std::string& name, uint64_t count, int gpu_node, uint32_t codec = 0,
+                   bool allreduce = true) {
+    for (int n = 0; n < 2; ++n) {
+      proto::NodeEvent e = Ready(name, count, 0, 0, allreduce, 1, 1, codec);
+      e.mutable_ready()->set_device_buffers(n == gpu_node);
+      c.OnEvent(f.handles[n], e);
+    }
+  };
+  ready("busy0", 10, -1);
+  ready("busy1", 10, -1);  // both lanes taken: what follows queues up
+  ready("h1", 16, -1);
+  ready("g", 16, 1);
+  ready("h2", 16, -1);
+  ready("h3", 16, -1);
+  ready("gz", 100000, 0, 4);  // int8 (wire::Codec 4): whole, compressed
+  ready("rs", 100, 0, 0, false);  // reduce_scatter: not staged in segments
+  for (uint64_t seq = 0; seq < 6; ++seq) BothDone(c, f, seq);
+  for (auto& s : f.streams) {
+    auto ev = s.WaitFor(6);
+    ASSERT_EQ(Runs(ev),
+              (std::vector<std::string>{"busy0", "busy1", "h1+h2+h3", "g", "gz", "rs"}));
+    for (size_t i = 0; i < ev.size(); ++i) {
+      EXPECT_EQ(ev[i].run().segment_bytes(), ev[i].run().name() == "g" ? 65536u : 0u)
+          << ev[i].run().name();
+    }
+    EXPECT_EQ(ev[4].run().codec(), "int8");
+  }
+}
+
 TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());

@@ -184,6 +184,11 @@ const std::vector<Field>& Table() {
                    "How long the coordinator holds an operation that could start at once, to "
                    "fuse and order it with others (0: never wait)",
                    "microseconds", &Tuning::cycle_time_us, 0, 1000000),
+      SizeField("staging_segment_bytes",
+                "Multi-node allreduces of GPU buffers cross the network in pieces of this size, "
+                "staged through host memory while the previous piece travels (the coordinator's "
+                "setting decides for the job)",
+                &Tuning::staging_segment_bytes, 4 * kKiB, kGiB),
   };
   return *table;
 }

@@ -120,6 +120,165 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   std::multimap<uint64_t, uint8_t*> free_;  // by size
 };
 
+// Polls: small operations finish within microseconds, so spin (yielding)
+// for a short while, then sleep in short steps.
+absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what) {
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    const cudaError_t e = cudaEventQuery(event);
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) return Cuda(e, what);
+    if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+struct OpenedMemory {
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0;  // the allocation's real size
+};
+
+// One session's opened handles. Closed when the last holder lets go: the
+// runner (until the session ends or its cache is full) and every
+// StagedNodeBuffer that uses them.
+struct SessionHandles {
+  std::map<IpcBytes, OpenedMemory> memory;
+  std::map<IpcBytes, cudaEvent_t> events;
+  SessionHandles() = default;
+  SessionHandles(const SessionHandles&) = delete;
+  SessionHandles& operator=(const SessionHandles&) = delete;
+  ~SessionHandles() {
+    for (auto& [key, m] : memory) cudaIpcCloseMemHandle(m.base);
+    for (auto& [key, ev] : events) cudaEventDestroy(ev);
+    cudaGetLastError();
+  }
+};
+
+// A multi-node allreduce's node buffer on the GPU (staged_buffer.h): rank
+// 0's receive buffer, on its device, with a stream of its own.
+class CudaStagedBuffer final : public StagedNodeBuffer {
+ public:
+  struct Parts {
+    int device = 0;
+    cudaStream_t stream = nullptr;  // owned from here on
+    wire::DataType dtype{};
+    size_t count = 0;
+    std::vector<const void*> inputs;  // every rank's send buffer
+    std::vector<uint8_t*> outputs;    // every rank's receive buffer; [0] is the node's
+    std::vector<std::shared_ptr<SessionHandles>> sessions;
+  };
+  CudaStagedBuffer(Parts parts, std::shared_ptr<PinnedPool> pool)
+      : p_(std::move(parts)), pool_(std::move(pool)) {}
+  ~CudaStagedBuffer() override {
+    if (p_.stream == nullptr) return;
+    Drain().IgnoreError();
+    cudaSetDevice(p_.device);
+    for (cudaEvent_t e : events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    cudaStreamDestroy(p_.stream);
+    cudaGetLastError();
+    // Then the pinned slots go back to the pool and the handles may close.
+  }
+
+  absl::Status ReduceLocal(wire::ReduceOp op) override {
+    if (p_.count == 0) return absl::OkStatus();
+    if (p_.inputs.size() == 1 && p_.inputs[0] == p_.outputs[0]) return absl::OkStatus();
+    if (absl::Status s = Current(); !s.ok()) return s;
+    return gpu::DeviceReduce(p_.dtype, op, p_.inputs.data(), static_cast<int>(p_.inputs.size()),
+                             p_.outputs[0], p_.count, p_.stream);
+  }
+  absl::StatusOr<uint8_t*> Slot(int slot, size_t bytes) override {
+    if (slot < 0 || slot > 1) return absl::InternalError("staging slot out of range");
+    if (slot_bytes_[slot] < bytes) {
+      uint8_t* data = nullptr;
+      auto memory = pool_->Take(bytes, &data);
+      if (!memory.ok()) return memory.status();
+      slot_memory_[slot] = std::move(*memory);
+      slot_[slot] = data;
+      slot_bytes_[slot] = bytes;
+    }
+    return slot_[slot];
+  }
+  absl::Status Fetch(int slot, size_t offset, size_t bytes) override {
+    if (absl::Status s = Check(slot, offset, bytes); !s.ok()) return s;
+    absl::Status s = Cuda(cudaMemcpyAsync(slot_[slot], p_.outputs[0] + offset, bytes,
+                                          cudaMemcpyDeviceToHost, p_.stream),
+                          "cudaMemcpyAsync device to host (staging)");
+    return s.ok() ? Record(slot) : s;
+  }
+  absl::Status Store(int slot, size_t offset, size_t bytes) override {
+    if (absl::Status s = Check(slot, offset, bytes); !s.ok()) return s;
+    absl::Status s = Cuda(cudaMemcpyAsync(p_.outputs[0] + offset, slot_[slot], bytes,
+                                          cudaMemcpyHostToDevice, p_.stream),
+                          "cudaMemcpyAsync host to device (staging)");
+    return s.ok() ? Record(slot) : s;
+  }
+  absl::Status Wait(int slot) override {
+    if (slot < 0 || slot > 1 || events_[slot] == nullptr) return absl::OkStatus();
+    if (absl::Status s = Current(); !s.ok()) return s;
+    return WaitForEvent(events_[slot], "staging copy");
+  }
+  absl::Status Finish() override {
+    if (p_.stream == nullptr) return absl::OkStatus();
+    if (absl::Status s = Current(); !s.ok()) return s;
+    const size_t bytes = p_.count * wire::DataTypeSize(static_cast<uint32_t>(p_.dtype));
+    for (size_t r = 1; r < p_.outputs.size() && bytes > 0; ++r) {
+      if (p_.outputs[r] == p_.outputs[0]) continue;
+      absl::Status s = Cuda(cudaMemcpyAsync(p_.outputs[r], p_.outputs[0], bytes,
+                                            cudaMemcpyDeviceToDevice, p_.stream),
+                            "cudaMemcpyAsync device to device (result to the ranks)");
+      if (!s.ok()) return s;
+    }
+    return Drain();
+  }
+  absl::Status Drain() override {
+    if (p_.stream == nullptr) return absl::OkStatus();
+    if (absl::Status s = Current(); !s.ok()) return s;
+    if (absl::Status s = Record(2); !s.ok()) {
+      cudaStreamSynchronize(p_.stream);
+      return s;
+    }
+    return WaitForEvent(events_[2], "the operation's device work");
+  }
+
+ private:
+  absl::Status Current() {
+    return Cuda(cudaSetDevice(p_.device), absl::StrCat("cudaSetDevice(", p_.device, ")"));
+  }
+  absl::Status Check(int slot, size_t offset, size_t bytes) {
+    const size_t total = p_.count * wire::DataTypeSize(static_cast<uint32_t>(p_.dtype));
+    if (slot < 0 || slot > 1 || bytes > slot_bytes_[slot] || offset > total ||
+        bytes > total - offset) {
+      return absl::InternalError(absl::StrCat("staging copy of ", bytes, " bytes at ", offset,
+                                              " outside the buffer or the slot"));
+    }
+    return Current();
+  }
+  // Records events_[which] (0, 1: the slots; 2: everything so far).
+  absl::Status Record(int which) {
+    if (events_[which] == nullptr) {
+      absl::Status s = Cuda(cudaEventCreateWithFlags(&events_[which], cudaEventDisableTiming),
+                            "cudaEventCreateWithFlags");
+      if (!s.ok()) {
+        events_[which] = nullptr;
+        return s;
+      }
+    }
+    return Cuda(cudaEventRecord(events_[which], p_.stream), "cudaEventRecord");
+  }
+
+  Parts p_;
+  const std::shared_ptr<PinnedPool> pool_;
+  uint8_t* slot_[2] = {nullptr, nullptr};
+  size_t slot_bytes_[2] = {0, 0};
+  std::shared_ptr<void> slot_memory_[2];
+  cudaEvent_t events_[3] = {nullptr, nullptr, nullptr};
+};
+
 class CudaDeviceRunner final : public DeviceRunner {
  public:
   explicit CudaDeviceRunner(MemGetAddressRangeFn mem_get_address_range)
@@ -147,6 +306,14 @@ class CudaDeviceRunner final : public DeviceRunner {
            std::function<void(absl::Status)> done) override {
     tasks_.Push([this, sig, ranks = std::move(ranks), done = std::move(done)]() mutable {
       RunOnSubmit(sig, ranks, std::move(done));
+    });
+  }
+
+  void Stage(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+             std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done)
+      override {
+    tasks_.Push([this, sig, ranks = std::move(ranks), done = std::move(done)]() mutable {
+      done(StageOnSubmit(sig, ranks));
     });
   }
 
@@ -186,14 +353,6 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
  private:
-  struct OpenedMemory {
-    uint8_t* base = nullptr;
-    uint64_t bytes = 0;  // the allocation's real size
-  };
-  struct SessionHandles {
-    std::map<IpcBytes, OpenedMemory> memory;
-    std::map<IpcBytes, cudaEvent_t> events;
-  };
   // An operation handed to the completion thread: `event` (recorded after
   // its work on `device`) or, if null, a final `status`.
   struct Completion {
@@ -214,27 +373,11 @@ class CudaDeviceRunner final : public DeviceRunner {
       absl::Status s = c.status;
       if (c.event != nullptr) {
         cudaSetDevice(c.device);
-        s = WaitFor(c.event);
+        s = WaitForEvent(c.event, "the operation's device work");
         cudaEventDestroy(c.event);
       }
       c.done(s);
       c = Completion();
-    }
-  }
-
-  // Polls: small operations finish within microseconds, so spin (yielding)
-  // for a short while, then sleep in short steps.
-  static absl::Status WaitFor(cudaEvent_t event) {
-    const auto start = std::chrono::steady_clock::now();
-    while (true) {
-      const cudaError_t e = cudaEventQuery(event);
-      if (e == cudaSuccess) return absl::OkStatus();
-      if (e != cudaErrorNotReady) return Cuda(e, "the operation's device work");
-      if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
     }
   }
 
@@ -370,7 +513,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     }
     for (const DeviceRankBuffers& r : ranks) {
       auto it = sessions_.find(r.session_id);
-      if (it != sessions_.end() && it->second.memory.size() >= kMaxOpenPerSession) {
+      if (it != sessions_.end() && it->second->memory.size() >= kMaxOpenPerSession) {
         CloseSessionOnSubmit(r.session_id);
       }
     }
@@ -389,6 +532,45 @@ class CudaDeviceRunner final : public DeviceRunner {
       return Cuda(e, "cudaEventCreateWithFlags");
     }
     return Cuda(cudaEventRecord(*event, stream), "cudaEventRecord");
+  }
+
+  absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> StageOnSubmit(
+      const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks) {
+    CudaStagedBuffer::Parts parts;
+    parts.dtype = static_cast<wire::DataType>(sig.dtype);
+    parts.count = sig.count;
+    if (sig.count == 0) return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
+    auto current = Begin(ranks, &parts.device);
+    if (!current.ok()) return current.status();
+    absl::Status s = Cuda(cudaStreamCreateWithFlags(&parts.stream, cudaStreamNonBlocking),
+                          "cudaStreamCreateWithFlags");
+    if (!s.ok()) return s;
+    // Until the buffer owns it: a failure waits for the stream, then drops it.
+    auto fail = [&parts](absl::Status why) {
+      cudaStreamSynchronize(parts.stream);
+      cudaStreamDestroy(parts.stream);
+      cudaGetLastError();
+      return why;
+    };
+    for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
+      const DeviceRankBuffers& b = ranks[r];
+      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv");
+      if (!recv.ok()) return fail(recv.status());
+      parts.outputs.push_back(*recv);
+      if (b.send_bytes > 0) {
+        auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send");
+        if (!send.ok()) return fail(send.status());
+        parts.inputs.push_back(*send);
+      } else {
+        parts.inputs.push_back(*recv);  // in place
+      }
+      if (s = WaitForRank(b, r, parts.stream); !s.ok()) return fail(s);
+      std::shared_ptr<SessionHandles> held = sessions_[b.session_id];
+      if (std::find(parts.sessions.begin(), parts.sessions.end(), held) == parts.sessions.end()) {
+        parts.sessions.push_back(std::move(held));
+      }
+    }
+    return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
   }
 
   absl::Status EnqueueStageIn(const std::vector<DeviceRankBuffers>& ranks, HostStaging* staging,
@@ -474,7 +656,7 @@ class CudaDeviceRunner final : public DeviceRunner {
                                       uint64_t bytes, int device, int rank,
                                       absl::string_view what) {
     const std::string who = absl::StrCat("rank ", rank, "'s ", what, " buffer");
-    auto& cache = sessions_[session_id].memory;
+    auto& cache = Session(session_id).memory;
     const IpcBytes key = BytesOf(d.memory_handle);
     auto it = cache.find(key);
     if (it == cache.end()) {
@@ -535,7 +717,7 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   absl::StatusOr<cudaEvent_t> OpenEvent(uint64_t session_id, const uint8_t* handle, int rank) {
-    auto& cache = sessions_[session_id].events;
+    auto& cache = Session(session_id).events;
     const IpcBytes key = BytesOf(handle);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
@@ -550,13 +732,18 @@ class CudaDeviceRunner final : public DeviceRunner {
     return ev;
   }
 
+  SessionHandles& Session(uint64_t session_id) {
+    std::shared_ptr<SessionHandles>& s = sessions_[session_id];
+    if (!s) s = std::make_shared<SessionHandles>();
+    return *s;
+  }
+
+  // The handles close now, or when the last StagedNodeBuffer using them goes.
   void CloseSessionOnSubmit(uint64_t session_id) {
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return;
     // Work queued before may still use the handles.
     for (auto& [device, stream] : streams_) cudaStreamSynchronize(stream);
-    for (auto& [key, m] : it->second.memory) cudaIpcCloseMemHandle(m.base);
-    for (auto& [key, ev] : it->second.events) cudaEventDestroy(ev);
     sessions_.erase(it);
     cudaGetLastError();
   }
@@ -567,7 +754,7 @@ class CudaDeviceRunner final : public DeviceRunner {
   Queue<Completion> completions_;
   // Submit-thread state.
   std::map<int, cudaStream_t> streams_;  // the runner's own stream per device
-  std::map<uint64_t, SessionHandles> sessions_;
+  std::map<uint64_t, std::shared_ptr<SessionHandles>> sessions_;
   std::thread submit_thread_;
   std::thread completion_thread_;
 };

@@ -19,9 +19,12 @@
 // asynchronous fault (a bad address in a kernel) breaks the CUDA context for
 // good: every later operation fails with it too (restart ciuicd).
 //
-// Multi-node jobs: StageIn / StageOut copy the ranks' device buffers to and
-// from pinned host memory around the host's inter-node algorithm (whole
-// buffers, not yet chunked or overlapped with the network).
+// Multi-node jobs: an allreduce gets a StagedNodeBuffer (Stage): the local
+// reduction on the GPU into rank 0's buffer, which the ClusterJob then moves
+// through two pinned host slots segment by segment, overlapping the copies
+// with the network, and copies to the other ranks at the end. Other
+// collectives: StageIn / StageOut copy the ranks' device buffers whole to
+// and from pinned host memory around the host's inter-node algorithm.
 //
 // Threads: Run, StageIn, StageOut and CloseSession may be called from any one
 // thread (the engine loop); `done` runs on the runner's completion thread. The
@@ -38,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "ciuic/shm_layout.h"
 #include "collectives/op.h"
+#include "collectives/staged_buffer.h"
 
 namespace ciuic::daemon {
 
@@ -69,6 +73,16 @@ class DeviceRunner {
   // job's world size (single-node job). `done` is called exactly once.
   virtual void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
                    std::function<void(absl::Status)> done) = 0;
+
+  // A multi-node allreduce (`sig`, validated) on this node's ranks: opens
+  // their buffers and calls `done` with the node's StagedNodeBuffer, whose
+  // work goes on a stream of its own that first waits for each rank's event;
+  // the node buffer is rank 0's receive buffer. The buffer keeps the ranks'
+  // handles open while it lives (a session closed meanwhile closes them
+  // when it goes).
+  virtual void Stage(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+                     std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)>
+                         done) = 0;
 
   // Multi-node jobs (the inter-node algorithm runs on host memory): waits
   // for each rank's event, copies every rank's send buffer into pinned host

@@ -71,8 +71,11 @@ struct PendingOp {
   int seen_count = 0;
   int submitted = 0;
   absl::Status failure;  // set: poisoned, later submitters get it at once
-  // Device buffers in a multi-node job: the pinned host copies the
-  // inter-node algorithm works on (between StageIn and StageOut).
+  // Device buffers in a multi-node job: an allreduce's node buffer on the
+  // GPU, which the ClusterJob stages through host memory in segments;
+  // other collectives' pinned host copies of the ranks' buffers (between
+  // StageIn and StageOut).
+  std::shared_ptr<StagedNodeBuffer> staged;
   std::shared_ptr<HostStaging> staging;
   // While running:
   std::unique_ptr<LocalCollective> collective;
@@ -866,10 +869,13 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   c.sig = op->sig;
   c.priority = op->priority;
   c.keep_alive = op->staging;
+  c.staged = std::move(op->staged);  // the ClusterOp's alone: it goes with the run
   size_t i = 0;  // index of the local rank in op->staging
   for (auto& part : op->parts) {
     if (!part) continue;
-    if (op->staging) {
+    if (c.staged) {
+      c.parts.push_back(ClusterOp::Part{part->session->rank, nullptr, nullptr});
+    } else if (op->staging) {
       c.parts.push_back(
           ClusterOp::Part{part->session->rank, op->staging->send[i], op->staging->recv[i]});
     } else {
@@ -883,8 +889,10 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   job.cluster->Submit(std::move(c));
 }
 
-// Device buffers: the local phase on the GPU (single-node jobs), or, in a
-// multi-node job, pinned host copies around the host's inter-node algorithm
+// Device buffers: the local phase on the GPU (single-node jobs). In a
+// multi-node job an allreduce is reduced on the GPU and staged through host
+// memory in segments by the ClusterJob (Stage); other collectives go
+// through pinned host copies around the host's inter-node algorithm
 // (StageIn, the ClusterJob, StageOut in ClusterDoneOnLoop).
 void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   if (!device_runner_) {
@@ -896,21 +904,41 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     device_runner_ = std::move(*runner);
   }
   ++running_ops_;
+  // Back on the loop once staged: to the ClusterJob, unless the job is gone.
+  auto to_cluster = [this](const std::string& key, const std::shared_ptr<PendingOp>& op) {
+    auto it = jobs_.find(key);
+    if (it == jobs_.end()) {
+      return FinishOnLoop(key, *op, absl::AbortedError(absl::StrCat(
+                                        "operation '", op->name, "': the job ended")));
+    }
+    if (!it->second->failure.ok()) return FinishOnLoop(key, *op, it->second->failure);
+    SubmitToClusterOnLoop(*it->second, op);
+  };
+  if (job.cluster &&
+      static_cast<wire::Collective>(op->sig.collective) == wire::Collective::kAllreduce) {
+    device_runner_->Stage(
+        op->sig, DeviceRanksOf(*op),
+        [this, op, key = job.key,
+         to_cluster](absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> staged) {
+          Post([this, op, key, staged = std::move(staged), to_cluster] {
+            --running_ops_;
+            if (!staged.ok()) return FinishOnLoop(key, *op, Named(*op, staged.status()));
+            op->staged = *staged;
+            to_cluster(key, op);
+          });
+        });
+    return;
+  }
   if (job.cluster) {
     device_runner_->StageIn(
         DeviceRanksOf(*op),
-        [this, op, key = job.key](absl::StatusOr<std::shared_ptr<HostStaging>> staged) {
-          Post([this, op, key, staged = std::move(staged)] {
+        [this, op, key = job.key,
+         to_cluster](absl::StatusOr<std::shared_ptr<HostStaging>> staged) {
+          Post([this, op, key, staged = std::move(staged), to_cluster] {
             --running_ops_;
             if (!staged.ok()) return FinishOnLoop(key, *op, Named(*op, staged.status()));
-            auto it = jobs_.find(key);
-            if (it == jobs_.end()) {
-              return FinishOnLoop(key, *op, absl::AbortedError(absl::StrCat(
-                                                "operation '", op->name, "': the job ended")));
-            }
-            if (!it->second->failure.ok()) return FinishOnLoop(key, *op, it->second->failure);
             op->staging = *staged;
-            SubmitToClusterOnLoop(*it->second, op);
+            to_cluster(key, op);
           });
         });
     return;

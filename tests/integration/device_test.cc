@@ -238,7 +238,9 @@ TEST_P(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) 
 INSTANTIATE_TEST_SUITE_P(Ranks, DeviceCollectivesTest, ::testing::Values(1, 2, 3));
 
 // Multi-node: two daemons ("nodes", UCX over TCP on loopback) with two ranks
-// each, all on the GPU(s) of this machine; the device buffers go through
+// each, all on the GPU(s) of this machine. Allreduces are reduced on the GPU
+// and staged through pinned host memory in 64 KiB segments (1000003 float32
+// elements: 62 of them, the last short); the other collectives go through
 // pinned host copies around the inter-node algorithm. Small integers, so that
 // any order of reduction gives the reference exactly.
 int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, Coll coll,
@@ -285,7 +287,7 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
   if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
   constexpr int kNodes = 2;
   constexpr int kPerNode = 2;
-  auto cluster = Cluster::Start(kNodes);
+  auto cluster = Cluster::Start(kNodes, "tuning:\n  staging_segment_bytes: 64K\n");
   ASSERT_NE(cluster, nullptr);
   const std::string job = UniqueJobId("devmn");
   auto codes = RunRanks(kNodes * kPerNode, [&](int rank) {

@@ -1,0 +1,57 @@
+// A node's buffer for the inter-node phase that lives where the inter-node
+// algorithms cannot work on it directly: GPU memory (issue 7). The daemon
+// reduces the node's ranks into it where it lives (on the GPU), then moves
+// it through host memory piece by piece: a piece is fetched into one of two
+// host slots, carried between the nodes from there, and stored back, while
+// the next piece is being fetched into the other slot; at the end the
+// result goes from the node buffer to every local rank's output.
+//
+// Ordering: every Fetch, Store and the fan-out of Finish are enqueued on one
+// in-order queue (a CUDA stream), after ReduceLocal and after the ranks'
+// own work on their buffers (their IPC events). So a Fetch into a slot that
+// an earlier Store reads from waits for that Store on the device, without
+// the caller waiting; the caller waits (Wait) only before it reads a
+// fetched slot or writes a stored one again.
+//
+// Threads: one caller (a ClusterJob lane) at a time. The object stays valid
+// (and keeps the ranks' memory open) until it is destroyed; the destructor
+// waits for whatever was enqueued, so the ranks may reuse their buffers once
+// it is gone. Errors are the device's, as a status naming the step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ciuic/shm_layout.h"
+
+namespace ciuic::daemon {
+
+class StagedNodeBuffer {
+ public:
+  virtual ~StagedNodeBuffer() = default;
+
+  // Enqueues the local phase: the node's ranks' inputs reduced with `op`
+  // (not kAvg: the caller sums and divides) into the node buffer.
+  virtual absl::Status ReduceLocal(wire::ReduceOp op) = 0;
+  // Host memory of slot `slot` (0 or 1), at least `bytes` long; the same
+  // memory for the object's life unless a larger size is asked for.
+  virtual absl::StatusOr<uint8_t*> Slot(int slot, size_t bytes) = 0;
+  // Enqueues a copy of the node buffer's bytes [offset, offset + bytes) into
+  // the slot's host memory.
+  virtual absl::Status Fetch(int slot, size_t offset, size_t bytes) = 0;
+  // Enqueues a copy of the slot's first `bytes` bytes to the node buffer at
+  // `offset`.
+  virtual absl::Status Store(int slot, size_t offset, size_t bytes) = 0;
+  // Blocks until the slot's last Fetch or Store is complete.
+  virtual absl::Status Wait(int slot) = 0;
+  // Enqueues the node buffer's copy to every other local rank's output and
+  // blocks until everything enqueued is complete.
+  virtual absl::Status Finish() = 0;
+  // Blocks until everything enqueued is complete (after a failure, before
+  // the ranks are told: they may reuse their buffers then).
+  virtual absl::Status Drain() = 0;
+};
+
+}  // namespace ciuic::daemon
