@@ -688,6 +688,25 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
   uint8_t* slot[2] = {nullptr, nullptr};
   auto run = [&]() -> absl::Status {
     if (absl::Status s = device.ReduceLocal(wire_op); !s.ok()) return s;
+    if (codec != nullptr) {
+      // Compressed where the buffer lives, when it can: only encoded bytes
+      // leave it, and its residuals stay there.
+      auto coder = device.Coder(settings.codec, feedback ? op.name : std::string());
+      if (!coder.ok()) return coder.status();
+      if (*coder != nullptr) {
+        CompressionStats stats;
+        absl::Status s = AllreduceCompressedWith(ctx, *codec, **coder, dtype, device.data(), count,
+                                                 &stats);
+        compressed_ops_.fetch_add(1, std::memory_order_relaxed);
+        raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
+        wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+        if (!s.ok()) return s;
+        if (requested == wire::ReduceOp::kAvg) {
+          if (s = device.Divide(options_.world_size); !s.ok()) return s;
+        }
+        return device.Finish();
+      }
+    }
     // Fetch the first two segments, one per slot; segment k + 2 is fetched
     // into k's slot right after k's store (the device queue orders them).
     for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {

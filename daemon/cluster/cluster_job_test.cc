@@ -20,6 +20,8 @@
 
 #include "cluster/coordinator.h"
 #include "collectives/internode/in_process_transport.h"
+#include "compression/codec.h"
+#include "compression/error_feedback.h"
 #include "reduce/half.h"
 #include "reduce/reduce.h"
 #include "transport/forwarding_transport.h"
@@ -569,17 +571,91 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     return WaitLocked(lock, enqueued_);
   }
 
+  absl::StatusOr<std::unique_ptr<ChunkCoder>> Coder(const std::string& spec,
+                                                    const std::string& feedback_name) override {
+    if (residuals == nullptr) return nullptr;  // no "device codecs": staged whole
+    auto parsed = ParseCodec(spec);
+    if (!parsed.ok()) return parsed.status();
+    Enqueue(-1, "coder " + spec, [] { return absl::OkStatus(); }).IgnoreError();
+    return std::unique_ptr<ChunkCoder>(new Coding(this, MakeCodec(*parsed), feedback_name));
+  }
+  void* data() override { return outputs_[0]; }
+  absl::Status Divide(int divisor) override {
+    return Enqueue(-1, "divide", [this, divisor] {
+      reduce::DivideInPlace(dtype_, Node(), count_, divisor);
+      return absl::OkStatus();
+    });
+  }
+
   std::vector<std::string> calls() {
     std::lock_guard<std::mutex> lock(mu_);
     return calls_;
   }
   int fail_fetch_at = -1;  // byte offset of the segment whose fetch fails
+  // Set: Coder runs codecs "on the device" (on its thread), keeping error
+  // feedback here (shared by the buffers of one name's steps, as a daemon's
+  // device residuals are).
+  ErrorFeedback* residuals = nullptr;
 
  private:
+  // The CPU codec and ErrorFeedback run as device work, in queue order, as
+  // a GPU's kernels would on the buffer's stream.
+  class Coding final : public ChunkCoder {
+   public:
+    Coding(HostStagedBuffer* b, std::unique_ptr<Codec> codec, std::string name)
+        : b_(b), codec_(std::move(codec)), name_(std::move(name)) {}
+    absl::StatusOr<uint64_t> Encode(void* data, size_t first, size_t count, bool own_sum,
+                                    void* out) override {
+      uint64_t bytes = 0;
+      absl::Status s = b_->RunOnDevice([&] {
+        auto* f = static_cast<float*>(data);
+        const bool fb = !name_.empty() && b_->dtype_ == wire::DataType::kFloat32;
+        const std::string key = own_sum ? name_ + "#owner" : name_;
+        if (fb) b_->residuals->ApplyRange(key, b_->count_, first, f, count);
+        bytes = codec_->Encode(b_->dtype_, data, count, out);
+        if (!fb && !own_sum) return absl::OkStatus();
+        std::vector<uint8_t> decoded(count * wire::DataTypeSize(static_cast<uint32_t>(b_->dtype_)));
+        absl::Status d = codec_->Decode(b_->dtype_, out, bytes, count, decoded.data());
+        if (!d.ok()) return d;
+        if (fb) {
+          b_->residuals->UpdateRange(key, b_->count_, first, f,
+                                     reinterpret_cast<const float*>(decoded.data()), count);
+        }
+        if (own_sum) std::memcpy(data, decoded.data(), decoded.size());
+        return absl::OkStatus();
+      });
+      if (!s.ok()) return s;
+      return bytes;
+    }
+    absl::Status Decode(const void* in, uint64_t bytes, size_t count, void* data,
+                        bool add) override {
+      return b_->RunOnDevice([&] {
+        return add ? codec_->DecodeAdd(b_->dtype_, in, bytes, count, data)
+                   : codec_->Decode(b_->dtype_, in, bytes, count, data);
+      });
+    }
+
+   private:
+    HostStagedBuffer* const b_;
+    const std::unique_ptr<Codec> codec_;
+    const std::string name_;
+  };
+
+  // Runs `work` on the device thread after everything enqueued, and waits.
+  absl::Status RunOnDevice(std::function<absl::Status()> work) {
+    absl::Status result;
+    Enqueue(-1, "", [&] {
+      result = work();
+      return absl::OkStatus();
+    }).IgnoreError();
+    if (absl::Status s = Drain(); !s.ok()) return s;
+    return result;
+  }
+
   uint8_t* Node() { return static_cast<uint8_t*>(outputs_[0]); }
   absl::Status Enqueue(int slot, std::string call, std::function<absl::Status()> work) {
     std::lock_guard<std::mutex> lock(mu_);
-    calls_.push_back(std::move(call));
+    if (!call.empty()) calls_.push_back(std::move(call));
     queue_.push_back(std::move(work));
     ++enqueued_;
     if (slot >= 0) last_[slot] = enqueued_;
@@ -864,6 +940,105 @@ TEST(ClusterJobStagedTest, ADeviceFaultFailsTheOperationEverywhere) {
   EXPECT_FALSE(nodes.ends(1).ends[0].second.ok());
   // Nothing of the failed operation is left running on the "device".
   EXPECT_TRUE(absl::IsInternal(gpu->Drain()));
+}
+
+// Compressed allreduces on a staged node run through its coder where the
+// buffer lives (int8, fp16, top-k; error feedback kept by the "device" under
+// the operation's name across steps): results are the bits of the same
+// operations with every node on the host, and so are they when the buffer
+// offers no coder (staged whole, encoded on the CPU with the job's error
+// feedback). Two steps of each name, so the residuals matter; a bf16
+// allreduce beside (float32 only has error feedback) and an avg (divided
+// where the buffer lives).
+TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBits) {
+  struct Op {
+    std::string name;
+    wire::DataType dtype;
+    wire::ReduceOp op;
+    size_t count;
+  };
+  const std::vector<Op> ops = {{"g", wire::DataType::kFloat32, wire::ReduceOp::kSum, 20000},
+                               {"h", wire::DataType::kFloat32, wire::ReduceOp::kAvg, 30001},
+                               {"b", wire::DataType::kBFloat16, wire::ReduceOp::kSum, 40000}};
+  enum Mode { kAllHost, kCoder, kStagedWhole };
+  for (const char* codec : {"int8", "fp16", "topk:0.1"}) {
+    SCOPED_TRACE(codec);
+    // results[mode][step][op][node]
+    std::vector<std::vector<uint8_t>> results[3][2][3];
+    for (Mode mode : {kAllHost, kCoder, kStagedWhole}) {
+      Nodes nodes(2);
+      ASSERT_TRUE(nodes.SetBoth("compression", codec).ok());
+      ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "16K").ok());
+      ErrorFeedback residuals(64 << 20);
+      bool coded = false;
+      for (int step = 0; step < 2; ++step) {
+        std::vector<std::vector<uint8_t>> send[2];
+        std::vector<std::shared_ptr<HostStagedBuffer>> gpu;
+        for (int k = 0; k < 2; ++k) {
+          for (size_t o = 0; o < ops.size(); ++o) {
+            const size_t es = wire::DataTypeSize(static_cast<uint32_t>(ops[o].dtype));
+            send[k].emplace_back(ops[o].count * es);
+            results[mode][step][o].resize(2);
+            results[mode][step][o][k].assign(ops[o].count * es, 0);
+            for (size_t i = 0; i < ops[o].count; ++i) {
+              const float v = Value(k, o + 10 * step, i) * 100;
+              if (ops[o].dtype == wire::DataType::kFloat32) {
+                std::memcpy(send[k][o].data() + 4 * i, &v, 4);
+              } else {
+                const uint16_t h = reduce::FloatToBFloat16(v);
+                std::memcpy(send[k][o].data() + 2 * i, &h, 2);
+              }
+            }
+            ClusterOp op = Allreduce(step * 10 + o, ops[o].name, ops[o].dtype, ops[o].op,
+                                     ops[o].count, k, send[k][o].data(),
+                                     results[mode][step][o][k].data());
+            if (k == 0 && mode != kAllHost) {
+              auto b = std::make_shared<HostStagedBuffer>(
+                  ops[o].dtype, ops[o].count, std::vector<const void*>{send[k][o].data()},
+                  std::vector<void*>{results[mode][step][o][k].data()});
+              if (mode == kCoder) b->residuals = &residuals;
+              gpu.push_back(b);
+              op.staged = b;
+              op.parts[0].send = nullptr;
+              op.parts[0].recv = nullptr;
+            }
+            nodes.job(k).Submit(std::move(op));
+          }
+        }
+        for (int k = 0; k < 2; ++k) {
+          ASSERT_TRUE(nodes.ends(k).WaitFor((step + 1) * ops.size())) << "node " << k;
+        }
+        for (auto& b : gpu) {
+          for (const std::string& call : b->calls()) coded = coded || call == "coder " + std::string(codec);
+        }
+      }
+      for (int k = 0; k < 2; ++k) {
+        for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
+      }
+      EXPECT_EQ(coded, mode == kCoder);
+      // g and h twice; b too where the codec takes bfloat16 (fp16 does not).
+      const uint64_t compressed = std::string(codec) == "fp16" ? 4 : 6;
+      EXPECT_EQ(nodes.job(0).compression().ops, compressed);
+    }
+    for (int step = 0; step < 2; ++step) {
+      for (size_t o = 0; o < ops.size(); ++o) {
+        for (int k = 0; k < 2; ++k) {
+          EXPECT_EQ(results[kCoder][step][o][k], results[kAllHost][step][o][k])
+              << "coder: step " << step << " " << ops[o].name << " node " << k;
+          EXPECT_EQ(results[kStagedWhole][step][o][k], results[kAllHost][step][o][k])
+              << "staged whole: step " << step << " " << ops[o].name << " node " << k;
+        }
+      }
+    }
+    // Compression did something: g's result is not the exact sum everywhere.
+    size_t inexact = 0;
+    for (size_t i = 0; i < ops[0].count; ++i) {
+      float got;
+      std::memcpy(&got, results[kCoder][0][0][0].data() + 4 * i, 4);
+      inexact += got != Value(0, 0, i) * 100 + Value(1, 0, i) * 100;
+    }
+    EXPECT_GT(inexact, 0u);
+  }
 }
 
 }  // namespace

@@ -21,10 +21,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "ciuic/shm_layout.h"
+#include "collectives/chunk_coder.h"
 
 namespace ciuic::daemon {
 
@@ -52,6 +55,21 @@ class StagedNodeBuffer {
   // Blocks until everything enqueued is complete (after a failure, before
   // the ranks are told: they may reuse their buffers then).
   virtual absl::Status Drain() = 0;
+
+  // Compressed allreduces run where the node buffer lives, without staging
+  // it: a coder for codec `spec` (a ParseCodec spec) over the node buffer,
+  // with error feedback under `feedback_name` (empty: none), kept there
+  // too; the collective then works on data() through it. Null (not an
+  // error) when this buffer cannot run that codec on its dtype: the caller
+  // then stages the buffer and encodes on the CPU.
+  virtual absl::StatusOr<std::unique_ptr<ChunkCoder>> Coder(const std::string& spec,
+                                                            const std::string& feedback_name) = 0;
+  // The node buffer in its own memory (for a coder; never dereferenced by
+  // the CPU).
+  virtual void* data() = 0;
+  // Enqueues avg's division of the node buffer by `divisor`, with
+  // reduce.h's DivideInPlace semantics.
+  virtual absl::Status Divide(int divisor) = 0;
 };
 
 }  // namespace ciuic::daemon

@@ -15,8 +15,10 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/device_coder.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.h"
+#include "cuda/runtime.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -29,14 +31,13 @@ IpcBytes BytesOf(const uint8_t* p) {
   return b;
 }
 
-absl::Status Cuda(cudaError_t e, absl::string_view what) {
-  if (e != cudaSuccess) cudaGetLastError();  // do not let it surface in the next call
-  return gpu::CudaStatus(static_cast<int>(e), what);
-}
 
 // Session handles the runner keeps open at most; past that the session's
 // handles are closed (after its queued work) and opened again when used.
 constexpr size_t kMaxOpenPerSession = 1024;
+// Device memory for one job's error feedback residuals (as the host's,
+// ClusterJob's ErrorFeedback).
+constexpr size_t kResidualBytesPerJob = size_t{256} << 20;
 
 // A blocking FIFO; Pop returns false once Stop() was called and it is empty.
 template <typename T>
@@ -120,22 +121,6 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   std::multimap<uint64_t, uint8_t*> free_;  // by size
 };
 
-// Polls: small operations finish within microseconds, so spin (yielding)
-// for a short while, then sleep in short steps.
-absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what) {
-  const auto start = std::chrono::steady_clock::now();
-  while (true) {
-    const cudaError_t e = cudaEventQuery(event);
-    if (e == cudaSuccess) return absl::OkStatus();
-    if (e != cudaErrorNotReady) return Cuda(e, what);
-    if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
-}
-
 struct OpenedMemory {
   uint8_t* base = nullptr;
   uint64_t bytes = 0;  // the allocation's real size
@@ -169,6 +154,7 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     std::vector<const void*> inputs;  // every rank's send buffer
     std::vector<uint8_t*> outputs;    // every rank's receive buffer; [0] is the node's
     std::vector<std::shared_ptr<SessionHandles>> sessions;
+    std::shared_ptr<DeviceResiduals> residuals;  // the job's error feedback
   };
   CudaStagedBuffer(Parts parts, std::shared_ptr<PinnedPool> pool)
       : p_(std::move(parts)), pool_(std::move(pool)) {}
@@ -238,11 +224,22 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
   absl::Status Drain() override {
     if (p_.stream == nullptr) return absl::OkStatus();
     if (absl::Status s = Current(); !s.ok()) return s;
-    if (absl::Status s = Record(2); !s.ok()) {
-      cudaStreamSynchronize(p_.stream);
-      return s;
-    }
-    return WaitForEvent(events_[2], "the operation's device work");
+    absl::Status s = WaitForStream(p_.stream, &events_[2], "the operation's device work");
+    if (!s.ok()) cudaStreamSynchronize(p_.stream);
+    return s;
+  }
+  absl::StatusOr<std::unique_ptr<ChunkCoder>> Coder(const std::string& spec,
+                                                    const std::string& feedback_name) override {
+    if (p_.stream == nullptr) return nullptr;  // count 0: nothing to encode
+    if (absl::Status s = Current(); !s.ok()) return s;
+    return MakeDeviceCoder(spec, p_.dtype, p_.count, p_.device, p_.stream, p_.residuals,
+                           feedback_name);
+  }
+  void* data() override { return p_.outputs.empty() ? nullptr : p_.outputs[0]; }
+  absl::Status Divide(int divisor) override {
+    if (p_.stream == nullptr) return absl::OkStatus();
+    if (absl::Status s = Current(); !s.ok()) return s;
+    return gpu::DeviceDivide(p_.dtype, p_.outputs[0], p_.count, divisor, p_.stream);
   }
 
  private:
@@ -258,7 +255,7 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     }
     return Current();
   }
-  // Records events_[which] (0, 1: the slots; 2: everything so far).
+  // Records events_[which] (0, 1: the slots; 2 is Drain's).
   absl::Status Record(int which) {
     if (events_[which] == nullptr) {
       absl::Status s = Cuda(cudaEventCreateWithFlags(&events_[which], cudaEventDisableTiming),
@@ -310,11 +307,16 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   void Stage(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+             const std::string& job,
              std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done)
       override {
-    tasks_.Push([this, sig, ranks = std::move(ranks), done = std::move(done)]() mutable {
-      done(StageOnSubmit(sig, ranks));
+    tasks_.Push([this, sig, ranks = std::move(ranks), job, done = std::move(done)]() mutable {
+      done(StageOnSubmit(sig, ranks, job));
     });
+  }
+
+  void EndJob(const std::string& job) override {
+    tasks_.Push([this, job] { residuals_.erase(job); });
   }
 
   void StageIn(std::vector<DeviceRankBuffers> ranks,
@@ -535,10 +537,13 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> StageOnSubmit(
-      const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks) {
+      const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks, const std::string& job) {
     CudaStagedBuffer::Parts parts;
     parts.dtype = static_cast<wire::DataType>(sig.dtype);
     parts.count = sig.count;
+    std::shared_ptr<DeviceResiduals>& residuals = residuals_[job];
+    if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
+    parts.residuals = residuals;
     if (sig.count == 0) return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
     auto current = Begin(ranks, &parts.device);
     if (!current.ok()) return current.status();
@@ -755,6 +760,9 @@ class CudaDeviceRunner final : public DeviceRunner {
   // Submit-thread state.
   std::map<int, cudaStream_t> streams_;  // the runner's own stream per device
   std::map<uint64_t, std::shared_ptr<SessionHandles>> sessions_;
+  // Error feedback kept on the device, per job (EndJob drops the runner's
+  // hold; the memory goes with the job's last staged buffer).
+  std::map<std::string, std::shared_ptr<DeviceResiduals>> residuals_;
   std::thread submit_thread_;
   std::thread completion_thread_;
 };

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -80,9 +81,14 @@ class DeviceRunner {
   // the node buffer is rank 0's receive buffer. The buffer keeps the ranks'
   // handles open while it lives (a session closed meanwhile closes them
   // when it goes).
+  // `job` names the job whose error feedback residuals (kept on the device
+  // for compressed operations) the buffer uses.
   virtual void Stage(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+                     const std::string& job,
                      std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)>
                          done) = 0;
+  // The job has ended: its residuals go once its last staged buffer has.
+  virtual void EndJob(const std::string& job) = 0;
 
   // Multi-node jobs (the inter-node algorithm runs on host memory): waits
   // for each rank's event, copies every rank's send buffer into pinned host

@@ -63,6 +63,12 @@ absl::Status DeviceReduceToAll(wire::DataType dtype, wire::ReduceOp op,
                                void* const* device_outputs, int num_outputs, size_t count,
                                void* stream);
 
+// avg's division on its own, in place: data[i] = data[i] / divisor with
+// reduce.h DivideInPlace's rounding and integer truncation (for a sum made
+// elsewhere: between nodes). divisor >= 1.
+absl::Status DeviceDivide(wire::DataType dtype, void* device_data, size_t count, int divisor,
+                          void* stream);
+
 // The 16-bit cast codecs: kFp16 (IEEE binary16) or kBf16.
 enum class CastFormat { kFp16, kBf16 };
 

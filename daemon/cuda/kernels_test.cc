@@ -217,6 +217,31 @@ TEST_F(DeviceReduceTest, ManyInputs) {
   }
 }
 
+// avg's division alone (a sum made between nodes): DivideInPlace's bits for
+// every dtype, divisors 1, 2, 3, 7, aligned to 16 bytes or only to the
+// element.
+TEST_F(DeviceReduceTest, DivideMatchesCpu) {
+  for (DataType t : kAllTypes) {
+    for (size_t count : kCounts) {
+      for (int divisor : {1, 2, 3, 7}) {
+        for (size_t offset : {size_t{0}, SizeOf(t)}) {
+          const std::string what = Name(t) + " / " + std::to_string(divisor) + " count=" +
+                                   std::to_string(count) + " offset=" + std::to_string(offset);
+          std::mt19937_64 rng(count * 31 + divisor + static_cast<int>(t));
+          std::vector<unsigned char> want = RandomElements(t, count, rng);
+          DeviceBuffer dev(want.data(), want.size(), offset);
+          if (count != 0) reduce::DivideInPlace(t, want.data(), count, divisor);
+          ASSERT_TRUE(DeviceDivide(t, dev.get(), count, divisor, stream_).ok()) << what;
+          Sync();
+          ExpectSameElements(t, want, dev.Download(), what);
+        }
+      }
+    }
+  }
+  EXPECT_FALSE(DeviceDivide(DataType::kFloat32, nullptr, 4, 2, stream_).ok());
+  EXPECT_FALSE(DeviceDivide(DataType::kFloat32, nullptr, 4, 0, stream_).ok());
+}
+
 // Every rank's output in one pass (the daemon's allreduce): each output
 // equals the CPU reduction; in place, output k is input k.
 TEST_F(DeviceReduceTest, ToAllOutputsMatchesCpu) {

@@ -35,9 +35,11 @@ struct alignas(16) Vec {
 // elements); the last item may be short and so may the whole buffer be
 // unaligned: those take the element-by-element branch. Every thread reads all
 // inputs of its elements before it writes them to the `m` outputs, so an
-// output equal to an input (in place) is safe.
+// output equal to an input (in place) is safe. avg divides by `divisor` (n,
+// or the world size for DeviceDivide's single input).
 template <typename F, typename Op>
-__global__ void ReduceKernel(Inputs in, int n, Outputs out, int m, size_t count, bool aligned) {
+__global__ void ReduceKernel(Inputs in, int n, Outputs out, int m, size_t count, bool aligned,
+                             int divisor) {
   using T = typename F::Storage;
   using A = typename F::Acc;
   constexpr int V = Vec<T>::kN;
@@ -60,7 +62,7 @@ __global__ void ReduceKernel(Inputs in, int n, Outputs out, int m, size_t count,
       }
       Vec<T> o;
 #pragma unroll
-      for (int j = 0; j < V; ++j) o.v[j] = Op::template Finish<F>(acc[j], n);
+      for (int j = 0; j < V; ++j) o.v[j] = Op::template Finish<F>(acc[j], divisor);
       for (int k = 0; k < m; ++k) *reinterpret_cast<Vec<T>*>(static_cast<T*>(out.ptr[k]) + base) = o;
     } else {
       const size_t end = base + V < count ? base + V : count;
@@ -69,7 +71,7 @@ __global__ void ReduceKernel(Inputs in, int n, Outputs out, int m, size_t count,
         for (int k = 1; k < n; ++k) {
           acc = Op::Combine(acc, F::Load(static_cast<const T*>(in.ptr[k])[i]));
         }
-        const T o = Op::template Finish<F>(acc, n);
+        const T o = Op::template Finish<F>(acc, divisor);
         for (int k = 0; k < m; ++k) static_cast<T*>(out.ptr[k])[i] = o;
       }
     }
@@ -78,10 +80,11 @@ __global__ void ReduceKernel(Inputs in, int n, Outputs out, int m, size_t count,
 
 template <typename F, typename Op>
 absl::Status Launch(const Inputs& in, int n, const Outputs& out, int m, size_t count,
-                    bool aligned, cudaStream_t stream) {
+                    bool aligned, cudaStream_t stream, int divisor = 0) {
   using T = typename F::Storage;
   const LaunchShape shape = GridFor(ItemsFor(count, Vec<T>::kN));
-  ReduceKernel<F, Op><<<shape.blocks, shape.threads, 0, stream>>>(in, n, out, m, count, aligned);
+  ReduceKernel<F, Op><<<shape.blocks, shape.threads, 0, stream>>>(in, n, out, m, count, aligned,
+                                                                  divisor > 0 ? divisor : n);
   return CudaStatus(cudaGetLastError(), "DeviceReduce launch");
 }
 
@@ -101,7 +104,50 @@ absl::Status DispatchOp(ReduceOp op, const Inputs& in, int n, const Outputs& out
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// avg's final division alone: the one input is the output.
+template <typename F>
+absl::Status LaunchDivide(void* data, size_t count, int divisor, cudaStream_t stream) {
+  Inputs in{};
+  Outputs out{};
+  in.ptr[0] = data;
+  out.ptr[0] = data;
+  return Launch<F, AvgOp>(in, 1, out, 1, count, Aligned16(data), stream, divisor);
+}
+
 }  // namespace
+
+absl::Status DeviceDivide(DataType dtype, void* device_data, size_t count, int divisor,
+                          void* stream) {
+  const size_t size = wire::DataTypeSize(static_cast<uint32_t>(dtype));
+  if (size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: unknown data type ",
+                                                   static_cast<uint32_t>(dtype)));
+  }
+  if (divisor < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: divisor ", divisor));
+  }
+  if (count > SIZE_MAX / size) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: count ", count, " too large"));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (device_data == nullptr) return absl::InvalidArgumentError("DeviceDivide: null buffer");
+  if (reinterpret_cast<uintptr_t>(device_data) % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: buffer not aligned to its ",
+                                                   size, "-byte elements"));
+  }
+  auto* s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case DataType::kFloat32: return LaunchDivide<Plain<float>>(device_data, count, divisor, s);
+    case DataType::kFloat64: return LaunchDivide<Plain<double>>(device_data, count, divisor, s);
+    case DataType::kFloat16: return LaunchDivide<HalfReduce>(device_data, count, divisor, s);
+    case DataType::kBFloat16: return LaunchDivide<BFloat16Reduce>(device_data, count, divisor, s);
+    case DataType::kInt8: return LaunchDivide<Plain<int8_t>>(device_data, count, divisor, s);
+    case DataType::kUInt8: return LaunchDivide<Plain<uint8_t>>(device_data, count, divisor, s);
+    case DataType::kInt32: return LaunchDivide<Plain<int32_t>>(device_data, count, divisor, s);
+    case DataType::kInt64: return LaunchDivide<Plain<int64_t>>(device_data, count, divisor, s);
+  }
+  return absl::InvalidArgumentError("DeviceDivide: unknown data type");
+}
 
 absl::Status DeviceReduce(DataType dtype, ReduceOp op, const void* const* device_inputs,
                           int num_inputs, void* device_out, size_t count, void* stream) {

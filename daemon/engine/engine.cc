@@ -513,6 +513,7 @@ void Engine::EraseJobOnLoop(const std::string& key) {
     reapers_.emplace_back([cluster = std::move(it->second->cluster)]() mutable { cluster.reset(); });
   }
   running_ops_ -= static_cast<int>(it->second->in_cluster.size());
+  if (device_runner_) device_runner_->EndJob(key);
   if (it->second->fast) {  // the totals keep what the job did on its fast path
     const FastPathSegment::Counters c = it->second->fast->ReadCounters();
     ops_completed_ += c.ops_completed;
@@ -917,7 +918,7 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   if (job.cluster &&
       static_cast<wire::Collective>(op->sig.collective) == wire::Collective::kAllreduce) {
     device_runner_->Stage(
-        op->sig, DeviceRanksOf(*op),
+        op->sig, DeviceRanksOf(*op), job.key,
         [this, op, key = job.key,
          to_cluster](absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> staged) {
           Post([this, op, key, staged = std::move(staged), to_cluster] {

@@ -4,8 +4,9 @@
 // clear error a trainer gets where there is no CUDA. The GPU tests skip
 // with a message on machines without a usable GPU (CI).
 //
-// Multi-node (two daemons on this host): the pinned host staging around the
-// inter-node algorithm.
+// Multi-node (two daemons on this host): allreduces reduced on the GPU and
+// staged in segments, compressed ones encoded on the GPU; the other
+// collectives through pinned host copies.
 //
 // The test process never initialises CUDA itself (its forked ranks could
 // not use it then): a forked child asks whether there is a device.
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -323,6 +325,81 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// Compressed allreduces on device buffers between two nodes (two ranks
+// each): encoded and decoded by the GPU's codec kernels where the node
+// buffer lives, error feedback kept on the device. The same operations on
+// host buffers (other names, the same data) go through the CPU codecs and
+// the host's residuals: every result must be the same bits, over two steps
+// of each name (the second one adds the first one's residuals).
+TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
+  const std::string no_gpu = WhyNoGpu();
+  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  constexpr int kNodes = 2;
+  constexpr int kPerNode = 2;
+  auto cluster = Cluster::Start(kNodes, "tuning:\n  chunk_bytes: 64K\n");
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("devzip");
+  auto codes = RunRanks(kNodes * kPerNode, [&](int rank) {
+    int devices = 0;
+    CUDA_CHECK(cudaGetDeviceCount(&devices));
+    const int device = (rank % kPerNode) % devices;
+    CUDA_CHECK(cudaSetDevice(device));
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::unique_ptr<Communicator> comm = cluster->Join(job, rank, kNodes, kPerNode, 64 << 20);
+    CHILD_CHECK(comm != nullptr, "rank %d could not join (see stderr)", rank);
+    const size_t count = 300007;  // float32: 1.2 MB, several chunks per segment owner
+    for (const char* codec : {"int8", "fp16", "topk:0.05"}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        for (int step = 0; step < 2; ++step) {
+          std::vector<float> input(count);
+          for (size_t i = 0; i < count; ++i) {
+            input[i] = static_cast<float>(std::sin(0.001 * i + rank + 7 * step) * 100);
+          }
+          OpOptions opts;
+          opts.compression = codec;
+          opts.stream = stream;
+          const std::string tag = std::string(codec) + "/" + ReduceOpName(op);
+          // Device buffers.
+          float* send = nullptr;
+          float* recv = nullptr;
+          CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), count * 4));
+          CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), count * 4));
+          CUDA_CHECK(cudaMemcpyAsync(send, input.data(), count * 4, cudaMemcpyHostToDevice,
+                                     stream));
+          opts.name = "dev/" + tag;
+          Status st = comm->Allreduce(DeviceBuffer{send, device}, DeviceBuffer{recv, device},
+                                      count, DataType::kFloat32, op, opts)
+                          .Wait();
+          CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
+          std::vector<float> on_device(count);
+          CUDA_CHECK(cudaMemcpy(on_device.data(), recv, count * 4, cudaMemcpyDeviceToHost));
+          CUDA_CHECK(cudaFree(send));
+          CUDA_CHECK(cudaFree(recv));
+          // Host buffers, the same data.
+          Buffer hs, hr;
+          CHILD_CHECK(comm->Allocate(count * 4, &hs).ok() && comm->Allocate(count * 4, &hr).ok(),
+                      "rank %d: Allocate", rank);
+          std::memcpy(hs.data(), input.data(), count * 4);
+          opts.name = "host/" + tag;
+          opts.stream = nullptr;
+          st = comm->Allreduce(hs.data(), hr.data(), count, DataType::kFloat32, op, opts).Wait();
+          CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
+          CHILD_CHECK(std::memcmp(hr.data(), on_device.data(), count * 4) == 0,
+                      "rank %d %s step %d: the device path's result differs from the host's",
+                      rank, tag.c_str(), step);
+        }
+      }
+    }
+    return 0;
+  });
+  for (int r = 0; r < kNodes * kPerNode; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (HasFailure()) {
+    for (auto& d : cluster->nodes) fprintf(stderr, "%s\n", d->Log().c_str());
+  }
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 #else
 
 TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
@@ -330,6 +407,9 @@ TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
 }
 
 TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) { GTEST_SKIP() << WhyNoGpu(); }
+TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
+  GTEST_SKIP() << WhyNoGpu();
+}
 
 #endif
 

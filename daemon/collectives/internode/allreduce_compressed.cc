@@ -121,13 +121,16 @@ struct RecvItem {
 
 class Pipeline {
  public:
+  // `coder`: the data is not host memory; it encodes and decodes (with its
+  // own error feedback), and `feedback` must be null.
   Pipeline(const InterNodeContext& ctx, const Codec& codec, ErrorFeedback* feedback,
            const std::vector<FeedbackPiece>& pieces, wire::DataType dtype, void* data,
-           size_t count, CompressionStats* stats)
+           size_t count, CompressionStats* stats, ChunkCoder* coder = nullptr)
       : ctx_(ctx),
         t_(ctx.transport),
         codec_(codec),
-        feedback_(dtype == wire::DataType::kFloat32 ? feedback : nullptr),
+        coder_(coder),
+        feedback_(dtype == wire::DataType::kFloat32 && coder == nullptr ? feedback : nullptr),
         pieces_(pieces),
         dtype_(dtype),
         base_(static_cast<uint8_t*>(data)),
@@ -176,6 +179,14 @@ class Pipeline {
   void Apply(Event& e);
   bool AddReady();
   absl::Status CheckHeader(const RecvItem& r, uint64_t* encoded) const;
+  // A received encoding into (add: added to) the data: the coder's, or the
+  // CPU codec's.
+  absl::Status DecodeChunk(const uint8_t* in, uint64_t bytes, size_t count, uint8_t* data,
+                           bool add) {
+    if (coder_ != nullptr) return coder_->Decode(in, bytes, count, data, add);
+    return add ? codec_.DecodeAdd(dtype_, in, bytes, count, data)
+               : codec_.Decode(dtype_, in, bytes, count, data);
+  }
   void Fail(absl::Status s);
   TransferDone Callback(bool is_send, size_t item, int peer);
   void CancelAtDeadline();
@@ -183,6 +194,7 @@ class Pipeline {
   const InterNodeContext& ctx_;
   Transport* const t_;
   const Codec& codec_;
+  ChunkCoder* const coder_;  // null: host data, the CPU codec
   ErrorFeedback* const feedback_;
   const std::vector<FeedbackPiece>& pieces_;  // sorted, covering [0, count_)
   std::vector<std::string> owner_names_;      // pieces_[i].name + "#owner"
@@ -303,6 +315,17 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
   uint8_t* ptr = ChunkPtr(owner, c);
   const size_t m = ChunkLen(owner, c);
   const size_t chunk_first = ChunkFirst(owner, c);
+  if (coder_ != nullptr) {
+    absl::StatusOr<uint64_t> bytes = coder_->Encode(ptr, chunk_first, m, own_sum, slot + kHeader);
+    if (!bytes.ok()) {
+      Fail(absl::Status(bytes.status().code(),
+                        absl::StrCat(kWhat, ": encoding chunk ", c, ": ", bytes.status().message())));
+      return;
+    }
+    *encoded = *bytes;
+    std::memcpy(slot, encoded, kHeader);
+    return;
+  }
   // Residual keys, per piece (operation), indexed by element of the piece:
   // the contributions under its name, the owner's sums under name#owner.
   const auto key = [&](size_t i) -> const std::string& {
@@ -492,8 +515,8 @@ void Pipeline::Apply(Event& e) {
   if (r.phase == 1) {
     uint64_t encoded = 0;
     std::memcpy(&encoded, RecvSlot(r.slot), kHeader);
-    absl::Status s = codec_.Decode(dtype_, RecvSlot(r.slot) + kHeader, encoded,
-                                   ChunkLen(r.peer, r.chunk), ChunkPtr(r.peer, r.chunk));
+    absl::Status s = DecodeChunk(RecvSlot(r.slot) + kHeader, encoded, ChunkLen(r.peer, r.chunk),
+                                 ChunkPtr(r.peer, r.chunk), false);
     if (!s.ok()) {
       Fail(absl::Status(s.code(), absl::StrCat(kWhat, ": chunk ", r.chunk, " from node ", r.peer,
                                                ": ", s.message())));
@@ -515,8 +538,8 @@ bool Pipeline::AddReady() {
       if (!r.done) {
         uint64_t encoded = 0;
         std::memcpy(&encoded, RecvSlot(r.slot), kHeader);
-        absl::Status s = codec_.DecodeAdd(dtype_, RecvSlot(r.slot) + kHeader, encoded,
-                                          ChunkLen(me_, c), ChunkPtr(me_, c));
+        absl::Status s = DecodeChunk(RecvSlot(r.slot) + kHeader, encoded, ChunkLen(me_, c),
+                                     ChunkPtr(me_, c), true);
         r.done = true;
         free_recv_.push_back(r.slot);
         if (!s.ok()) {
@@ -579,7 +602,39 @@ absl::Status Pipeline::Run() {
   return error_;
 }
 
+// The checks every entry point makes; OK to go on (`*done`: nothing to do).
+absl::Status CheckCompressed(const InterNodeContext& ctx, const Codec& codec, wire::DataType dtype,
+                             size_t count, bool* done) {
+  *done = true;
+  if (absl::Status s = codec.Supports(dtype); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(kWhat, ": ", s.message()));
+  }
+  if (ctx.transport == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no transport"));
+  if ((ctx.tag_base & ((uint64_t{1} << kTagFieldBits) - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kWhat, ": tag_base ", ctx.tag_base, " has some of its low 24 bits set"));
+  }
+  if (ctx.transport->num_peers() <= 1 || count == 0) return absl::OkStatus();
+  if (ctx.scratch == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no scratch buffer"));
+  *done = false;
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status AllreduceCompressedWith(const InterNodeContext& ctx, const Codec& codec,
+                                     ChunkCoder& coder, wire::DataType dtype, void* data,
+                                     size_t count, CompressionStats* stats) {
+  bool done = false;
+  if (absl::Status s = CheckCompressed(ctx, codec, dtype, count, &done); !s.ok() || done) {
+    return s;
+  }
+  const std::vector<FeedbackPiece> pieces = {FeedbackPiece{"", 0, count}};
+  CompressionStats local;
+  Pipeline pipeline(ctx, codec, nullptr, pieces, dtype, data, count, stats ? stats : &local,
+                    &coder);
+  return pipeline.Run();
+}
 
 absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec,
                                  ErrorFeedback* feedback, const std::string& name,
@@ -606,16 +661,10 @@ absl::Status AllreduceCompressedPieces(const InterNodeContext& ctx, const Codec&
     return absl::InvalidArgumentError(
         absl::StrCat(kWhat, ": pieces cover ", covered, " elements of ", count));
   }
-  if (absl::Status s = codec.Supports(dtype); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat(kWhat, ": ", s.message()));
+  bool done = false;
+  if (absl::Status s = CheckCompressed(ctx, codec, dtype, count, &done); !s.ok() || done) {
+    return s;
   }
-  if (ctx.transport == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no transport"));
-  if ((ctx.tag_base & ((uint64_t{1} << kTagFieldBits) - 1)) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kWhat, ": tag_base ", ctx.tag_base, " has some of its low 24 bits set"));
-  }
-  if (ctx.transport->num_peers() <= 1 || count == 0) return absl::OkStatus();
-  if (ctx.scratch == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no scratch buffer"));
   CompressionStats local;
   Pipeline pipeline(ctx, codec, feedback, pieces, dtype, data, count, stats ? stats : &local);
   return pipeline.Run();

@@ -40,6 +40,7 @@
 
 #include "absl/status/status.h"
 #include "ciuic/shm_layout.h"
+#include "collectives/chunk_coder.h"
 #include "collectives/internode/scratch.h"
 #include "compression/codec.h"
 #include "compression/error_feedback.h"
@@ -121,6 +122,15 @@ absl::Status AllreduceCompressedPieces(const InterNodeContext& ctx, const Codec&
                                        const std::vector<FeedbackPiece>& pieces,
                                        wire::DataType dtype, void* data, size_t count,
                                        CompressionStats* stats);
+
+// AllreduceCompressed on data the CPU must not touch (a node buffer in GPU
+// memory): `coder` does every encode and decode where the data lives, with
+// its own error feedback (chunk_coder.h); `codec` is the same codec's CPU
+// form, for the sizes of the messages. Same messages on the wire, so nodes
+// with a coder and nodes without one interoperate.
+absl::Status AllreduceCompressedWith(const InterNodeContext& ctx, const Codec& codec,
+                                     ChunkCoder& coder, wire::DataType dtype, void* data,
+                                     size_t count, CompressionStats* stats);
 
 // `input` (null or `data`: in place) is read and never written: the ring
 // then reads each segment's local contribution from `input` where it folds it

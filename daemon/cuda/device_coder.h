@@ -1,0 +1,72 @@
+// The codecs on the GPU for a multi-node allreduce whose node buffer is in
+// device memory (issue 7): a ChunkCoder (collectives/chunk_coder.h) over
+// that buffer that encodes and decodes with kernels.h's kernels on the
+// buffer's stream, and error feedback residuals kept in device memory
+// (DeviceResiduals, one set per job). Only encoded bytes cross to the host.
+// Built with CUDA only; used by CudaDeviceRunner's staged buffers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ciuic/shm_layout.h"
+#include "collectives/chunk_coder.h"
+
+namespace ciuic::daemon {
+
+// Error feedback residuals in device memory, with ErrorFeedback's
+// semantics (compression/error_feedback.h): float32, keyed by name, a
+// residual of another size is dropped (Find) or replaced (ForUpdate), the
+// total bytes bounded with least recently used names evicted. One per job:
+// the job's staged buffers hold it, so it goes (its memory freed) when the
+// job and its last operation have. Thread-safe; a residual is used by one
+// operation at a time (a name runs in one lane at a time).
+class DeviceResiduals {
+ public:
+  explicit DeviceResiduals(size_t max_bytes) : max_bytes_(max_bytes) {}
+  ~DeviceResiduals();
+  DeviceResiduals(const DeviceResiduals&) = delete;
+  DeviceResiduals& operator=(const DeviceResiduals&) = delete;
+
+  // The residual of `name` if it has `count` elements on `device`, else
+  // null (a residual of another shape is dropped).
+  float* Find(const std::string& name, size_t count, int device);
+  // The residual to update: the one there, or a new one of zeros (set on
+  // `stream`), evicting others to stay within the bound; null when `count`
+  // alone exceeds it (that operation then runs without error feedback).
+  absl::StatusOr<float*> ForUpdate(const std::string& name, size_t count, int device,
+                                   cudaStream_t stream);
+
+ private:
+  struct Entry {
+    float* data = nullptr;
+    size_t count = 0;
+    int device = 0;
+    std::list<std::string>::iterator lru;
+  };
+  void EraseLocked(std::unordered_map<std::string, Entry>::iterator it);
+
+  const size_t max_bytes_;
+  std::mutex mu_;
+  std::unordered_map<std::string, Entry> entries_;  // guarded by mu_
+  std::list<std::string> lru_;                      // guarded by mu_: front most recent
+  size_t bytes_ = 0;                                // guarded by mu_
+};
+
+// A coder for codec `spec` over `count` elements of `dtype` on `device`,
+// working on `stream`; error feedback (float32 only) under `feedback_name`
+// in `residuals` (empty name or null residuals: none). Null when the codec
+// cannot take the dtype (as the CPU codec would refuse it).
+absl::StatusOr<std::unique_ptr<ChunkCoder>> MakeDeviceCoder(
+    const std::string& spec, wire::DataType dtype, size_t count, int device, cudaStream_t stream,
+    std::shared_ptr<DeviceResiduals> residuals, const std::string& feedback_name);
+
+}  // namespace ciuic::daemon
