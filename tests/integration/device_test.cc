@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -284,14 +285,19 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, C
 }
 
 
-TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
-  const std::string no_gpu = WhyNoGpu();
-  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+// Two daemons ("nodes") with two ranks each, every rank on GPU
+// local_rank % devices with a stream of its own, running `body` (0: fine);
+// each rank's exit code is expected to be 0, and the daemons' logs are
+// printed on a failure.
+void RunOnTwoGpuNodes(const std::string& config, const std::string& job_prefix,
+                      size_t arena_bytes,
+                      const std::function<int(Communicator&, int rank, int device,
+                                              cudaStream_t stream)>& body) {
   constexpr int kNodes = 2;
   constexpr int kPerNode = 2;
-  auto cluster = Cluster::Start(kNodes, "tuning:\n  staging_segment_bytes: 64K\n");
+  auto cluster = Cluster::Start(kNodes, config);
   ASSERT_NE(cluster, nullptr);
-  const std::string job = UniqueJobId("devmn");
+  const std::string job = UniqueJobId(job_prefix);
   auto codes = RunRanks(kNodes * kPerNode, [&](int rank) {
     int devices = 0;
     CUDA_CHECK(cudaGetDeviceCount(&devices));
@@ -299,8 +305,22 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
     CUDA_CHECK(cudaSetDevice(device));
     cudaStream_t stream = nullptr;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    std::unique_ptr<Communicator> comm = cluster->Join(job, rank, kNodes, kPerNode, 16 << 20);
+    std::unique_ptr<Communicator> comm = cluster->Join(job, rank, kNodes, kPerNode, arena_bytes);
     CHILD_CHECK(comm != nullptr, "rank %d could not join (see stderr)", rank);
+    return body(*comm, rank, device, stream);
+  });
+  for (int r = 0; r < kNodes * kPerNode; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (::testing::Test::HasFailure()) {
+    for (auto& d : cluster->nodes) fprintf(stderr, "%s\n", d->Log().c_str());
+  }
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
+  const std::string no_gpu = WhyNoGpu();
+  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  RunOnTwoGpuNodes("tuning:\n  staging_segment_bytes: 64K\n", "devmn", 16 << 20,
+                   [](Communicator& comm, int, int device, cudaStream_t stream) {
     for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
       const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
       for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt32}) {
@@ -309,7 +329,7 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
           for (size_t count : {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}}) {
             const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
                                      ReduceOpName(op) + "/" + std::to_string(count);
-            if (RunOneDeviceMultiNode(*comm, device, stream, coll, t, op, count, name) != 0) {
+            if (RunOneDeviceMultiNode(comm, device, stream, coll, t, op, count, name) != 0) {
               return 1;
             }
           }
@@ -318,11 +338,6 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
     }
     return 0;
   });
-  for (int r = 0; r < kNodes * kPerNode; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
-  if (HasFailure()) {
-    for (auto& d : cluster->nodes) fprintf(stderr, "%s\n", d->Log().c_str());
-  }
-  EXPECT_TRUE(cluster->StopAll());
 }
 
 // Compressed allreduces on device buffers between two nodes (two ranks
@@ -334,20 +349,8 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
 TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
   const std::string no_gpu = WhyNoGpu();
   if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
-  constexpr int kNodes = 2;
-  constexpr int kPerNode = 2;
-  auto cluster = Cluster::Start(kNodes, "tuning:\n  chunk_bytes: 64K\n");
-  ASSERT_NE(cluster, nullptr);
-  const std::string job = UniqueJobId("devzip");
-  auto codes = RunRanks(kNodes * kPerNode, [&](int rank) {
-    int devices = 0;
-    CUDA_CHECK(cudaGetDeviceCount(&devices));
-    const int device = (rank % kPerNode) % devices;
-    CUDA_CHECK(cudaSetDevice(device));
-    cudaStream_t stream = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    std::unique_ptr<Communicator> comm = cluster->Join(job, rank, kNodes, kPerNode, 64 << 20);
-    CHILD_CHECK(comm != nullptr, "rank %d could not join (see stderr)", rank);
+  RunOnTwoGpuNodes("tuning:\n  chunk_bytes: 64K\n", "devzip", 64 << 20,
+                   [](Communicator& comm, int rank, int device, cudaStream_t stream) {
     const size_t count = 300007;  // float32: 1.2 MB, several chunks per segment owner
     for (const char* codec : {"int8", "fp16", "topk:0.05"}) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
@@ -368,7 +371,7 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
           CUDA_CHECK(cudaMemcpyAsync(send, input.data(), count * 4, cudaMemcpyHostToDevice,
                                      stream));
           opts.name = "dev/" + tag;
-          Status st = comm->Allreduce(DeviceBuffer{send, device}, DeviceBuffer{recv, device},
+          Status st = comm.Allreduce(DeviceBuffer{send, device}, DeviceBuffer{recv, device},
                                       count, DataType::kFloat32, op, opts)
                           .Wait();
           CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
@@ -378,12 +381,12 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
           CUDA_CHECK(cudaFree(recv));
           // Host buffers, the same data.
           Buffer hs, hr;
-          CHILD_CHECK(comm->Allocate(count * 4, &hs).ok() && comm->Allocate(count * 4, &hr).ok(),
+          CHILD_CHECK(comm.Allocate(count * 4, &hs).ok() && comm.Allocate(count * 4, &hr).ok(),
                       "rank %d: Allocate", rank);
           std::memcpy(hs.data(), input.data(), count * 4);
           opts.name = "host/" + tag;
           opts.stream = nullptr;
-          st = comm->Allreduce(hs.data(), hr.data(), count, DataType::kFloat32, op, opts).Wait();
+          st = comm.Allreduce(hs.data(), hr.data(), count, DataType::kFloat32, op, opts).Wait();
           CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
           CHILD_CHECK(std::memcmp(hr.data(), on_device.data(), count * 4) == 0,
                       "rank %d %s step %d: the device path's result differs from the host's",
@@ -393,11 +396,6 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
     }
     return 0;
   });
-  for (int r = 0; r < kNodes * kPerNode; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
-  if (HasFailure()) {
-    for (auto& d : cluster->nodes) fprintf(stderr, "%s\n", d->Log().c_str());
-  }
-  EXPECT_TRUE(cluster->StopAll());
 }
 
 #else
