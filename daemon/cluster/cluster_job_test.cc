@@ -1041,5 +1041,275 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
   }
 }
 
+// ------------------------------------------------- a coordinator that lies
+
+// The coordinator's side of one node's ordering stream, played by the test:
+// what the node writes is kept (Written), what the test sends (Send) is what
+// the node reads.
+class ScriptedStream final : public OrderingStream {
+ public:
+  bool Write(const proto::NodeEvent& event) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    written_.push_back(event);
+    cv_.notify_all();
+    return true;
+  }
+  bool Read(proto::CoordinatorEvent* event) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !to_read_.empty() || closed_; });
+    if (to_read_.empty()) return false;
+    *event = std::move(to_read_.front());
+    to_read_.pop_front();
+    return true;
+  }
+  void WritesDone() override {}
+  absl::Status Finish() override { return absl::OkStatus(); }
+  void Cancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    cv_.notify_all();
+  }
+  std::string Describe() const override { return "scripted (test)"; }
+
+  void Send(proto::CoordinatorEvent e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    to_read_.push_back(std::move(e));
+    cv_.notify_all();
+  }
+  // Waits until the node has written a Ready for `name`.
+  bool WaitForReady(const std::string& name) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(10), [&] {
+      for (const auto& e : written_) {
+        if (e.has_ready() && e.ready().name() == name) return true;
+      }
+      return false;
+    });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<proto::NodeEvent> written_;
+  std::deque<proto::CoordinatorEvent> to_read_;
+  bool closed_ = false;
+};
+
+// Registers at once (node 0 of two, the other node a stand-in that never
+// speaks) and hands the ClusterJob the scripted stream.
+class ScriptedClient final : public CoordinatorClient {
+ public:
+  explicit ScriptedClient(std::shared_ptr<ScriptedStream> stream) : stream_(std::move(stream)) {}
+  absl::StatusOr<proto::Membership> Register(const proto::RegisterNodeRequest& request,
+                                             std::chrono::system_clock::time_point) override {
+    proto::Membership m;
+    m.set_instance(1);
+    m.set_channels(1);
+    auto* self = m.add_nodes();
+    self->set_node_name(request.node_name());
+    self->add_ranks(0);
+    self->add_transport_addresses("hub");
+    auto* other = m.add_nodes();
+    other->set_node_name("other");
+    other->add_ranks(1);
+    other->add_transport_addresses("hub");
+    return m;
+  }
+  void CancelRegister() override {}
+  absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream(uint32_t) override {
+    // The job owns what it gets; the test keeps talking through its copy.
+    struct Shared final : OrderingStream {
+      explicit Shared(std::shared_ptr<ScriptedStream> s) : s(std::move(s)) {}
+      bool Write(const proto::NodeEvent& e) override { return s->Write(e); }
+      bool Read(proto::CoordinatorEvent* e) override { return s->Read(e); }
+      void WritesDone() override { s->WritesDone(); }
+      absl::Status Finish() override { return s->Finish(); }
+      void Cancel() override { s->Cancel(); }
+      std::string Describe() const override { return s->Describe(); }
+      std::shared_ptr<ScriptedStream> s;
+    };
+    return std::unique_ptr<OrderingStream>(new Shared(stream_));
+  }
+
+ private:
+  std::shared_ptr<ScriptedStream> stream_;
+};
+
+// One node (rank 0 of 2) ordered by the test.
+class ScriptedNode {
+ public:
+  ScriptedNode() : hub_(2, 1), stream_(std::make_shared<ScriptedStream>()) {
+    ClusterJob::Options o;
+    o.job_id = "job";
+    o.uid = 1;
+    o.world_size = 2;
+    o.local_ranks = {0};
+    o.node_name = "n0";
+    o.coordinator = "scripted";
+    o.cluster_token = "token";
+    o.channels = 1;
+    o.tuning = &tuning_;
+    o.transports = [this](int) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
+      return std::make_unique<HubUnconnected>(&hub_);
+    };
+    o.coordinator_clients = [this](const std::string&) -> std::unique_ptr<CoordinatorClient> {
+      return std::make_unique<ScriptedClient>(stream_);
+    };
+    job_ = std::make_unique<ClusterJob>(
+        std::move(o),
+        [this](uint64_t key, absl::Status s) {
+          std::lock_guard<std::mutex> lock(ends_.mu);
+          ends_.ends.emplace_back(key, std::move(s));
+          ends_.cv.notify_all();
+        },
+        [this](absl::Status s) {
+          std::lock_guard<std::mutex> lock(ends_.mu);
+          job_failure_ = std::move(s);
+          ends_.cv.notify_all();
+        });
+  }
+  ~ScriptedNode() { job_.reset(); }
+
+  ClusterJob& job() { return *job_; }
+  ScriptedStream& stream() { return *stream_; }
+  Ends& ends() { return ends_; }
+  absl::Status job_failure() {
+    std::lock_guard<std::mutex> lock(ends_.mu);
+    return job_failure_;
+  }
+  // The job's failure once reported (OK if none within 10 s).
+  absl::Status WaitForJobFailure() {
+    std::unique_lock<std::mutex> lock(ends_.mu);
+    ends_.cv.wait_for(lock, std::chrono::seconds(10), [&] { return !job_failure_.ok(); });
+    return job_failure_;
+  }
+  absl::Status EndOf(uint64_t key) {
+    std::lock_guard<std::mutex> lock(ends_.mu);
+    for (auto& [k, s] : ends_.ends) {
+      if (k == key) return s;
+    }
+    return absl::UnknownError("not ended");
+  }
+
+  // The coordinator's events.
+  static proto::CoordinatorEvent Run(const std::string& name, uint64_t seq,
+                                     std::vector<std::string> fused = {}) {
+    proto::CoordinatorEvent e;
+    e.mutable_run()->set_name(name);
+    e.mutable_run()->set_seq(seq);
+    for (auto& f : fused) e.mutable_run()->add_fused_with(f);
+    e.mutable_run()->set_chunk_bytes(1 << 20);
+    e.mutable_run()->set_chunks_in_flight(8);
+    return e;
+  }
+  static proto::CoordinatorEvent Fail(const std::string& name, absl::StatusCode code,
+                                      const std::string& message) {
+    proto::CoordinatorEvent e;
+    e.mutable_fail()->set_name(name);
+    e.mutable_fail()->set_code(static_cast<int>(code));
+    e.mutable_fail()->set_message(message);
+    return e;
+  }
+
+ private:
+  config::TuningRegistry tuning_;
+  InProcessHub hub_;
+  std::shared_ptr<ScriptedStream> stream_;
+  Ends ends_;
+  absl::Status job_failure_;
+  std::unique_ptr<ClusterJob> job_;
+};
+
+ClusterOp Barrier(uint64_t key, const std::string& name) {
+  ClusterOp c;
+  c.key = key;
+  c.name = name;
+  c.sig.collective = static_cast<uint32_t>(wire::Collective::kBarrier);
+  c.parts.push_back(ClusterOp::Part{0, nullptr, nullptr});
+  return c;
+}
+
+// What the coordinator says is done: a Run completes the operation, a Fail
+// ends it with the coordinator's code and message, and the job goes on.
+TEST(ClusterJobProtocolTest, RunsCompleteAndFailsEndTheNamedOperation) {
+  ScriptedNode node;
+  node.job().Submit(Barrier(1, "b"));
+  ASSERT_TRUE(node.stream().WaitForReady("b"));
+  node.stream().Send(ScriptedNode::Run("b", 0));
+  ASSERT_TRUE(node.ends().WaitFor(1));
+  EXPECT_TRUE(node.EndOf(1).ok()) << node.EndOf(1);
+  node.job().Submit(Barrier(2, "x"));
+  ASSERT_TRUE(node.stream().WaitForReady("x"));
+  node.stream().Send(ScriptedNode::Fail("x", absl::StatusCode::kInvalidArgument,
+                                        "operation 'x' mismatched across nodes"));
+  ASSERT_TRUE(node.ends().WaitFor(2));
+  EXPECT_EQ(node.EndOf(2).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(node.EndOf(2).message().find("mismatched"), std::string::npos);
+  node.job().Submit(Barrier(3, "c"));
+  ASSERT_TRUE(node.stream().WaitForReady("c"));
+  node.stream().Send(ScriptedNode::Run("c", 1));
+  ASSERT_TRUE(node.ends().WaitFor(3));
+  EXPECT_TRUE(node.EndOf(3).ok()) << node.EndOf(3);
+  EXPECT_TRUE(node.job_failure().ok());
+}
+
+// A coordinator that breaks the protocol (another version, a bug) fails the
+// job with a message naming what it did, and every pending operation with
+// it; the daemon does not crash or hang: a Run of an operation this node
+// never readied, Runs without valid settings (each kind), a fused Run that
+// packs operations that cannot be packed.
+TEST(ClusterJobProtocolTest, ACoordinatorThatBreaksTheProtocolFailsTheJobClearly) {
+  struct Case {
+    std::string what;
+    std::function<proto::CoordinatorEvent()> event;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"unknown name", [] { return ScriptedNode::Run("ghost", 0); }, "never readied"},
+      {"no chunk size",
+       [] {
+         auto e = ScriptedNode::Run("p", 0);
+         e.mutable_run()->set_chunk_bytes(0);
+         return e;
+       },
+       "without valid settings"},
+      {"too many chunks in flight",
+       [] {
+         auto e = ScriptedNode::Run("p", 0);
+         e.mutable_run()->set_chunks_in_flight(65);
+         return e;
+       },
+       "without valid settings"},
+      {"unknown algorithm",
+       [] {
+         auto e = ScriptedNode::Run("p", 0);
+         e.mutable_run()->set_algorithm(9);
+         return e;
+       },
+       "without valid settings"},
+      {"a barrier fused with an allreduce", [] { return ScriptedNode::Run("p", 0, {"q"}); },
+       "do not match"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    ScriptedNode node;
+    float in = 1, out = 0;
+    node.job().Submit(Barrier(1, "p"));
+    node.job().Submit(Allreduce(2, "q", wire::DataType::kFloat32, wire::ReduceOp::kSum, 1, 0, &in,
+                                &out));
+    ASSERT_TRUE(node.stream().WaitForReady("q"));
+    node.stream().Send(c.event());
+    ASSERT_TRUE(node.ends().WaitFor(2));
+    for (uint64_t key : {1, 2}) {
+      const absl::Status s = node.EndOf(key);
+      EXPECT_FALSE(s.ok()) << key;
+    }
+    const absl::Status failure = node.WaitForJobFailure();
+    EXPECT_FALSE(failure.ok());
+    EXPECT_NE(failure.message().find(c.message), std::string::npos) << failure;
+    EXPECT_EQ(node.job().state(), ClusterJob::State::kFailed);
+  }
+}
+
 }  // namespace
 }  // namespace ciuic::daemon
