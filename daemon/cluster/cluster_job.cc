@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "ciuic/peer.pb.h"
@@ -40,7 +41,9 @@ size_t SegmentElements(uint64_t segment_bytes, size_t count, size_t element_byte
 }  // namespace
 
 struct ClusterJob::Event {
-  // kBroken: the ordering stream ended; kRunFailed: a lane's run failed.
+  // kBroken: the ordering stream ended; kRunFailed: a run failed (in a
+  // lane, or announced against the protocol); kCoordinator: a Fail or
+  // JobFailed (Runs go to the lanes from the reader).
   enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort } kind;
   ClusterOp op;
   proto::CoordinatorEvent coordinator;
@@ -255,7 +258,14 @@ absl::Status ClusterJob::Form() {
   reader_ = std::thread([this, stream] {
     proto::CoordinatorEvent e;
     while (stream->Read(&e)) {
-      Push(Event{Event::kCoordinator, {}, e, {}});
+      // A Run goes to the lanes from here: one thread hand-off less on
+      // every operation's path (the other events keep their order behind
+      // it on the main thread).
+      if (e.has_run()) {
+        Announce(e.run());
+      } else {
+        Push(Event{Event::kCoordinator, {}, e, {}});
+      }
     }
     absl::Status s = stream->Finish();
     Push(Event{Event::kBroken, {}, {}, absl::UnavailableError(absl::StrCat(
@@ -267,16 +277,59 @@ absl::Status ClusterJob::Form() {
 }
 
 void ClusterJob::FailAll(const absl::Status& why) {
-  for (auto& [name, op] : awaiting_) op_done_(op.key, why);
-  awaiting_.clear();
+  std::map<std::string, ClusterOp> waiting;
   std::deque<Announced> unstarted;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    waiting.swap(awaiting_);
     unstarted.swap(announced_);
   }
+  for (auto& [name, op] : waiting) op_done_(op.key, why);
   for (auto& a : unstarted) {
     for (auto& op : a.ops) op_done_(op.key, why);
   }
+}
+
+void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
+  Announced run;
+  run.seq = r.seq();
+  run.settings.chunk_bytes = r.chunk_bytes();
+  run.settings.chunks_in_flight = r.chunks_in_flight();
+  run.settings.algorithm = static_cast<config::Algorithm>(r.algorithm());
+  run.settings.codec = r.codec();
+  run.settings.segment_bytes = r.segment_bytes();
+  absl::Status broken;
+  if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
+      run.settings.chunks_in_flight > 64 ||
+      r.algorithm() > static_cast<uint32_t>(config::Algorithm::kTree)) {
+    broken = absl::InternalError(absl::StrCat(
+        "coordinator announced run ", run.seq, " of '", r.name(),
+        "' without valid settings (a daemon of another version?)"));
+  }
+  std::vector<std::string> names = {r.name()};
+  names.insert(names.end(), r.fused_with().begin(), r.fused_with().end());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& name : names) {
+      auto it = awaiting_.find(name);
+      if (it == awaiting_.end()) {
+        if (broken.ok()) {
+          broken = absl::InternalError(absl::StrCat("coordinator ran '", name,
+                                                    "', which this node never readied"));
+        }
+        continue;
+      }
+      run.ops.push_back(std::move(it->second));
+      awaiting_.erase(it);
+    }
+    if (broken.ok()) announced_.push_back(std::move(run));
+  }
+  if (broken.ok()) {
+    lanes_cv_.notify_all();
+    return;
+  }
+  for (auto& op : run.ops) op_done_(op.key, broken);
+  Push(Event{Event::kRunFailed, {}, {}, broken});
 }
 
 bool ClusterJob::Write(const proto::NodeEvent& event) {
@@ -423,7 +476,10 @@ void ClusterJob::Run() {
         const config::Tuning tuning = options_.tuning->Snapshot();
         r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms : tuning.op_timeout_ms);
         const std::string name = e.op.name;
-        awaiting_.emplace(name, std::move(e.op));
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          awaiting_.emplace(name, std::move(e.op));
+        }
         if (!Write(ready)) {
           job_failure = absl::UnavailableError(absl::StrCat(
               "lost the coordinator ", options_.coordinator, " of job '", options_.job_id, "'"));
@@ -432,49 +488,19 @@ void ClusterJob::Run() {
       }
       case Event::kCoordinator: {
         const auto& c = e.coordinator;
-        if (c.has_run()) {
-          Announced run;
-          run.seq = c.run().seq();
-          run.settings.chunk_bytes = c.run().chunk_bytes();
-          run.settings.chunks_in_flight = c.run().chunks_in_flight();
-          run.settings.algorithm = static_cast<config::Algorithm>(c.run().algorithm());
-          run.settings.codec = c.run().codec();
-          run.settings.segment_bytes = c.run().segment_bytes();
-          if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
-              run.settings.chunks_in_flight > 64 ||
-              c.run().algorithm() > static_cast<uint32_t>(config::Algorithm::kTree)) {
-            job_failure = absl::InternalError(absl::StrCat(
-                "coordinator announced run ", run.seq, " of '", c.run().name(),
-                "' without valid settings (a daemon of another version?)"));
-            break;
-          }
-          std::vector<std::string> names = {c.run().name()};
-          names.insert(names.end(), c.run().fused_with().begin(), c.run().fused_with().end());
-          for (const std::string& name : names) {
-            auto it = awaiting_.find(name);
-            if (it == awaiting_.end()) {
-              job_failure = absl::InternalError(absl::StrCat(
-                  "coordinator ran '", name, "', which this node never readied"));
-              break;
-            }
-            run.ops.push_back(std::move(it->second));
-            awaiting_.erase(it);
-          }
-          if (!job_failure.ok()) {
-            for (auto& op : run.ops) op_done_(op.key, job_failure);
-            break;
-          }
+        if (c.has_fail()) {
+          std::optional<ClusterOp> failed;
           {
             std::lock_guard<std::mutex> lock(mu_);
-            announced_.push_back(std::move(run));
+            auto it = awaiting_.find(c.fail().name());
+            if (it != awaiting_.end()) {
+              failed = std::move(it->second);
+              awaiting_.erase(it);
+            }
           }
-          lanes_cv_.notify_all();
-        } else if (c.has_fail()) {
-          auto it = awaiting_.find(c.fail().name());
-          if (it != awaiting_.end()) {
-            op_done_(it->second.key,
-                     absl::Status(static_cast<absl::StatusCode>(c.fail().code()), c.fail().message()));
-            awaiting_.erase(it);
+          if (failed) {
+            op_done_(failed->key, absl::Status(static_cast<absl::StatusCode>(c.fail().code()),
+                                               c.fail().message()));
           }
         } else if (c.has_job_failed()) {
           WaitForAnnouncedRuns();

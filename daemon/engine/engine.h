@@ -213,6 +213,9 @@ class Engine {
   std::map<std::string, std::unique_ptr<Job>> jobs_;  // key: uid + '/' + job id
   uint64_t next_op_seq_ = 0;
   int running_ops_ = 0;
+  // When an operation last went to a ClusterJob: the loop keeps polling a
+  // while after, so that a small one's completion finds it awake.
+  std::chrono::steady_clock::time_point cluster_handoff_{};
   bool stopping_ = false;
   uint64_t ops_completed_ = 0;
   uint64_t ops_failed_ = 0;
