@@ -704,7 +704,12 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
   const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
   const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
   const size_t es = op.sig.element_bytes();
-  const size_t count = op.sig.count;
+  // A reduce_scatter reduces every rank's block (the node buffer holds
+  // them all); each rank then takes its own.
+  const size_t count =
+      op.sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter)
+          ? op.sig.count * static_cast<size_t>(options_.world_size)
+          : op.sig.count;
   // Segments: [at, at + n) by element. Unsegmented (compressed, or a
   // coordinator that announced none): the whole buffer as one.
   const bool segmented = settings.segment_bytes > 0;
@@ -803,10 +808,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so
       // a residual would only cost a fresh allocation and evict others'.
       const bool feedback = tuning.error_feedback && (op.name.empty() || op.name[0] != '#');
-      if (op.staged) {
-        if (!all) return absl::InternalError("only allreduces are staged through host memory");
-        return ExecuteStaged(op, ctx, seq, settings, *codec, feedback);
-      }
+      if (op.staged) return ExecuteStaged(op, ctx, seq, settings, *codec, feedback);
       uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
       // One local rank, send and receive buffers apart, uncompressed: the
       // inter-node allreduce reads the rank's input where it needs it and

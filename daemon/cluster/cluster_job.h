@@ -92,9 +92,10 @@ struct ClusterOp {
   // Owns the parts' memory where the engine staged it (device buffers in
   // pinned host copies); released with the op.
   std::shared_ptr<void> keep_alive;
-  // An allreduce on GPU buffers: the node buffer lives on the device and is
-  // staged through host memory in segments (parts' send and recv are then
-  // null). Released with the op, which waits for its device work.
+  // An allreduce or reduce_scatter on GPU buffers: the node buffer lives on
+  // the device and is staged through host memory in segments (parts' send
+  // and recv are then null). Released with the op, which waits for its
+  // device work.
   std::shared_ptr<StagedNodeBuffer> staged;
 };
 
@@ -201,8 +202,9 @@ class ClusterJob {
                        Lane& lane);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                             const RunSettings& settings, Lane& lane);
-  // An allreduce whose node buffer is on a GPU (op.staged), segment by
-  // segment through two host slots (see staged_buffer.h).
+  // An allreduce or reduce_scatter whose node buffer is on a GPU
+  // (op.staged), segment by segment through two host slots (see
+  // staged_buffer.h).
   absl::Status ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
                              const RunSettings& settings, const Codec* codec, bool feedback);
   // The inter-node part of an allreduce of `count` elements in `data`

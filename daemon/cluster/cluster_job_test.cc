@@ -508,13 +508,25 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) 
 // fetch on the device, as an asynchronous fault would.
 class HostStagedBuffer final : public StagedNodeBuffer {
  public:
+  // An allreduce's: the node buffer is the (one) rank's output.
   HostStagedBuffer(wire::DataType dtype, size_t count, std::vector<const void*> inputs,
                    std::vector<void*> outputs)
+      : HostStagedBuffer(dtype, count, std::move(inputs), std::move(outputs), {0},
+                         count * wire::DataTypeSize(static_cast<uint32_t>(dtype))) {}
+  // A node buffer of `count` elements of its own; output r gets
+  // `output_bytes` bytes from `output_offsets[r]` (a reduce_scatter's
+  // blocks).
+  HostStagedBuffer(wire::DataType dtype, size_t count, std::vector<const void*> inputs,
+                   std::vector<void*> outputs, std::vector<size_t> output_offsets,
+                   size_t output_bytes)
       : dtype_(dtype),
         count_(count),
         bytes_(count * wire::DataTypeSize(static_cast<uint32_t>(dtype))),
         inputs_(std::move(inputs)),
         outputs_(std::move(outputs)),
+        output_offsets_(std::move(output_offsets)),
+        output_bytes_(output_bytes),
+        node_(bytes_ + 1),
         device_([this] { DeviceLoop(); }) {}
   ~HostStagedBuffer() override {
     Drain().IgnoreError();
@@ -528,7 +540,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
 
   absl::Status ReduceLocal(wire::ReduceOp op) override {
     return Enqueue(-1, "R", [this, op] {
-      reduce::Reduce(dtype_, op, inputs_.data(), static_cast<int>(inputs_.size()), outputs_[0],
+      reduce::Reduce(dtype_, op, inputs_.data(), static_cast<int>(inputs_.size()), Node(),
                      count_);
       return absl::OkStatus();
     });
@@ -561,7 +573,9 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   absl::Status Wait(int slot) override { return WaitFor(last_[slot]); }
   absl::Status Finish() override {
     Enqueue(-1, "fan-out", [this] {
-      for (size_t r = 1; r < outputs_.size(); ++r) std::memcpy(outputs_[r], Node(), bytes_);
+      for (size_t r = 0; r < outputs_.size(); ++r) {
+        std::memcpy(outputs_[r], Node() + output_offsets_[r], output_bytes_);
+      }
       return absl::OkStatus();
     }).IgnoreError();
     return Drain();
@@ -579,7 +593,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     Enqueue(-1, "coder " + spec, [] { return absl::OkStatus(); }).IgnoreError();
     return std::unique_ptr<ChunkCoder>(new Coding(this, MakeCodec(*parsed), feedback_name));
   }
-  void* data() override { return outputs_[0]; }
+  void* data() override { return Node(); }
   absl::Status Divide(int divisor) override {
     return Enqueue(-1, "divide", [this, divisor] {
       reduce::DivideInPlace(dtype_, Node(), count_, divisor);
@@ -652,7 +666,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     return result;
   }
 
-  uint8_t* Node() { return static_cast<uint8_t*>(outputs_[0]); }
+  uint8_t* Node() { return node_.data(); }
   absl::Status Enqueue(int slot, std::string call, std::function<absl::Status()> work) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!call.empty()) calls_.push_back(std::move(call));
@@ -698,6 +712,9 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   const size_t bytes_;
   const std::vector<const void*> inputs_;
   const std::vector<void*> outputs_;
+  const std::vector<size_t> output_offsets_;
+  const size_t output_bytes_;
+  std::vector<uint8_t> node_;  // "device" memory
   std::vector<uint8_t> slots_[2];
   std::mutex mu_;
   std::condition_variable cv_;
@@ -803,8 +820,11 @@ struct StagedCase {
 // "on a GPU" (HostStagedBuffer, fetched and stored in 4 KiB segments) and the
 // others in host memory; every node ends with the plain loop's result.
 // Returns the staged buffers' call logs by case.
+// With `scatter`, reduce_scatters: every node sends n blocks of `count`,
+// rank k (node k) receives block k.
 std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& staged,
-                                                const std::vector<StagedCase>& cases) {
+                                                const std::vector<StagedCase>& cases,
+                                                bool scatter = false) {
   Nodes nodes(n);
   EXPECT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
   EXPECT_TRUE(nodes.SetBoth("chunk_bytes", "4K").ok());
@@ -815,17 +835,21 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
     for (size_t o = 0; o < cases.size(); ++o) {
       const StagedCase& c = cases[o];
       const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
-      send[k].emplace_back(c.count * es + 1);
+      const size_t sent = scatter ? c.count * static_cast<size_t>(n) : c.count;
+      send[k].emplace_back(sent * es + 1);
       recv[k].emplace_back(c.count * es + 1, 0xee);
-      for (size_t i = 0; i < c.count; ++i) {
+      for (size_t i = 0; i < sent; ++i) {
         Put(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
       }
       ClusterOp op = Allreduce(o, "s" + std::to_string(o), c.dtype, c.op, c.count, k,
                                send[k][o].data(), recv[k][o].data());
+      if (scatter) op.sig.collective = static_cast<uint32_t>(wire::Collective::kReduceScatter);
       if (gpu) {
         auto b = std::make_shared<HostStagedBuffer>(
-            c.dtype, c.count, std::vector<const void*>{send[k][o].data()},
-            std::vector<void*>{recv[k][o].data()});
+            c.dtype, sent, std::vector<const void*>{send[k][o].data()},
+            std::vector<void*>{recv[k][o].data()},
+            std::vector<size_t>{scatter ? static_cast<size_t>(k) * c.count * es : 0},
+            c.count * es);
         if (k == staged.front()) buffers[o] = b;
         op.staged = b;
         op.parts[0].send = nullptr;
@@ -843,7 +867,8 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
       const StagedCase& c = cases[o];
       const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
       for (size_t i = 0; i < c.count; ++i) {
-        const double want = Stored(c.dtype, Expected(c.dtype, c.op, o, i, n));
+        const size_t at = scatter ? static_cast<size_t>(k) * c.count + i : i;
+        const double want = Stored(c.dtype, Expected(c.dtype, c.op, o, at, n));
         const double got = Get(c.dtype, recv[k][o].data(), i);
         if (got != want) {
           ADD_FAILURE() << n << " nodes, node " << k << ", dtype " << static_cast<int>(c.dtype)
@@ -887,6 +912,25 @@ TEST(ClusterJobStagedTest, EveryDtypeOpAndSizeMatchesThePlainLoop) {
   {
     SCOPED_TRACE("3 nodes");
     RunStaged(3, {0, 2}, cases);
+  }
+}
+
+// reduce_scatter the same way: the node buffer holds every rank's block
+// (segments run over all of it), each rank gets its own block.
+TEST(ClusterJobStagedTest, ReduceScatterMatchesThePlainLoop) {
+  std::vector<StagedCase> cases;
+  for (auto t : {wire::DataType::kFloat32, wire::DataType::kBFloat16, wire::DataType::kInt32}) {
+    for (auto op : {wire::ReduceOp::kSum, wire::ReduceOp::kAvg, wire::ReduceOp::kMax}) {
+      for (size_t count : {0, 1, 7, 3001}) cases.push_back({t, op, count});
+    }
+  }
+  {
+    SCOPED_TRACE("2 nodes");
+    RunStaged(2, {1}, cases, true);
+  }
+  {
+    SCOPED_TRACE("3 nodes");
+    RunStaged(3, {0, 1}, cases, true);
   }
 }
 

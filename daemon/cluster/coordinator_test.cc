@@ -400,11 +400,11 @@ TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
   }
 }
 
-// An allreduce whose buffers are on a GPU on some node (Ready.device_buffers,
-// from one node is enough) is announced alone, never fused with others, and
-// with segment_bytes (staging_segment_bytes) when it goes uncompressed; host
-// ones, compressed ones and other collectives get no segments.
-TEST(CoordinatorTest, GpuAllreducesRunAloneInSegments) {
+// An allreduce or reduce_scatter whose buffers are on a GPU on some node
+// (Ready.device_buffers, from one node is enough) is announced alone, never
+// fused with others, and with segment_bytes (staging_segment_bytes) when it
+// goes uncompressed; host ones and compressed ones get no segments.
+TEST(CoordinatorTest, GpuReductionsRunAloneInSegments) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
   Coordinator c("secret", &tuning);
@@ -425,15 +425,16 @@ TEST(CoordinatorTest, GpuAllreducesRunAloneInSegments) {
   ready("h2", 16, -1);
   ready("h3", 16, -1);
   ready("gz", 100000, 0, 4);  // int8 (wire::Codec 4): whole, compressed
-  ready("rs", 100, 0, 0, false);  // reduce_scatter: not staged in segments
-  for (uint64_t seq = 0; seq < 6; ++seq) BothDone(c, f, seq);
+  ready("rs", 100, 0, 0, false);  // reduce_scatter: in segments too
+  ready("hrs", 100, -1, 0, false);
+  for (uint64_t seq = 0; seq < 7; ++seq) BothDone(c, f, seq);
   for (auto& s : f.streams) {
-    auto ev = s.WaitFor(6);
+    auto ev = s.WaitFor(7);
     ASSERT_EQ(Runs(ev),
-              (std::vector<std::string>{"busy0", "busy1", "h1+h2+h3", "g", "gz", "rs"}));
+              (std::vector<std::string>{"busy0", "busy1", "h1+h2+h3", "g", "gz", "rs", "hrs"}));
     for (size_t i = 0; i < ev.size(); ++i) {
-      EXPECT_EQ(ev[i].run().segment_bytes(), ev[i].run().name() == "g" ? 65536u : 0u)
-          << ev[i].run().name();
+      const std::string& name = ev[i].run().name();
+      EXPECT_EQ(ev[i].run().segment_bytes(), name == "g" || name == "rs" ? 65536u : 0u) << name;
     }
     EXPECT_EQ(ev[4].run().codec(), "int8");
   }

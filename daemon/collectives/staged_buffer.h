@@ -4,7 +4,9 @@
 // it through host memory piece by piece: a piece is fetched into one of two
 // host slots, carried between the nodes from there, and stored back, while
 // the next piece is being fetched into the other slot; at the end the
-// result goes from the node buffer to every local rank's output.
+// result goes from the node buffer to every local rank's output (an
+// allreduce: all of it; a reduce_scatter, whose node buffer holds every
+// rank's block: the rank's block).
 //
 // Ordering: every Fetch, Store and the fan-out of Finish are enqueued on one
 // in-order queue (a CUDA stream), after ReduceLocal and after the ranks'

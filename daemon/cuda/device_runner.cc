@@ -150,9 +150,13 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     int device = 0;
     cudaStream_t stream = nullptr;  // owned from here on
     wire::DataType dtype{};
-    size_t count = 0;
+    size_t count = 0;                 // elements of the node buffer
+    uint8_t* node = nullptr;          // the node buffer
+    bool owns_node = false;           // allocated on `stream` (reduce_scatter)
     std::vector<const void*> inputs;  // every rank's send buffer
-    std::vector<uint8_t*> outputs;    // every rank's receive buffer; [0] is the node's
+    std::vector<uint8_t*> outputs;    // every rank's receive buffer
+    std::vector<size_t> output_offsets;  // where in the node buffer each output's bytes are
+    size_t output_bytes = 0;
     std::vector<std::shared_ptr<SessionHandles>> sessions;
     std::shared_ptr<DeviceResiduals> residuals;  // the job's error feedback
   };
@@ -165,6 +169,7 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     for (cudaEvent_t e : events_) {
       if (e != nullptr) cudaEventDestroy(e);
     }
+    if (p_.owns_node) cudaFreeAsync(p_.node, p_.stream);
     cudaStreamDestroy(p_.stream);
     cudaGetLastError();
     // Then the pinned slots go back to the pool and the handles may close.
@@ -172,10 +177,10 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
 
   absl::Status ReduceLocal(wire::ReduceOp op) override {
     if (p_.count == 0) return absl::OkStatus();
-    if (p_.inputs.size() == 1 && p_.inputs[0] == p_.outputs[0]) return absl::OkStatus();
+    if (p_.inputs.size() == 1 && p_.inputs[0] == p_.node) return absl::OkStatus();
     if (absl::Status s = Current(); !s.ok()) return s;
     return gpu::DeviceReduce(p_.dtype, op, p_.inputs.data(), static_cast<int>(p_.inputs.size()),
-                             p_.outputs[0], p_.count, p_.stream);
+                             p_.node, p_.count, p_.stream);
   }
   absl::StatusOr<uint8_t*> Slot(int slot, size_t bytes) override {
     if (slot < 0 || slot > 1) return absl::InternalError("staging slot out of range");
@@ -191,14 +196,14 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
   }
   absl::Status Fetch(int slot, size_t offset, size_t bytes) override {
     if (absl::Status s = Check(slot, offset, bytes); !s.ok()) return s;
-    absl::Status s = Cuda(cudaMemcpyAsync(slot_[slot], p_.outputs[0] + offset, bytes,
+    absl::Status s = Cuda(cudaMemcpyAsync(slot_[slot], p_.node + offset, bytes,
                                           cudaMemcpyDeviceToHost, p_.stream),
                           "cudaMemcpyAsync device to host (staging)");
     return s.ok() ? Record(slot) : s;
   }
   absl::Status Store(int slot, size_t offset, size_t bytes) override {
     if (absl::Status s = Check(slot, offset, bytes); !s.ok()) return s;
-    absl::Status s = Cuda(cudaMemcpyAsync(p_.outputs[0] + offset, slot_[slot], bytes,
+    absl::Status s = Cuda(cudaMemcpyAsync(p_.node + offset, slot_[slot], bytes,
                                           cudaMemcpyHostToDevice, p_.stream),
                           "cudaMemcpyAsync host to device (staging)");
     return s.ok() ? Record(slot) : s;
@@ -211,10 +216,10 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
   absl::Status Finish() override {
     if (p_.stream == nullptr) return absl::OkStatus();
     if (absl::Status s = Current(); !s.ok()) return s;
-    const size_t bytes = p_.count * wire::DataTypeSize(static_cast<uint32_t>(p_.dtype));
-    for (size_t r = 1; r < p_.outputs.size() && bytes > 0; ++r) {
-      if (p_.outputs[r] == p_.outputs[0]) continue;
-      absl::Status s = Cuda(cudaMemcpyAsync(p_.outputs[r], p_.outputs[0], bytes,
+    for (size_t r = 0; r < p_.outputs.size() && p_.output_bytes > 0; ++r) {
+      const uint8_t* from = p_.node + p_.output_offsets[r];
+      if (p_.outputs[r] == from) continue;
+      absl::Status s = Cuda(cudaMemcpyAsync(p_.outputs[r], from, p_.output_bytes,
                                             cudaMemcpyDeviceToDevice, p_.stream),
                             "cudaMemcpyAsync device to device (result to the ranks)");
       if (!s.ok()) return s;
@@ -235,11 +240,11 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     return MakeDeviceCoder(spec, p_.dtype, p_.count, p_.device, p_.stream, p_.residuals,
                            feedback_name);
   }
-  void* data() override { return p_.outputs.empty() ? nullptr : p_.outputs[0]; }
+  void* data() override { return p_.node; }
   absl::Status Divide(int divisor) override {
     if (p_.stream == nullptr) return absl::OkStatus();
     if (absl::Status s = Current(); !s.ok()) return s;
-    return gpu::DeviceDivide(p_.dtype, p_.outputs[0], p_.count, divisor, p_.stream);
+    return gpu::DeviceDivide(p_.dtype, p_.node, p_.count, divisor, p_.stream);
   }
 
  private:
@@ -306,13 +311,14 @@ class CudaDeviceRunner final : public DeviceRunner {
     });
   }
 
-  void Stage(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+  void Stage(const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
              const std::string& job,
              std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done)
       override {
-    tasks_.Push([this, sig, ranks = std::move(ranks), job, done = std::move(done)]() mutable {
-      done(StageOnSubmit(sig, ranks, job));
-    });
+    tasks_.Push(
+        [this, sig, world, ranks = std::move(ranks), job, done = std::move(done)]() mutable {
+          done(StageOnSubmit(sig, world, ranks, job));
+        });
   }
 
   void EndJob(const std::string& job) override {
@@ -537,10 +543,14 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> StageOnSubmit(
-      const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks, const std::string& job) {
+      const OpSignature& sig, int world, const std::vector<DeviceRankBuffers>& ranks,
+      const std::string& job) {
     CudaStagedBuffer::Parts parts;
     parts.dtype = static_cast<wire::DataType>(sig.dtype);
-    parts.count = sig.count;
+    const bool scatter = sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter);
+    const size_t block = sig.count * sig.element_bytes();
+    parts.count = scatter ? sig.count * static_cast<size_t>(world) : sig.count;
+    parts.output_bytes = block;
     std::shared_ptr<DeviceResiduals>& residuals = residuals_[job];
     if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
     parts.residuals = residuals;
@@ -562,6 +572,7 @@ class CudaDeviceRunner final : public DeviceRunner {
       auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv");
       if (!recv.ok()) return fail(recv.status());
       parts.outputs.push_back(*recv);
+      parts.output_offsets.push_back(scatter ? static_cast<size_t>(b.rank) * block : 0);
       if (b.send_bytes > 0) {
         auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send");
         if (!send.ok()) return fail(send.status());
@@ -574,6 +585,17 @@ class CudaDeviceRunner final : public DeviceRunner {
       if (std::find(parts.sessions.begin(), parts.sessions.end(), held) == parts.sessions.end()) {
         parts.sessions.push_back(std::move(held));
       }
+    }
+    if (scatter) {
+      // Every rank's block, reduced: memory of its own, on the stream.
+      void* node = nullptr;
+      s = Cuda(cudaMallocAsync(&node, parts.count * sig.element_bytes(), parts.stream),
+               "cudaMallocAsync (the node's reduce_scatter buffer)");
+      if (!s.ok()) return fail(s);
+      parts.node = static_cast<uint8_t*>(node);
+      parts.owns_node = true;
+    } else {
+      parts.node = parts.outputs[0];
     }
     return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
   }

@@ -49,6 +49,7 @@ namespace ciuic::daemon {
 // One rank's part: its session (whose handles it may reuse) and buffers.
 struct DeviceRankBuffers {
   uint64_t session_id = 0;
+  int rank = 0;  // in the job (a reduce_scatter's block)
   uint64_t send_bytes = 0;  // ValidatedOp::send_bytes (0: no send buffer)
   uint64_t recv_bytes = 0;  // ValidatedOp::recv_bytes
   wire::DeviceBufferDescriptor send{};
@@ -75,15 +76,17 @@ class DeviceRunner {
   virtual void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
                    std::function<void(absl::Status)> done) = 0;
 
-  // A multi-node allreduce (`sig`, validated) on this node's ranks: opens
-  // their buffers and calls `done` with the node's StagedNodeBuffer, whose
-  // work goes on a stream of its own that first waits for each rank's event;
-  // the node buffer is rank 0's receive buffer. The buffer keeps the ranks'
+  // A multi-node allreduce or reduce_scatter (`sig`, validated) on this
+  // node's ranks of a job of `world` ranks: opens their buffers and calls
+  // `done` with the node's StagedNodeBuffer, whose work goes on a stream of
+  // its own that first waits for each rank's event; the node buffer is rank
+  // 0's receive buffer (allreduce) or device memory of the buffer's own for
+  // every rank's block (reduce_scatter). The buffer keeps the ranks'
   // handles open while it lives (a session closed meanwhile closes them
   // when it goes).
   // `job` names the job whose error feedback residuals (kept on the device
   // for compressed operations) the buffer uses.
-  virtual void Stage(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+  virtual void Stage(const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
                      const std::string& job,
                      std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)>
                          done) = 0;

@@ -112,6 +112,7 @@ std::vector<DeviceRankBuffers> DeviceRanksOf(const PendingOp& op) {
     if (!part) continue;
     DeviceRankBuffers b;
     b.session_id = part->session->id;
+    b.rank = part->session->rank;
     b.send_bytes = part->op.send_bytes;
     b.recv_bytes = part->op.recv_bytes;
     b.send = part->op.send_device;
@@ -898,10 +899,11 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
 }
 
 // Device buffers: the local phase on the GPU (single-node jobs). In a
-// multi-node job an allreduce is reduced on the GPU and staged through host
-// memory in segments by the ClusterJob (Stage); other collectives go
-// through pinned host copies around the host's inter-node algorithm
-// (StageIn, the ClusterJob, StageOut in ClusterDoneOnLoop).
+// multi-node job an allreduce or reduce_scatter is reduced on the GPU and
+// staged through host memory in segments by the ClusterJob (Stage);
+// allgather and broadcast go through pinned host copies around the host's
+// inter-node algorithm (StageIn, the ClusterJob, StageOut in
+// ClusterDoneOnLoop).
 void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   if (!device_runner_) {
     auto runner = DeviceRunner::Create();
@@ -922,10 +924,11 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     if (!it->second->failure.ok()) return FinishOnLoop(key, *op, it->second->failure);
     SubmitToClusterOnLoop(*it->second, op);
   };
-  if (job.cluster &&
-      static_cast<wire::Collective>(op->sig.collective) == wire::Collective::kAllreduce) {
+  const auto collective = static_cast<wire::Collective>(op->sig.collective);
+  if (job.cluster && (collective == wire::Collective::kAllreduce ||
+                      collective == wire::Collective::kReduceScatter)) {
     device_runner_->Stage(
-        op->sig, DeviceRanksOf(*op), job.key,
+        op->sig, job.world_size, DeviceRanksOf(*op), job.key,
         [this, op, key = job.key,
          to_cluster](absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> staged) {
           Post([this, op, key, staged = std::move(staged), to_cluster] {
