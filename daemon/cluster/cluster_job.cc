@@ -696,6 +696,50 @@ absl::Status ClusterJob::CarryAllreduce(InterNodeContext ctx, uint64_t seq, int 
   return s;
 }
 
+absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx) {
+  absl::Status s = MoveStagedSteps(op, ctx);
+  // The ranks hear of the end once nothing is left in flight on the device.
+  if (!s.ok()) op.staged->Drain().IgnoreError();
+  return s;
+}
+
+absl::Status ClusterJob::MoveStagedSteps(const ClusterOp& op, const InterNodeContext& ctx) {
+  StagedNodeBuffer& device = *op.staged;
+  const size_t block = op.sig.count * op.sig.element_bytes();
+  const bool gather = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAllgather);
+  const size_t bytes = gather ? block * static_cast<size_t>(options_.world_size) : block;
+  if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
+  if (bytes == 0) return device.Finish();
+  auto slot = device.Slot(0, bytes);
+  if (!slot.ok()) return slot.status();
+  absl::Status s;
+  if (gather) {
+    // Only this node's blocks go out from here; the others come in.
+    for (const auto& p : op.parts) {
+      const size_t at = static_cast<size_t>(p.rank) * block;
+      if (s = device.Fetch(0, at, at, block); !s.ok()) return s;
+    }
+    if (s = device.Wait(0); !s.ok()) return s;
+    std::vector<Block> blocks;
+    for (int r = 0; r < options_.world_size; ++r) {
+      blocks.push_back(Block{static_cast<size_t>(r) * block, block, node_of_rank_[r]});
+    }
+    if (s = AllgatherRing(ctx, *slot, blocks); !s.ok()) return s;
+    if (s = device.Store(0, 0, 0, bytes); !s.ok()) return s;
+  } else {
+    const int root_node = node_of_rank_[op.sig.root];
+    if (root_node == self_) {
+      if (s = device.Fetch(0, 0, 0, bytes); !s.ok()) return s;
+      if (s = device.Wait(0); !s.ok()) return s;
+    }
+    if (s = BroadcastPipeline(ctx, *slot, bytes, root_node); !s.ok()) return s;
+    if (root_node != self_) {
+      if (s = device.Store(0, 0, 0, bytes); !s.ok()) return s;
+    }
+  }
+  return device.Finish();
+}
+
 absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx,
                                        uint64_t seq, const RunSettings& settings,
                                        const Codec* codec, bool feedback) {
@@ -745,7 +789,9 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
       if (!p.ok()) return p.status();
       slot[k] = *p;
       const auto [at, n] = range(k);
-      if (absl::Status s = device.Fetch(static_cast<int>(k), at * es, n * es); !s.ok()) return s;
+      if (absl::Status s = device.Fetch(static_cast<int>(k), 0, at * es, n * es); !s.ok()) {
+        return s;
+      }
     }
     for (size_t k = 0; k < segments; ++k) {
       const int sl = static_cast<int>(k % 2);
@@ -758,10 +804,10 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
       if (requested == wire::ReduceOp::kAvg) {
         DivideInPlace(dtype, slot[sl], n, options_.world_size);
       }
-      if (s = device.Store(sl, at * es, n * es); !s.ok()) return s;
+      if (s = device.Store(sl, 0, at * es, n * es); !s.ok()) return s;
       if (k + 2 < segments) {
         const auto [next_at, next_n] = range(k + 2);
-        if (s = device.Fetch(sl, next_at * es, next_n * es); !s.ok()) return s;
+        if (s = device.Fetch(sl, 0, next_at * es, next_n * es); !s.ok()) return s;
       }
     }
     return device.Finish();
@@ -844,6 +890,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       return absl::OkStatus();
     }
     case wire::Collective::kAllgather: {
+      if (op.staged) return MoveStaged(op, ctx);
       const size_t all = block * static_cast<size_t>(world);
       uint8_t* node = first.recv;
       for (const auto& p : op.parts) {
@@ -858,6 +905,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       return absl::OkStatus();
     }
     case wire::Collective::kBroadcast: {
+      if (op.staged) return MoveStaged(op, ctx);
       uint8_t* node = first.recv;
       const int root_node = node_of_rank_[op.sig.root];
       for (const auto& p : op.parts) {

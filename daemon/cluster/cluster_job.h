@@ -89,13 +89,9 @@ struct ClusterOp {
     uint8_t* recv;
   };
   std::vector<Part> parts;  // one per local rank
-  // Owns the parts' memory where the engine staged it (device buffers in
-  // pinned host copies); released with the op.
-  std::shared_ptr<void> keep_alive;
-  // An allreduce or reduce_scatter on GPU buffers: the node buffer lives on
-  // the device and is staged through host memory in segments (parts' send
-  // and recv are then null). Released with the op, which waits for its
-  // device work.
+  // An operation on GPU buffers: the node buffer lives on the device and is
+  // staged through host memory (parts' send and recv are then null).
+  // Released with the op, which waits for its device work.
   std::shared_ptr<StagedNodeBuffer> staged;
 };
 
@@ -202,11 +198,13 @@ class ClusterJob {
                        Lane& lane);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                             const RunSettings& settings, Lane& lane);
-  // An allreduce or reduce_scatter whose node buffer is on a GPU
-  // (op.staged), segment by segment through two host slots (see
-  // staged_buffer.h).
+  // An operation whose node buffer is on a GPU (op.staged): reductions
+  // segment by segment through two host slots (see staged_buffer.h),
+  // allgather and broadcast through one, whole (MoveStaged).
   absl::Status ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
                              const RunSettings& settings, const Codec* codec, bool feedback);
+  absl::Status MoveStaged(const ClusterOp& op, const InterNodeContext& ctx);
+  absl::Status MoveStagedSteps(const ClusterOp& op, const InterNodeContext& ctx);
   // The inter-node part of an allreduce of `count` elements in `data`
   // (segment `segment` of a run announced with segment_bytes, else the
   // whole): compressed with `codec` (may be null; `input` must then be

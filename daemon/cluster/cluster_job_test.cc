@@ -550,25 +550,38 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     if (slots_[slot].size() < bytes) slots_[slot].resize(bytes);
     return slots_[slot].data();
   }
-  absl::Status Fetch(int slot, size_t offset, size_t bytes) override {
-    if (offset + bytes > bytes_ || bytes > slots_[slot].size()) {
-      return absl::OutOfRangeError("fetch outside the buffer");
-    }
-    const bool fail = fail_fetch_at >= 0 && offset == static_cast<size_t>(fail_fetch_at);
-    return Enqueue(slot, "F" + std::to_string(offset), [this, slot, offset, bytes, fail] {
-      if (fail) return absl::InternalError("device fault (test)");
-      std::memcpy(slots_[slot].data(), Node() + offset, bytes);
+  absl::Status PlaceInputs() override {
+    return Enqueue(-1, "P", [this] {
+      for (size_t i = 0; i < inputs_.size() && input_bytes_ > 0; ++i) {
+        std::memcpy(Node() + input_offsets_[i], inputs_[i], input_bytes_);
+      }
       return absl::OkStatus();
     });
   }
-  absl::Status Store(int slot, size_t offset, size_t bytes) override {
-    if (offset + bytes > bytes_ || bytes > slots_[slot].size()) {
-      return absl::OutOfRangeError("store outside the buffer");
+  absl::Status Fetch(int slot, size_t slot_offset, size_t offset, size_t bytes) override {
+    if (offset + bytes > bytes_ || slot_offset + bytes > slots_[slot].size()) {
+      return absl::OutOfRangeError("fetch outside the buffer");
     }
-    return Enqueue(slot, "S" + std::to_string(offset), [this, slot, offset, bytes] {
-      std::memcpy(Node() + offset, slots_[slot].data(), bytes);
+    const bool fail = fail_fetch_at >= 0 && offset == static_cast<size_t>(fail_fetch_at);
+    return Enqueue(slot, "F" + std::to_string(offset), [=, this] {
+      if (fail) return absl::InternalError("device fault (test)");
+      std::memcpy(slots_[slot].data() + slot_offset, Node() + offset, bytes);
       return absl::OkStatus();
     });
+  }
+  absl::Status Store(int slot, size_t slot_offset, size_t offset, size_t bytes) override {
+    if (offset + bytes > bytes_ || slot_offset + bytes > slots_[slot].size()) {
+      return absl::OutOfRangeError("store outside the buffer");
+    }
+    return Enqueue(slot, "S" + std::to_string(offset), [=, this] {
+      std::memcpy(Node() + offset, slots_[slot].data() + slot_offset, bytes);
+      return absl::OkStatus();
+    });
+  }
+  // Allgather, broadcast: input i goes to `offsets[i]` of the node buffer.
+  void SetInputPlaces(std::vector<size_t> offsets, size_t bytes) {
+    input_offsets_ = std::move(offsets);
+    input_bytes_ = bytes;
   }
   absl::Status Wait(int slot) override { return WaitFor(last_[slot]); }
   absl::Status Finish() override {
@@ -715,6 +728,8 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   const std::vector<size_t> output_offsets_;
   const size_t output_bytes_;
   std::vector<uint8_t> node_;  // "device" memory
+  std::vector<size_t> input_offsets_;
+  size_t input_bytes_ = 0;
   std::vector<uint8_t> slots_[2];
   std::mutex mu_;
   std::condition_variable cv_;
@@ -931,6 +946,81 @@ TEST(ClusterJobStagedTest, ReduceScatterMatchesThePlainLoop) {
   {
     SCOPED_TRACE("3 nodes");
     RunStaged(3, {0, 1}, cases, true);
+  }
+}
+
+// Allgather and broadcast with some nodes' buffers "on a GPU": the ranks'
+// inputs placed in the node buffer there, this node's blocks fetched (the
+// broadcast root's node: its block), the collective carried from a host
+// slot, the result stored back and copied to the rank. Every dtype's bytes
+// travel as they are; sizes 0, 1, odd, large; 2 and 3 nodes.
+TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
+  for (int n : {2, 3}) {
+    SCOPED_TRACE(std::to_string(n) + " nodes");
+    Nodes nodes(n);
+    const std::vector<size_t> counts = {0, 1, 7, 3001, 70001};
+    struct Case {
+      bool gather;
+      wire::DataType dtype;
+      size_t count;
+      int root;
+    };
+    std::vector<Case> cases;
+    for (size_t c : counts) {
+      cases.push_back({true, wire::DataType::kFloat32, c, 0});
+      cases.push_back({true, wire::DataType::kBFloat16, c, 0});
+      for (int root = 0; root < n; ++root) cases.push_back({false, wire::DataType::kInt64, c, root});
+    }
+    std::vector<std::vector<std::vector<uint8_t>>> send(n), recv(n);
+    for (int k = 0; k < n; ++k) {
+      const bool gpu = k != 1;  // node 1 keeps host buffers
+      for (size_t o = 0; o < cases.size(); ++o) {
+        const Case& c = cases[o];
+        const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+        const size_t out = c.gather ? c.count * n : c.count;
+        send[k].emplace_back(c.count * es + 1);
+        recv[k].emplace_back(out * es + 1, 0xee);
+        for (size_t i = 0; i < c.count; ++i) {
+          Put(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
+        }
+        ClusterOp op = Allreduce(o, "m" + std::to_string(o), c.dtype, wire::ReduceOp::kSum,
+                                 c.count, k, send[k][o].data(), recv[k][o].data());
+        op.sig.collective = static_cast<uint32_t>(c.gather ? wire::Collective::kAllgather
+                                                           : wire::Collective::kBroadcast);
+        op.sig.root = c.root;
+        if (gpu) {
+          const bool has_input = c.gather || k == c.root;
+          auto b = std::make_shared<HostStagedBuffer>(
+              c.dtype, out,
+              has_input ? std::vector<const void*>{send[k][o].data()} : std::vector<const void*>{},
+              std::vector<void*>{recv[k][o].data()}, std::vector<size_t>{0}, out * es);
+          b->SetInputPlaces({c.gather ? static_cast<size_t>(k) * c.count * es : 0}, c.count * es);
+          op.staged = b;
+          op.parts[0].send = nullptr;
+          op.parts[0].recv = nullptr;
+        }
+        nodes.job(k).Submit(std::move(op));
+      }
+    }
+    for (int k = 0; k < n; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(cases.size())) << "node " << k;
+    for (int k = 0; k < n; ++k) {
+      for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
+      for (size_t o = 0; o < cases.size(); ++o) {
+        const Case& c = cases[o];
+        const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+        std::vector<uint8_t> want;
+        if (c.gather) {
+          for (int j = 0; j < n; ++j) {
+            want.insert(want.end(), send[j][o].begin(), send[j][o].begin() + c.count * es);
+          }
+        } else {
+          want.assign(send[c.root][o].begin(), send[c.root][o].begin() + c.count * es);
+        }
+        want.push_back(0xee);  // nothing written past the end
+        EXPECT_EQ(recv[k][o], want) << "node " << k << (c.gather ? " allgather" : " broadcast")
+                                    << " count " << c.count << " root " << c.root;
+      }
+    }
   }
 }
 

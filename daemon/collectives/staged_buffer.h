@@ -6,7 +6,9 @@
 // the next piece is being fetched into the other slot; at the end the
 // result goes from the node buffer to every local rank's output (an
 // allreduce: all of it; a reduce_scatter, whose node buffer holds every
-// rank's block: the rank's block).
+// rank's block: the rank's block). An allgather or a broadcast places the
+// ranks' inputs in the node buffer instead of reducing them, and moves it
+// through one slot whole.
 //
 // Ordering: every Fetch, Store and the fan-out of Finish are enqueued on one
 // in-order queue (a CUDA stream), after ReduceLocal and after the ranks'
@@ -37,18 +39,23 @@ class StagedNodeBuffer {
  public:
   virtual ~StagedNodeBuffer() = default;
 
-  // Enqueues the local phase: the node's ranks' inputs reduced with `op`
-  // (not kAvg: the caller sums and divides) into the node buffer.
+  // Enqueues the local phase of a reducing collective: the node's ranks'
+  // inputs reduced with `op` (not kAvg: the caller sums and divides) into
+  // the node buffer.
   virtual absl::Status ReduceLocal(wire::ReduceOp op) = 0;
+  // The local phase of the others: enqueues the copies of the ranks' inputs
+  // to their places in the node buffer (allgather: each rank's block;
+  // broadcast: the root's, where it is on this node).
+  virtual absl::Status PlaceInputs() = 0;
   // Host memory of slot `slot` (0 or 1), at least `bytes` long; the same
   // memory for the object's life unless a larger size is asked for.
   virtual absl::StatusOr<uint8_t*> Slot(int slot, size_t bytes) = 0;
-  // Enqueues a copy of the node buffer's bytes [offset, offset + bytes) into
-  // the slot's host memory.
-  virtual absl::Status Fetch(int slot, size_t offset, size_t bytes) = 0;
-  // Enqueues a copy of the slot's first `bytes` bytes to the node buffer at
-  // `offset`.
-  virtual absl::Status Store(int slot, size_t offset, size_t bytes) = 0;
+  // Enqueues a copy of the node buffer's bytes [offset, offset + bytes) to
+  // the slot's host memory at `slot_offset`.
+  virtual absl::Status Fetch(int slot, size_t slot_offset, size_t offset, size_t bytes) = 0;
+  // Enqueues a copy of the slot's bytes [slot_offset, slot_offset + bytes)
+  // to the node buffer at `offset`.
+  virtual absl::Status Store(int slot, size_t slot_offset, size_t offset, size_t bytes) = 0;
   // Blocks until the slot's last Fetch or Store is complete.
   virtual absl::Status Wait(int slot) = 0;
   // Enqueues the node buffer's copy to every other local rank's output and

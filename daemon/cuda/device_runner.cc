@@ -153,7 +153,10 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     size_t count = 0;                 // elements of the node buffer
     uint8_t* node = nullptr;          // the node buffer
     bool owns_node = false;           // allocated on `stream` (reduce_scatter)
-    std::vector<const void*> inputs;  // every rank's send buffer
+    std::vector<const void*> inputs;  // the ranks' send buffers
+    // Allgather, broadcast: where in the node buffer each input goes.
+    std::vector<size_t> input_offsets;
+    size_t input_bytes = 0;
     std::vector<uint8_t*> outputs;    // every rank's receive buffer
     std::vector<size_t> output_offsets;  // where in the node buffer each output's bytes are
     size_t output_bytes = 0;
@@ -182,6 +185,19 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     return gpu::DeviceReduce(p_.dtype, op, p_.inputs.data(), static_cast<int>(p_.inputs.size()),
                              p_.node, p_.count, p_.stream);
   }
+  absl::Status PlaceInputs() override {
+    if (p_.stream == nullptr || p_.input_bytes == 0) return absl::OkStatus();
+    if (absl::Status s = Current(); !s.ok()) return s;
+    for (size_t i = 0; i < p_.inputs.size(); ++i) {
+      uint8_t* to = p_.node + p_.input_offsets[i];
+      if (p_.inputs[i] == to) continue;  // in place
+      absl::Status s = Cuda(cudaMemcpyAsync(to, p_.inputs[i], p_.input_bytes,
+                                            cudaMemcpyDeviceToDevice, p_.stream),
+                            "cudaMemcpyAsync device to device (inputs to the node buffer)");
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   absl::StatusOr<uint8_t*> Slot(int slot, size_t bytes) override {
     if (slot < 0 || slot > 1) return absl::InternalError("staging slot out of range");
     if (slot_bytes_[slot] < bytes) {
@@ -194,16 +210,16 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     }
     return slot_[slot];
   }
-  absl::Status Fetch(int slot, size_t offset, size_t bytes) override {
-    if (absl::Status s = Check(slot, offset, bytes); !s.ok()) return s;
-    absl::Status s = Cuda(cudaMemcpyAsync(slot_[slot], p_.node + offset, bytes,
+  absl::Status Fetch(int slot, size_t slot_offset, size_t offset, size_t bytes) override {
+    if (absl::Status s = Check(slot, slot_offset, offset, bytes); !s.ok()) return s;
+    absl::Status s = Cuda(cudaMemcpyAsync(slot_[slot] + slot_offset, p_.node + offset, bytes,
                                           cudaMemcpyDeviceToHost, p_.stream),
                           "cudaMemcpyAsync device to host (staging)");
     return s.ok() ? Record(slot) : s;
   }
-  absl::Status Store(int slot, size_t offset, size_t bytes) override {
-    if (absl::Status s = Check(slot, offset, bytes); !s.ok()) return s;
-    absl::Status s = Cuda(cudaMemcpyAsync(p_.node + offset, slot_[slot], bytes,
+  absl::Status Store(int slot, size_t slot_offset, size_t offset, size_t bytes) override {
+    if (absl::Status s = Check(slot, slot_offset, offset, bytes); !s.ok()) return s;
+    absl::Status s = Cuda(cudaMemcpyAsync(p_.node + offset, slot_[slot] + slot_offset, bytes,
                                           cudaMemcpyHostToDevice, p_.stream),
                           "cudaMemcpyAsync host to device (staging)");
     return s.ok() ? Record(slot) : s;
@@ -251,10 +267,10 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
   absl::Status Current() {
     return Cuda(cudaSetDevice(p_.device), absl::StrCat("cudaSetDevice(", p_.device, ")"));
   }
-  absl::Status Check(int slot, size_t offset, size_t bytes) {
+  absl::Status Check(int slot, size_t slot_offset, size_t offset, size_t bytes) {
     const size_t total = p_.count * wire::DataTypeSize(static_cast<uint32_t>(p_.dtype));
-    if (slot < 0 || slot > 1 || bytes > slot_bytes_[slot] || offset > total ||
-        bytes > total - offset) {
+    if (slot < 0 || slot > 1 || slot_offset > slot_bytes_[slot] ||
+        bytes > slot_bytes_[slot] - slot_offset || offset > total || bytes > total - offset) {
       return absl::InternalError(absl::StrCat("staging copy of ", bytes, " bytes at ", offset,
                                               " outside the buffer or the slot"));
     }
@@ -323,37 +339,6 @@ class CudaDeviceRunner final : public DeviceRunner {
 
   void EndJob(const std::string& job) override {
     tasks_.Push([this, job] { residuals_.erase(job); });
-  }
-
-  void StageIn(std::vector<DeviceRankBuffers> ranks,
-               std::function<void(absl::StatusOr<std::shared_ptr<HostStaging>>)> done) override {
-    tasks_.Push([this, ranks = std::move(ranks), done = std::move(done)]() mutable {
-      auto staging = std::make_shared<HostStaging>();
-      Completion c;
-      c.done = [done = std::move(done), staging](absl::Status s) {
-        if (s.ok()) {
-          done(staging);
-        } else {
-          done(s);
-        }
-      };
-      cudaStream_t stream = nullptr;
-      absl::Status s = EnqueueStageIn(ranks, staging.get(), &c.event, &c.device, &stream);
-      Hand(std::move(c), s, stream);
-    });
-  }
-
-  void StageOut(std::vector<DeviceRankBuffers> ranks, std::shared_ptr<HostStaging> staging,
-                std::function<void(absl::Status)> done) override {
-    tasks_.Push([this, ranks = std::move(ranks), staging = std::move(staging),
-                 done = std::move(done)]() mutable {
-      Completion c;
-      // The staging stays alive until the copies out of it are complete.
-      c.done = [done = std::move(done), staging](absl::Status s) { done(s); };
-      cudaStream_t stream = nullptr;
-      absl::Status s = EnqueueStageOut(ranks, *staging, &c.event, &c.device, &stream);
-      Hand(std::move(c), s, stream);
-    });
   }
 
   void CloseSession(uint64_t session_id) override {
@@ -547,10 +532,18 @@ class CudaDeviceRunner final : public DeviceRunner {
       const std::string& job) {
     CudaStagedBuffer::Parts parts;
     parts.dtype = static_cast<wire::DataType>(sig.dtype);
-    const bool scatter = sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter);
+    const auto collective = static_cast<wire::Collective>(sig.collective);
+    const bool scatter = collective == wire::Collective::kReduceScatter;
+    const bool gather = collective == wire::Collective::kAllgather;
+    const bool broadcast = collective == wire::Collective::kBroadcast;
+    if (collective == wire::Collective::kBarrier) {
+      return absl::InternalError("a barrier has no device buffers");
+    }
     const size_t block = sig.count * sig.element_bytes();
-    parts.count = scatter ? sig.count * static_cast<size_t>(world) : sig.count;
-    parts.output_bytes = block;
+    const size_t all = block * static_cast<size_t>(world);
+    parts.count = scatter || gather ? sig.count * static_cast<size_t>(world) : sig.count;
+    parts.output_bytes = gather ? all : block;
+    parts.input_bytes = gather || broadcast ? block : 0;
     std::shared_ptr<DeviceResiduals>& residuals = residuals_[job];
     if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
     parts.residuals = residuals;
@@ -573,12 +566,22 @@ class CudaDeviceRunner final : public DeviceRunner {
       if (!recv.ok()) return fail(recv.status());
       parts.outputs.push_back(*recv);
       parts.output_offsets.push_back(scatter ? static_cast<size_t>(b.rank) * block : 0);
+      const uint8_t* input = *recv;  // in place, without a send buffer
       if (b.send_bytes > 0) {
         auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send");
         if (!send.ok()) return fail(send.status());
-        parts.inputs.push_back(*send);
+        input = *send;
+      }
+      if (gather) {
+        parts.inputs.push_back(input);
+        parts.input_offsets.push_back(static_cast<size_t>(b.rank) * block);
+      } else if (broadcast) {
+        if (b.rank == sig.root) {
+          parts.inputs.push_back(input);
+          parts.input_offsets.push_back(0);
+        }
       } else {
-        parts.inputs.push_back(*recv);  // in place
+        parts.inputs.push_back(input);
       }
       if (s = WaitForRank(b, r, parts.stream); !s.ok()) return fail(s);
       std::shared_ptr<SessionHandles> held = sessions_[b.session_id];
@@ -598,73 +601,6 @@ class CudaDeviceRunner final : public DeviceRunner {
       parts.node = parts.outputs[0];
     }
     return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
-  }
-
-  absl::Status EnqueueStageIn(const std::vector<DeviceRankBuffers>& ranks, HostStaging* staging,
-                              cudaEvent_t* event, int* device_out, cudaStream_t* stream_out) {
-    const int world = static_cast<int>(ranks.size());
-    staging->send.assign(world, nullptr);
-    staging->recv.assign(world, nullptr);
-    if (std::all_of(ranks.begin(), ranks.end(),
-                    [](const DeviceRankBuffers& b) { return b.recv_bytes == 0; })) {
-      return absl::OkStatus();  // count 0: nothing to copy
-    }
-    auto stream = Begin(ranks, device_out);
-    if (!stream.ok()) return stream.status();
-    *stream_out = *stream;
-    auto take = [&](uint64_t bytes, uint8_t** out) -> absl::Status {
-      auto memory = pool_->Take(bytes, out);
-      if (!memory.ok()) return memory.status();
-      staging->memory.push_back(std::move(*memory));
-      return absl::OkStatus();
-    };
-    for (int r = 0; r < world; ++r) {
-      const DeviceRankBuffers& b = ranks[r];
-      if (b.recv_bytes == 0) continue;
-      absl::Status s = take(b.recv_bytes, &staging->recv[r]);
-      if (!s.ok()) return s;
-      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, *device_out, r, "recv");
-      if (!recv.ok()) return recv.status();
-      s = WaitForRank(b, r, *stream);
-      if (!s.ok()) return s;
-      if (b.send_bytes == 0) continue;
-      s = take(b.send_bytes, &staging->send[r]);
-      if (!s.ok()) return s;
-      auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, *device_out, r, "send");
-      if (!send.ok()) return send.status();
-      s = Cuda(cudaMemcpyAsync(staging->send[r], *send, b.send_bytes, cudaMemcpyDeviceToHost,
-                               *stream),
-               "cudaMemcpyAsync device to host (staging)");
-      if (!s.ok()) return s;
-    }
-    return Finish(*stream, event);
-  }
-
-  absl::Status EnqueueStageOut(const std::vector<DeviceRankBuffers>& ranks,
-                               const HostStaging& staging, cudaEvent_t* event, int* device_out,
-                               cudaStream_t* stream_out) {
-    const int world = static_cast<int>(ranks.size());
-    if (staging.recv.size() != ranks.size()) {
-      return absl::InternalError("staging does not match the ranks");
-    }
-    if (std::all_of(ranks.begin(), ranks.end(),
-                    [](const DeviceRankBuffers& b) { return b.recv_bytes == 0; })) {
-      return absl::OkStatus();
-    }
-    auto stream = Begin(ranks, device_out);
-    if (!stream.ok()) return stream.status();
-    *stream_out = *stream;
-    for (int r = 0; r < world; ++r) {
-      const DeviceRankBuffers& b = ranks[r];
-      if (b.recv_bytes == 0) continue;
-      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, *device_out, r, "recv");
-      if (!recv.ok()) return recv.status();
-      absl::Status s = Cuda(cudaMemcpyAsync(*recv, staging.recv[r], b.recv_bytes,
-                                            cudaMemcpyHostToDevice, *stream),
-                            "cudaMemcpyAsync host to device (staging)");
-      if (!s.ok()) return s;
-    }
-    return Finish(*stream, event);
   }
 
   absl::StatusOr<cudaStream_t> StreamFor(int device) {

@@ -19,14 +19,13 @@
 // asynchronous fault (a bad address in a kernel) breaks the CUDA context for
 // good: every later operation fails with it too (restart ciuicd).
 //
-// Multi-node jobs: an allreduce gets a StagedNodeBuffer (Stage): the local
-// reduction on the GPU into rank 0's buffer, which the ClusterJob then moves
-// through two pinned host slots segment by segment, overlapping the copies
-// with the network, and copies to the other ranks at the end. Other
-// collectives: StageIn / StageOut copy the ranks' device buffers whole to
-// and from pinned host memory around the host's inter-node algorithm.
+// Multi-node jobs: every operation gets a StagedNodeBuffer (Stage): the
+// local phase on the GPU into a node buffer in device memory, which the
+// ClusterJob then moves through pinned host slots (reductions segment by
+// segment, overlapping the copies with the network), and the result copied
+// to the ranks on the device at the end.
 //
-// Threads: Run, StageIn, StageOut and CloseSession may be called from any one
+// Threads: Run, Stage, EndJob and CloseSession may be called from any one
 // thread (the engine loop); `done` runs on the runner's completion thread. The
 // destructor lets queued work finish (every `done` is called) and closes
 // every handle. Built without CUDA, Create returns FAILED_PRECONDITION.
@@ -56,16 +55,6 @@ struct DeviceRankBuffers {
   wire::DeviceBufferDescriptor recv{};
 };
 
-// Pinned host copies of device buffers, for multi-node jobs: per rank (in
-// the order the ranks were given) a send and a recv buffer, nullptr where the
-// rank has none. Owns that memory: it goes back to the runner's pool of
-// pinned buffers when the last reference is dropped (from any thread).
-struct HostStaging {
-  std::vector<uint8_t*> send;
-  std::vector<uint8_t*> recv;
-  std::vector<std::shared_ptr<void>> memory;
-};
-
 class DeviceRunner {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceRunner>> Create();
@@ -76,12 +65,12 @@ class DeviceRunner {
   virtual void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
                    std::function<void(absl::Status)> done) = 0;
 
-  // A multi-node allreduce or reduce_scatter (`sig`, validated) on this
-  // node's ranks of a job of `world` ranks: opens their buffers and calls
-  // `done` with the node's StagedNodeBuffer, whose work goes on a stream of
-  // its own that first waits for each rank's event; the node buffer is rank
-  // 0's receive buffer (allreduce) or device memory of the buffer's own for
-  // every rank's block (reduce_scatter). The buffer keeps the ranks'
+  // A multi-node operation (`sig`, validated, not a barrier) on this node's
+  // ranks of a job of `world` ranks: opens their buffers and calls `done`
+  // with the node's StagedNodeBuffer, whose work goes on a stream of its
+  // own that first waits for each rank's event; the node buffer is the
+  // first rank's receive buffer (allreduce, allgather, broadcast) or device
+  // memory of the buffer's own for every rank's block (reduce_scatter). The buffer keeps the ranks'
   // handles open while it lives (a session closed meanwhile closes them
   // when it goes).
   // `job` names the job whose error feedback residuals (kept on the device
@@ -92,17 +81,6 @@ class DeviceRunner {
                          done) = 0;
   // The job has ended: its residuals go once its last staged buffer has.
   virtual void EndJob(const std::string& job) = 0;
-
-  // Multi-node jobs (the inter-node algorithm runs on host memory): waits
-  // for each rank's event, copies every rank's send buffer into pinned host
-  // memory (pooled: allocated once, reused), and calls `done` with the
-  // staging once the copies are complete (or with the error).
-  virtual void StageIn(std::vector<DeviceRankBuffers> ranks,
-                       std::function<void(absl::StatusOr<std::shared_ptr<HostStaging>>)> done) = 0;
-  // Copies each rank's host recv buffer of `staging` into its device recv
-  // buffer; `done` once they are there.
-  virtual void StageOut(std::vector<DeviceRankBuffers> ranks, std::shared_ptr<HostStaging> staging,
-                        std::function<void(absl::Status)> done) = 0;
 
   // The session has ended: once the work queued before this call is done,
   // its handles are closed.

@@ -71,12 +71,9 @@ struct PendingOp {
   int seen_count = 0;
   int submitted = 0;
   absl::Status failure;  // set: poisoned, later submitters get it at once
-  // Device buffers in a multi-node job: an allreduce's node buffer on the
-  // GPU, which the ClusterJob stages through host memory in segments;
-  // other collectives' pinned host copies of the ranks' buffers (between
-  // StageIn and StageOut).
+  // Device buffers in a multi-node job: the node buffer on the GPU, which
+  // the ClusterJob stages through host memory.
   std::shared_ptr<StagedNodeBuffer> staged;
-  std::shared_ptr<HostStaging> staging;
   // While running:
   std::unique_ptr<LocalCollective> collective;
   std::atomic<size_t> chunks_left{0};
@@ -494,19 +491,6 @@ void Engine::ClusterDoneOnLoop(const std::string& job_key, uint64_t op_key,
   std::shared_ptr<PendingOp> p = std::move(op->second);
   job.in_cluster.erase(op);
   --running_ops_;
-  if (p->staging && status.ok() && device_runner_) {
-    // Device buffers: the results go from the pinned copies to the ranks.
-    ++running_ops_;
-    std::shared_ptr<HostStaging> staging = std::move(p->staging);
-    device_runner_->StageOut(DeviceRanksOf(*p), std::move(staging),
-                             [this, p, job_key](absl::Status s) {
-                               Post([this, p, job_key, s] {
-                                 --running_ops_;
-                                 FinishOnLoop(job_key, *p, Named(*p, s));
-                               });
-                             });
-    return;
-  }
   FinishOnLoop(job_key, *p, status);
 }
 
@@ -869,27 +853,21 @@ void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
 }
 
 // Hands `op` to the job's ClusterJob: the ranks' buffers, or (device
-// buffers) their pinned host copies in op->staging.
+// buffers) the node buffer on the GPU, op->staged.
 void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   ClusterOp c;
   c.key = job.next_cluster_key++;
   c.name = op->name;
   c.sig = op->sig;
   c.priority = op->priority;
-  c.keep_alive = op->staging;
   c.staged = std::move(op->staged);  // the ClusterOp's alone: it goes with the run
-  size_t i = 0;  // index of the local rank in op->staging
   for (auto& part : op->parts) {
     if (!part) continue;
     if (c.staged) {
       c.parts.push_back(ClusterOp::Part{part->session->rank, nullptr, nullptr});
-    } else if (op->staging) {
-      c.parts.push_back(
-          ClusterOp::Part{part->session->rank, op->staging->send[i], op->staging->recv[i]});
     } else {
       c.parts.push_back(ClusterOp::Part{part->session->rank, part->op.send, part->op.recv});
     }
-    ++i;
     if (part->op.timeout_ms) c.timeout_ms = part->op.timeout_ms;
   }
   ++running_ops_;
@@ -899,11 +877,8 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
 }
 
 // Device buffers: the local phase on the GPU (single-node jobs). In a
-// multi-node job an allreduce or reduce_scatter is reduced on the GPU and
-// staged through host memory in segments by the ClusterJob (Stage);
-// allgather and broadcast go through pinned host copies around the host's
-// inter-node algorithm (StageIn, the ClusterJob, StageOut in
-// ClusterDoneOnLoop).
+// multi-node job the local phase goes on the GPU into a node buffer there,
+// which the ClusterJob stages through host memory (Stage).
 void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   if (!device_runner_) {
     auto runner = DeviceRunner::Create();
@@ -914,42 +889,21 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     device_runner_ = std::move(*runner);
   }
   ++running_ops_;
-  // Back on the loop once staged: to the ClusterJob, unless the job is gone.
-  auto to_cluster = [this](const std::string& key, const std::shared_ptr<PendingOp>& op) {
-    auto it = jobs_.find(key);
-    if (it == jobs_.end()) {
-      return FinishOnLoop(key, *op, absl::AbortedError(absl::StrCat(
-                                        "operation '", op->name, "': the job ended")));
-    }
-    if (!it->second->failure.ok()) return FinishOnLoop(key, *op, it->second->failure);
-    SubmitToClusterOnLoop(*it->second, op);
-  };
-  const auto collective = static_cast<wire::Collective>(op->sig.collective);
-  if (job.cluster && (collective == wire::Collective::kAllreduce ||
-                      collective == wire::Collective::kReduceScatter)) {
+  if (job.cluster) {
     device_runner_->Stage(
         op->sig, job.world_size, DeviceRanksOf(*op), job.key,
-        [this, op, key = job.key,
-         to_cluster](absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> staged) {
-          Post([this, op, key, staged = std::move(staged), to_cluster] {
+        [this, op, key = job.key](absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> staged) {
+          Post([this, op, key, staged = std::move(staged)] {
             --running_ops_;
             if (!staged.ok()) return FinishOnLoop(key, *op, Named(*op, staged.status()));
+            auto it = jobs_.find(key);
+            if (it == jobs_.end()) {
+              return FinishOnLoop(key, *op, absl::AbortedError(absl::StrCat(
+                                                "operation '", op->name, "': the job ended")));
+            }
+            if (!it->second->failure.ok()) return FinishOnLoop(key, *op, it->second->failure);
             op->staged = *staged;
-            to_cluster(key, op);
-          });
-        });
-    return;
-  }
-  if (job.cluster) {
-    device_runner_->StageIn(
-        DeviceRanksOf(*op),
-        [this, op, key = job.key,
-         to_cluster](absl::StatusOr<std::shared_ptr<HostStaging>> staged) {
-          Post([this, op, key, staged = std::move(staged), to_cluster] {
-            --running_ops_;
-            if (!staged.ok()) return FinishOnLoop(key, *op, Named(*op, staged.status()));
-            op->staging = *staged;
-            to_cluster(key, op);
+            SubmitToClusterOnLoop(*it->second, op);
           });
         });
     return;
