@@ -38,6 +38,12 @@ size_t SegmentElements(uint64_t segment_bytes, size_t count, size_t element_byte
   return std::max(per, (count + kMaxSegments - 1) / kMaxSegments);
 }
 
+// Unnamed operations ("#N": the SDK's reserved prefix) never recur, so a
+// residual would only cost a fresh allocation and evict others'.
+bool KeepsErrorFeedback(const config::Tuning& tuning, const std::string& name) {
+  return tuning.error_feedback && (name.empty() || name[0] != '#');
+}
+
 }  // namespace
 
 struct ClusterJob::Event {
@@ -651,9 +657,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
     CompressionStats stats;
     s = AllreduceCompressedPieces(ctx, **codec, tuning.error_feedback ? &feedback_ : nullptr,
                                   pieces, dtype, node, total, &stats);
-    compressed_ops_.fetch_add(ops.size(), std::memory_order_relaxed);
-    raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
-    wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+    CountCompressed(ops.size(), stats);
   } else {
     // The run's algorithm (auto: by the packed size) where an element's bits
     // do not depend on its offset (the coordinator fused only such
@@ -690,20 +694,41 @@ absl::Status ClusterJob::CarryAllreduce(InterNodeContext ctx, uint64_t seq, int 
   CompressionStats stats;
   absl::Status s = AllreduceCompressed(ctx, *codec, feedback ? &feedback_ : nullptr, name, dtype,
                                        data, count, &stats);
-  compressed_ops_.fetch_add(1, std::memory_order_relaxed);
-  raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
-  wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+  CountCompressed(1, stats);
   return s;
 }
 
-absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx) {
-  absl::Status s = MoveStagedSteps(op, ctx);
+void ClusterJob::CountCompressed(uint64_t ops, const CompressionStats& stats) {
+  compressed_ops_.fetch_add(ops, std::memory_order_relaxed);
+  raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
+  wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
+}
+
+absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx,
+                                       uint64_t seq, const RunSettings& settings) {
+  absl::Status s;
+  switch (static_cast<wire::Collective>(op.sig.collective)) {
+    case wire::Collective::kAllreduce:
+    case wire::Collective::kReduceScatter: {
+      auto codec = CodecNamed(settings.codec);
+      if (!codec.ok()) return codec.status();
+      const bool feedback = KeepsErrorFeedback(options_.tuning->Snapshot(), op.name);
+      s = ReduceStaged(op, ctx, seq, settings, *codec, feedback);
+      break;
+    }
+    case wire::Collective::kAllgather:
+    case wire::Collective::kBroadcast:
+      s = MoveStaged(op, ctx);
+      break;
+    case wire::Collective::kBarrier:
+      break;
+  }
   // The ranks hear of the end once nothing is left in flight on the device.
   if (!s.ok()) op.staged->Drain().IgnoreError();
   return s;
 }
 
-absl::Status ClusterJob::MoveStagedSteps(const ClusterOp& op, const InterNodeContext& ctx) {
+absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx) {
   StagedNodeBuffer& device = *op.staged;
   const size_t block = op.sig.count * op.sig.element_bytes();
   const bool gather = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAllgather);
@@ -740,9 +765,9 @@ absl::Status ClusterJob::MoveStagedSteps(const ClusterOp& op, const InterNodeCon
   return device.Finish();
 }
 
-absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx,
-                                       uint64_t seq, const RunSettings& settings,
-                                       const Codec* codec, bool feedback) {
+absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx,
+                                      uint64_t seq, const RunSettings& settings,
+                                      const Codec* codec, bool feedback) {
   StagedNodeBuffer& device = *op.staged;
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
@@ -761,61 +786,53 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
   const size_t segments = count == 0 ? 0 : (count + per - 1) / per;
   auto range = [&](size_t k) { return std::make_pair(k * per, std::min(per, count - k * per)); };
   uint8_t* slot[2] = {nullptr, nullptr};
-  auto run = [&]() -> absl::Status {
-    if (absl::Status s = device.ReduceLocal(wire_op); !s.ok()) return s;
-    if (codec != nullptr) {
-      // Compressed where the buffer lives, when it can: only encoded bytes
-      // leave it, and its residuals stay there.
-      auto coder = device.Coder(settings.codec, feedback ? op.name : std::string());
-      if (!coder.ok()) return coder.status();
-      if (*coder != nullptr) {
-        CompressionStats stats;
-        absl::Status s = AllreduceCompressedWith(ctx, *codec, **coder, dtype, device.data(), count,
-                                                 &stats);
-        compressed_ops_.fetch_add(1, std::memory_order_relaxed);
-        raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
-        wire_bytes_.fetch_add(stats.wire_bytes, std::memory_order_relaxed);
-        if (!s.ok()) return s;
-        if (requested == wire::ReduceOp::kAvg) {
-          if (s = device.Divide(options_.world_size); !s.ok()) return s;
-        }
-        return device.Finish();
-      }
-    }
-    // Fetch the first two segments, one per slot; segment k + 2 is fetched
-    // into k's slot right after k's store (the device queue orders them).
-    for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
-      auto p = device.Slot(static_cast<int>(k), std::min(per, count) * es);
-      if (!p.ok()) return p.status();
-      slot[k] = *p;
-      const auto [at, n] = range(k);
-      if (absl::Status s = device.Fetch(static_cast<int>(k), 0, at * es, n * es); !s.ok()) {
-        return s;
-      }
-    }
-    for (size_t k = 0; k < segments; ++k) {
-      const int sl = static_cast<int>(k % 2);
-      const auto [at, n] = range(k);
-      if (absl::Status s = device.Wait(sl); !s.ok()) return s;
-      absl::Status s = CarryAllreduce(ctx, seq, segmented ? static_cast<int>(k) : -1, settings,
-                                      codec, feedback, op.name, dtype, wire_op, slot[sl], n,
-                                      nullptr);
+  if (absl::Status s = device.ReduceLocal(wire_op); !s.ok()) return s;
+  if (codec != nullptr) {
+    // Compressed where the buffer lives, when it can: only encoded bytes
+    // leave it, and its residuals stay there.
+    auto coder = device.Coder(settings.codec, feedback ? op.name : std::string());
+    if (!coder.ok()) return coder.status();
+    if (*coder != nullptr) {
+      CompressionStats stats;
+      absl::Status s = AllreduceCompressedWith(ctx, *codec, **coder, dtype, device.data(), count,
+                                               &stats);
+      CountCompressed(1, stats);
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) {
-        DivideInPlace(dtype, slot[sl], n, options_.world_size);
+        if (s = device.Divide(options_.world_size); !s.ok()) return s;
       }
-      if (s = device.Store(sl, 0, at * es, n * es); !s.ok()) return s;
-      if (k + 2 < segments) {
-        const auto [next_at, next_n] = range(k + 2);
-        if (s = device.Fetch(sl, 0, next_at * es, next_n * es); !s.ok()) return s;
-      }
+      return device.Finish();
     }
-    return device.Finish();
-  };
-  absl::Status s = run();
-  // The ranks hear of the end once nothing is left in flight on the device.
-  if (!s.ok()) device.Drain().IgnoreError();
-  return s;
+  }
+  // Fetch the first two segments, one per slot; segment k + 2 is fetched
+  // into k's slot right after k's store (the device queue orders them).
+  for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
+    auto p = device.Slot(static_cast<int>(k), std::min(per, count) * es);
+    if (!p.ok()) return p.status();
+    slot[k] = *p;
+    const auto [at, n] = range(k);
+    if (absl::Status s = device.Fetch(static_cast<int>(k), 0, at * es, n * es); !s.ok()) {
+      return s;
+    }
+  }
+  for (size_t k = 0; k < segments; ++k) {
+    const int sl = static_cast<int>(k % 2);
+    const auto [at, n] = range(k);
+    if (absl::Status s = device.Wait(sl); !s.ok()) return s;
+    absl::Status s = CarryAllreduce(ctx, seq, segmented ? static_cast<int>(k) : -1, settings,
+                                    codec, feedback, op.name, dtype, wire_op, slot[sl], n,
+                                    nullptr);
+    if (!s.ok()) return s;
+    if (requested == wire::ReduceOp::kAvg) {
+      DivideInPlace(dtype, slot[sl], n, options_.world_size);
+    }
+    if (s = device.Store(sl, 0, at * es, n * es); !s.ok()) return s;
+    if (k + 2 < segments) {
+      const auto [next_at, next_n] = range(k + 2);
+      if (s = device.Fetch(sl, 0, next_at * es, next_n * es); !s.ok()) return s;
+    }
+  }
+  return device.Finish();
 }
 
 absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSettings& settings,
@@ -829,6 +846,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
   const size_t block = op.sig.count * es;
   const uint32_t timeout_ms = op.timeout_ms ? op.timeout_ms : tuning.op_timeout_ms;
   InterNodeContext ctx = ContextFor(seq, timeout_ms, settings, lane);
+  if (op.staged) return ExecuteStaged(op, ctx, seq, settings);
 
   // The node's buffer is the first local rank's receive buffer where it is
   // big enough (it lives in that rank's shared memory): no staging copy,
@@ -851,10 +869,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
       auto codec = CodecNamed(settings.codec);
       if (!codec.ok()) return codec.status();
-      // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so
-      // a residual would only cost a fresh allocation and evict others'.
-      const bool feedback = tuning.error_feedback && (op.name.empty() || op.name[0] != '#');
-      if (op.staged) return ExecuteStaged(op, ctx, seq, settings, *codec, feedback);
+      const bool feedback = KeepsErrorFeedback(tuning, op.name);
       uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
       // One local rank, send and receive buffers apart, uncompressed: the
       // inter-node allreduce reads the rank's input where it needs it and
@@ -890,7 +905,6 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       return absl::OkStatus();
     }
     case wire::Collective::kAllgather: {
-      if (op.staged) return MoveStaged(op, ctx);
       const size_t all = block * static_cast<size_t>(world);
       uint8_t* node = first.recv;
       for (const auto& p : op.parts) {
@@ -905,7 +919,6 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       return absl::OkStatus();
     }
     case wire::Collective::kBroadcast: {
-      if (op.staged) return MoveStaged(op, ctx);
       uint8_t* node = first.recv;
       const int root_node = node_of_rank_[op.sig.root];
       for (const auto& p : op.parts) {

@@ -198,13 +198,17 @@ class ClusterJob {
                        Lane& lane);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                             const RunSettings& settings, Lane& lane);
-  // An operation whose node buffer is on a GPU (op.staged): reductions
-  // segment by segment through two host slots (see staged_buffer.h),
-  // allgather and broadcast through one, whole (MoveStaged).
+  // An operation whose node buffer is on a GPU (op.staged; see
+  // staged_buffer.h); on a failure it waits for the device work it started.
   absl::Status ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
-                             const RunSettings& settings, const Codec* codec, bool feedback);
+                             const RunSettings& settings);
+  // Its reductions: segment by segment through two host slots, or (with a
+  // codec the device runs) compressed where the buffer lives.
+  absl::Status ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
+                            const RunSettings& settings, const Codec* codec, bool feedback);
+  // Allgather and broadcast: through one host slot, whole.
   absl::Status MoveStaged(const ClusterOp& op, const InterNodeContext& ctx);
-  absl::Status MoveStagedSteps(const ClusterOp& op, const InterNodeContext& ctx);
+  void CountCompressed(uint64_t ops, const CompressionStats& stats);
   // The inter-node part of an allreduce of `count` elements in `data`
   // (segment `segment` of a run announced with segment_bytes, else the
   // whole): compressed with `codec` (may be null; `input` must then be
