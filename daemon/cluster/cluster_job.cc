@@ -38,6 +38,16 @@ size_t SegmentElements(uint64_t segment_bytes, size_t count, size_t element_byte
   return std::max(per, (count + kMaxSegments - 1) / kMaxSegments);
 }
 
+// Elements of each rank's block per segment of an allgather (whose segment
+// carries a piece of every rank's block) or a broadcast announced with
+// `segment_bytes`; `count` (the whole block: one segment) without.
+size_t MoveSegmentElements(uint64_t segment_bytes, bool gather, size_t count,
+                           size_t element_bytes, int world) {
+  if (segment_bytes == 0) return std::max<size_t>(count, 1);
+  const uint64_t piece = gather ? segment_bytes / static_cast<uint64_t>(world) : segment_bytes;
+  return SegmentElements(std::max<uint64_t>(piece, element_bytes), count, element_bytes);
+}
+
 // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so a
 // residual would only cost a fresh allocation and evict others'.
 bool KeepsErrorFeedback(const config::Tuning& tuning, const std::string& name) {
@@ -718,7 +728,7 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
     }
     case wire::Collective::kAllgather:
     case wire::Collective::kBroadcast:
-      s = MoveStaged(op, ctx);
+      s = MoveStaged(op, ctx, seq, settings);
       break;
     case wire::Collective::kBarrier:
       break;
@@ -728,38 +738,81 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
   return s;
 }
 
-absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx) {
+absl::Status ClusterJob::MoveSegment(InterNodeContext ctx, uint64_t seq, int segment,
+                                     const ClusterOp& op, uint8_t* data, size_t stride,
+                                     size_t first, size_t bytes) {
+  if (segment >= 0) ctx.tag_base = SegmentTagBase(seq, static_cast<size_t>(segment));
+  if (op.sig.collective != static_cast<uint32_t>(wire::Collective::kAllgather)) {
+    return BroadcastPipeline(ctx, data + first, bytes, node_of_rank_[op.sig.root]);
+  }
+  std::vector<Block> blocks;
+  for (int r = 0; r < options_.world_size; ++r) {
+    blocks.push_back(Block{static_cast<size_t>(r) * stride + first, bytes, node_of_rank_[r]});
+  }
+  return AllgatherRing(ctx, data, blocks);
+}
+
+absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx,
+                                    uint64_t seq, const RunSettings& settings) {
   StagedNodeBuffer& device = *op.staged;
-  const size_t block = op.sig.count * op.sig.element_bytes();
+  const size_t es = op.sig.element_bytes();
+  const size_t count = op.sig.count;  // elements of each rank's block
+  const size_t block = count * es;
   const bool gather = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAllgather);
-  const size_t bytes = gather ? block * static_cast<size_t>(options_.world_size) : block;
+  const int world = options_.world_size;
+  const bool root_here = !gather && node_of_rank_[op.sig.root] == self_;
   if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
-  if (bytes == 0) return device.Finish();
-  auto slot = device.Slot(0, bytes);
-  if (!slot.ok()) return slot.status();
-  absl::Status s;
-  if (gather) {
-    // Only this node's blocks go out from here; the others come in.
+  if (count == 0) return device.Finish();
+  // Segment k carries elements [k * per, ...) of every rank's block (a
+  // broadcast: of the one block); in a slot the ranks' pieces lie back to
+  // back.
+  const bool segmented = settings.segment_bytes > 0;
+  const size_t per = MoveSegmentElements(settings.segment_bytes, gather, count, es, world);
+  const size_t segments = (count + per - 1) / per;
+  const size_t pieces = gather ? static_cast<size_t>(world) : 1;
+  auto range = [&](size_t k) { return std::make_pair(k * per, std::min(per, count - k * per)); };
+  // What this node sends of segment k: its ranks' pieces (the root's node:
+  // the piece), fetched into the slot; what it receives, stored from it.
+  auto fetch = [&](int sl, size_t k) -> absl::Status {
+    const auto [at, n] = range(k);
+    if (!gather) return root_here ? device.Fetch(sl, 0, at * es, n * es) : absl::OkStatus();
     for (const auto& p : op.parts) {
-      const size_t at = static_cast<size_t>(p.rank) * block;
-      if (s = device.Fetch(0, at, at, block); !s.ok()) return s;
+      const size_t r = static_cast<size_t>(p.rank);
+      if (absl::Status s = device.Fetch(sl, r * n * es, r * block + at * es, n * es); !s.ok()) {
+        return s;
+      }
     }
-    if (s = device.Wait(0); !s.ok()) return s;
-    std::vector<Block> blocks;
-    for (int r = 0; r < options_.world_size; ++r) {
-      blocks.push_back(Block{static_cast<size_t>(r) * block, block, node_of_rank_[r]});
+    return absl::OkStatus();
+  };
+  auto store = [&](int sl, size_t k) -> absl::Status {
+    const auto [at, n] = range(k);
+    if (!gather) return root_here ? absl::OkStatus() : device.Store(sl, 0, at * es, n * es);
+    for (int r = 0; r < world; ++r) {
+      if (node_of_rank_[r] == self_) continue;
+      const size_t rr = static_cast<size_t>(r);
+      if (absl::Status s = device.Store(sl, rr * n * es, rr * block + at * es, n * es); !s.ok()) {
+        return s;
+      }
     }
-    if (s = AllgatherRing(ctx, *slot, blocks); !s.ok()) return s;
-    if (s = device.Store(0, 0, 0, bytes); !s.ok()) return s;
-  } else {
-    const int root_node = node_of_rank_[op.sig.root];
-    if (root_node == self_) {
-      if (s = device.Fetch(0, 0, 0, bytes); !s.ok()) return s;
-      if (s = device.Wait(0); !s.ok()) return s;
-    }
-    if (s = BroadcastPipeline(ctx, *slot, bytes, root_node); !s.ok()) return s;
-    if (root_node != self_) {
-      if (s = device.Store(0, 0, 0, bytes); !s.ok()) return s;
+    return absl::OkStatus();
+  };
+  uint8_t* slot[2] = {nullptr, nullptr};
+  for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
+    auto p = device.Slot(static_cast<int>(k), pieces * per * es);
+    if (!p.ok()) return p.status();
+    slot[k] = *p;
+    if (absl::Status s = fetch(static_cast<int>(k), k); !s.ok()) return s;
+  }
+  for (size_t k = 0; k < segments; ++k) {
+    const int sl = static_cast<int>(k % 2);
+    const auto [at, n] = range(k);
+    if (absl::Status s = device.Wait(sl); !s.ok()) return s;
+    absl::Status s = MoveSegment(ctx, seq, segmented ? static_cast<int>(k) : -1, op, slot[sl],
+                                 n * es, 0, n * es);
+    if (!s.ok()) return s;
+    if (s = store(sl, k); !s.ok()) return s;
+    if (k + 2 < segments) {
+      if (s = fetch(sl, k + 2); !s.ok()) return s;
     }
   }
   return device.Finish();
@@ -833,6 +886,27 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
     }
   }
   return device.Finish();
+}
+
+absl::Status ClusterJob::MoveInSegments(const InterNodeContext& ctx, uint64_t seq,
+                                        const RunSettings& settings, const ClusterOp& op,
+                                        uint8_t* node) {
+  const size_t es = op.sig.element_bytes();
+  const size_t count = op.sig.count;
+  const size_t block = count * es;
+  if (settings.segment_bytes == 0 || count == 0) {
+    return MoveSegment(ctx, seq, -1, op, node, block, 0, block);
+  }
+  // As a node with GPU buffers runs them (MoveStaged), on the node buffer.
+  const bool gather = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAllgather);
+  const size_t per =
+      MoveSegmentElements(settings.segment_bytes, gather, count, es, options_.world_size);
+  for (size_t k = 0, at = 0; at < count; ++k, at += per) {
+    const size_t n = std::min(per, count - at);
+    absl::Status s = MoveSegment(ctx, seq, static_cast<int>(k), op, node, block, at * es, n * es);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSettings& settings,
@@ -911,20 +985,17 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
         uint8_t* at = node + p.rank * block;
         if (p.send != at) std::memcpy(at, p.send, block);
       }
-      std::vector<Block> blocks;
-      for (int r = 0; r < world; ++r) blocks.push_back(Block{r * block, block, node_of_rank_[r]});
-      absl::Status s = AllgatherRing(ctx, node, blocks);
+      absl::Status s = MoveInSegments(ctx, seq, settings, op, node);
       if (!s.ok()) return s;
       fan_out(node, all);
       return absl::OkStatus();
     }
     case wire::Collective::kBroadcast: {
       uint8_t* node = first.recv;
-      const int root_node = node_of_rank_[op.sig.root];
       for (const auto& p : op.parts) {
         if (p.rank == op.sig.root && p.send != node) std::memcpy(node, p.send, block);
       }
-      absl::Status s = BroadcastPipeline(ctx, node, block, root_node);
+      absl::Status s = MoveInSegments(ctx, seq, settings, op, node);
       if (!s.ok()) return s;
       fan_out(node, block);
       return absl::OkStatus();

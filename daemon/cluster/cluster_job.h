@@ -206,8 +206,19 @@ class ClusterJob {
   // codec the device runs) compressed where the buffer lives.
   absl::Status ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
                             const RunSettings& settings, const Codec* codec, bool feedback);
-  // Allgather and broadcast: through one host slot, whole.
-  absl::Status MoveStaged(const ClusterOp& op, const InterNodeContext& ctx);
+  // Allgather and broadcast: the same way, without a reduction (a segment
+  // of an allgather carries a piece of every rank's block).
+  absl::Status MoveStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
+                          const RunSettings& settings);
+  // The host's allgather or broadcast on the node buffer, in the run's
+  // segments (or whole).
+  absl::Status MoveInSegments(const InterNodeContext& ctx, uint64_t seq,
+                              const RunSettings& settings, const ClusterOp& op, uint8_t* node);
+  // One segment (-1: the whole operation) of an allgather or broadcast on
+  // `data`: rank r's piece is `bytes` at r * stride + first (a broadcast's:
+  // at first).
+  absl::Status MoveSegment(InterNodeContext ctx, uint64_t seq, int segment, const ClusterOp& op,
+                           uint8_t* data, size_t stride, size_t first, size_t bytes);
   void CountCompressed(uint64_t ops, const CompressionStats& stats);
   // The inter-node part of an allreduce of `count` elements in `data`
   // (segment `segment` of a run announced with segment_bytes, else the

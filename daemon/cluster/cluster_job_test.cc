@@ -950,14 +950,18 @@ TEST(ClusterJobStagedTest, ReduceScatterMatchesThePlainLoop) {
 }
 
 // Allgather and broadcast with some nodes' buffers "on a GPU": the ranks'
-// inputs placed in the node buffer there, this node's blocks fetched (the
-// broadcast root's node: its block), the collective carried from a host
-// slot, the result stored back and copied to the rank. Every dtype's bytes
-// travel as they are; sizes 0, 1, odd, large; 2 and 3 nodes.
+// inputs placed in the node buffer there, then segment by segment this
+// node's pieces fetched (the broadcast root's node: the piece), the
+// collective carried from a host slot, the other nodes' pieces stored back;
+// the result copied to the rank. The host node runs the same segments on
+// its buffer. Bytes travel as they are; sizes 0, 1, odd, large (up to 137
+// segments); 2 and 3 nodes, every root.
 TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
   for (int n : {2, 3}) {
     SCOPED_TRACE(std::to_string(n) + " nodes");
     Nodes nodes(n);
+    // 4 KiB segments: an allgather's carry 4K / n of each rank's block.
+    ASSERT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
     const std::vector<size_t> counts = {0, 1, 7, 3001, 70001};
     struct Case {
       bool gather;
@@ -972,6 +976,7 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
       for (int root = 0; root < n; ++root) cases.push_back({false, wire::DataType::kInt64, c, root});
     }
     std::vector<std::vector<std::vector<uint8_t>>> send(n), recv(n);
+    std::vector<std::shared_ptr<HostStagedBuffer>> node0(cases.size());
     for (int k = 0; k < n; ++k) {
       const bool gpu = k != 1;  // node 1 keeps host buffers
       for (size_t o = 0; o < cases.size(); ++o) {
@@ -995,6 +1000,7 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
               has_input ? std::vector<const void*>{send[k][o].data()} : std::vector<const void*>{},
               std::vector<void*>{recv[k][o].data()}, std::vector<size_t>{0}, out * es);
           b->SetInputPlaces({c.gather ? static_cast<size_t>(k) * c.count * es : 0}, c.count * es);
+          if (k == 0) node0[o] = b;
           op.staged = b;
           op.parts[0].send = nullptr;
           op.parts[0].recv = nullptr;
@@ -1020,6 +1026,20 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
         EXPECT_EQ(recv[k][o], want) << "node " << k << (c.gather ? " allgather" : " broadcast")
                                     << " count " << c.count << " root " << c.root;
       }
+    }
+    // The largest allgather went in many segments: node 0 fetched its piece
+    // of each (F) and stored the other nodes' pieces (S) of each.
+    for (size_t o = 0; o < cases.size(); ++o) {
+      if (!cases[o].gather || cases[o].count != counts.back()) continue;
+      size_t fetches = 0, stores = 0;
+      for (const std::string& call : node0[o]->calls()) {
+        fetches += call[0] == 'F';
+        stores += call[0] == 'S';
+      }
+      const size_t per = 4096 / n / wire::DataTypeSize(static_cast<uint32_t>(cases[o].dtype));
+      const size_t segments = (counts.back() + per - 1) / per;
+      EXPECT_EQ(fetches, segments) << "dtype " << static_cast<int>(cases[o].dtype);
+      EXPECT_EQ(stores, segments * (n - 1)) << "dtype " << static_cast<int>(cases[o].dtype);
     }
   }
 }

@@ -552,11 +552,11 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     run->set_algorithm(static_cast<uint32_t>(tuning.algorithm));
     run->set_codec(head_codec);
     // Some node stages GPU buffers through host memory: every node runs the
-    // allreduce (a reduce_scatter: of every rank's block) in the same
-    // segments, so that node overlaps one segment's copies with another's
-    // transfers. Compressed ones go whole (their
+    // operation in the same segments, so that node overlaps one segment's
+    // copies with another's transfers. Compressed ones go whole (their
     // error feedback is kept per operation element, not per segment).
-    if (reducing(head) && head.device_buffers && head_codec.empty()) {
+    if (head.device_buffers && head_codec.empty() &&
+        head.signature.collective() != static_cast<uint32_t>(wire::Collective::kBarrier)) {
       run->set_segment_bytes(tuning.staging_segment_bytes);
     }
     job.running.emplace(run->seq(), std::vector<bool>(nodes, false));

@@ -7,6 +7,8 @@
 #include <thread>
 #include <vector>
 
+#include "ciuic/shm_layout.h"
+
 namespace ciuic::daemon {
 namespace {
 
@@ -400,11 +402,11 @@ TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
   }
 }
 
-// An allreduce or reduce_scatter whose buffers are on a GPU on some node
-// (Ready.device_buffers, from one node is enough) is announced alone, never
-// fused with others, and with segment_bytes (staging_segment_bytes) when it
-// goes uncompressed; host ones and compressed ones get no segments.
-TEST(CoordinatorTest, GpuReductionsRunAloneInSegments) {
+// An operation whose buffers are on a GPU on some node (Ready.device_buffers,
+// from one node is enough) is announced alone, never fused with others, and
+// with segment_bytes (staging_segment_bytes) when it goes uncompressed; host
+// ones and compressed ones get no segments.
+TEST(CoordinatorTest, GpuOperationsRunAloneInSegments) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
   Coordinator c("secret", &tuning);
@@ -427,14 +429,22 @@ TEST(CoordinatorTest, GpuReductionsRunAloneInSegments) {
   ready("gz", 100000, 0, 4);  // int8 (wire::Codec 4): whole, compressed
   ready("rs", 100, 0, 0, false);  // reduce_scatter: in segments too
   ready("hrs", 100, -1, 0, false);
-  for (uint64_t seq = 0; seq < 7; ++seq) BothDone(c, f, seq);
+  for (int n = 0; n < 2; ++n) {  // an allgather on a GPU: in segments too
+    proto::NodeEvent e = Ready("ag", 100, 0, 0, false);
+    e.mutable_ready()->mutable_signature()->set_collective(
+        static_cast<uint32_t>(wire::Collective::kAllgather));
+    e.mutable_ready()->set_device_buffers(n == 1);
+    c.OnEvent(f.handles[n], e);
+  }
+  for (uint64_t seq = 0; seq < 8; ++seq) BothDone(c, f, seq);
   for (auto& s : f.streams) {
-    auto ev = s.WaitFor(7);
-    ASSERT_EQ(Runs(ev),
-              (std::vector<std::string>{"busy0", "busy1", "h1+h2+h3", "g", "gz", "rs", "hrs"}));
+    auto ev = s.WaitFor(8);
+    ASSERT_EQ(Runs(ev), (std::vector<std::string>{"busy0", "busy1", "h1+h2+h3", "g", "gz", "rs",
+                                                  "hrs", "ag"}));
     for (size_t i = 0; i < ev.size(); ++i) {
       const std::string& name = ev[i].run().name();
-      EXPECT_EQ(ev[i].run().segment_bytes(), name == "g" || name == "rs" ? 65536u : 0u) << name;
+      const bool segmented = name == "g" || name == "rs" || name == "ag";
+      EXPECT_EQ(ev[i].run().segment_bytes(), segmented ? 65536u : 0u) << name;
     }
     EXPECT_EQ(ev[4].run().codec(), "int8");
   }

@@ -25,9 +25,10 @@ struct RunSettings {
   uint32_t chunks_in_flight = 0;  // per direction; 1..64
   config::Algorithm algorithm = config::Algorithm::kAuto;
   std::string codec;  // "" uncompressed, else a codec spec for ParseCodec ("int8", "topk:0.01")
-  // > 0: an allreduce runs in consecutive segments of this many bytes, each
-  // its own allreduce (some node stages GPU buffers through host memory and
-  // overlaps the copies of one segment with the transfers of another).
+  // > 0: the operation runs in consecutive segments of about this many
+  // bytes, each its own operation (some node stages GPU buffers through host
+  // memory and overlaps the copies of one segment with the transfers of
+  // another).
   uint64_t segment_bytes = 0;
 };
 

@@ -185,7 +185,7 @@ const std::vector<Field>& Table() {
                    "fuse and order it with others (0: never wait)",
                    "microseconds", &Tuning::cycle_time_us, 0, 1000000),
       SizeField("staging_segment_bytes",
-                "Multi-node allreduces of GPU buffers cross the network in pieces of this size, "
+                "Multi-node operations on GPU buffers cross the network in pieces of this size, "
                 "staged through host memory while the previous piece travels (the coordinator's "
                 "setting decides for the job)",
                 &Tuning::staging_segment_bytes, 4 * kKiB, kGiB),

@@ -74,11 +74,11 @@ struct Tuning {
   // 0: never wait (an isolated operation starts at once; only operations
   // that queue behind running ones are fused and ordered). 0..1000000.
   uint32_t cycle_time_us = 0;
-  // Multi-node allreduces whose buffers are in GPU memory on some node go
-  // between the nodes in pieces of this many bytes, each one an allreduce of
-  // its own (decided by the coordinator, for every node alike): a GPU node
-  // copies piece k+1 to host memory while piece k is on the network, and
-  // piece k back while piece k+1 is. 4K..1G.
+  // Multi-node operations whose buffers are in GPU memory on some node go
+  // between the nodes in pieces of about this many bytes, each one an
+  // operation of its own (decided by the coordinator, for every node
+  // alike): a GPU node copies piece k+1 to host memory while piece k is on
+  // the network, and piece k back while piece k+1 is. 4K..1G.
   uint64_t staging_segment_bytes = uint64_t{16} << 20;
 
   friend bool operator==(const Tuning&, const Tuning&) = default;
