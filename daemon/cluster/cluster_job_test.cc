@@ -741,6 +741,14 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   std::thread device_;
 };
 
+// Hands `op`'s node buffer to `b` (the rank's buffers "on the GPU"): the
+// ClusterJob then reaches them only through it.
+void StageOn(ClusterOp& op, std::shared_ptr<HostStagedBuffer> b) {
+  op.staged = std::move(b);
+  op.parts[0].send = nullptr;
+  op.parts[0].recv = nullptr;
+}
+
 // Small integers, so that every dtype holds every sum, product and order of
 // reduction exactly (unsigned ones non-negative).
 double SmallValue(wire::DataType t, int node, size_t op, size_t i) {
@@ -866,9 +874,7 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
             std::vector<size_t>{scatter ? static_cast<size_t>(k) * c.count * es : 0},
             c.count * es);
         if (k == staged.front()) buffers[o] = b;
-        op.staged = b;
-        op.parts[0].send = nullptr;
-        op.parts[0].recv = nullptr;
+        StageOn(op, b);
       }
       nodes.job(k).Submit(std::move(op));
     }
@@ -1001,9 +1007,7 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
               std::vector<void*>{recv[k][o].data()}, std::vector<size_t>{0}, out * es);
           b->SetInputPlaces({c.gather ? static_cast<size_t>(k) * c.count * es : 0}, c.count * es);
           if (k == 0) node0[o] = b;
-          op.staged = b;
-          op.parts[0].send = nullptr;
-          op.parts[0].recv = nullptr;
+          StageOn(op, b);
         }
         nodes.job(k).Submit(std::move(op));
       }
@@ -1083,7 +1087,7 @@ TEST(ClusterJobStagedTest, ADeviceFaultFailsTheOperationEverywhere) {
                                                std::vector<const void*>{send[0].data()},
                                                std::vector<void*>{recv[0].data()});
       gpu->fail_fetch_at = 2 * 4096;
-      op.staged = gpu;
+      StageOn(op, gpu);
     }
     nodes.job(k).Submit(std::move(op));
   }
@@ -1152,9 +1156,7 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
                   std::vector<void*>{results[mode][step][o][k].data()});
               if (mode == kCoder) b->residuals = &residuals;
               gpu.push_back(b);
-              op.staged = b;
-              op.parts[0].send = nullptr;
-              op.parts[0].recv = nullptr;
+              StageOn(op, b);
             }
             nodes.job(k).Submit(std::move(op));
           }
