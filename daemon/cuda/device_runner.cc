@@ -566,7 +566,9 @@ class CudaDeviceRunner final : public DeviceRunner {
       if (!recv.ok()) return fail(recv.status());
       parts.outputs.push_back(*recv);
       parts.output_offsets.push_back(scatter ? static_cast<size_t>(b.rank) * block : 0);
-      const uint8_t* input = *recv;  // in place, without a send buffer
+      // In place, without a send buffer: the rank's block of its receive
+      // buffer (an allgather), or the buffer itself.
+      const uint8_t* input = gather ? *recv + static_cast<size_t>(b.rank) * block : *recv;
       if (b.send_bytes > 0) {
         auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send");
         if (!send.ok()) return fail(send.status());
