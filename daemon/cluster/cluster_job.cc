@@ -41,8 +41,8 @@ size_t SegmentElements(uint64_t segment_bytes, size_t count, size_t element_byte
 // Elements of each rank's block per segment of an allgather (whose segment
 // carries a piece of every rank's block) or a broadcast announced with
 // `segment_bytes`; `count` (the whole block: one segment) without.
-size_t MoveSegmentElements(uint64_t segment_bytes, bool gather, size_t count,
-                           size_t element_bytes, int world) {
+size_t MoveSegmentElements(uint64_t segment_bytes, bool gather, size_t count, size_t element_bytes,
+                           int world) {
   if (segment_bytes == 0) return std::max<size_t>(count, 1);
   const uint64_t piece = gather ? segment_bytes / static_cast<uint64_t>(world) : segment_bytes;
   return SegmentElements(std::max<uint64_t>(piece, element_bytes), count, element_bytes);
@@ -318,9 +318,9 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
       run.settings.chunks_in_flight > 64 ||
       r.algorithm() > static_cast<uint32_t>(config::Algorithm::kTree)) {
-    broken = absl::InternalError(absl::StrCat(
-        "coordinator announced run ", run.seq, " of '", r.name(),
-        "' without valid settings (a daemon of another version?)"));
+    broken = absl::InternalError(
+        absl::StrCat("coordinator announced run ", run.seq, " of '", r.name(),
+                     "' without valid settings (a daemon of another version?)"));
   }
   std::vector<std::string> names = {r.name()};
   names.insert(names.end(), r.fused_with().begin(), r.fused_with().end());
@@ -330,8 +330,8 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
       auto it = awaiting_.find(name);
       if (it == awaiting_.end()) {
         if (broken.ok()) {
-          broken = absl::InternalError(absl::StrCat("coordinator ran '", name,
-                                                    "', which this node never readied"));
+          broken = absl::InternalError(
+              absl::StrCat("coordinator ran '", name, "', which this node never readied"));
         }
         continue;
       }
@@ -392,6 +392,13 @@ void ClusterJob::LaneLoop(Lane& lane) {
     absl::Status s = run.ops.size() == 1
                          ? Execute(run.ops.front(), run.seq, run.settings, lane)
                          : ExecuteFused(run.ops, run.seq, run.settings, lane);
+    // Done goes before the operations complete: a rank that hears of its
+    // last operation may leave at once, and its node's Leave must not reach
+    // the coordinator before this run's Done (it would count the run as
+    // cut off, and warn).
+    proto::NodeEvent done;
+    done.mutable_done()->set_seq(run.seq);
+    Write(done);  // a closed stream: the job is ending anyway
     for (const auto& op : run.ops) op_done_(op.key, s);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -403,9 +410,6 @@ void ClusterJob::LaneLoop(Lane& lane) {
       lane.busy = false;
     }
     lanes_cv_.notify_all();
-    proto::NodeEvent done;
-    done.mutable_done()->set_seq(run.seq);
-    Write(done);  // a closed stream: the job is ending anyway
     if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) {
       Push(Event{Event::kRunFailed, {}, {}, s});
     }
@@ -619,8 +623,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   for (const ClusterOp& op : ops) {
     if (op.sig.collective != static_cast<uint32_t>(wire::Collective::kAllreduce) ||
         op.sig.dtype != head.sig.dtype || op.sig.reduce_op != head.sig.reduce_op || op.staged) {
-      return absl::InternalError(absl::StrCat("coordinator fused '", op.name, "' with '",
-                                              head.name,
+      return absl::InternalError(absl::StrCat("coordinator fused '", op.name, "' with '", head.name,
                                               "', which do not match (or one is on a GPU)"));
     }
   }
@@ -698,8 +701,7 @@ absl::Status ClusterJob::CarryAllreduce(InterNodeContext ctx, uint64_t seq, int 
                                         size_t count, const void* input) {
   if (segment >= 0) ctx.tag_base = SegmentTagBase(seq, static_cast<size_t>(segment));
   if (codec == nullptr) {
-    return Allreduce(ctx, InterNodeAlgorithmFor(settings.algorithm), dtype, op, data, count,
-                     input);
+    return Allreduce(ctx, InterNodeAlgorithmFor(settings.algorithm), dtype, op, data, count, input);
   }
   CompressionStats stats;
   absl::Status s = AllreduceCompressed(ctx, *codec, feedback ? &feedback_ : nullptr, name, dtype,
@@ -752,8 +754,8 @@ absl::Status ClusterJob::MoveSegment(InterNodeContext ctx, uint64_t seq, int seg
   return AllgatherRing(ctx, data, blocks);
 }
 
-absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx,
-                                    uint64_t seq, const RunSettings& settings) {
+absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
+                                    const RunSettings& settings) {
   StagedNodeBuffer& device = *op.staged;
   const size_t es = op.sig.element_bytes();
   const size_t count = op.sig.count;  // elements of each rank's block
@@ -819,8 +821,8 @@ absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext&
 }
 
 absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx,
-                                      uint64_t seq, const RunSettings& settings,
-                                      const Codec* codec, bool feedback) {
+                                      uint64_t seq, const RunSettings& settings, const Codec* codec,
+                                      bool feedback) {
   StagedNodeBuffer& device = *op.staged;
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
@@ -828,10 +830,9 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
   const size_t es = op.sig.element_bytes();
   // A reduce_scatter reduces every rank's block (the node buffer holds
   // them all); each rank then takes its own.
-  const size_t count =
-      op.sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter)
-          ? op.sig.count * static_cast<size_t>(options_.world_size)
-          : op.sig.count;
+  const size_t count = op.sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter)
+                           ? op.sig.count * static_cast<size_t>(options_.world_size)
+                           : op.sig.count;
   // Segments: [at, at + n) by element. Unsegmented (compressed, or a
   // coordinator that announced none): the whole buffer as one.
   const bool segmented = settings.segment_bytes > 0;
@@ -847,8 +848,8 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
     if (!coder.ok()) return coder.status();
     if (*coder != nullptr) {
       CompressionStats stats;
-      absl::Status s = AllreduceCompressedWith(ctx, *codec, **coder, dtype, device.data(), count,
-                                               &stats);
+      absl::Status s =
+          AllreduceCompressedWith(ctx, *codec, **coder, dtype, device.data(), count, &stats);
       CountCompressed(1, stats);
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) {
@@ -872,9 +873,8 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
     const int sl = static_cast<int>(k % 2);
     const auto [at, n] = range(k);
     if (absl::Status s = device.Wait(sl); !s.ok()) return s;
-    absl::Status s = CarryAllreduce(ctx, seq, segmented ? static_cast<int>(k) : -1, settings,
-                                    codec, feedback, op.name, dtype, wire_op, slot[sl], n,
-                                    nullptr);
+    absl::Status s = CarryAllreduce(ctx, seq, segmented ? static_cast<int>(k) : -1, settings, codec,
+                                    feedback, op.name, dtype, wire_op, slot[sl], n, nullptr);
     if (!s.ok()) return s;
     if (requested == wire::ReduceOp::kAvg) {
       DivideInPlace(dtype, slot[sl], n, options_.world_size);
@@ -956,8 +956,8 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       }
       absl::Status s;
       if (settings.segment_bytes == 0 || count == 0) {
-        s = CarryAllreduce(ctx, seq, -1, settings, *codec, feedback, op.name, dtype, wire_op,
-                           node, count, input);
+        s = CarryAllreduce(ctx, seq, -1, settings, *codec, feedback, op.name, dtype, wire_op, node,
+                           count, input);
       } else {
         // Segments, as a node with GPU buffers runs them (ExecuteStaged).
         const size_t per = SegmentElements(settings.segment_bytes, count, es);

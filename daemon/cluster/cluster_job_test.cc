@@ -498,7 +498,6 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) 
   EXPECT_EQ(0, std::memcmp(large[0].data(), large[1].data(), big * sizeof(float)));
 }
 
-
 // ---------------------------------------------------------------- staged
 
 // A StagedNodeBuffer over plain memory, standing in for a GPU: its "device"
@@ -540,8 +539,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
 
   absl::Status ReduceLocal(wire::ReduceOp op) override {
     return Enqueue(-1, "R", [this, op] {
-      reduce::Reduce(dtype_, op, inputs_.data(), static_cast<int>(inputs_.size()), Node(),
-                     count_);
+      reduce::Reduce(dtype_, op, inputs_.data(), static_cast<int>(inputs_.size()), Node(), count_);
       return absl::OkStatus();
     });
   }
@@ -759,18 +757,30 @@ double SmallValue(wire::DataType t, int node, size_t op, size_t i) {
 
 void Put(wire::DataType t, void* buf, size_t i, double v) {
   switch (t) {
-    case wire::DataType::kFloat32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
-    case wire::DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
+    case wire::DataType::kFloat32:
+      static_cast<float*>(buf)[i] = static_cast<float>(v);
+      break;
+    case wire::DataType::kFloat64:
+      static_cast<double*>(buf)[i] = v;
+      break;
     case wire::DataType::kFloat16:
       static_cast<uint16_t*>(buf)[i] = reduce::FloatToHalf(static_cast<float>(v));
       break;
     case wire::DataType::kBFloat16:
       static_cast<uint16_t*>(buf)[i] = reduce::FloatToBFloat16(static_cast<float>(v));
       break;
-    case wire::DataType::kInt8: static_cast<int8_t*>(buf)[i] = static_cast<int8_t>(v); break;
-    case wire::DataType::kUInt8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
-    case wire::DataType::kInt32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
-    case wire::DataType::kInt64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
+    case wire::DataType::kInt8:
+      static_cast<int8_t*>(buf)[i] = static_cast<int8_t>(v);
+      break;
+    case wire::DataType::kUInt8:
+      static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v);
+      break;
+    case wire::DataType::kInt32:
+      static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v);
+      break;
+    case wire::DataType::kInt64:
+      static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v);
+      break;
   }
 }
 
@@ -783,19 +793,30 @@ double Expected(wire::DataType t, wire::ReduceOp op, size_t o, size_t i, int nod
     const double v = SmallValue(t, k, o, i);
     switch (op) {
       case wire::ReduceOp::kSum:
-      case wire::ReduceOp::kAvg: acc += v; break;
-      case wire::ReduceOp::kProd: acc *= v; break;
-      case wire::ReduceOp::kMin: acc = std::min(acc, v); break;
-      case wire::ReduceOp::kMax: acc = std::max(acc, v); break;
+      case wire::ReduceOp::kAvg:
+        acc += v;
+        break;
+      case wire::ReduceOp::kProd:
+        acc *= v;
+        break;
+      case wire::ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case wire::ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
     }
   }
   if (op != wire::ReduceOp::kAvg) return acc;
   switch (t) {
-    case wire::DataType::kFloat64: return acc / nodes;
+    case wire::DataType::kFloat64:
+      return acc / nodes;
     case wire::DataType::kFloat32:
     case wire::DataType::kFloat16:
-    case wire::DataType::kBFloat16: return static_cast<float>(acc) / static_cast<float>(nodes);
-    default: return std::trunc(acc / nodes);
+    case wire::DataType::kBFloat16:
+      return static_cast<float>(acc) / static_cast<float>(nodes);
+    default:
+      return std::trunc(acc / nodes);
   }
 }
 
@@ -805,30 +826,44 @@ double Stored(wire::DataType t, double v) {
   uint8_t b[8];
   Put(t, b, 0, v);
   switch (t) {
-    case wire::DataType::kFloat32: return *reinterpret_cast<float*>(b);
-    case wire::DataType::kFloat64: return *reinterpret_cast<double*>(b);
-    case wire::DataType::kFloat16: return reduce::HalfToFloat(*reinterpret_cast<uint16_t*>(b));
+    case wire::DataType::kFloat32:
+      return *reinterpret_cast<float*>(b);
+    case wire::DataType::kFloat64:
+      return *reinterpret_cast<double*>(b);
+    case wire::DataType::kFloat16:
+      return reduce::HalfToFloat(*reinterpret_cast<uint16_t*>(b));
     case wire::DataType::kBFloat16:
       return reduce::BFloat16ToFloat(*reinterpret_cast<uint16_t*>(b));
-    case wire::DataType::kInt8: return *reinterpret_cast<int8_t*>(b);
-    case wire::DataType::kUInt8: return *reinterpret_cast<uint8_t*>(b);
-    case wire::DataType::kInt32: return *reinterpret_cast<int32_t*>(b);
-    case wire::DataType::kInt64: return *reinterpret_cast<int64_t*>(b);
+    case wire::DataType::kInt8:
+      return *reinterpret_cast<int8_t*>(b);
+    case wire::DataType::kUInt8:
+      return *reinterpret_cast<uint8_t*>(b);
+    case wire::DataType::kInt32:
+      return *reinterpret_cast<int32_t*>(b);
+    case wire::DataType::kInt64:
+      return *reinterpret_cast<int64_t*>(b);
   }
   return 0;
 }
 
 double Get(wire::DataType t, const void* buf, size_t i) {
   switch (t) {
-    case wire::DataType::kFloat32: return static_cast<const float*>(buf)[i];
-    case wire::DataType::kFloat64: return static_cast<const double*>(buf)[i];
-    case wire::DataType::kFloat16: return reduce::HalfToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case wire::DataType::kFloat32:
+      return static_cast<const float*>(buf)[i];
+    case wire::DataType::kFloat64:
+      return static_cast<const double*>(buf)[i];
+    case wire::DataType::kFloat16:
+      return reduce::HalfToFloat(static_cast<const uint16_t*>(buf)[i]);
     case wire::DataType::kBFloat16:
       return reduce::BFloat16ToFloat(static_cast<const uint16_t*>(buf)[i]);
-    case wire::DataType::kInt8: return static_cast<const int8_t*>(buf)[i];
-    case wire::DataType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
-    case wire::DataType::kInt32: return static_cast<const int32_t*>(buf)[i];
-    case wire::DataType::kInt64: return static_cast<const int64_t*>(buf)[i];
+    case wire::DataType::kInt8:
+      return static_cast<const int8_t*>(buf)[i];
+    case wire::DataType::kUInt8:
+      return static_cast<const uint8_t*>(buf)[i];
+    case wire::DataType::kInt32:
+      return static_cast<const int32_t*>(buf)[i];
+    case wire::DataType::kInt64:
+      return static_cast<const int64_t*>(buf)[i];
   }
   return 0;
 }
@@ -871,8 +906,7 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
         auto b = std::make_shared<HostStagedBuffer>(
             c.dtype, sent, std::vector<const void*>{send[k][o].data()},
             std::vector<void*>{recv[k][o].data()},
-            std::vector<size_t>{scatter ? static_cast<size_t>(k) * c.count * es : 0},
-            c.count * es);
+            std::vector<size_t>{scatter ? static_cast<size_t>(k) * c.count * es : 0}, c.count * es);
         if (k == staged.front()) buffers[o] = b;
         StageOn(op, b);
       }
@@ -979,7 +1013,8 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
     for (size_t c : counts) {
       cases.push_back({true, wire::DataType::kFloat32, c, 0});
       cases.push_back({true, wire::DataType::kBFloat16, c, 0});
-      for (int root = 0; root < n; ++root) cases.push_back({false, wire::DataType::kInt64, c, root});
+      for (int root = 0; root < n; ++root)
+        cases.push_back({false, wire::DataType::kInt64, c, root});
     }
     std::vector<std::vector<std::vector<uint8_t>>> send(n), recv(n);
     std::vector<std::shared_ptr<HostStagedBuffer>> node0(cases.size());
@@ -994,8 +1029,8 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
         for (size_t i = 0; i < c.count; ++i) {
           Put(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
         }
-        ClusterOp op = Allreduce(o, "m" + std::to_string(o), c.dtype, wire::ReduceOp::kSum,
-                                 c.count, k, send[k][o].data(), recv[k][o].data());
+        ClusterOp op = Allreduce(o, "m" + std::to_string(o), c.dtype, wire::ReduceOp::kSum, c.count,
+                                 k, send[k][o].data(), recv[k][o].data());
         op.sig.collective = static_cast<uint32_t>(c.gather ? wire::Collective::kAllgather
                                                            : wire::Collective::kBroadcast);
         op.sig.root = c.root;
@@ -1147,9 +1182,9 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
                 std::memcpy(send[k][o].data() + 2 * i, &h, 2);
               }
             }
-            ClusterOp op = Allreduce(step * 10 + o, ops[o].name, ops[o].dtype, ops[o].op,
-                                     ops[o].count, k, send[k][o].data(),
-                                     results[mode][step][o][k].data());
+            ClusterOp op =
+                Allreduce(step * 10 + o, ops[o].name, ops[o].dtype, ops[o].op, ops[o].count, k,
+                          send[k][o].data(), results[mode][step][o][k].data());
             if (k == 0 && mode != kAllHost) {
               auto b = std::make_shared<HostStagedBuffer>(
                   ops[o].dtype, ops[o].count, std::vector<const void*>{send[k][o].data()},
@@ -1165,7 +1200,8 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
           ASSERT_TRUE(nodes.ends(k).WaitFor((step + 1) * ops.size())) << "node " << k;
         }
         for (auto& b : gpu) {
-          for (const std::string& call : b->calls()) coded = coded || call == "coder " + std::string(codec);
+          for (const std::string& call : b->calls())
+            coded = coded || call == "coder " + std::string(codec);
         }
       }
       for (int k = 0; k < 2; ++k) {
@@ -1451,8 +1487,8 @@ TEST(ClusterJobProtocolTest, ACoordinatorThatBreaksTheProtocolFailsTheJobClearly
     ScriptedNode node;
     float in = 1, out = 0;
     node.job().Submit(Barrier(1, "p"));
-    node.job().Submit(Allreduce(2, "q", wire::DataType::kFloat32, wire::ReduceOp::kSum, 1, 0, &in,
-                                &out));
+    node.job().Submit(
+        Allreduce(2, "q", wire::DataType::kFloat32, wire::ReduceOp::kSum, 1, 0, &in, &out));
     ASSERT_TRUE(node.stream().WaitForReady("q"));
     node.stream().Send(c.event());
     ASSERT_TRUE(node.ends().WaitFor(2));

@@ -346,14 +346,18 @@ void Coordinator::SendAll(Job& job, const proto::CoordinatorEvent& e) {
   for (auto& [node, stream] : job.streams) stream->Send(e);
 }
 
-void Coordinator::FailJob(Job& job, int code, const std::string& message) {
+void Coordinator::FailJob(Job& job, int code, const std::string& message, int leaving) {
   if (!job.failure.ok()) return;
   job.failure = absl::Status(static_cast<absl::StatusCode>(code), message);
-  // A node that leaves (its ranks finished) while no operation is pending,
-  // queued or running is how a job ends: not worth a warning. Anything else
-  // (a lost stream, operations cut off) is.
-  const bool quiet_end = code == static_cast<int>(absl::StatusCode::kAborted) &&
-                         job.pending.empty() && job.backlog.empty() && job.running.empty();
+  // A node that leaves (its ranks finished) with no operation pending or
+  // queued, and done with every run it was part of, is how a job ends: not
+  // worth a warning (the others finish the last run without it: its part
+  // is over). Anything else (a lost stream, operations cut off) is.
+  bool quiet_end = code == static_cast<int>(absl::StatusCode::kAborted) && leaving >= 0 &&
+                   job.pending.empty() && job.backlog.empty();
+  for (const auto& [seq, done] : job.running) {
+    quiet_end = quiet_end && done[static_cast<size_t>(leaving)];
+  }
   if (quiet_end) {
     spdlog::info("job '{}' ended: {}", job.id, message);
   } else {
@@ -378,7 +382,8 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
   if (event.has_leave()) {
     FailJob(job, static_cast<int>(absl::StatusCode::kAborted),
             absl::StrCat(NodeLabel(job, node), " left job '", job.id, "': ",
-                         event.leave().reason()));
+                         event.leave().reason()),
+            node);
     return;
   }
   if (event.has_done()) {
@@ -525,8 +530,7 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     std::vector<size_t> group = {0};
     const uint64_t limit = head_codec.empty() ? threshold : compressed_threshold;
     // Operations on GPU buffers run alone, in segments (below).
-    const bool fuse = allreduce(head) && !head.device_buffers && limit > 0 &&
-                      head.bytes <= limit &&
+    const bool fuse = allreduce(head) && !head.device_buffers && limit > 0 && head.bytes <= limit &&
                       FusableAllreduce(head.bytes, head_codec, tuning.algorithm, nodes);
     uint64_t total = head.bytes;
     for (size_t i = 1; fuse && i < job.backlog.size(); ++i) {

@@ -153,7 +153,8 @@ class Coordinator {
   // Announces what may start now; returns when the next decision is due
   // (time_point::max() if none waits on a clock).
   std::chrono::steady_clock::time_point Schedule(Job& job, std::chrono::steady_clock::time_point now);
-  void FailJob(Job& job, int code, const std::string& message);
+  // `leaving`: the node whose Leave ends the job (-1: none).
+  void FailJob(Job& job, int code, const std::string& message, int leaving = -1);
   void MaybeErase(const std::string& key);
   std::string NodeLabel(const Job& job, int node) const;
   void TimerLoop();

@@ -2,12 +2,16 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <future>
 #include <mutex>
+#include <sstream>
 #include <thread>
 #include <vector>
 
 #include "ciuic/shm_layout.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 
 namespace ciuic::daemon {
 namespace {
@@ -234,6 +238,49 @@ void BothDone(Coordinator& c, Formed& f, uint64_t seq) {
   for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], Done(seq));
 }
 
+// What the coordinator logs while `body` runs (the default logger, swapped
+// for one writing to a string).
+std::string LogOf(const std::function<void()>& body) {
+  std::ostringstream out;
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>(
+      "test", std::make_shared<spdlog::sinks::ostream_sink_mt>(out)));
+  body();
+  spdlog::set_default_logger(previous);
+  return out.str();
+}
+
+// A node that leaves once it has reported every run it was part of ends the
+// job quietly (info), even when another node has not reported the last run
+// yet (it finishes without the leaver, whose part is over); a node that
+// leaves with a run of its own unfinished cuts it off: a warning. Either
+// way the other node hears that the job failed.
+TEST(CoordinatorTest, ALeaveAfterTheNodesLastDoneEndsTheJobQuietly) {
+  for (bool done_first : {true, false}) {
+    SCOPED_TRACE(done_first ? "Done, then Leave" : "Leave before Done");
+    Coordinator c("secret");
+    Formed f;
+    Form(c, &f);
+    BothReady(c, f, "last", 10);
+    ASSERT_EQ(f.streams[1].WaitFor(1).size(), 1u);
+    proto::NodeEvent leave;
+    leave.mutable_leave()->set_reason("rank 2 left");
+    const std::string log = LogOf([&] {
+      if (done_first) c.OnEvent(f.handles[1], Done(0));
+      c.OnEvent(f.handles[1], leave);
+    });
+    if (done_first) {
+      EXPECT_NE(log.find("ended"), std::string::npos) << log;
+      EXPECT_EQ(log.find("warning"), std::string::npos) << log;
+    } else {
+      EXPECT_NE(log.find("[warning]"), std::string::npos) << log;
+    }
+    auto ev = f.streams[0].WaitFor(2);
+    ASSERT_EQ(ev.size(), 2u);
+    EXPECT_TRUE(ev[1].has_job_failed());
+  }
+}
+
 TEST(CoordinatorTest, BacklogRunsHighestPriorityFirstTiesInReadyOrder) {
   Coordinator c("secret");
   Formed f;
@@ -426,7 +473,7 @@ TEST(CoordinatorTest, GpuOperationsRunAloneInSegments) {
   ready("g", 16, 1);
   ready("h2", 16, -1);
   ready("h3", 16, -1);
-  ready("gz", 100000, 0, 4);  // int8 (wire::Codec 4): whole, compressed
+  ready("gz", 100000, 0, 4);      // int8 (wire::Codec 4): whole, compressed
   ready("rs", 100, 0, 0, false);  // reduce_scatter: in segments too
   ready("hrs", 100, -1, 0, false);
   for (int n = 0; n < 2; ++n) {  // an allgather on a GPU: in segments too

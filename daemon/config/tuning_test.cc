@@ -49,12 +49,11 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
     values.push_back(entry.value);
     EXPECT_FALSE(entry.description.empty()) << entry.key;
   }
-  EXPECT_THAT(keys, ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms",
-                                "channels", "chunks_in_flight", "algorithm", "compression",
-                                "min_compress_bytes",
-                                "error_feedback", "compression_strict", "fast_path_bytes",
-                                "fusion_threshold_bytes", "cycle_time_us",
-                                "staging_segment_bytes"));
+  EXPECT_THAT(keys,
+              ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms", "channels",
+                          "chunks_in_flight", "algorithm", "compression", "min_compress_bytes",
+                          "error_feedback", "compression_strict", "fast_path_bytes",
+                          "fusion_threshold_bytes", "cycle_time_us", "staging_segment_bytes"));
   EXPECT_THAT(values, ElementsAre("1M", "256K", "50", "60000", "2", "8", "auto", "none", "64K",
                                   "on", "off", "4K", "4M", "0", "16M"));
   EXPECT_EQ(keys, TuningKeys());

@@ -42,8 +42,8 @@ float* DeviceResiduals::Find(const std::string& name, size_t count, int device) 
   return it->second.data;
 }
 
-absl::StatusOr<float*> DeviceResiduals::ForUpdate(const std::string& name, size_t count,
-                                                  int device, cudaStream_t stream) {
+absl::StatusOr<float*> DeviceResiduals::ForUpdate(const std::string& name, size_t count, int device,
+                                                  cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(name);
   if (it != entries_.end() && (it->second.count != count || it->second.device != device)) {
@@ -124,7 +124,7 @@ class DeviceChunkCoder final : public ChunkCoder {
         device_(device),
         stream_(stream),
         residuals_(dtype == wire::DataType::kFloat32 && !name.empty() ? std::move(residuals)
-                                                                     : nullptr),
+                                                                      : nullptr),
         name_(std::move(name)),
         encoded_(stream),
         received_(stream),
@@ -143,8 +143,8 @@ class DeviceChunkCoder final : public ChunkCoder {
     const std::string key = own_sum ? name_ + "#owner" : name_;
     if (residuals_ != nullptr) {
       if (float* r = residuals_->Find(key, count_, device_); r != nullptr) {
-        absl::Status s = gpu::DeviceErrorFeedbackApply(r + first, static_cast<float*>(data), count,
-                                                       stream_);
+        absl::Status s =
+            gpu::DeviceErrorFeedbackApply(r + first, static_cast<float*>(data), count, stream_);
         if (!s.ok()) return s;
       }
     }
@@ -152,9 +152,9 @@ class DeviceChunkCoder final : public ChunkCoder {
     if (!encoded.ok()) return encoded.status();
     auto bytes = EncodeOnDevice(data, count, *encoded);
     if (!bytes.ok()) return bytes.status();
-    if (absl::Status s = Cuda(cudaMemcpyAsync(out, *encoded, *bytes, cudaMemcpyDeviceToHost,
-                                              stream_),
-                              "cudaMemcpyAsync of the encoding to the host");
+    if (absl::Status s =
+            Cuda(cudaMemcpyAsync(out, *encoded, *bytes, cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpyAsync of the encoding to the host");
         !s.ok()) {
       return s;
     }
@@ -175,33 +175,32 @@ class DeviceChunkCoder final : public ChunkCoder {
       auto r = residuals_->ForUpdate(key, count_, device_, stream_);
       if (!r.ok()) return r.status();
       if (*r != nullptr) {
-        absl::Status s = gpu::DeviceErrorFeedbackUpdate(
-            static_cast<const float*>(data), static_cast<const float*>(target), *r + first, count,
-            stream_);
+        absl::Status s = gpu::DeviceErrorFeedbackUpdate(static_cast<const float*>(data),
+                                                        static_cast<const float*>(target),
+                                                        *r + first, count, stream_);
         if (!s.ok()) return s;
       }
       if (own_sum) {
-        absl::Status s = Cuda(cudaMemcpyAsync(data, target, count * es_, cudaMemcpyDeviceToDevice,
-                                              stream_),
-                              "cudaMemcpyAsync of the decoded sum");
+        absl::Status s =
+            Cuda(cudaMemcpyAsync(data, target, count * es_, cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpyAsync of the decoded sum");
         if (!s.ok()) return s;
       }
     }
     return *bytes;
   }
 
-  absl::Status Decode(const void* in, uint64_t bytes, size_t count, void* data,
-                      bool add) override {
+  absl::Status Decode(const void* in, uint64_t bytes, size_t count, void* data, bool add) override {
     if (absl::Status s = Current(); !s.ok()) return s;
     if (bytes > cpu_->MaxEncodedBytes(dtype_, count)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "codec ", CodecName(spec_), ": ", bytes, " bytes for ", count, " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("codec ", CodecName(spec_), ": ", bytes, " bytes for ", count, " elements"));
     }
     auto received = received_.Get(bytes);
     if (!received.ok()) return received.status();
-    if (absl::Status s = Cuda(cudaMemcpyAsync(*received, in, bytes, cudaMemcpyHostToDevice,
-                                              stream_),
-                              "cudaMemcpyAsync of an encoding to the device");
+    if (absl::Status s =
+            Cuda(cudaMemcpyAsync(*received, in, bytes, cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpyAsync of an encoding to the device");
         !s.ok()) {
       return s;
     }
@@ -231,18 +230,18 @@ class DeviceChunkCoder final : public ChunkCoder {
         auto size = size_.Get(sizeof(uint64_t));
         if (!size.ok()) return size.status();
         auto* device_size = static_cast<uint64_t*>(*size);
-        absl::Status s = gpu::DeviceInt8Encode(dtype_, data, count, out, *ws, *ws_bytes,
-                                               device_size, stream_);
+        absl::Status s =
+            gpu::DeviceInt8Encode(dtype_, data, count, out, *ws, *ws_bytes, device_size, stream_);
         if (!s.ok()) return s;
         uint64_t bytes = 0;
-        s = Cuda(cudaMemcpyAsync(&bytes, device_size, sizeof(bytes), cudaMemcpyDeviceToHost,
-                                 stream_),
-                 "cudaMemcpyAsync of the encoded size");
+        s = Cuda(
+            cudaMemcpyAsync(&bytes, device_size, sizeof(bytes), cudaMemcpyDeviceToHost, stream_),
+            "cudaMemcpyAsync of the encoded size");
         if (!s.ok()) return s;
         if (s = WaitForStream(stream_, &event_, "int8 encoding"); !s.ok()) return s;
         if (bytes > cpu_->MaxEncodedBytes(dtype_, count)) {
-          return absl::InternalError(absl::StrCat("int8 encoded ", count, " elements into ",
-                                                  bytes, " bytes"));
+          return absl::InternalError(
+              absl::StrCat("int8 encoded ", count, " elements into ", bytes, " bytes"));
         }
         return bytes;
       }
@@ -314,9 +313,8 @@ absl::StatusOr<std::unique_ptr<ChunkCoder>> MakeDeviceCoder(
   if (parsed->kind == CodecKind::kNone) return nullptr;
   std::unique_ptr<Codec> cpu = MakeCodec(*parsed);
   if (!cpu->Supports(dtype).ok()) return nullptr;
-  return std::unique_ptr<ChunkCoder>(new DeviceChunkCoder(*parsed, std::move(cpu), dtype, count,
-                                                          device, stream, std::move(residuals),
-                                                          feedback_name));
+  return std::unique_ptr<ChunkCoder>(new DeviceChunkCoder(
+      *parsed, std::move(cpu), dtype, count, device, stream, std::move(residuals), feedback_name));
 }
 
 }  // namespace ciuic::daemon

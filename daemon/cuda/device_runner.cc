@@ -31,7 +31,6 @@ IpcBytes BytesOf(const uint8_t* p) {
   return b;
 }
 
-
 // Session handles the runner keeps open at most; past that the session's
 // handles are closed (after its queued work) and opened again when used.
 constexpr size_t kMaxOpenPerSession = 1024;
@@ -157,7 +156,7 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     // Allgather, broadcast: where in the node buffer each input goes.
     std::vector<size_t> input_offsets;
     size_t input_bytes = 0;
-    std::vector<uint8_t*> outputs;    // every rank's receive buffer
+    std::vector<uint8_t*> outputs;       // every rank's receive buffer
     std::vector<size_t> output_offsets;  // where in the node buffer each output's bytes are
     size_t output_bytes = 0;
     std::vector<std::shared_ptr<SessionHandles>> sessions;
@@ -191,9 +190,9 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     for (size_t i = 0; i < p_.inputs.size(); ++i) {
       uint8_t* to = p_.node + p_.input_offsets[i];
       if (p_.inputs[i] == to) continue;  // in place
-      absl::Status s = Cuda(cudaMemcpyAsync(to, p_.inputs[i], p_.input_bytes,
-                                            cudaMemcpyDeviceToDevice, p_.stream),
-                            "cudaMemcpyAsync device to device (inputs to the node buffer)");
+      absl::Status s = Cuda(
+          cudaMemcpyAsync(to, p_.inputs[i], p_.input_bytes, cudaMemcpyDeviceToDevice, p_.stream),
+          "cudaMemcpyAsync device to device (inputs to the node buffer)");
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
@@ -329,8 +328,7 @@ class CudaDeviceRunner final : public DeviceRunner {
 
   void Stage(const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
              const std::string& job,
-             std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done)
-      override {
+             std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) override {
     tasks_.Push(
         [this, sig, world, ranks = std::move(ranks), job, done = std::move(done)]() mutable {
           done(StageOnSubmit(sig, world, ranks, job));

@@ -10,9 +10,9 @@
 // IPC event (the trainer's stream up to the submission), enqueues the work
 // (DeviceReduceToAll / DeviceReduce from kernels.h and device-to-device
 // copies; the same semantics and the same output layout as
-// collectives/local.h), and records an event. A completion thread polls those events in order and calls each
-// operation's `done`, never the caller's thread: the engine loop never waits
-// for the GPU.
+// collectives/local.h), and records an event. A completion thread polls those events in order and
+// calls each operation's `done`, never the caller's thread: the engine loop never waits for the
+// GPU.
 //
 // Errors: any CUDA error (opening a handle, a launch, an asynchronous fault)
 // is the status given to `done`, for every rank of the operation. An
@@ -48,7 +48,7 @@ namespace ciuic::daemon {
 // One rank's part: its session (whose handles it may reuse) and buffers.
 struct DeviceRankBuffers {
   uint64_t session_id = 0;
-  int rank = 0;  // in the job (a reduce_scatter's block)
+  int rank = 0;             // in the job (a reduce_scatter's block)
   uint64_t send_bytes = 0;  // ValidatedOp::send_bytes (0: no send buffer)
   uint64_t recv_bytes = 0;  // ValidatedOp::recv_bytes
   wire::DeviceBufferDescriptor send{};
@@ -75,10 +75,10 @@ class DeviceRunner {
   // when it goes).
   // `job` names the job whose error feedback residuals (kept on the device
   // for compressed operations) the buffer uses.
-  virtual void Stage(const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
-                     const std::string& job,
-                     std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)>
-                         done) = 0;
+  virtual void Stage(
+      const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
+      const std::string& job,
+      std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) = 0;
   // The job has ended: its residuals go once its last staged buffer has.
   virtual void EndJob(const std::string& job) = 0;
 

@@ -225,8 +225,9 @@ TEST_F(DeviceReduceTest, DivideMatchesCpu) {
     for (size_t count : kCounts) {
       for (int divisor : {1, 2, 3, 7}) {
         for (size_t offset : {size_t{0}, SizeOf(t)}) {
-          const std::string what = Name(t) + " / " + std::to_string(divisor) + " count=" +
-                                   std::to_string(count) + " offset=" + std::to_string(offset);
+          const std::string what = Name(t) + " / " + std::to_string(divisor) +
+                                   " count=" + std::to_string(count) +
+                                   " offset=" + std::to_string(offset);
           std::mt19937_64 rng(count * 31 + divisor + static_cast<int>(t));
           std::vector<unsigned char> want = RandomElements(t, count, rng);
           DeviceBuffer dev(want.data(), want.size(), offset);

@@ -578,9 +578,8 @@ void Engine::Loop() {
     const config::Tuning tuning = options_.tuning->Snapshot();
     int timeout_ms = 0;
     const Clock::time_point now = Clock::now();
-    const bool spinning =
-        now - last_work < std::chrono::microseconds(tuning.spin_us) ||
-        (running_ops_ > 0 && now - cluster_handoff_ < kClusterSpin);
+    const bool spinning = now - last_work < std::chrono::microseconds(tuning.spin_us) ||
+                          (running_ops_ > 0 && now - cluster_handoff_ < kClusterSpin);
     if (spinning) {
       // The latency path: poll the rings alone for a while; socket events,
       // posted closures and deadlines are looked at between rounds.

@@ -284,15 +284,13 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, C
   return 0;
 }
 
-
 // Two daemons ("nodes") with two ranks each, every rank on GPU
 // local_rank % devices with a stream of its own, running `body` (0: fine);
 // each rank's exit code is expected to be 0, and the daemons' logs are
 // printed on a failure.
-void RunOnTwoGpuNodes(const std::string& config, const std::string& job_prefix,
-                      size_t arena_bytes,
-                      const std::function<int(Communicator&, int rank, int device,
-                                              cudaStream_t stream)>& body) {
+void RunOnTwoGpuNodes(
+    const std::string& config, const std::string& job_prefix, size_t arena_bytes,
+    const std::function<int(Communicator&, int rank, int device, cudaStream_t stream)>& body) {
   constexpr int kNodes = 2;
   constexpr int kPerNode = 2;
   auto cluster = Cluster::Start(kNodes, config);
@@ -319,25 +317,27 @@ void RunOnTwoGpuNodes(const std::string& config, const std::string& job_prefix,
 TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
   const std::string no_gpu = WhyNoGpu();
   if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
-  RunOnTwoGpuNodes("tuning:\n  staging_segment_bytes: 64K\n", "devmn", 16 << 20,
-                   [](Communicator& comm, int, int device, cudaStream_t stream) {
-    for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
-      const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
-      for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt32}) {
-        for (ReduceOp op : kAllReduceOps) {
-          if (!reduces && op != ReduceOp::kSum) continue;
-          for (size_t count : {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}}) {
-            const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
-                                     ReduceOpName(op) + "/" + std::to_string(count);
-            if (RunOneDeviceMultiNode(comm, device, stream, coll, t, op, count, name) != 0) {
-              return 1;
+  RunOnTwoGpuNodes(
+      "tuning:\n  staging_segment_bytes: 64K\n", "devmn", 16 << 20,
+      [](Communicator& comm, int, int device, cudaStream_t stream) {
+        for (Coll coll :
+             {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+          const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
+          for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt32}) {
+            for (ReduceOp op : kAllReduceOps) {
+              if (!reduces && op != ReduceOp::kSum) continue;
+              for (size_t count : {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}}) {
+                const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
+                                         ReduceOpName(op) + "/" + std::to_string(count);
+                if (RunOneDeviceMultiNode(comm, device, stream, coll, t, op, count, name) != 0) {
+                  return 1;
+                }
+              }
             }
           }
         }
-      }
-    }
-    return 0;
-  });
+        return 0;
+      });
 }
 
 // Compressed allreduces on device buffers between two nodes (two ranks
@@ -349,53 +349,54 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
 TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
   const std::string no_gpu = WhyNoGpu();
   if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
-  RunOnTwoGpuNodes("tuning:\n  chunk_bytes: 64K\n", "devzip", 64 << 20,
-                   [](Communicator& comm, int rank, int device, cudaStream_t stream) {
-    const size_t count = 300007;  // float32: 1.2 MB, several chunks per segment owner
-    for (const char* codec : {"int8", "fp16", "topk:0.05"}) {
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-        for (int step = 0; step < 2; ++step) {
-          std::vector<float> input(count);
-          for (size_t i = 0; i < count; ++i) {
-            input[i] = static_cast<float>(std::sin(0.001 * i + rank + 7 * step) * 100);
+  RunOnTwoGpuNodes(
+      "tuning:\n  chunk_bytes: 64K\n", "devzip", 64 << 20,
+      [](Communicator& comm, int rank, int device, cudaStream_t stream) {
+        const size_t count = 300007;  // float32: 1.2 MB, several chunks per segment owner
+        for (const char* codec : {"int8", "fp16", "topk:0.05"}) {
+          for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+            for (int step = 0; step < 2; ++step) {
+              std::vector<float> input(count);
+              for (size_t i = 0; i < count; ++i) {
+                input[i] = static_cast<float>(std::sin(0.001 * i + rank + 7 * step) * 100);
+              }
+              OpOptions opts;
+              opts.compression = codec;
+              opts.stream = stream;
+              const std::string tag = std::string(codec) + "/" + ReduceOpName(op);
+              // Device buffers.
+              float* send = nullptr;
+              float* recv = nullptr;
+              CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), count * 4));
+              CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), count * 4));
+              CUDA_CHECK(
+                  cudaMemcpyAsync(send, input.data(), count * 4, cudaMemcpyHostToDevice, stream));
+              opts.name = "dev/" + tag;
+              Status st = comm.Allreduce(DeviceBuffer{send, device}, DeviceBuffer{recv, device},
+                                         count, DataType::kFloat32, op, opts)
+                              .Wait();
+              CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
+              std::vector<float> on_device(count);
+              CUDA_CHECK(cudaMemcpy(on_device.data(), recv, count * 4, cudaMemcpyDeviceToHost));
+              CUDA_CHECK(cudaFree(send));
+              CUDA_CHECK(cudaFree(recv));
+              // Host buffers, the same data.
+              Buffer hs, hr;
+              CHILD_CHECK(comm.Allocate(count * 4, &hs).ok() && comm.Allocate(count * 4, &hr).ok(),
+                          "rank %d: Allocate", rank);
+              std::memcpy(hs.data(), input.data(), count * 4);
+              opts.name = "host/" + tag;
+              opts.stream = nullptr;
+              st = comm.Allreduce(hs.data(), hr.data(), count, DataType::kFloat32, op, opts).Wait();
+              CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
+              CHILD_CHECK(std::memcmp(hr.data(), on_device.data(), count * 4) == 0,
+                          "rank %d %s step %d: the device path's result differs from the host's",
+                          rank, tag.c_str(), step);
+            }
           }
-          OpOptions opts;
-          opts.compression = codec;
-          opts.stream = stream;
-          const std::string tag = std::string(codec) + "/" + ReduceOpName(op);
-          // Device buffers.
-          float* send = nullptr;
-          float* recv = nullptr;
-          CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), count * 4));
-          CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), count * 4));
-          CUDA_CHECK(cudaMemcpyAsync(send, input.data(), count * 4, cudaMemcpyHostToDevice,
-                                     stream));
-          opts.name = "dev/" + tag;
-          Status st = comm.Allreduce(DeviceBuffer{send, device}, DeviceBuffer{recv, device},
-                                      count, DataType::kFloat32, op, opts)
-                          .Wait();
-          CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
-          std::vector<float> on_device(count);
-          CUDA_CHECK(cudaMemcpy(on_device.data(), recv, count * 4, cudaMemcpyDeviceToHost));
-          CUDA_CHECK(cudaFree(send));
-          CUDA_CHECK(cudaFree(recv));
-          // Host buffers, the same data.
-          Buffer hs, hr;
-          CHILD_CHECK(comm.Allocate(count * 4, &hs).ok() && comm.Allocate(count * 4, &hr).ok(),
-                      "rank %d: Allocate", rank);
-          std::memcpy(hs.data(), input.data(), count * 4);
-          opts.name = "host/" + tag;
-          opts.stream = nullptr;
-          st = comm.Allreduce(hs.data(), hr.data(), count, DataType::kFloat32, op, opts).Wait();
-          CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
-          CHILD_CHECK(std::memcmp(hr.data(), on_device.data(), count * 4) == 0,
-                      "rank %d %s step %d: the device path's result differs from the host's",
-                      rank, tag.c_str(), step);
         }
-      }
-    }
-    return 0;
-  });
+        return 0;
+      });
 }
 
 #else
@@ -405,9 +406,7 @@ TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
 }
 
 TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) { GTEST_SKIP() << WhyNoGpu(); }
-TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
-  GTEST_SKIP() << WhyNoGpu();
-}
+TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) { GTEST_SKIP() << WhyNoGpu(); }
 
 #endif
 

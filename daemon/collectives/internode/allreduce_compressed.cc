@@ -124,8 +124,8 @@ class Pipeline {
   // `coder`: the data is not host memory; it encodes and decodes (with its
   // own error feedback), and `feedback` must be null.
   Pipeline(const InterNodeContext& ctx, const Codec& codec, ErrorFeedback* feedback,
-           const std::vector<FeedbackPiece>& pieces, wire::DataType dtype, void* data,
-           size_t count, CompressionStats* stats, ChunkCoder* coder = nullptr)
+           const std::vector<FeedbackPiece>& pieces, wire::DataType dtype, void* data, size_t count,
+           CompressionStats* stats, ChunkCoder* coder = nullptr)
       : ctx_(ctx),
         t_(ctx.transport),
         codec_(codec),
@@ -318,8 +318,8 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
   if (coder_ != nullptr) {
     absl::StatusOr<uint64_t> bytes = coder_->Encode(ptr, chunk_first, m, own_sum, slot + kHeader);
     if (!bytes.ok()) {
-      Fail(absl::Status(bytes.status().code(),
-                        absl::StrCat(kWhat, ": encoding chunk ", c, ": ", bytes.status().message())));
+      Fail(absl::Status(bytes.status().code(), absl::StrCat(kWhat, ": encoding chunk ", c, ": ",
+                                                            bytes.status().message())));
       return;
     }
     *encoded = *bytes;
@@ -609,13 +609,15 @@ absl::Status CheckCompressed(const InterNodeContext& ctx, const Codec& codec, wi
   if (absl::Status s = codec.Supports(dtype); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(kWhat, ": ", s.message()));
   }
-  if (ctx.transport == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no transport"));
+  if (ctx.transport == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no transport"));
   if ((ctx.tag_base & ((uint64_t{1} << kTagFieldBits) - 1)) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(kWhat, ": tag_base ", ctx.tag_base, " has some of its low 24 bits set"));
   }
   if (ctx.transport->num_peers() <= 1 || count == 0) return absl::OkStatus();
-  if (ctx.scratch == nullptr) return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no scratch buffer"));
+  if (ctx.scratch == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no scratch buffer"));
   *done = false;
   return absl::OkStatus();
 }
