@@ -603,6 +603,22 @@ ClusterJob::FusionCounters ClusterJob::fusion() const {
   return FusionCounters{fused_ops_.load(), fused_runs_.load()};
 }
 
+ClusterJob::StagingCounters ClusterJob::staging() const {
+  return StagingCounters{staged_ops_.load(), staged_bytes_.load()};
+}
+
+absl::Status ClusterJob::StagedFetch(StagedNodeBuffer& device, int slot, size_t slot_offset,
+                                     size_t offset, size_t bytes) {
+  staged_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  return device.Fetch(slot, slot_offset, offset, bytes);
+}
+
+absl::Status ClusterJob::StagedStore(StagedNodeBuffer& device, int slot, size_t slot_offset,
+                                     size_t offset, size_t bytes) {
+  staged_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  return device.Store(slot, slot_offset, offset, bytes);
+}
+
 InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
                                         const RunSettings& settings, Lane& lane) {
   InterNodeContext ctx;
@@ -718,6 +734,7 @@ void ClusterJob::CountCompressed(uint64_t ops, const CompressionStats& stats) {
 
 absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx,
                                        uint64_t seq, const RunSettings& settings) {
+  staged_ops_.fetch_add(1, std::memory_order_relaxed);
   absl::Status s;
   switch (static_cast<wire::Collective>(op.sig.collective)) {
     case wire::Collective::kAllreduce:
@@ -777,10 +794,10 @@ absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext&
   // the piece), fetched into the slot; what it receives, stored from it.
   auto fetch = [&](int sl, size_t k) -> absl::Status {
     const auto [at, n] = range(k);
-    if (!gather) return root_here ? device.Fetch(sl, 0, at * es, n * es) : absl::OkStatus();
+    if (!gather) return root_here ? StagedFetch(device, sl, 0, at * es, n * es) : absl::OkStatus();
     for (const auto& p : op.parts) {
       const size_t r = static_cast<size_t>(p.rank);
-      if (absl::Status s = device.Fetch(sl, r * n * es, r * block + at * es, n * es); !s.ok()) {
+      if (absl::Status s = StagedFetch(device, sl, r * n * es, r * block + at * es, n * es); !s.ok()) {
         return s;
       }
     }
@@ -788,11 +805,11 @@ absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext&
   };
   auto store = [&](int sl, size_t k) -> absl::Status {
     const auto [at, n] = range(k);
-    if (!gather) return root_here ? absl::OkStatus() : device.Store(sl, 0, at * es, n * es);
+    if (!gather) return root_here ? absl::OkStatus() : StagedStore(device, sl, 0, at * es, n * es);
     for (int r = 0; r < world; ++r) {
       if (node_of_rank_[r] == self_) continue;
       const size_t rr = static_cast<size_t>(r);
-      if (absl::Status s = device.Store(sl, rr * n * es, rr * block + at * es, n * es); !s.ok()) {
+      if (absl::Status s = StagedStore(device, sl, rr * n * es, rr * block + at * es, n * es); !s.ok()) {
         return s;
       }
     }
@@ -865,7 +882,7 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
     if (!p.ok()) return p.status();
     slot[k] = *p;
     const auto [at, n] = range(k);
-    if (absl::Status s = device.Fetch(static_cast<int>(k), 0, at * es, n * es); !s.ok()) {
+    if (absl::Status s = StagedFetch(device, static_cast<int>(k), 0, at * es, n * es); !s.ok()) {
       return s;
     }
   }
@@ -879,10 +896,10 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
     if (requested == wire::ReduceOp::kAvg) {
       DivideInPlace(dtype, slot[sl], n, options_.world_size);
     }
-    if (s = device.Store(sl, 0, at * es, n * es); !s.ok()) return s;
+    if (s = StagedStore(device, sl, 0, at * es, n * es); !s.ok()) return s;
     if (k + 2 < segments) {
       const auto [next_at, next_n] = range(k + 2);
-      if (s = device.Fetch(sl, 0, next_at * es, next_n * es); !s.ok()) return s;
+      if (s = StagedFetch(device, sl, 0, next_at * es, next_n * es); !s.ok()) return s;
     }
   }
   return device.Finish();

@@ -159,6 +159,12 @@ class ClusterJob {
   };
   FusionCounters fusion() const;
 
+  struct StagingCounters {
+    uint64_t ops = 0;    // operations whose node buffer was on a GPU (staged)
+    uint64_t bytes = 0;  // copied between it and host memory (fetched + stored)
+  };
+  StagingCounters staging() const;
+
  private:
   struct Event;
   class CountingTransport;
@@ -220,6 +226,11 @@ class ClusterJob {
   absl::Status MoveSegment(InterNodeContext ctx, uint64_t seq, int segment, const ClusterOp& op,
                            uint8_t* data, size_t stride, size_t first, size_t bytes);
   void CountCompressed(uint64_t ops, const CompressionStats& stats);
+  // The staged buffer's copies to and from host memory, counted (staging()).
+  absl::Status StagedFetch(StagedNodeBuffer& device, int slot, size_t slot_offset, size_t offset,
+                           size_t bytes);
+  absl::Status StagedStore(StagedNodeBuffer& device, int slot, size_t slot_offset, size_t offset,
+                           size_t bytes);
   // The inter-node part of an allreduce of `count` elements in `data`
   // (segment `segment` of a run announced with segment_bytes, else the
   // whole): compressed with `codec` (may be null; `input` must then be
@@ -275,6 +286,8 @@ class ClusterJob {
   std::atomic<uint64_t> wire_bytes_{0};
   std::atomic<uint64_t> fused_ops_{0};
   std::atomic<uint64_t> fused_runs_{0};
+  std::atomic<uint64_t> staged_ops_{0};
+  std::atomic<uint64_t> staged_bytes_{0};
   std::map<std::string, ClusterOp> awaiting_;  // guarded by mu_: readied, awaiting Run/Fail
   int self_ = -1;
   std::vector<int> node_of_rank_;

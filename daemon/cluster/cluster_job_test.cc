@@ -882,7 +882,8 @@ struct StagedCase {
 // rank k (node k) receives block k.
 std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& staged,
                                                 const std::vector<StagedCase>& cases,
-                                                bool scatter = false) {
+                                                bool scatter = false,
+                                                ClusterJob::StagingCounters* counted = nullptr) {
   Nodes nodes(n);
   EXPECT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
   EXPECT_TRUE(nodes.SetBoth("chunk_bytes", "4K").ok());
@@ -935,6 +936,7 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
       EXPECT_EQ(recv[k][o][c.count * es], 0xee) << "written past the end";
     }
   }
+  if (counted != nullptr) *counted = nodes.job(staged.front()).staging();
   std::vector<std::vector<std::string>> logs;
   for (auto& b : buffers) logs.push_back(b->calls());
   return logs;
@@ -1088,7 +1090,12 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
 // next fetch comes right after its store, and every segment is stored once.
 TEST(ClusterJobStagedTest, TheNextSegmentIsFetchedWhileThisOneTravels) {
   const size_t count = 10 * 1024 + 5;  // 11 segments of 4 KiB float32, the last short
-  auto logs = RunStaged(2, {1}, {{wire::DataType::kFloat32, wire::ReduceOp::kSum, count}});
+  ClusterJob::StagingCounters counted;
+  auto logs = RunStaged(2, {1}, {{wire::DataType::kFloat32, wire::ReduceOp::kSum, count}}, false,
+                        &counted);
+  // Counted for ciuicctl status: one operation, every byte fetched and stored.
+  EXPECT_EQ(counted.ops, 1u);
+  EXPECT_EQ(counted.bytes, 2 * count * sizeof(float));
   ASSERT_EQ(logs.size(), 1u);
   const std::vector<std::string>& calls = logs[0];
   std::vector<std::string> want = {"R", "F0", "F4096"};

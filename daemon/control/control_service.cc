@@ -113,6 +113,8 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
     out->set_bytes_after_compression(j.bytes_after_compression);
     out->set_ops_fused(j.ops_fused);
     out->set_fused_runs(j.fused_runs);
+    out->set_ops_staged(j.ops_staged);
+    out->set_bytes_staged(j.bytes_staged);
     for (const auto& p : j.pending) {
       auto* po = out->add_pending();
       po->set_name(p.name);

@@ -1002,6 +1002,9 @@ EngineStatus Engine::StatusOnLoop() {
       const ClusterJob::FusionCounters f = job->cluster->fusion();
       row.ops_fused = f.ops;
       row.fused_runs = f.runs;
+      const ClusterJob::StagingCounters g = job->cluster->staging();
+      row.ops_staged = g.ops;
+      row.bytes_staged = g.bytes;
     }
     std::vector<std::shared_ptr<PendingOp>> ops;
     for (auto& [name, op] : job->pending) ops.push_back(op);

@@ -107,6 +107,8 @@ struct EngineStatus {
     uint64_t bytes_after_compression = 0;
     uint64_t ops_fused = 0;   // multi-node: operations fused with others
     uint64_t fused_runs = 0;  // and the fused allreduces they made
+    uint64_t ops_staged = 0;    // multi-node: operations on GPU buffers
+    uint64_t bytes_staged = 0;  // and the bytes copied device <-> host for them
     std::vector<PendingRow> pending;
   };
   double uptime_seconds = 0;

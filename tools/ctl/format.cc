@@ -124,6 +124,11 @@ std::string FormatNetworkSavings(const proto::StatusReply& status) {
       absl::StrAppend(&out, "fusion: job ", Sanitize(job.job_id()), ": ", job.ops_fused(),
                       " operations fused into ", job.fused_runs(), " allreduces\n");
     }
+    if (job.ops_staged() != 0) {
+      absl::StrAppend(&out, "gpu: job ", Sanitize(job.job_id()), ": ", job.ops_staged(),
+                      " operations on GPU buffers, ", HumanBytes(job.bytes_staged()),
+                      " copied between the GPU and host memory\n");
+    }
   }
   return out;
 }

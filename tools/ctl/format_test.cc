@@ -176,16 +176,21 @@ TEST(FormatStatusTest, CompressionAndFusionCountersOfMultiNodeJobs) {
   proto::StatusReply status = SampleStatus();
   EXPECT_THAT(FormatStatus(status), Not(HasSubstr("fusion:")));
   EXPECT_THAT(FormatStatus(status), Not(HasSubstr("compression:")));
+  EXPECT_THAT(FormatStatus(status), Not(HasSubstr("gpu: job")));
   proto::JobInfo* job = status.mutable_jobs(0);
   job->set_ops_compressed(10);
   job->set_bytes_before_compression(64 << 20);
   job->set_bytes_after_compression(16 << 20);
   job->set_ops_fused(96);
   job->set_fused_runs(7);
+  job->set_ops_staged(12);
+  job->set_bytes_staged(48 << 20);
   for (const std::string& text : {FormatStatus(status), FormatJobs(status)}) {
     EXPECT_THAT(text, HasSubstr("compression: job resnet: 10 operations, 64.0 MiB -> 16.0 MiB on "
                                 "the wire\n"));
     EXPECT_THAT(text, HasSubstr("fusion: job resnet: 96 operations fused into 7 allreduces\n"));
+    EXPECT_THAT(text, HasSubstr("gpu: job resnet: 12 operations on GPU buffers, 48.0 MiB copied "
+                                "between the GPU and host memory\n"));
   }
 }
 
