@@ -702,22 +702,17 @@ class HostStagedBuffer final : public StagedNodeBuffer {
       if (queue_.empty()) return;
       auto work = std::move(queue_.front());
       queue_.pop_front();
+      // After a fault the device runs nothing more (a broken CUDA context).
+      const bool faulted = !error_.ok();
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(200));  // a copy takes time
-      absl::Status s = error_ok_snapshot() ? work() : absl::OkStatus();
+      absl::Status s = faulted ? absl::OkStatus() : work();
       lock.lock();
       if (!s.ok() && error_.ok()) error_ = s;
       ++done_;
       cv_.notify_all();
     }
   }
-  // After a fault the device runs nothing more (read without the lock: only
-  // this thread writes error_ once, under it).
-  bool error_ok_snapshot() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return error_.ok();
-  }
-
   const wire::DataType dtype_;
   const size_t count_;
   const size_t bytes_;
