@@ -14,6 +14,9 @@
 #include <sstream>
 #include <thread>
 
+#include "ciuic/control.pb.h"
+#include "google/protobuf/util/json_util.h"
+
 namespace ciuic::testing {
 
 using Clock = std::chrono::steady_clock;
@@ -164,6 +167,18 @@ int RunCommand(const std::string& command, std::string* output) {
   while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
   int status = pclose(p);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string ReadTrace(const std::string& socket, const std::string& job, proto::TraceReply* reply) {
+  std::string out;
+  const int code = RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket +
+                                  " trace --last 0 --job " + job,
+                              &out);
+  if (code != 0) return "ciuicctl trace exited " + std::to_string(code) + ": " + out;
+  reply->Clear();
+  auto parsed = google::protobuf::util::JsonStringToMessage(out, reply);
+  if (!parsed.ok()) return "cannot parse ciuicctl's JSON (" + parsed.ToString() + "): " + out;
+  return "";
 }
 
 std::string UniqueJobId(const std::string& what) {

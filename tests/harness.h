@@ -14,6 +14,10 @@
 #include <string>
 #include <vector>
 
+namespace ciuic::proto {
+class TraceReply;
+}
+
 namespace ciuic::testing {
 
 class DaemonProcess {
@@ -61,6 +65,10 @@ int WaitChild(pid_t pid, std::chrono::seconds timeout);
 
 // Runs a command line and returns its exit code and output (stdout+stderr).
 int RunCommand(const std::string& command, std::string* output);
+
+// `ciuicctl --json trace --last 0 --job JOB` against the daemon at `socket`,
+// parsed into *reply. Returns "" or what went wrong (with the output).
+std::string ReadTrace(const std::string& socket, const std::string& job, proto::TraceReply* reply);
 
 // A job id no other test in any concurrent run uses.
 std::string UniqueJobId(const std::string& what);

@@ -324,16 +324,31 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   }
   std::vector<std::string> names = {r.name()};
   names.insert(names.end(), r.fused_with().begin(), r.fused_with().end());
+  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& name : names) {
-      auto it = awaiting_.find(name);
+    for (size_t i = 0; i < names.size(); ++i) {
+      auto it = awaiting_.find(names[i]);
       if (it == awaiting_.end()) {
         if (broken.ok()) {
           broken = absl::InternalError(
-              absl::StrCat("coordinator ran '", name, "', which this node never readied"));
+              absl::StrCat("coordinator ran '", names[i], "', which this node never readied"));
         }
         continue;
+      }
+      if (ClusterOp::Timing* t = it->second.timing.get()) {
+        t->announced = now;
+        t->run_seq = run.seq;
+        t->fused_ops = static_cast<uint32_t>(names.size());
+        t->codec = run.settings.codec;
+        // The coordinator's account of the wait (absent from older ones).
+        const int at = static_cast<int>(i);
+        if (at < r.last_ready_node_size() && r.last_ready_node(at) >= 0 &&
+            static_cast<size_t>(r.last_ready_node(at)) < peers_.size()) {
+          t->last_node = peers_[r.last_ready_node(at)].node_name;
+        }
+        if (at < r.ready_spread_us_size()) t->ready_spread_us = r.ready_spread_us(at);
+        if (at < r.queued_us_size()) t->queued_us = r.queued_us(at);
       }
       run.ops.push_back(std::move(it->second));
       awaiting_.erase(it);
@@ -389,9 +404,17 @@ void ClusterJob::LaneLoop(Lane& lane) {
       }
     }
     lanes_cv_.notify_all();  // the next run may start in another lane
+    const auto start = std::chrono::steady_clock::now();
     absl::Status s = run.ops.size() == 1
                          ? Execute(run.ops.front(), run.seq, run.settings, lane)
                          : ExecuteFused(run.ops, run.seq, run.settings, lane);
+    const auto end = std::chrono::steady_clock::now();
+    for (const auto& op : run.ops) {
+      if (op.timing) {
+        op.timing->run_start = start;
+        op.timing->run_end = end;
+      }
+    }
     // Done goes before the operations complete: a rank that hears of its
     // last operation may leave at once, and its node's Leave must not reach
     // the coordinator before this run's Done (it would count the run as
@@ -496,6 +519,9 @@ void ClusterJob::Run() {
         const config::Tuning tuning = options_.tuning->Snapshot();
         r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms : tuning.op_timeout_ms);
         const std::string name = e.op.name;
+        // Stamped before the Ready goes: once it has, the Run may come (and
+        // the timing be read) before this thread runs again.
+        if (e.op.timing) e.op.timing->ready = std::chrono::steady_clock::now();
         {
           std::lock_guard<std::mutex> lock(mu_);
           awaiting_.emplace(name, std::move(e.op));

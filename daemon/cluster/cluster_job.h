@@ -93,6 +93,22 @@ struct ClusterOp {
   // staged through host memory (parts' send and recv are then null).
   // Released with the op, which waits for its device work.
   std::shared_ptr<StagedNodeBuffer> staged;
+  // When its phases happened, for `ciuicctl trace` (may be null). The
+  // ClusterJob's threads fill it in before OpDone; the caller reads it
+  // after.
+  struct Timing {
+    std::chrono::steady_clock::time_point ready;      // Ready written
+    std::chrono::steady_clock::time_point announced;  // Run received
+    std::chrono::steady_clock::time_point run_start;  // a lane started it
+    std::chrono::steady_clock::time_point run_end;    // and ended it
+    std::string last_node;         // whose Ready the coordinator got last
+    uint64_t ready_spread_us = 0;  // after the first node's
+    uint64_t queued_us = 0;        // then held at the coordinator
+    uint64_t run_seq = 0;
+    uint32_t fused_ops = 0;
+    std::string codec;
+  };
+  std::shared_ptr<Timing> timing;
 };
 
 class ClusterJob {

@@ -456,6 +456,8 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
       q.order = job.next_order++;
       q.ready_at = now;
       q.device_buffers = run.device_buffers;
+      q.last_node = node;
+      q.first_ready = run.first_ready;
       job.backlog.push_back(std::move(q));
       job.pending.erase(it);
       Schedule(job, now);
@@ -562,6 +564,16 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     if (head.device_buffers && head_codec.empty() &&
         head.signature.collective() != static_cast<uint32_t>(wire::Collective::kBarrier)) {
       run->set_segment_bytes(tuning.staging_segment_bytes);
+    }
+    for (size_t g : group) {
+      const Queued& q = job.backlog[g];
+      auto us = [](Clock::duration d) {
+        return static_cast<uint64_t>(
+            std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(d).count()));
+      };
+      run->add_last_ready_node(q.last_node);
+      run->add_ready_spread_us(us(q.ready_at - q.first_ready));
+      run->add_queued_us(us(now - q.ready_at));
     }
     job.running.emplace(run->seq(), std::vector<bool>(nodes, false));
     SendAll(job, e);

@@ -123,6 +123,10 @@ class Coordinator {
     uint64_t order = 0;   // when it became ready, for ties
     std::chrono::steady_clock::time_point ready_at;
     bool device_buffers = false;  // announced in segments, never fused
+    // For the trace (Run.last_ready_node, ready_spread_us): the node whose
+    // Ready came last, and when the first node's came.
+    int last_node = -1;
+    std::chrono::steady_clock::time_point first_ready;
   };
   struct Job {
     std::string key;

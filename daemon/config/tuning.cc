@@ -189,6 +189,10 @@ const std::vector<Field>& Table() {
                 "staged through host memory while the previous piece travels (the coordinator's "
                 "setting decides for the job)",
                 &Tuning::staging_segment_bytes, 4 * kKiB, kGiB),
+      IntegerField("trace_ops",
+                   "How many of its last operations the daemon keeps a record of for "
+                   "`ciuicctl trace` (0: none)",
+                   "", &Tuning::trace_ops, 0, 1000000),
   };
   return *table;
 }

@@ -80,6 +80,10 @@ struct Tuning {
   // alike): a GPU node copies piece k+1 to host memory while piece k is on
   // the network, and piece k back while piece k+1 is. 4K..1G.
   uint64_t staging_segment_bytes = uint64_t{16} << 20;
+  // How many of its last operations the daemon keeps a record of, for
+  // `ciuicctl trace` (when each rank submitted, each phase). 0: none.
+  // 0..1000000.
+  uint32_t trace_ops = 4096;
 
   friend bool operator==(const Tuning&, const Tuning&) = default;
 };

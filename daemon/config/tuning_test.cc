@@ -53,9 +53,10 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
               ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms", "channels",
                           "chunks_in_flight", "algorithm", "compression", "min_compress_bytes",
                           "error_feedback", "compression_strict", "fast_path_bytes",
-                          "fusion_threshold_bytes", "cycle_time_us", "staging_segment_bytes"));
+                          "fusion_threshold_bytes", "cycle_time_us", "staging_segment_bytes",
+                          "trace_ops"));
   EXPECT_THAT(values, ElementsAre("1M", "256K", "50", "60000", "2", "8", "auto", "none", "64K",
-                                  "on", "off", "4K", "4M", "0", "16M"));
+                                  "on", "off", "4K", "4M", "0", "16M", "4096"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
   EXPECT_THAT((*entries)[0].description, HasSubstr("default 1M"));
@@ -224,6 +225,10 @@ TEST(TuningTest, CompressionKeys) {
   EXPECT_EQ(tuning.staging_segment_bytes, 4096u);
   EXPECT_FALSE(SetOne("staging_segment_bytes", "1K", &tuning).ok());
   EXPECT_FALSE(SetOne("staging_segment_bytes", "0", &tuning).ok());
+  EXPECT_TRUE(SetOne("trace_ops", "0", &tuning).ok());
+  EXPECT_EQ(tuning.trace_ops, 0u);
+  EXPECT_TRUE(SetOne("trace_ops", "1000000", &tuning).ok());
+  EXPECT_FALSE(SetOne("trace_ops", "1000001", &tuning).ok());
 }
 
 TEST(TuningTest, ConcurrentSetAndSnapshot) {

@@ -170,6 +170,43 @@ grpc::Status ControlService::GetPeers(grpc::ServerContext*, const proto::PeersRe
   return grpc::Status::OK;
 }
 
+grpc::Status ControlService::GetTrace(grpc::ServerContext*, const proto::TraceRequest* req,
+                                      proto::TraceReply* reply) {
+  EngineTrace trace = engine_->Trace(req->job_id(), req->last());
+  reply->set_capacity(trace.capacity);
+  reply->set_recorded(trace.recorded);
+  for (const OpTraceRow& row : trace.ops) {
+    proto::OpTrace* out = reply->add_ops();
+    out->set_job_id(row.job_id);
+    out->set_name(row.name);
+    out->set_collective(row.collective);
+    out->set_dtype(row.dtype);
+    out->set_bytes(row.bytes);
+    out->set_device(row.device);
+    out->set_submitted_us(row.submitted_us);
+    for (const auto& [rank, after] : row.arrivals) {
+      proto::RankArrival* a = out->add_arrivals();
+      a->set_rank(rank);
+      a->set_after_us(after);
+    }
+    if (row.launched_us >= 0) out->set_launched_us(row.launched_us);
+    if (row.ready_us >= 0) out->set_ready_us(row.ready_us);
+    if (row.announced_us >= 0) out->set_announced_us(row.announced_us);
+    if (row.run_start_us >= 0) out->set_run_start_us(row.run_start_us);
+    if (row.run_end_us >= 0) out->set_run_end_us(row.run_end_us);
+    out->set_last_node(row.last_node);
+    out->set_ready_spread_us(row.ready_spread_us);
+    out->set_queued_us(row.queued_us);
+    out->set_run_seq(row.run_seq);
+    out->set_fused_ops(row.fused_ops);
+    out->set_codec(row.codec);
+    out->set_done_us(row.done_us);
+    out->set_code(row.code);
+    out->set_error(row.error);
+  }
+  return grpc::Status::OK;
+}
+
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& socket_path,
                                                                  grpc::Service* service) {
   if (SocketIsLive(socket_path)) {

@@ -28,6 +28,8 @@ class ControlService final : public proto::Control::Service {
                        proto::TuneGetReply*) override;
   grpc::Status TuneSet(grpc::ServerContext*, const proto::TuneSetRequest*,
                        proto::TuneSetReply*) override;
+  grpc::Status GetTrace(grpc::ServerContext*, const proto::TraceRequest*,
+                        proto::TraceReply*) override;
   grpc::Status GetPeers(grpc::ServerContext*, const proto::PeersRequest*,
                         proto::PeersReply*) override;
 

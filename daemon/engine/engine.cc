@@ -74,6 +74,7 @@ struct PendingOp {
   // Device buffers in a multi-node job: the node buffer on the GPU, which
   // the ClusterJob stages through host memory.
   std::shared_ptr<StagedNodeBuffer> staged;
+  OpRecord trace;  // for `ciuicctl trace`
   // While running:
   std::unique_ptr<LocalCollective> collective;
   std::atomic<size_t> chunks_left{0};
@@ -101,6 +102,16 @@ struct Job {
 namespace {
 
 std::string JobKey(uid_t uid, const std::string& id) { return absl::StrCat(uid, "/", id); }
+
+// The larger of a rank's buffers for `sig` (what status counts as bytes).
+uint64_t OpBytes(const OpSignature& sig, int world_size) {
+  uint64_t bytes = sig.count * sig.element_bytes();
+  const auto c = static_cast<wire::Collective>(sig.collective);
+  if (c == wire::Collective::kReduceScatter || c == wire::Collective::kAllgather) {
+    bytes *= static_cast<uint64_t>(world_size);
+  }
+  return bytes;
+}
 
 // The device buffers of `op`'s local ranks, in rank order.
 std::vector<DeviceRankBuffers> DeviceRanksOf(const PendingOp& op) {
@@ -702,6 +713,11 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
     slot->deadline = now + std::chrono::milliseconds(timeout_ms);
     slot->parts.resize(job.world_size);
     slot->seen.assign(job.world_size, false);
+    slot->trace.job_id = job.id;
+    slot->trace.name = v.name;
+    slot->trace.sig = v.sig;
+    slot->trace.bytes = OpBytes(v.sig, job.world_size);
+    slot->trace.submitted = now;
   }
   std::shared_ptr<PendingOp> op = slot;
   auto forget_if_all_seen = [&] {
@@ -744,8 +760,10 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
   op->priority = std::max(op->priority, v.priority);
   op->deadline = std::min(op->deadline, now + std::chrono::milliseconds(timeout_ms));
   op->parts[s->rank] = RankPart{s, std::move(v)};
+  op->trace.arrivals.push_back(OpRecord::Arrival{s->rank, now});
   if (++op->submitted == job.local_size) {
     job.pending.erase(op->name);
+    op->trace.launched = now;
     LaunchOnLoop(job, std::move(op));
   }
 }
@@ -755,6 +773,7 @@ void Engine::FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& stat
   if (op.submitted > 0) {
     ++ops_failed_;
     ++job.ops_failed;
+    RecordOnLoop(op, status);
   }
   for (auto& part : op.parts) {
     if (!part) continue;
@@ -860,6 +879,8 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   c.sig = op->sig;
   c.priority = op->priority;
   c.staged = std::move(op->staged);  // the ClusterOp's alone: it goes with the run
+  op->trace.cluster = std::make_shared<ClusterOp::Timing>();
+  c.timing = op->trace.cluster;
   for (auto& part : op->parts) {
     if (!part) continue;
     if (c.staged) {
@@ -918,11 +939,8 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
 void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status) {
   auto it = jobs_.find(job_key);
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
-  uint64_t bytes = op.sig.count * op.sig.element_bytes();
-  if (static_cast<wire::Collective>(op.sig.collective) == wire::Collective::kReduceScatter ||
-      static_cast<wire::Collective>(op.sig.collective) == wire::Collective::kAllgather) {
-    bytes *= job ? static_cast<uint64_t>(job->world_size) : 1;
-  }
+  const uint64_t bytes = op.trace.bytes;
+  RecordOnLoop(op, status);
   if (status.ok()) {
     ++ops_completed_;
     bytes_ += bytes;
@@ -941,7 +959,22 @@ void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl:
   op.collective.reset();
 }
 
+void Engine::RecordOnLoop(PendingOp& op, const absl::Status& status) {
+  const uint32_t capacity = options_.tuning->Snapshot().trace_ops;
+  op.trace.done = Clock::now();
+  op.trace.status = status;
+  trace_.Add(std::move(op.trace), capacity);
+  op.trace = OpRecord();
+}
+
 // ------------------------------------------------------------ status, stop
+
+EngineTrace Engine::Trace(const std::string& job_id, uint32_t last) {
+  if (shutdown_started_.load()) return EngineTrace{};
+  return RunOnLoop<EngineTrace>([this, job_id, last] {
+    return trace_.Select(job_id, last, started_, options_.tuning->Snapshot().trace_ops);
+  });
+}
 
 EngineStatus Engine::Status() {
   if (shutdown_started_.load()) return EngineStatus{};

@@ -37,6 +37,7 @@
 #include "ciuic/shm_layout.h"
 #include "cluster/cluster_job.h"
 #include "config/tuning.h"
+#include "engine/op_trace.h"
 
 namespace ciuic::daemon {
 
@@ -149,6 +150,9 @@ class Engine {
   absl::Status Join(const JoinRequest& request, uint64_t* fast_path_bytes = nullptr);
   EngineStatus Status();
   EnginePeers Peers();
+  // The last `last` operations (0: all recorded) of job `job_id` (empty:
+  // every job), oldest first (op_trace.h).
+  EngineTrace Trace(const std::string& job_id, uint32_t last);
 
   // Drains: refuses new sessions, ends pending operations with UNAVAILABLE,
   // lets running ones finish, closes every session. Any thread but the loop.
@@ -173,6 +177,8 @@ class Engine {
   void LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op);
   void SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op);
   void FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status);
+  // Keeps op's record for the trace, ending with `status`.
+  void RecordOnLoop(PendingOp& op, const absl::Status& status);
   void FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& status);
   void FailJobOnLoop(Job& job, const absl::Status& status);
   void CheckDeadlinesOnLoop();
@@ -222,6 +228,7 @@ class Engine {
   uint64_t ops_completed_ = 0;
   uint64_t ops_failed_ = 0;
   uint64_t bytes_ = 0;
+  TraceLog trace_;
 };
 
 }  // namespace ciuic::daemon

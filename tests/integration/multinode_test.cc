@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "ciuic/control.pb.h"
 #include "common.h"
 #include "harness.h"
 #include "reference.h"
@@ -276,6 +277,70 @@ TEST(MultiNodeOperabilityTest, PeersShowsNodesLinksAndBytes) {
   EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
   EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
   for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// `ciuicctl trace` on both nodes: a rank of node1 submits late, so node0's
+// operations wait for node1 (named as the node that came last, by how
+// much), and node1's wait for that rank; every phase is in order.
+TEST(MultiNodeOperabilityTest, TraceNamesTheLateNodeAndTheLateRank) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("trace");
+  constexpr int kOps = 4;
+  constexpr auto kLate = std::chrono::milliseconds(50);
+  std::vector<int> codes = RunRanks(4, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(64 << 10, 1.0f);
+    OpOptions o;
+    for (int i = 0; i < kOps; ++i) {
+      if (rank == 3) std::this_thread::sleep_for(kLate);
+      o.name = "g" + std::to_string(i);
+      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).Wait();
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+      CHILD_CHECK(v[0] == std::pow(4.0f, i + 1), "%g", v[0]);
+    }
+    return 0;
+  });
+  EXPECT_EQ(codes, std::vector<int>({0, 0, 0, 0}));
+  for (int node = 0; node < 2; ++node) {
+    proto::TraceReply trace;
+    ASSERT_EQ(ReadTrace(cluster->nodes[node]->socket(), job, &trace), "") << node;
+    ASSERT_EQ(trace.ops_size(), kOps) << trace.DebugString();
+    for (int i = 0; i < kOps; ++i) {
+      const proto::OpTrace& op = trace.ops(i);
+      SCOPED_TRACE(op.DebugString());
+      EXPECT_EQ(op.name(), "g" + std::to_string(i));
+      EXPECT_EQ(op.code(), 0);
+      ASSERT_EQ(op.arrivals_size(), 2);
+      EXPECT_EQ(op.arrivals(0).rank(), 2 * node);
+      EXPECT_EQ(op.arrivals(1).rank(), 2 * node + 1);
+      if (node == 1) EXPECT_GE(op.arrivals(1).after_us(), 20000u);  // rank 3
+      // Every phase happened, in order.
+      ASSERT_TRUE(op.has_launched_us() && op.has_ready_us() && op.has_announced_us() &&
+                  op.has_run_start_us() && op.has_run_end_us());
+      EXPECT_LE(op.launched_us(), op.ready_us());
+      EXPECT_LE(op.ready_us(), op.announced_us());
+      EXPECT_LE(op.announced_us(), op.run_start_us());
+      EXPECT_LE(op.run_start_us(), op.run_end_us());
+      EXPECT_LE(op.run_end_us(), op.done_us());
+      EXPECT_EQ(op.fused_ops(), 1u);
+      EXPECT_EQ(op.run_seq(), static_cast<uint64_t>(i));
+      // The coordinator heard from node1 last, well after node0.
+      EXPECT_EQ(op.last_node(), "node1");
+      EXPECT_GE(op.ready_spread_us(), 20000u);
+      // node0 waited for the coordinator's announcement that long.
+      if (node == 0) EXPECT_GE(op.announced_us() - op.launched_us(), 20000u);
+    }
+    int code = 0;
+    std::string out;
+    code = RunCommand(std::string(CIUICCTL_PATH) + " --socket " + cluster->nodes[node]->socket() +
+                          " trace --job " + job, &out);
+    EXPECT_EQ(code, 0) << out;
+    EXPECT_TRUE(Contains(out, "node node1 last in 4 of 4")) << out;
+    if (node == 1) EXPECT_TRUE(Contains(out, "rank 3 last in 4 of 4")) << out;
+  }
   EXPECT_TRUE(cluster->StopAll());
 }
 

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
 #include <signal.h>
 
@@ -16,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "ciuic/control.pb.h"
 #include "common.h"
 #include "harness.h"
 
@@ -86,6 +89,103 @@ TEST(OperabilityTest, StatusJobsAndPendingOperations) {
   out = Ctl(*daemon, "--json status", &code);
   EXPECT_EQ(code, 0);
   EXPECT_TRUE(Contains(out, "\"opsCompleted\":\"2\"")) << out;
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// `ciuicctl trace`: each rank's arrival, the phases, failures; at most
+// trace_ops operations kept, none with trace_ops=0.
+TEST(OperabilityTest, TraceShowsTheLateRankFailuresAndKeepsTraceOps) {
+  auto daemon = DaemonProcess::Start("tuning:\n  trace_ops: 4\n  fast_path_bytes: 0\n");
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("trace");
+  constexpr int kOps = 6;
+  constexpr auto kLate = std::chrono::milliseconds(50);
+  std::vector<int> codes = RunRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(1024, 1.0f);
+    OpOptions o;
+    for (int i = 0; i < kOps; ++i) {
+      if (rank == 1) std::this_thread::sleep_for(kLate);
+      o.name = "g" + std::to_string(i);
+      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).Wait();
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    }
+    o.name = "bad";  // rank 1 submits half the count
+    Status s = comm->Allreduce(v.data(), v.data(), rank == 0 ? v.size() : v.size() / 2,
+                               DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    CHILD_CHECK(s.code() == StatusCode::kInvalidArgument, "%s", s.ToString().c_str());
+    return 0;
+  });
+  EXPECT_EQ(codes, std::vector<int>({0, 0}));
+
+  proto::TraceReply trace;
+  ASSERT_EQ(ReadTrace(daemon->socket(), job, &trace), "");
+  EXPECT_EQ(trace.capacity(), 4u);
+  EXPECT_GE(trace.recorded(), uint64_t{kOps + 1});
+  ASSERT_EQ(trace.ops_size(), 4) << trace.DebugString();
+  for (int i = 0; i < 3; ++i) {
+    const proto::OpTrace& op = trace.ops(i);
+    EXPECT_EQ(op.name(), "g" + std::to_string(kOps - 3 + i));
+    EXPECT_EQ(op.job_id(), job);
+    EXPECT_EQ(op.collective(), "allreduce");
+    EXPECT_EQ(op.dtype(), "float32");
+    EXPECT_EQ(op.bytes(), 4096u);
+    EXPECT_EQ(op.code(), 0);
+    ASSERT_EQ(op.arrivals_size(), 2);
+    EXPECT_EQ(op.arrivals(0).rank(), 0);
+    EXPECT_EQ(op.arrivals(1).rank(), 1);
+    // Rank 1 slept before submitting: the operation waited for it.
+    EXPECT_GE(op.arrivals(1).after_us(), 20000u) << op.DebugString();
+    ASSERT_TRUE(op.has_launched_us());
+    EXPECT_GE(op.launched_us(), op.arrivals(1).after_us());
+    EXPECT_GE(op.done_us(), op.launched_us());
+    EXPECT_FALSE(op.has_ready_us());  // one node: no coordinator
+    EXPECT_FALSE(op.has_run_start_us());
+    if (i > 0) EXPECT_GT(op.submitted_us(), trace.ops(i - 1).submitted_us());
+  }
+  const proto::OpTrace& bad = trace.ops(3);
+  EXPECT_EQ(bad.name(), "bad");
+  EXPECT_EQ(bad.code(), static_cast<int>(StatusCode::kInvalidArgument));
+  EXPECT_TRUE(Contains(bad.error(), "mismatched")) << bad.error();
+  EXPECT_FALSE(bad.has_launched_us());
+
+  int code = 0;
+  std::string out = Ctl(*daemon, "trace --job " + job, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "rank 1 last in 3 of 3")) << out;
+  EXPECT_TRUE(Contains(out, "mismatched")) << out;
+  const std::string chrome = daemon->dir() + "/trace.json";
+  out = Ctl(*daemon, "trace --last 2 --chrome " + chrome, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Contains(out, "wrote 2 operation(s)")) << out;
+  std::ifstream file(chrome);
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(Contains(text, "\"traceEvents\"")) << text;
+  EXPECT_TRUE(Contains(text, "\"name\":\"ranks submit\"")) << text;
+  std::string parsed;
+  EXPECT_EQ(RunCommand("/usr/bin/python3 -c 'import json, sys; "
+                       "print(len(json.load(open(sys.argv[1]))[\"traceEvents\"]))' " + chrome,
+                       &parsed), 0) << parsed << text;
+  out = Ctl(*daemon, "trace --last x", &code);
+  EXPECT_EQ(code, 64) << out;
+  out = Ctl(*daemon, "status --job " + job, &code);
+  EXPECT_EQ(code, 64) << out;
+
+  out = Ctl(*daemon, "tune set trace_ops=0", &code);
+  ASSERT_EQ(code, 0) << out;
+  codes = RunRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job + "b", rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(16, 1.0f);
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    return 0;
+  });
+  EXPECT_EQ(codes, std::vector<int>({0, 0}));
+  ASSERT_EQ(ReadTrace(daemon->socket(), job + "b", &trace), "");
+  EXPECT_EQ(trace.capacity(), 0u);
+  EXPECT_EQ(trace.ops_size(), 0);
   EXPECT_EQ(daemon->Stop(), 0);
 }
 

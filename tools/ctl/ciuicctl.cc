@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -18,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "ciuic/control.grpc.pb.h"
 #include "ciuic/control.pb.h"
@@ -49,6 +51,12 @@ commands:
   peers                       nodes of multi-node jobs: link state, bytes sent/received
   tune get [KEY]              show one tuning key, or all of them
   tune set KEY=VALUE...       change tuning keys (applies from the next operation)
+  trace [--job ID] [--last N] [--chrome FILE]
+                              the last N operations (default 20, 0: all the
+                              daemon kept): when the ranks and the other nodes
+                              came, which came last, how long each phase took;
+                              --chrome writes them for chrome://tracing or
+                              ui.perfetto.dev
   version                     print ciuicctl's version
 
 options:
@@ -70,6 +78,11 @@ struct Options {
   std::string socket_path;
   bool json = false;
   bool help = false;
+  // trace's options
+  std::string job;
+  uint32_t last = 20;
+  std::string chrome;
+  bool trace_options = false;
   std::vector<std::string> args;  // command and its arguments
 };
 
@@ -99,6 +112,18 @@ std::string ParseArgs(int argc, char** argv, Options& options) {
       options.socket_path = argv[++i];
     } else if (absl::StartsWith(arg, "--socket=")) {
       options.socket_path = arg.substr(std::strlen("--socket="));
+    } else if (arg == "--job" || arg == "--last" || arg == "--chrome") {
+      if (i + 1 >= argc) return absl::StrCat(arg, " needs a value");
+      const std::string value = argv[++i];
+      options.trace_options = true;
+      if (arg == "--job") {
+        options.job = value;
+      } else if (arg == "--chrome") {
+        if (value.empty()) return "--chrome needs a FILE";
+        options.chrome = value;
+      } else if (!absl::SimpleAtoi(value, &options.last)) {
+        return absl::StrCat("--last needs a count (0 or more), got '", value, "'");
+      }
     } else {
       return absl::StrCat("unknown option '", arg, "'");
     }
@@ -201,6 +226,32 @@ int RunPeers(const Options& options, Client& client) {
   return Print(options, reply, FormatPeers(reply));
 }
 
+int RunTrace(const Options& options, Client& client) {
+  proto::TraceRequest request;
+  request.set_job_id(options.job);
+  request.set_last(options.last);
+  proto::TraceReply reply;
+  if (auto failure = client.Call(&proto::Control::Stub::GetTrace, request, reply)) {
+    return Fail(*failure);
+  }
+  if (!options.chrome.empty()) {
+    std::ofstream file(options.chrome, std::ios::trunc);
+    file << ChromeTrace(reply);
+    file.close();
+    if (!file) {
+      std::cerr << "ciuicctl: cannot write " << options.chrome << ": " << std::strerror(errno)
+                << "\n";
+      return kExitDaemonError;
+    }
+    if (!options.json) {
+      std::cout << "wrote " << reply.ops_size() << " operation(s) to " << options.chrome
+                << " (open it in ui.perfetto.dev or chrome://tracing)\n";
+      return kExitOk;
+    }
+  }
+  return Print(options, reply, FormatTrace(reply));
+}
+
 int RunTuneGet(const Options& options, Client& client, const std::string& key) {
   proto::TuneGetRequest request;
   request.set_key(key);
@@ -258,7 +309,10 @@ int Run(int argc, char** argv) {
   }
 
   // Check the command line completely before touching the network.
-  enum class Action { kStatus, kJobs, kPeers, kTuneGet, kTuneSet } action;
+  enum class Action { kStatus, kJobs, kPeers, kTuneGet, kTuneSet, kTrace } action;
+  if (options.trace_options && command != "trace") {
+    return UsageError("--job, --last and --chrome go with 'trace'");
+  }
   std::string get_key;
   std::vector<std::pair<std::string, std::string>> set_pairs;
   if (command == "status" || command == "jobs" || command == "peers") {
@@ -266,6 +320,9 @@ int Run(int argc, char** argv) {
     action = command == "status" ? Action::kStatus
              : command == "jobs" ? Action::kJobs
                                  : Action::kPeers;
+  } else if (command == "trace") {
+    if (args.size() != 1) return UsageError("'trace' takes no arguments, only options");
+    action = Action::kTrace;
   } else if (command == "tune") {
     if (args.size() < 2) return UsageError("'tune' needs 'get' or 'set'");
     if (args[1] == "get") {
@@ -307,6 +364,8 @@ int Run(int argc, char** argv) {
       return RunTuneGet(options, client, get_key);
     case Action::kTuneSet:
       return RunTuneSet(options, client, set_pairs);
+    case Action::kTrace:
+      return RunTrace(options, client);
   }
   return kExitUsage;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -243,6 +244,180 @@ std::string FormatPeers(const proto::PeersReply& reply) {
     }
   }
   return out + table.Render();
+}
+
+std::string HumanMicros(uint64_t us) {
+  if (us < 1000) return absl::StrCat(us, "us");
+  if (us < 1000000) return absl::StrFormat("%.2fms", static_cast<double>(us) / 1e3);
+  return absl::StrFormat("%.2fs", static_cast<double>(us) / 1e6);
+}
+
+namespace {
+
+// The median of `values` (0 when empty; the lower middle of an even count).
+uint64_t Median(std::vector<uint64_t> values) {
+  if (values.empty()) return 0;
+  std::nth_element(values.begin(), values.begin() + (values.size() - 1) / 2, values.end());
+  return values[(values.size() - 1) / 2];
+}
+
+// The local rank that submitted last, if the node has several and one was.
+const proto::RankArrival* LastRank(const proto::OpTrace& op) {
+  if (op.arrivals_size() < 2) return nullptr;
+  const proto::RankArrival* last = &op.arrivals(0);
+  for (const proto::RankArrival& a : op.arrivals()) {
+    if (a.after_us() > last->after_us()) last = &a;
+  }
+  return last->after_us() > 0 ? last : nullptr;  // all within a microsecond: nobody
+}
+
+std::string StatusText(const proto::OpTrace& op) {
+  if (op.code() == 0) return "ok";
+  std::string text = absl::StrCat("code ", op.code(), ": ", op.error());
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text;
+}
+
+// Who arrived last how often, and how late: "rank 3 last in 18 of 20 (median +1.20ms)".
+struct LateCount {
+  int last = 0;
+  std::vector<uint64_t> lateness;
+};
+
+std::string LateLines(const std::map<std::string, LateCount>& who, int out_of,
+                      absl::string_view what) {
+  std::vector<std::pair<std::string, LateCount>> sorted(who.begin(), who.end());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+    return a.second.last != b.second.last ? a.second.last > b.second.last : a.first < b.first;
+  });
+  std::string out;
+  for (size_t i = 0; i < sorted.size() && i < 3; ++i) {
+    absl::StrAppend(&out, "  ", what, " ", sorted[i].first, " last in ", sorted[i].second.last,
+                    " of ", out_of, " (median +", HumanMicros(Median(sorted[i].second.lateness)),
+                    ")\n");
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string FormatTrace(const proto::TraceReply& reply) {
+  std::string out = absl::StrCat(reply.ops_size(), " operation(s) shown; the daemon keeps its last ",
+                                 reply.capacity(), " (trace_ops), ", reply.recorded(),
+                                 " recorded since it started\n");
+  if (reply.ops().empty()) return out;
+  Table table({"JOB", "OPERATION", "COLLECTIVE", "BYTES", "RANKS IN", "LAST RANK", "NODES IN",
+               "LAST NODE", "QUEUED", "RUN", "TOTAL", "STATUS"});
+  for (size_t column : {3, 4, 6, 8, 9, 10}) table.SetAlign(column, Table::Align::kRight);
+  std::map<std::string, LateCount> ranks, nodes;
+  int with_ranks = 0, with_nodes = 0;
+  std::vector<uint64_t> ranks_in, order, run, total;
+  for (const proto::OpTrace& op : reply.ops()) {
+    const proto::RankArrival* last = LastRank(op);
+    if (last != nullptr) {
+      ++with_ranks;
+      LateCount& c = ranks[absl::StrCat(last->rank())];
+      ++c.last;
+      c.lateness.push_back(last->after_us());
+    }
+    if (!op.last_node().empty()) {
+      ++with_nodes;
+      LateCount& c = nodes[op.last_node()];
+      ++c.last;
+      c.lateness.push_back(op.ready_spread_us());
+    }
+    if (op.has_launched_us()) ranks_in.push_back(op.launched_us());
+    if (op.has_announced_us() && op.has_launched_us() && op.announced_us() >= op.launched_us()) {
+      order.push_back(op.announced_us() - op.launched_us());
+    }
+    const bool ran = op.has_run_start_us() && op.has_run_end_us();
+    if (ran) run.push_back(op.run_end_us() - op.run_start_us());
+    total.push_back(op.done_us());
+    const bool multi = op.has_ready_us();
+    std::string collective = Lower(op.collective());
+    if (op.device()) absl::StrAppend(&collective, " (gpu)");
+    if (op.fused_ops() > 1) absl::StrAppend(&collective, " fused x", op.fused_ops());
+    if (!op.codec().empty()) absl::StrAppend(&collective, " ", op.codec());
+    table.AddRow({OrDash(op.job_id()), OrDash(op.name()), collective, HumanBytes(op.bytes()),
+                  op.has_launched_us() ? HumanMicros(op.launched_us()) : "-",
+                  last ? absl::StrCat(last->rank()) : "-",
+                  multi && !op.last_node().empty() ? HumanMicros(op.ready_spread_us()) : "-",
+                  OrDash(op.last_node()),
+                  op.has_announced_us() ? HumanMicros(op.queued_us()) : "-",
+                  ran ? HumanMicros(op.run_end_us() - op.run_start_us()) : "-",
+                  HumanMicros(op.done_us()), StatusText(op)});
+  }
+  absl::StrAppend(&out, table.Render());
+  absl::StrAppend(&out, "\nmedians: ranks in ", HumanMicros(Median(ranks_in)));
+  if (!order.empty()) {
+    absl::StrAppend(&out, ", then the coordinator's announcement ", HumanMicros(Median(order)));
+  }
+  if (!run.empty()) absl::StrAppend(&out, ", run ", HumanMicros(Median(run)));
+  absl::StrAppend(&out, ", total ", HumanMicros(Median(total)), "\n");
+  if (!ranks.empty() || !nodes.empty()) absl::StrAppend(&out, "who came last:\n");
+  absl::StrAppend(&out, LateLines(ranks, with_ranks, "rank"));
+  absl::StrAppend(&out, LateLines(nodes, with_nodes, "node"));
+  return out;
+}
+
+std::string ChromeTrace(const proto::TraceReply& reply) {
+  std::string out = "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
+  bool first = true;
+  auto event = [&](absl::string_view json) {
+    absl::StrAppend(&out, first ? "" : ",\n", json);
+    first = false;
+  };
+  auto quoted = [](absl::string_view text) {
+    std::string q = "\"";
+    for (char c : text) {
+      if (c == '"' || c == '\\') {
+        q += '\\';
+        q += c;
+      } else if (absl::ascii_iscntrl(static_cast<unsigned char>(c))) {
+        absl::StrAppend(&q, absl::StrFormat("\\u%04x", static_cast<unsigned char>(c)));
+      } else {
+        q += c;
+      }
+    }
+    return q + "\"";
+  };
+  std::map<std::string, int> rows;  // "job/name" -> tid
+  for (const proto::OpTrace& op : reply.ops()) {
+    const std::string key = absl::StrCat(op.job_id(), "/", op.name());
+    auto [row, fresh] = rows.try_emplace(key, static_cast<int>(rows.size()) + 1);
+    if (fresh) {
+      event(absl::StrCat("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":", row->second,
+                         ",\"args\":{\"name\":", quoted(key), "}}"));
+    }
+    const uint64_t t0 = op.submitted_us();
+    auto slice = [&](absl::string_view name, uint64_t from, uint64_t to) {
+      if (to < from) return;
+      event(absl::StrCat("{\"ph\":\"X\",\"pid\":1,\"tid\":", row->second, ",\"name\":",
+                         quoted(name), ",\"ts\":", t0 + from, ",\"dur\":", to - from,
+                         ",\"args\":{\"bytes\":", op.bytes(), ",\"collective\":",
+                         quoted(op.collective()), ",\"status\":", quoted(StatusText(op)), "}}"));
+    };
+    const uint64_t launched = op.has_launched_us() ? op.launched_us() : op.done_us();
+    slice("ranks submit", 0, launched);
+    uint64_t at = launched;
+    if (op.has_announced_us()) {
+      slice("coordinator", at, op.announced_us());
+      at = op.announced_us();
+    } else if (op.has_ready_us()) {  // never announced: failed waiting
+      slice("coordinator", at, op.done_us());
+      at = op.done_us();
+    }
+    if (op.has_run_start_us() && op.has_run_end_us()) {
+      slice("lane queue", at, op.run_start_us());
+      slice(op.fused_ops() > 1 ? "run (fused)" : "run", op.run_start_us(), op.run_end_us());
+      at = op.run_end_us();
+    } else if (op.has_launched_us() && !op.has_ready_us()) {  // one node
+      slice("local", at, op.done_us());
+      at = op.done_us();
+    }
+    slice("complete", at, op.done_us());
+  }
+  return out + "\n]}\n";
 }
 
 std::string FormatTuneEntries(const proto::TuneGetReply& reply) {

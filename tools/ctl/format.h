@@ -61,6 +61,18 @@ std::string FormatTuneEntries(const proto::TuneGetReply& reply);
 // `ciuicctl peers`: per multi-node job, its nodes, link state and bytes.
 std::string FormatPeers(const proto::PeersReply& reply);
 
+// A duration in microseconds, short: "85us", "1.25ms", "3.40s".
+std::string HumanMicros(uint64_t us);
+
+// `ciuicctl trace`: one row per operation (oldest first) with the wait for
+// the node's ranks, for the other nodes (and which came last), the run and
+// the total, then who was late most often and the median phases.
+std::string FormatTrace(const proto::TraceReply& reply);
+
+// The same operations in the Trace Event Format (chrome://tracing,
+// ui.perfetto.dev): one row per operation name, one slice per phase.
+std::string ChromeTrace(const proto::TraceReply& reply);
+
 // `ciuicctl tune set`: "key = value" for the value now in force.
 std::string FormatTuneEntry(const proto::TuneEntry& entry);
 

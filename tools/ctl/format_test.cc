@@ -1,5 +1,6 @@
 #include "format.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -229,6 +230,105 @@ TEST(ToJsonTest, OneObjectWithEveryField) {
   EXPECT_THAT(*json, HasSubstr("\"opsFailed\":\"0\""));  // printed although default
   EXPECT_THAT(*json, HasSubstr("\"workerThreads\":0"));
   EXPECT_THAT(json->substr(0, json->size() - 1), Not(HasSubstr("\n")));
+}
+
+TEST(FormatTest, HumanMicros) {
+  EXPECT_EQ(HumanMicros(0), "0us");
+  EXPECT_EQ(HumanMicros(999), "999us");
+  EXPECT_EQ(HumanMicros(1250), "1.25ms");
+  EXPECT_EQ(HumanMicros(3400000), "3.40s");
+}
+
+// Three operations of a 2-node job seen from node0: rank 1 late twice,
+// node "b" last every time; the third failed before it ran.
+proto::TraceReply SampleTrace() {
+  proto::TraceReply reply;
+  reply.set_capacity(4096);
+  reply.set_recorded(10);
+  for (int i = 0; i < 3; ++i) {
+    proto::OpTrace* op = reply.add_ops();
+    op->set_job_id("job-a");
+    op->set_name(i == 2 ? "grad\x01.bad" : "grad." + std::to_string(i));
+    op->set_collective("allreduce");
+    op->set_dtype("float32");
+    op->set_bytes(uint64_t{4} << 20);
+    op->set_submitted_us(1000000 + 10000 * i);
+    proto::RankArrival* a = op->add_arrivals();
+    a->set_rank(0);
+    a->set_after_us(i == 1 ? 30 : 0);
+    a = op->add_arrivals();
+    a->set_rank(1);
+    a->set_after_us(i == 1 ? 0 : 1500 + 500 * i);
+    op->set_launched_us(1500 + 500 * i);
+    op->set_ready_us(1510 + 500 * i);
+    op->set_last_node("b");
+    op->set_ready_spread_us(4000 + i);
+    if (i < 2) {
+      op->set_announced_us(6000);
+      op->set_run_start_us(6100);
+      op->set_run_end_us(8100);
+      op->set_queued_us(7);
+      op->set_run_seq(i);
+      op->set_fused_ops(i == 1 ? 3 : 1);
+      op->set_codec(i == 1 ? "int8" : "");
+    } else {
+      op->set_code(4);
+      op->set_error("operation 'grad.bad' timed out waiting for node b");
+    }
+    op->set_done_us(i < 2 ? 8200 : 60000);
+  }
+  return reply;
+}
+
+TEST(FormatTest, TraceRowsMediansAndWhoCameLast) {
+  const std::string out = FormatTrace(SampleTrace());
+  EXPECT_THAT(out, HasSubstr("3 operation(s) shown; the daemon keeps its last 4096 (trace_ops), "
+                             "10 recorded since it started\n"));
+  EXPECT_THAT(out, HasSubstr("RANKS IN  LAST RANK  NODES IN  LAST NODE"));
+  EXPECT_THAT(out, HasSubstr("grad.0"));
+  EXPECT_THAT(out, HasSubstr("grad?.bad"));  // sanitized
+  EXPECT_THAT(out, HasSubstr("allreduce fused x3 int8"));
+  EXPECT_THAT(out, HasSubstr("4.0 MiB"));
+  EXPECT_THAT(out, HasSubstr("2.00ms"));  // the run
+  EXPECT_THAT(out, HasSubstr("code 4: operation 'grad.bad' timed out waiting for node b"));
+  // Medians: ranks in {1500, 2000, 2500}, announcement {4500, 4000}, run
+  // {2000, 2000}, total {8200, 8200, 60000}.
+  EXPECT_THAT(out, HasSubstr("medians: ranks in 2.00ms, then the coordinator's announcement "
+                             "4.00ms, run 2.00ms, total 8.20ms\n"));
+  EXPECT_THAT(out, HasSubstr("  rank 1 last in 2 of 3 (median +1.50ms)\n"));
+  EXPECT_THAT(out, HasSubstr("  rank 0 last in 1 of 3 (median +30us)\n"));
+  EXPECT_THAT(out, HasSubstr("  node b last in 3 of 3 (median +4.00ms)\n"));
+}
+
+TEST(FormatTest, TraceOfNothing) {
+  proto::TraceReply reply;
+  reply.set_capacity(0);
+  EXPECT_EQ(FormatTrace(reply),
+            "0 operation(s) shown; the daemon keeps its last 0 (trace_ops), 0 recorded since it "
+            "started\n");
+}
+
+TEST(FormatTest, ChromeTraceHasARowPerNameAndASlicePerPhase) {
+  const std::string out = ChromeTrace(SampleTrace());
+  EXPECT_THAT(out, HasSubstr("\"traceEvents\":["));
+  EXPECT_THAT(out, HasSubstr("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":1,"
+                             "\"args\":{\"name\":\"job-a/grad.0\"}}"));
+  // The control character is escaped, not passed through.
+  EXPECT_THAT(out, HasSubstr("job-a/grad\\u0001.bad"));
+  // grad.0: ranks 0..1500, coordinator 1500..6000, lane queue, run 6100..8100.
+  EXPECT_THAT(out, HasSubstr("\"name\":\"ranks submit\",\"ts\":1000000,\"dur\":1500"));
+  EXPECT_THAT(out, HasSubstr("\"name\":\"coordinator\",\"ts\":1001500,\"dur\":4500"));
+  EXPECT_THAT(out, HasSubstr("\"name\":\"lane queue\",\"ts\":1006000,\"dur\":100"));
+  EXPECT_THAT(out, HasSubstr("\"name\":\"run\",\"ts\":1006100,\"dur\":2000"));
+  EXPECT_THAT(out, HasSubstr("\"name\":\"run (fused)\",\"ts\":1016100,\"dur\":2000"));
+  EXPECT_THAT(out, HasSubstr("\"name\":\"complete\",\"ts\":1008100,\"dur\":100"));
+  // The failed one: submitted, then waited for the coordinator until it failed.
+  EXPECT_THAT(out, HasSubstr("\"tid\":3,\"name\":\"ranks submit\",\"ts\":1020000,\"dur\":2500"));
+  EXPECT_THAT(out, HasSubstr("\"tid\":3,\"name\":\"coordinator\",\"ts\":1022500,\"dur\":57500"));
+  EXPECT_THAT(out, Not(HasSubstr("\"name\":\"local\"")));
+  EXPECT_THAT(out, HasSubstr("\"status\":\"code 4: operation 'grad.bad' timed out"));
+  // Braces balance (the operability test has Python parse a real one).
+  EXPECT_EQ(std::count(out.begin(), out.end(), '{'), std::count(out.begin(), out.end(), '}'));
 }
 
 }  // namespace
