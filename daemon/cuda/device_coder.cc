@@ -13,24 +13,24 @@ namespace ciuic::daemon {
 
 // ------------------------------------------------------------- residuals
 
-DeviceResiduals::~DeviceResiduals() {
-  for (auto& [name, e] : entries_) {
-    cudaSetDevice(e.device);
-    cudaFree(e.data);  // synchronises: no kernel still uses it
-  }
+DeviceResiduals::Residual::~Residual() {
+  if (data == nullptr) return;
+  int current = 0;
+  const bool known = cudaGetDevice(&current) == cudaSuccess;
+  cudaSetDevice(device);
+  cudaFree(data);  // synchronises the device: no kernel still uses it
+  if (known) cudaSetDevice(current);
   cudaGetLastError();
 }
 
 void DeviceResiduals::EraseLocked(std::unordered_map<std::string, Entry>::iterator it) {
-  cudaSetDevice(it->second.device);
-  cudaFree(it->second.data);  // synchronises the device: work on it is over
-  cudaGetLastError();
   bytes_ -= it->second.count * sizeof(float);
   lru_.erase(it->second.lru);
-  entries_.erase(it);
+  entries_.erase(it);  // the memory goes with the last holder
 }
 
-float* DeviceResiduals::Find(const std::string& name, size_t count, int device) {
+std::shared_ptr<DeviceResiduals::Residual> DeviceResiduals::Find(const std::string& name,
+                                                                 size_t count, int device) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(name);
   if (it == entries_.end()) return nullptr;
@@ -39,11 +39,11 @@ float* DeviceResiduals::Find(const std::string& name, size_t count, int device) 
     return nullptr;
   }
   lru_.splice(lru_.begin(), lru_, it->second.lru);
-  return it->second.data;
+  return it->second.residual;
 }
 
-absl::StatusOr<float*> DeviceResiduals::ForUpdate(const std::string& name, size_t count, int device,
-                                                  cudaStream_t stream) {
+absl::StatusOr<std::shared_ptr<DeviceResiduals::Residual>> DeviceResiduals::ForUpdate(
+    const std::string& name, size_t count, int device, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(name);
   if (it != entries_.end() && (it->second.count != count || it->second.device != device)) {
@@ -52,30 +52,32 @@ absl::StatusOr<float*> DeviceResiduals::ForUpdate(const std::string& name, size_
   }
   if (it != entries_.end()) {
     lru_.splice(lru_.begin(), lru_, it->second.lru);
-    return it->second.data;
+    return it->second.residual;
   }
   const size_t bytes = count * sizeof(float);
   if (bytes > max_bytes_) return nullptr;
   while (bytes_ + bytes > max_bytes_ && !lru_.empty()) EraseLocked(entries_.find(lru_.back()));
-  Entry e;
-  e.count = count;
-  e.device = device;
+  auto residual = std::make_shared<Residual>();
+  residual->device = device;
   void* p = nullptr;
   if (absl::Status s = Cuda(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc (residual)");
       !s.ok()) {
     return s;
   }
-  e.data = static_cast<float*>(p);
+  residual->data = static_cast<float*>(p);
   if (absl::Status s = Cuda(cudaMemsetAsync(p, 0, bytes, stream), "cudaMemsetAsync (residual)");
       !s.ok()) {
-    cudaFree(p);
-    return s;
+    return s;  // freed with `residual`
   }
+  Entry e;
+  e.residual = residual;
+  e.count = count;
+  e.device = device;
   lru_.push_front(name);
   e.lru = lru_.begin();
   bytes_ += bytes;
-  entries_.emplace(name, e);
-  return e.data;
+  entries_.emplace(name, std::move(e));
+  return residual;
 }
 
 // ------------------------------------------------------------------ coder
@@ -142,9 +144,9 @@ class DeviceChunkCoder final : public ChunkCoder {
     if (absl::Status s = Current(); !s.ok()) return s;
     const std::string key = own_sum ? name_ + "#owner" : name_;
     if (residuals_ != nullptr) {
-      if (float* r = residuals_->Find(key, count_, device_); r != nullptr) {
-        absl::Status s =
-            gpu::DeviceErrorFeedbackApply(r + first, static_cast<float*>(data), count, stream_);
+      if (auto r = residuals_->Find(key, count_, device_); r != nullptr) {
+        absl::Status s = gpu::DeviceErrorFeedbackApply(r->data + first, static_cast<float*>(data),
+                                                       count, stream_);
         if (!s.ok()) return s;
       }
     }
@@ -177,7 +179,7 @@ class DeviceChunkCoder final : public ChunkCoder {
       if (*r != nullptr) {
         absl::Status s = gpu::DeviceErrorFeedbackUpdate(static_cast<const float*>(data),
                                                         static_cast<const float*>(target),
-                                                        *r + first, count, stream_);
+                                                        (*r)->data + first, count, stream_);
         if (!s.ok()) return s;
       }
       if (own_sum) {

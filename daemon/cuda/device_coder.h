@@ -28,26 +28,38 @@ namespace ciuic::daemon {
 // total bytes bounded with least recently used names evicted. One per job:
 // the job's staged buffers hold it, so it goes (its memory freed) when the
 // job and its last operation have. Thread-safe; a residual is used by one
-// operation at a time (a name runs in one lane at a time).
+// operation at a time (a name runs in one lane at a time), but another
+// lane's operation may evict it meanwhile: the caller's hold keeps the
+// memory until it lets go, and the memory is freed (cudaFree, after the
+// work queued on it) when the last holder does.
 class DeviceResiduals {
  public:
+  // Device memory of one residual.
+  struct Residual {
+    float* data = nullptr;
+    int device = 0;
+    Residual() = default;
+    Residual(const Residual&) = delete;
+    Residual& operator=(const Residual&) = delete;
+    ~Residual();
+  };
+
   explicit DeviceResiduals(size_t max_bytes) : max_bytes_(max_bytes) {}
-  ~DeviceResiduals();
   DeviceResiduals(const DeviceResiduals&) = delete;
   DeviceResiduals& operator=(const DeviceResiduals&) = delete;
 
   // The residual of `name` if it has `count` elements on `device`, else
   // null (a residual of another shape is dropped).
-  float* Find(const std::string& name, size_t count, int device);
+  std::shared_ptr<Residual> Find(const std::string& name, size_t count, int device);
   // The residual to update: the one there, or a new one of zeros (set on
   // `stream`), evicting others to stay within the bound; null when `count`
   // alone exceeds it (that operation then runs without error feedback).
-  absl::StatusOr<float*> ForUpdate(const std::string& name, size_t count, int device,
-                                   cudaStream_t stream);
+  absl::StatusOr<std::shared_ptr<Residual>> ForUpdate(const std::string& name, size_t count,
+                                                      int device, cudaStream_t stream);
 
  private:
   struct Entry {
-    float* data = nullptr;
+    std::shared_ptr<Residual> residual;
     size_t count = 0;
     int device = 0;
     std::list<std::string>::iterator lru;

@@ -120,22 +120,43 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   std::multimap<uint64_t, uint8_t*> free_;  // by size
 };
 
-struct OpenedMemory {
-  uint8_t* base = nullptr;
-  uint64_t bytes = 0;  // the allocation's real size
+// One opened IPC memory handle, closed (on the device it was opened on)
+// when the last holder lets go: its session's cache and every operation
+// queued on it. A trainer that frees an allocation and gets its address
+// back in a new one makes the daemon open a new handle for a range it may
+// still have mapped (cudaErrorAlreadyMapped): the mappings no operation
+// holds are then dropped and the open tried again.
+struct Mapping {
+  uint8_t* base = nullptr;  // the trainer's allocation, in this process
+  uint64_t bytes = 0;       // its size
+  void* opened = nullptr;   // what cudaIpcOpenMemHandle returned
+  int device = 0;           // current when it was opened
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    int current = 0;
+    const bool known = cudaGetDevice(&current) == cudaSuccess;
+    cudaSetDevice(device);
+    cudaIpcCloseMemHandle(opened);
+    if (known) cudaSetDevice(current);
+    cudaGetLastError();
+  }
 };
 
-// One session's opened handles. Closed when the last holder lets go: the
-// runner (until the session ends or its cache is full) and every
-// StagedNodeBuffer that uses them.
+using Holds = std::vector<std::shared_ptr<void>>;
+
+// One session's opened handles. The events go when the last holder lets go
+// (the runner until the session ends or its cache is full, the staged
+// buffers and the operations queued before the session ended).
 struct SessionHandles {
-  std::map<IpcBytes, OpenedMemory> memory;
+  std::map<IpcBytes, std::shared_ptr<Mapping>> memory;
   std::map<IpcBytes, cudaEvent_t> events;
   SessionHandles() = default;
   SessionHandles(const SessionHandles&) = delete;
   SessionHandles& operator=(const SessionHandles&) = delete;
   ~SessionHandles() {
-    for (auto& [key, m] : memory) cudaIpcCloseMemHandle(m.base);
+    memory.clear();
     for (auto& [key, ev] : events) cudaEventDestroy(ev);
     cudaGetLastError();
   }
@@ -159,7 +180,7 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     std::vector<uint8_t*> outputs;       // every rank's receive buffer
     std::vector<size_t> output_offsets;  // where in the node buffer each output's bytes are
     size_t output_bytes = 0;
-    std::vector<std::shared_ptr<SessionHandles>> sessions;
+    Holds holds;  // the ranks' mappings and sessions (their events)
     std::shared_ptr<DeviceResiduals> residuals;  // the job's error feedback
   };
   CudaStagedBuffer(Parts parts, std::shared_ptr<PinnedPool> pool)
@@ -339,6 +360,10 @@ class CudaDeviceRunner final : public DeviceRunner {
     tasks_.Push([this, job] { residuals_.erase(job); });
   }
 
+  void Dispose(std::shared_ptr<StagedNodeBuffer> buffer) override {
+    tasks_.Push([buffer = std::move(buffer)]() mutable { buffer.reset(); });
+  }
+
   void CloseSession(uint64_t session_id) override {
     tasks_.Push([this, session_id] { CloseSessionOnSubmit(session_id); });
   }
@@ -350,7 +375,8 @@ class CudaDeviceRunner final : public DeviceRunner {
     cudaEvent_t event = nullptr;
     int device = 0;
     absl::Status status;
-    std::function<void(absl::Status)> done;
+    std::function<void(absl::Status)> done;  // may be null
+    Holds holds;  // let go once the event has completed
   };
 
   void SubmitLoop() {
@@ -367,7 +393,8 @@ class CudaDeviceRunner final : public DeviceRunner {
         s = WaitForEvent(c.event, "the operation's device work");
         cudaEventDestroy(c.event);
       }
-      c.done(s);
+      c.holds.clear();  // before the ranks hear (they may free their buffers then)
+      if (c.done) c.done(s);
       c = Completion();
     }
   }
@@ -377,7 +404,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     Completion c;
     c.done = std::move(done);
     cudaStream_t stream = nullptr;
-    absl::Status s = Enqueue(sig, ranks, &c.event, &c.device, &stream);
+    absl::Status s = Enqueue(sig, ranks, &c.event, &c.device, &stream, &c.holds);
     Hand(std::move(c), s, stream);
   }
 
@@ -396,7 +423,8 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   absl::Status Enqueue(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
-                       cudaEvent_t* event, int* device_out, cudaStream_t* stream_out) {
+                       cudaEvent_t* event, int* device_out, cudaStream_t* stream_out,
+                       Holds* holds) {
     const int world = static_cast<int>(ranks.size());
     if (sig.count == 0) return absl::OkStatus();  // nothing to read or write
     auto stream = Begin(ranks, device_out);
@@ -412,13 +440,14 @@ class CudaDeviceRunner final : public DeviceRunner {
         return absl::InternalError(absl::StrCat("rank ", r, " has no receive buffer"));
       }
       if (b.send_bytes > 0) {
-        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send");
+        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send", holds);
         if (!p.ok()) return p.status();
         send[r] = *p;
       }
-      auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv");
+      auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", holds);
       if (!p.ok()) return p.status();
       recv[r] = *p;
+      holds->push_back(sessions_[b.session_id]);  // its events
       absl::Status waited = WaitForRank(b, r, *stream);
       if (!waited.ok()) return waited;
     }
@@ -560,15 +589,23 @@ class CudaDeviceRunner final : public DeviceRunner {
     };
     for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
       const DeviceRankBuffers& b = ranks[r];
-      auto recv = OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv");
+      auto recv =
+          OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv", &parts.holds);
       if (!recv.ok()) return fail(recv.status());
       parts.outputs.push_back(*recv);
       parts.output_offsets.push_back(scatter ? static_cast<size_t>(b.rank) * block : 0);
       // In place, without a send buffer: the rank's block of its receive
       // buffer (an allgather), or the buffer itself.
       const uint8_t* input = gather ? *recv + static_cast<size_t>(b.rank) * block : *recv;
+      if (scatter && b.send_bytes == 0) {
+        // Validation gives every reduce_scatter rank a send buffer of
+        // world blocks; its receive buffer alone is one block.
+        return fail(absl::InternalError(
+            absl::StrCat("rank ", r, "'s reduce_scatter has no send buffer")));
+      }
       if (b.send_bytes > 0) {
-        auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send");
+        auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send",
+                               &parts.holds);
         if (!send.ok()) return fail(send.status());
         input = *send;
       }
@@ -584,10 +621,7 @@ class CudaDeviceRunner final : public DeviceRunner {
         parts.inputs.push_back(input);
       }
       if (s = WaitForRank(b, r, parts.stream); !s.ok()) return fail(s);
-      std::shared_ptr<SessionHandles> held = sessions_[b.session_id];
-      if (std::find(parts.sessions.begin(), parts.sessions.end(), held) == parts.sessions.end()) {
-        parts.sessions.push_back(std::move(held));
-      }
+      parts.holds.push_back(sessions_[b.session_id]);  // its events
     }
     if (scatter) {
       // Every rank's block, reduced: memory of its own, on the stream.
@@ -614,10 +648,10 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   // Rank `rank`'s buffer of `bytes` bytes described by `d` (validated), as a
-  // pointer usable on `device`.
+  // pointer usable on `device`; its mapping is added to `holds`.
   absl::StatusOr<uint8_t*> OpenBuffer(uint64_t session_id, const wire::DeviceBufferDescriptor& d,
                                       uint64_t bytes, int device, int rank,
-                                      absl::string_view what) {
+                                      absl::string_view what, Holds* holds) {
     const std::string who = absl::StrCat("rank ", rank, "'s ", what, " buffer");
     auto& cache = Session(session_id).memory;
     const IpcBytes key = BytesOf(d.memory_handle);
@@ -634,41 +668,11 @@ class CudaDeviceRunner final : public DeviceRunner {
               "supported yet"));
         }
       }
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, d.memory_handle, sizeof(h));
-      void* p = nullptr;
-      cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-      if (e != cudaSuccess) return Cuda(e, absl::StrCat("opening ", who, " (cudaIpcOpenMemHandle)"));
-      OpenedMemory m;
-      m.base = static_cast<uint8_t*>(p);
-      // The real allocation: the trainer's word for its size is not trusted.
-      CUdeviceptr base = 0;
-      size_t size = 0;
-      cudaPointerAttributes a{};
-      absl::Status bad;
-      if (mem_get_address_range_(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS ||
-          base != reinterpret_cast<CUdeviceptr>(p)) {
-        bad = absl::InternalError(absl::StrCat(who, ": cannot find the opened allocation's size"));
-      } else if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-        cudaGetLastError();
-        bad = absl::InternalError(absl::StrCat(who, ": cudaPointerGetAttributes failed"));
-      } else if (a.device != d.device) {
-        bad = absl::FailedPreconditionError(absl::StrCat(
-            who, ": the trainer's device ", d.device, " is this ciuicd's device ", a.device,
-            " (give the trainer and ciuicd the same CUDA_VISIBLE_DEVICES)"));
-      } else if (size != d.allocation_bytes) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            who, ": the descriptor says the allocation has ", d.allocation_bytes,
-            " bytes, it has ", size));
-      }
-      if (!bad.ok()) {
-        cudaIpcCloseMemHandle(p);
-        return bad;
-      }
-      m.bytes = size;
-      it = cache.emplace(key, m).first;
+      auto m = Open(d, who);
+      if (!m.ok()) return m.status();
+      it = cache.emplace(key, std::move(*m)).first;
     }
-    const OpenedMemory& m = it->second;
+    const Mapping& m = *it->second;
     // Validation checked these against the descriptor; the allocation is
     // the real one now, so check again against it.
     if (d.offset > m.bytes || bytes > m.bytes - d.offset) {
@@ -676,7 +680,75 @@ class CudaDeviceRunner final : public DeviceRunner {
           who, ": ", bytes, " bytes at offset ", d.offset, " do not fit in its allocation of ",
           m.bytes, " bytes"));
     }
+    holds->push_back(it->second);
     return m.base + d.offset;
+  }
+
+  // Opens the allocation of `d` (on the current device) and checks it
+  // against what the trainer said of it.
+  absl::StatusOr<std::shared_ptr<Mapping>> Open(const wire::DeviceBufferDescriptor& d,
+                                                const std::string& who) {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, d.memory_handle, sizeof(h));
+    void* p = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e == cudaErrorAlreadyMapped) {
+      cudaGetLastError();
+      DropIdleMappings();
+      e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    }
+    if (e != cudaSuccess) {
+      return Cuda(e, absl::StrCat("opening ", who, " (cudaIpcOpenMemHandle)",
+                                  e == cudaErrorAlreadyMapped
+                                      ? ": memory of a freed allocation at the same address is "
+                                        "still in use by an operation here"
+                                      : ""));
+    }
+    auto m = std::make_shared<Mapping>();
+    m->opened = p;
+    cudaGetDevice(&m->device);
+    // The real allocation: the trainer's word for its size is not trusted.
+    // The driver may serve small cudaMallocs from a bigger block and share
+    // the whole block: the opened pointer is then inside a bigger range.
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    const auto at = reinterpret_cast<CUdeviceptr>(p);
+    cudaPointerAttributes a{};
+    if (mem_get_address_range_(&base, &size, at) != CUDA_SUCCESS || base > at ||
+        at - base >= size) {
+      return absl::InternalError(absl::StrCat(who, ": cannot find the opened allocation's size"));
+    }
+    const uint64_t usable = size - (at - base);
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrCat(who, ": cudaPointerGetAttributes failed"));
+    }
+    if (a.device != d.device) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, ": the trainer's device ", d.device, " is this ciuicd's device ", a.device,
+          " (give the trainer and ciuicd the same CUDA_VISIBLE_DEVICES)"));
+    }
+    if (base == at ? usable != d.allocation_bytes : usable < d.allocation_bytes) {
+      // At the start of a bigger range: the block's start or the
+      // allocation's cannot be told apart; refuse rather than guess.
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": the descriptor says the allocation has ", d.allocation_bytes,
+          " bytes, the memory opened has ", usable,
+          " (the driver shares small cudaMalloc allocations as part of a bigger block; give "
+          "ciuic buffers in allocations of 2 MiB or more, as PyTorch's allocator does)"));
+    }
+    m->base = static_cast<uint8_t*>(p);
+    m->bytes = d.allocation_bytes;
+    return m;
+  }
+
+  // Closes every mapping that only a session's cache holds.
+  void DropIdleMappings() {
+    for (auto& [id, session] : sessions_) {
+      for (auto it = session->memory.begin(); it != session->memory.end();) {
+        it = it->second.use_count() == 1 ? session->memory.erase(it) : std::next(it);
+      }
+    }
   }
 
   absl::StatusOr<cudaEvent_t> OpenEvent(uint64_t session_id, const uint8_t* handle, int rank) {
@@ -701,15 +773,9 @@ class CudaDeviceRunner final : public DeviceRunner {
     return *s;
   }
 
-  // The handles close now, or when the last StagedNodeBuffer using them goes.
-  void CloseSessionOnSubmit(uint64_t session_id) {
-    auto it = sessions_.find(session_id);
-    if (it == sessions_.end()) return;
-    // Work queued before may still use the handles.
-    for (auto& [device, stream] : streams_) cudaStreamSynchronize(stream);
-    sessions_.erase(it);
-    cudaGetLastError();
-  }
+  // The handles close now, or when the last operation using them (queued,
+  // or a staged buffer) has let go: no wait here.
+  void CloseSessionOnSubmit(uint64_t session_id) { sessions_.erase(session_id); }
 
   const MemGetAddressRangeFn mem_get_address_range_;
   const std::shared_ptr<PinnedPool> pool_ = std::make_shared<PinnedPool>();

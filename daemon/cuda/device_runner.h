@@ -25,8 +25,10 @@
 // segment, overlapping the copies with the network), and the result copied
 // to the ranks on the device at the end.
 //
-// Threads: Run, Stage, EndJob and CloseSession may be called from any one
-// thread (the engine loop); `done` runs on the runner's completion thread. The
+// Threads: Run, Stage, EndJob, Dispose and CloseSession may be called from
+// any one thread (the engine loop); Run's `done` runs on the runner's
+// completion thread, Stage's on its submit thread (post it on; never wait
+// in it: every later device operation waits behind it). The
 // destructor lets queued work finish (every `done` is called) and closes
 // every handle. Built without CUDA, Create returns FAILED_PRECONDITION.
 #pragma once
@@ -81,6 +83,10 @@ class DeviceRunner {
       std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) = 0;
   // The job has ended: its residuals go once its last staged buffer has.
   virtual void EndJob(const std::string& job) = 0;
+  // Lets go of `buffer` on the runner's submit thread (a staged buffer's
+  // destructor waits for its device work): for callers that must never
+  // wait for the GPU, like the engine's loop.
+  virtual void Dispose(std::shared_ptr<StagedNodeBuffer> buffer) = 0;
 
   // The session has ended: once the work queued before this call is done,
   // its handles are closed.

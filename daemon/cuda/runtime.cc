@@ -18,6 +18,9 @@ absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what) {
     const cudaError_t e = cudaEventQuery(event);
     if (e == cudaSuccess) return absl::OkStatus();
     if (e != cudaErrorNotReady) return Cuda(e, what);
+    // Not an error, but the runtime may keep it as this thread's last one,
+    // which the next launch check (cudaGetLastError) would then report.
+    cudaGetLastError();
     if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) {
       std::this_thread::yield();
     } else {

@@ -913,16 +913,24 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     device_runner_->Stage(
         op->sig, job.world_size, DeviceRanksOf(*op), job.key,
         [this, op, key = job.key](absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> staged) {
-          Post([this, op, key, staged = std::move(staged)] {
+          Post([this, op, key, staged = std::move(staged)]() mutable {
             --running_ops_;
             if (!staged.ok()) return FinishOnLoop(key, *op, Named(*op, staged.status()));
             auto it = jobs_.find(key);
+            absl::Status ended;
             if (it == jobs_.end()) {
-              return FinishOnLoop(key, *op, absl::AbortedError(absl::StrCat(
-                                                "operation '", op->name, "': the job ended")));
+              ended = absl::AbortedError(
+                  absl::StrCat("operation '", op->name, "': the job ended"));
+            } else if (!it->second->failure.ok()) {
+              ended = it->second->failure;
             }
-            if (!it->second->failure.ok()) return FinishOnLoop(key, *op, it->second->failure);
-            op->staged = *staged;
+            if (!ended.ok()) {
+              // Its destructor waits for the device: not on the loop. (Once
+              // the loop has exited, this runs on the runner's own thread.)
+              if (device_runner_) device_runner_->Dispose(std::move(*staged));
+              return FinishOnLoop(key, *op, ended);
+            }
+            op->staged = std::move(*staged);
             SubmitToClusterOnLoop(*it->second, op);
           });
         });

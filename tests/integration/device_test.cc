@@ -117,11 +117,36 @@ Handle SubmitDevice(Communicator& comm, Coll coll, DeviceBuffer s, DeviceBuffer 
   return comm.Broadcast(s, r, count, t, root, opts);
 }
 
-// One rank, one operation on device buffers. The input is copied to the
-// device on `stream` without synchronising: the daemon must wait for it
-// through the submission's event.
-int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, Coll coll, DataType t,
-                 ReduceOp op, size_t count, bool in_place, const std::string& name) {
+// A rank's device memory for a whole test, allocated once and reused as
+// PyTorch's caching allocator reuses its segments: at least 2 MiB each (the
+// driver may serve smaller cudaMallocs from a shared block, which CUDA IPC
+// then shares whole; the daemon refuses those it cannot place).
+struct DeviceMemory {
+  uint8_t* send = nullptr;
+  uint8_t* recv = nullptr;
+  size_t bytes = 0;
+};
+
+int AllocateDeviceMemory(size_t bytes, DeviceMemory* m) {
+  m->bytes = std::max<size_t>(bytes, size_t{2} << 20);
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&m->send), m->bytes));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&m->recv), m->bytes));
+  return 0;
+}
+
+int FreeDeviceMemory(DeviceMemory* m) {
+  CUDA_CHECK(cudaFree(m->send));
+  CUDA_CHECK(cudaFree(m->recv));
+  *m = DeviceMemory();
+  return 0;
+}
+
+// One rank, one operation on device buffers in `mem`. The input is copied
+// to the device on `stream` without synchronising: the daemon must wait for
+// it through the submission's event.
+int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, const DeviceMemory& mem,
+                 Coll coll, DataType t, ReduceOp op, size_t count, bool in_place,
+                 const std::string& name) {
   const int world = comm.world_size();
   const int rank = comm.rank();
   const size_t es = DataTypeSize(t);
@@ -129,10 +154,10 @@ int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, Coll coll,
   const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
   std::vector<uint8_t> host(send_count * es + 1);
   FillInput(t, op, rank, host.data(), send_count);
-  uint8_t* send = nullptr;
-  uint8_t* recv = nullptr;
-  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), std::max<size_t>(1, send_count * es)));
-  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), std::max<size_t>(1, recv_count * es)));
+  CHILD_CHECK(send_count * es <= mem.bytes && recv_count * es <= mem.bytes, "%s: %zu bytes",
+              name.c_str(), mem.bytes);
+  uint8_t* send = mem.send;
+  uint8_t* recv = mem.recv;
   CUDA_CHECK(cudaMemsetAsync(recv, 0x5a, recv_count * es, stream));
   uint8_t* send_arg = send;
   uint8_t* recv_arg = recv;
@@ -166,8 +191,6 @@ int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, Coll coll,
                 "%s rank %d: element %zu of %zu differs from the reference", name.c_str(), rank,
                 i, recv_count);
   }
-  CUDA_CHECK(cudaFree(send));
-  CUDA_CHECK(cudaFree(recv));
   return 0;
 }
 
@@ -181,6 +204,8 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
   auto comm = Join(socket, job, rank, world);
   CHILD_CHECK(comm != nullptr, "join");
   const size_t kCounts[] = {0, 1, 7, 1001, 262147};
+  DeviceMemory mem;
+  if (AllocateDeviceMemory(262147 * 8 * static_cast<size_t>(world), &mem) != 0) return 1;
   int combo = 0;
   for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
     const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
@@ -192,7 +217,8 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
           const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
                                    ReduceOpName(op) + "/" + std::to_string(count) +
                                    (in_place ? "/inplace" : "");
-          if (RunOneDevice(*comm, device, stream, coll, t, op, count, in_place, name) != 0) {
+          if (RunOneDevice(*comm, device, stream, mem, coll, t, op, count, in_place, name) !=
+              0) {
             return 1;
           }
         }
@@ -204,8 +230,7 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
   float x = 1;
   Status s = comm->Allreduce(&x, &x, 1, DataType::kFloat32, ReduceOp::kSum).Wait();
   CHILD_CHECK(s.ok() && x == world, "host allreduce: %s", s.ToString().c_str());
-  float* d = nullptr;
-  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d), 64));
+  float* d = reinterpret_cast<float*>(mem.send);
   OpOptions o;
   o.name = "mixed";
   float xs[4] = {};
@@ -216,7 +241,7 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
                                             std::string::npos &&
                              s.message().find("in CUDA device memory") != std::string::npos),
               "mixed host/device: %s", s.ToString().c_str());
-  CUDA_CHECK(cudaFree(d));
+  if (FreeDeviceMemory(&mem) != 0) return 1;
   CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
 }
@@ -240,14 +265,72 @@ TEST_P(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) 
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DeviceCollectivesTest, ::testing::Values(1, 2, 3));
 
+// Trainers free buffers and allocate new ones, which the driver may place
+// at the addresses of the old ones (PyTorch does after empty_cache or an
+// out-of-memory retry): the daemon, which still has the old allocations
+// open, drops those no operation uses and opens the new ones. Then one
+// small allocation (which the driver may serve from a shared block): a
+// right result or the clear refusal, never a wrong one.
+TEST(DeviceBuffersTest, NewAllocationsAtFreedAddressesAndSmallAllocations) {
+  const std::string no_gpu = WhyNoGpu();
+  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("realloc");
+  constexpr int kWorld = 2;
+  auto codes = RunRanks(kWorld, [&](int rank) {
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto comm = Join(daemon->socket(), job, rank, kWorld);
+    CHILD_CHECK(comm != nullptr, "join");
+    for (int i = 0; i < 24; ++i) {
+      DeviceMemory mem;
+      if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
+      const std::string name = "realloc/" + std::to_string(i);
+      if (RunOneDevice(*comm, 0, stream, mem, Coll::kAllreduce, DataType::kFloat32,
+                       ReduceOp::kSum, 1000 + 7 * i, false, name) != 0) {
+        return 1;
+      }
+      if (FreeDeviceMemory(&mem) != 0) return 1;
+    }
+    float* small = nullptr;
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&small), 4096));
+    std::vector<float> host(1024, static_cast<float>(rank + 1));
+    CUDA_CHECK(cudaMemcpy(small, host.data(), 4096, cudaMemcpyHostToDevice));
+    OpOptions o;
+    o.name = "small";
+    Status st = comm->Allreduce(DeviceBuffer{small, 0}, DeviceBuffer{small, 0}, 1024,
+                                DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    if (st.ok()) {
+      CUDA_CHECK(cudaMemcpy(host.data(), small, 4096, cudaMemcpyDeviceToHost));
+      for (float v : host) CHILD_CHECK(v == 3.0f, "small allocation: %g", v);
+      fprintf(stderr, "rank %d: a 4 KiB cudaMalloc allocation works\n", rank);
+    } else {
+      CHILD_CHECK(st.message().find("2 MiB") != std::string::npos, "small allocation: %s",
+                  st.ToString().c_str());
+      fprintf(stderr, "rank %d: a 4 KiB cudaMalloc allocation is refused: %s\n", rank,
+              st.ToString().c_str());
+    }
+    CUDA_CHECK(cudaFree(small));
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    return 0;
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 // Multi-node: two daemons ("nodes", UCX over TCP on loopback) with two ranks
 // each, all on the GPU(s) of this machine. Allreduces are reduced on the GPU
 // and staged through pinned host memory in 64 KiB segments (1000003 float32
 // elements: 62 of them, the last short); the other collectives go through
 // pinned host copies around the inter-node algorithm. Small integers, so that
 // any order of reduction gives the reference exactly.
-int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, Coll coll,
-                          DataType t, ReduceOp op, size_t count, const std::string& name) {
+int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream,
+                          const DeviceMemory& mem, Coll coll, DataType t, ReduceOp op,
+                          size_t count, const std::string& name) {
   const int world = comm.world_size();
   const int rank = comm.rank();
   const size_t es = DataTypeSize(t);
@@ -255,10 +338,10 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, C
   const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
   std::vector<uint8_t> host(send_count * es + 1);
   FillSmall(t, op, rank, host.data(), send_count);
-  uint8_t* send = nullptr;
-  uint8_t* recv = nullptr;
-  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), std::max<size_t>(1, send_count * es)));
-  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), std::max<size_t>(1, recv_count * es)));
+  CHILD_CHECK(send_count * es <= mem.bytes && recv_count * es <= mem.bytes, "%s: %zu bytes",
+              name.c_str(), mem.bytes);
+  uint8_t* send = mem.send;
+  uint8_t* recv = mem.recv;
   CUDA_CHECK(cudaMemsetAsync(recv, 0x5a, recv_count * es, stream));
   CUDA_CHECK(cudaMemcpyAsync(send, host.data(), send_count * es, cudaMemcpyHostToDevice, stream));
   OpOptions opts;
@@ -279,8 +362,6 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream, C
                 "%s rank %d: element %zu of %zu differs from the reference", name.c_str(), rank,
                 i, recv_count);
   }
-  CUDA_CHECK(cudaFree(send));
-  CUDA_CHECK(cudaFree(recv));
   return 0;
 }
 
@@ -320,6 +401,8 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
   RunOnTwoGpuNodes(
       "tuning:\n  staging_segment_bytes: 64K\n", "devmn", 16 << 20,
       [](Communicator& comm, int, int device, cudaStream_t stream) {
+        DeviceMemory mem;
+        if (AllocateDeviceMemory(size_t{1000003} * 4 * 4, &mem) != 0) return 1;
         for (Coll coll :
              {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
           const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
@@ -329,14 +412,15 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
               for (size_t count : {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}}) {
                 const std::string name = std::string(CollName(coll)) + "/" + DataTypeName(t) + "/" +
                                          ReduceOpName(op) + "/" + std::to_string(count);
-                if (RunOneDeviceMultiNode(comm, device, stream, coll, t, op, count, name) != 0) {
+                if (RunOneDeviceMultiNode(comm, device, stream, mem, coll, t, op, count, name) !=
+                    0) {
                   return 1;
                 }
               }
             }
           }
         }
-        return 0;
+        return FreeDeviceMemory(&mem);
       });
 }
 
@@ -353,6 +437,10 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
       "tuning:\n  chunk_bytes: 64K\n", "devzip", 64 << 20,
       [](Communicator& comm, int rank, int device, cudaStream_t stream) {
         const size_t count = 300007;  // float32: 1.2 MB, several chunks per segment owner
+        DeviceMemory mem;
+        if (AllocateDeviceMemory(count * 4, &mem) != 0) return 1;
+        float* send = reinterpret_cast<float*>(mem.send);
+        float* recv = reinterpret_cast<float*>(mem.recv);
         for (const char* codec : {"int8", "fp16", "topk:0.05"}) {
           for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
             for (int step = 0; step < 2; ++step) {
@@ -365,10 +453,6 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
               opts.stream = stream;
               const std::string tag = std::string(codec) + "/" + ReduceOpName(op);
               // Device buffers.
-              float* send = nullptr;
-              float* recv = nullptr;
-              CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&send), count * 4));
-              CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&recv), count * 4));
               CUDA_CHECK(
                   cudaMemcpyAsync(send, input.data(), count * 4, cudaMemcpyHostToDevice, stream));
               opts.name = "dev/" + tag;
@@ -378,8 +462,6 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
               CHILD_CHECK(st.ok(), "%s: %s", opts.name.c_str(), st.ToString().c_str());
               std::vector<float> on_device(count);
               CUDA_CHECK(cudaMemcpy(on_device.data(), recv, count * 4, cudaMemcpyDeviceToHost));
-              CUDA_CHECK(cudaFree(send));
-              CUDA_CHECK(cudaFree(recv));
               // Host buffers, the same data.
               Buffer hs, hr;
               CHILD_CHECK(comm.Allocate(count * 4, &hs).ok() && comm.Allocate(count * 4, &hr).ok(),
@@ -395,7 +477,7 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
             }
           }
         }
-        return 0;
+        return FreeDeviceMemory(&mem);
       });
 }
 
@@ -405,6 +487,9 @@ TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
   GTEST_SKIP() << WhyNoGpu();
 }
 
+TEST(DeviceBuffersTest, NewAllocationsAtFreedAddressesAndSmallAllocations) {
+  GTEST_SKIP() << WhyNoGpu();
+}
 TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) { GTEST_SKIP() << WhyNoGpu(); }
 TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) { GTEST_SKIP() << WhyNoGpu(); }
 
