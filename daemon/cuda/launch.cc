@@ -16,6 +16,9 @@ LaunchShape GridFor(size_t items, unsigned threads_per_block, unsigned max_block
 
 absl::Status CudaStatus(int error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
+  // Reported now: cleared, so that the next launch check of this thread
+  // (cudaGetLastError) does not report it again (sticky errors stay).
+  cudaGetLastError();
   const auto code = static_cast<cudaError_t>(error);
   const char* name = cudaGetErrorName(code);
   const char* text = cudaGetErrorString(code);

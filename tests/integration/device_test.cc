@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -47,6 +48,19 @@ std::string WhyNoGpu() {
   return "this build has no CUDA (CIUIC_CUDA=OFF or no toolkit)";
 #endif
 }
+
+// Skips the test without a usable GPU, or fails it where one is required
+// (CIUIC_REQUIRE_GPU=1, as tools/gpu-check.sh sets: a skip there would pass
+// while testing nothing).
+#define SKIP_WITHOUT_GPU()                                                        \
+  do {                                                                            \
+    const std::string why_ = WhyNoGpu();                                          \
+    if (!why_.empty()) {                                                          \
+      const char* required_ = std::getenv("CIUIC_REQUIRE_GPU");                   \
+      if (required_ != nullptr && std::string(required_) == "1") FAIL() << why_;  \
+      GTEST_SKIP() << why_;                                                       \
+    }                                                                             \
+  } while (0)
 
 std::unique_ptr<Communicator> Join(const std::string& socket, const std::string& job, int rank,
                                    int world) {
@@ -249,8 +263,7 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
 class DeviceCollectivesTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
-  const std::string no_gpu = WhyNoGpu();
-  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  SKIP_WITHOUT_GPU();
   auto daemon = DaemonProcess::Start();
   ASSERT_NE(daemon, nullptr);
   const int world = GetParam();
@@ -272,8 +285,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DeviceCollectivesTest, ::testing::Values(1, 2, 3
 // small allocation (which the driver may serve from a shared block): a
 // right result or the clear refusal, never a wrong one.
 TEST(DeviceBuffersTest, NewAllocationsAtFreedAddressesAndSmallAllocations) {
-  const std::string no_gpu = WhyNoGpu();
-  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  SKIP_WITHOUT_GPU();
   auto daemon = DaemonProcess::Start();
   ASSERT_NE(daemon, nullptr);
   const std::string job = UniqueJobId("realloc");
@@ -396,8 +408,7 @@ void RunOnTwoGpuNodes(
 }
 
 TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
-  const std::string no_gpu = WhyNoGpu();
-  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  SKIP_WITHOUT_GPU();
   RunOnTwoGpuNodes(
       "tuning:\n  staging_segment_bytes: 64K\n", "devmn", 16 << 20,
       [](Communicator& comm, int, int device, cudaStream_t stream) {
@@ -431,8 +442,7 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
 // the host's residuals: every result must be the same bits, over two steps
 // of each name (the second one adds the first one's residuals).
 TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
-  const std::string no_gpu = WhyNoGpu();
-  if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
+  SKIP_WITHOUT_GPU();
   RunOnTwoGpuNodes(
       "tuning:\n  chunk_bytes: 64K\n", "devzip", 64 << 20,
       [](Communicator& comm, int rank, int device, cudaStream_t stream) {
@@ -484,14 +494,14 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
 #else
 
 TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
-  GTEST_SKIP() << WhyNoGpu();
+  SKIP_WITHOUT_GPU();
 }
 
 TEST(DeviceBuffersTest, NewAllocationsAtFreedAddressesAndSmallAllocations) {
-  GTEST_SKIP() << WhyNoGpu();
+  SKIP_WITHOUT_GPU();
 }
-TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) { GTEST_SKIP() << WhyNoGpu(); }
-TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) { GTEST_SKIP() << WhyNoGpu(); }
+TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) { SKIP_WITHOUT_GPU(); }
+TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) { SKIP_WITHOUT_GPU(); }
 
 #endif
 

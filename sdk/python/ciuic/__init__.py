@@ -192,7 +192,9 @@ class Work:
             if torch is None:
                 import torch  # noqa: F811
             self._future = torch.futures.Future()
-            self._comm._waiter().add(self._handle, self._future, self._output)
+            # The waiter holds what the operation uses (_keep) until it
+            # completes: the caller may drop this Work and its inputs.
+            self._comm._waiter().add(self._handle, self._future, self._output, self._keep)
         return self._future
 
 
@@ -211,11 +213,11 @@ class _Waiter:
         self._thread = threading.Thread(target=self._run, name="ciuic-waiter", daemon=True)
         self._thread.start()
 
-    def add(self, handle, future, value):
+    def add(self, handle, future, value, keep=None):
         with self._cv:
             if self._stopped:
                 raise error_class(StatusCode.FAILED_PRECONDITION)("the communicator is closed")
-            self._queue.append((handle, future, value))
+            self._queue.append((handle, future, value, keep))
             self._cv.notify()
 
     def stop(self):
@@ -226,7 +228,8 @@ class _Waiter:
             self._thread.join(timeout=10)
 
     @staticmethod
-    def _complete(handle, future, value):
+    def _complete(handle, future, value, keep):
+        del keep  # held in the queue item until here
         try:
             handle.wait()
         except BaseException as e:  # noqa: BLE001 (handed to the future's waiter)
