@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -48,6 +49,14 @@ class Queue {
       items_.push_back(std::move(v));
     }
     cv_.notify_one();
+  }
+  // Without waiting: false when empty.
+  bool TryPop(T* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (items_.empty()) return false;
+    *out = std::move(items_.front());
+    items_.pop_front();
+    return true;
   }
   bool Pop(T* out) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -334,16 +343,16 @@ class CudaDeviceRunner final : public DeviceRunner {
     std::vector<uint64_t> ids;
     for (auto& [id, s] : sessions_) ids.push_back(id);
     for (uint64_t id : ids) CloseSessionOnSubmit(id);
-    for (auto& [device, stream] : streams_) {
-      cudaSetDevice(device);
+    for (auto& [key, stream] : streams_) {
+      cudaSetDevice(key.second);
       cudaStreamDestroy(stream);
     }
   }
 
-  void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+  void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks, const std::string& job,
            std::function<void(absl::Status)> done) override {
-    tasks_.Push([this, sig, ranks = std::move(ranks), done = std::move(done)]() mutable {
-      RunOnSubmit(sig, ranks, std::move(done));
+    tasks_.Push([this, sig, ranks = std::move(ranks), job, done = std::move(done)]() mutable {
+      RunOnSubmit(sig, ranks, job, std::move(done));
     });
   }
 
@@ -357,7 +366,21 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   void EndJob(const std::string& job) override {
-    tasks_.Push([this, job] { residuals_.erase(job); });
+    tasks_.Push([this, job] {
+      residuals_.erase(job);
+      // Its streams go once their queued work is done (cudaStreamDestroy
+      // does not wait).
+      for (auto it = streams_.begin(); it != streams_.end();) {
+        if (it->first.first == job) {
+          cudaSetDevice(it->first.second);
+          cudaStreamDestroy(it->second);
+          it = streams_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      cudaGetLastError();
+    });
   }
 
   void Dispose(std::shared_ptr<StagedNodeBuffer> buffer) override {
@@ -370,7 +393,8 @@ class CudaDeviceRunner final : public DeviceRunner {
 
  private:
   // An operation handed to the completion thread: `event` (recorded after
-  // its work on `device`) or, if null, a final `status`.
+  // its work on `device`; null: none), then `status` if it is an error (the
+  // operation failed, after what it had enqueued).
   struct Completion {
     cudaEvent_t event = nullptr;
     int device = 0;
@@ -384,50 +408,82 @@ class CudaDeviceRunner final : public DeviceRunner {
     while (tasks_.Pop(&task)) task();
   }
 
+  // Polls every pending operation's event, and completes each as soon as
+  // its own is done: a job whose trainer's stream is slow (or stuck) holds
+  // up only its own operations (each job has its own streams).
   void CompletionLoop() {
-    Completion c;
-    while (completions_.Pop(&c)) {
-      absl::Status s = c.status;
-      if (c.event != nullptr) {
-        cudaSetDevice(c.device);
-        s = WaitForEvent(c.event, "the operation's device work");
-        cudaEventDestroy(c.event);
+    std::list<Completion> pending;
+    auto progress = std::chrono::steady_clock::now();
+    while (true) {
+      Completion c;
+      if (pending.empty()) {
+        if (!completions_.Pop(&c)) return;  // stopped, and nothing pending
+        pending.push_back(std::move(c));
+        progress = std::chrono::steady_clock::now();
       }
-      c.holds.clear();  // before the ranks hear (they may free their buffers then)
-      if (c.done) c.done(s);
-      c = Completion();
+      while (completions_.TryPop(&c)) pending.push_back(std::move(c));
+      for (auto it = pending.begin(); it != pending.end();) {
+        absl::Status s;
+        if (it->event != nullptr) {
+          cudaSetDevice(it->device);
+          const cudaError_t e = cudaEventQuery(it->event);
+          if (e == cudaErrorNotReady) {
+            cudaGetLastError();  // not an error (see WaitForEvent)
+            ++it;
+            continue;
+          }
+          s = Cuda(e, "the operation's device work");
+          cudaEventDestroy(it->event);
+        }
+        if (!it->status.ok()) s = it->status;
+        it->holds.clear();  // before the ranks hear (they may free their buffers then)
+        if (it->done) it->done(s);
+        it = pending.erase(it);
+        progress = std::chrono::steady_clock::now();
+      }
+      if (pending.empty()) continue;
+      // Small operations end within microseconds: yield a while, then sleep
+      // in short steps.
+      if (std::chrono::steady_clock::now() - progress < std::chrono::microseconds(200)) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
     }
   }
 
   void RunOnSubmit(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
-                   std::function<void(absl::Status)> done) {
+                   const std::string& job, std::function<void(absl::Status)> done) {
     Completion c;
     c.done = std::move(done);
     cudaStream_t stream = nullptr;
-    absl::Status s = Enqueue(sig, ranks, &c.event, &c.device, &stream, &c.holds);
-    Hand(std::move(c), s, stream);
-  }
-
-  // Hands an operation whose work was enqueued on `stream` (with status `s`)
-  // to the completion thread.
-  void Hand(Completion c, const absl::Status& s, cudaStream_t stream) {
+    absl::Status s = Enqueue(sig, ranks, job, &c.event, &c.device, &stream, &c.holds);
     if (!s.ok()) {
       // Whatever was enqueued must be over before the ranks hear of the
-      // failure (they may reuse their buffers then).
-      if (stream != nullptr) cudaStreamSynchronize(stream);
+      // failure (they may reuse their buffers then): the completion thread
+      // waits for a fresh event behind it, then reports `s`.
       if (c.event != nullptr) cudaEventDestroy(c.event);
       c.event = nullptr;
       c.status = s;
+      if (stream != nullptr && Finish(stream, &c.event).ok()) {
+        // c.event is recorded
+      } else if (stream != nullptr) {
+        if (c.event != nullptr) cudaEventDestroy(c.event);
+        c.event = nullptr;
+        cudaStreamSynchronize(stream);
+        cudaGetLastError();
+      }
     }
     completions_.Push(std::move(c));
   }
 
   absl::Status Enqueue(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
-                       cudaEvent_t* event, int* device_out, cudaStream_t* stream_out,
-                       Holds* holds) {
+                       const std::string& job, cudaEvent_t* event, int* device_out,
+                       cudaStream_t* stream_out, Holds* holds) {
     const int world = static_cast<int>(ranks.size());
     if (sig.count == 0) return absl::OkStatus();  // nothing to read or write
-    auto stream = Begin(ranks, device_out);
+    if (absl::Status s = Begin(ranks, device_out); !s.ok()) return s;
+    auto stream = StreamFor(*device_out, job);
     if (!stream.ok()) return stream.status();
     *stream_out = *stream;
     const int device = *device_out;
@@ -522,10 +578,9 @@ class CudaDeviceRunner final : public DeviceRunner {
     return absl::OkStatus();
   }
 
-  // The runner's stream on rank 0's device, made current; the event to
-  // record at the end is created by Finish.
-  absl::StatusOr<cudaStream_t> Begin(const std::vector<DeviceRankBuffers>& ranks,
-                                     int* device_out) {
+  // Checks the ranks and makes rank 0's device current (*device_out); the
+  // event to record at the end is created by Finish.
+  absl::Status Begin(const std::vector<DeviceRankBuffers>& ranks, int* device_out) {
     if (ranks.empty() || static_cast<int>(ranks.size()) > gpu::kMaxReduceInputs) {
       return absl::InvalidArgumentError(absl::StrCat("device buffers: ", ranks.size(),
                                                      " ranks on one node (1 to ",
@@ -539,9 +594,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     }
     const int device = ranks[0].recv.device;
     *device_out = device;
-    const cudaError_t e = cudaSetDevice(device);
-    if (e != cudaSuccess) return Cuda(e, absl::StrCat("cudaSetDevice(", device, ")"));
-    return StreamFor(device);
+    return Cuda(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
   }
 
   // Records the event that tells the completion thread the work is done.
@@ -575,14 +628,14 @@ class CudaDeviceRunner final : public DeviceRunner {
     if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
     parts.residuals = residuals;
     if (sig.count == 0) return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
-    auto current = Begin(ranks, &parts.device);
-    if (!current.ok()) return current.status();
+    if (absl::Status current = Begin(ranks, &parts.device); !current.ok()) return current;
     absl::Status s = Cuda(cudaStreamCreateWithFlags(&parts.stream, cudaStreamNonBlocking),
                           "cudaStreamCreateWithFlags");
     if (!s.ok()) return s;
-    // Until the buffer owns it: a failure waits for the stream, then drops it.
+    // Until the buffer owns it, a failure drops the stream. Nothing on it
+    // reads or writes a rank's memory yet (it only waits for their events):
+    // no need to wait for it (a stuck trainer stream would hold this thread).
     auto fail = [&parts](absl::Status why) {
-      cudaStreamSynchronize(parts.stream);
       cudaStreamDestroy(parts.stream);
       cudaGetLastError();
       return why;
@@ -637,13 +690,14 @@ class CudaDeviceRunner final : public DeviceRunner {
     return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
   }
 
-  absl::StatusOr<cudaStream_t> StreamFor(int device) {
-    auto it = streams_.find(device);
+  // The runner's stream for `job` on `device` (current).
+  absl::StatusOr<cudaStream_t> StreamFor(int device, const std::string& job) {
+    auto it = streams_.find({job, device});
     if (it != streams_.end()) return it->second;
     cudaStream_t s = nullptr;
     cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (e != cudaSuccess) return Cuda(e, "cudaStreamCreateWithFlags");
-    streams_[device] = s;
+    streams_[{job, device}] = s;
     return s;
   }
 
@@ -782,7 +836,9 @@ class CudaDeviceRunner final : public DeviceRunner {
   Queue<std::function<void()>> tasks_;
   Queue<Completion> completions_;
   // Submit-thread state.
-  std::map<int, cudaStream_t> streams_;  // the runner's own stream per device
+  // The runner's own streams, per job and device: one job's stuck trainer
+  // stream holds up no other job's work.
+  std::map<std::pair<std::string, int>, cudaStream_t> streams_;
   std::map<uint64_t, std::shared_ptr<SessionHandles>> sessions_;
   // Error feedback kept on the device, per job (EndJob drops the runner's
   // hold; the memory goes with the job's last staged buffer).

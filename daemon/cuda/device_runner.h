@@ -5,14 +5,16 @@
 // For each operation the runner, on its submit thread: opens the ranks'
 // memory and event handles (once per session and handle, kept until
 // CloseSession), picks the device of rank 0's receive buffer and works on
-// its own stream there (other ranks' memory is reached through peer access;
-// devices without it are an error), makes that stream wait for each rank's
-// IPC event (the trainer's stream up to the submission), enqueues the work
+// a stream of the job's own there (other ranks' memory is reached through
+// peer access; devices without it are an error), makes that stream wait for
+// each rank's IPC event (the trainer's stream up to the submission),
+// enqueues the work
 // (DeviceReduceToAll / DeviceReduce from kernels.h and device-to-device
 // copies; the same semantics and the same output layout as
-// collectives/local.h), and records an event. A completion thread polls those events in order and
-// calls each operation's `done`, never the caller's thread: the engine loop never waits for the
-// GPU.
+// collectives/local.h), and records an event. A completion thread polls
+// every pending event and calls each operation's `done` as soon as its own
+// has completed (one job's slow trainer holds up no other job), never on
+// the caller's thread: the engine loop never waits for the GPU.
 //
 // Errors: any CUDA error (opening a handle, a launch, an asynchronous fault)
 // is the status given to `done`, for every rank of the operation. An
@@ -63,9 +65,10 @@ class DeviceRunner {
   virtual ~DeviceRunner() = default;
 
   // Runs `sig` (validated: ValidateSubmission) on ranks[0..W-1], W being the
-  // job's world size (single-node job). `done` is called exactly once.
+  // job's world size (single-node job `job`, whose operations go in order on
+  // streams of its own). `done` is called exactly once.
   virtual void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
-                   std::function<void(absl::Status)> done) = 0;
+                   const std::string& job, std::function<void(absl::Status)> done) = 0;
 
   // A multi-node operation (`sig`, validated, not a barrier) on this node's
   // ranks of a job of `world` ranks: opens their buffers and calls `done`

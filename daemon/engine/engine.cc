@@ -936,12 +936,13 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
         });
     return;
   }
-  device_runner_->Run(op->sig, DeviceRanksOf(*op), [this, op, key = job.key](absl::Status s) {
-    Post([this, op, key, s] {
-      --running_ops_;
-      FinishOnLoop(key, *op, Named(*op, s));
-    });
-  });
+  device_runner_->Run(op->sig, DeviceRanksOf(*op), job.key,
+                      [this, op, key = job.key](absl::Status s) {
+                        Post([this, op, key, s] {
+                          --running_ops_;
+                          FinishOnLoop(key, *op, Named(*op, s));
+                        });
+                      });
 }
 
 void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status) {
