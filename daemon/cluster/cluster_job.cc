@@ -317,7 +317,7 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   absl::Status broken;
   if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
       run.settings.chunks_in_flight > 64 ||
-      r.algorithm() > static_cast<uint32_t>(config::Algorithm::kTree)) {
+      r.algorithm() > static_cast<uint32_t>(config::Algorithm::kHalvingDoubling)) {
     broken = absl::InternalError(
         absl::StrCat("coordinator announced run ", run.seq, " of '", r.name(),
                      "' without valid settings (a daemon of another version?)"));

@@ -77,8 +77,7 @@ bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorith
 InterNodeAlgorithm InterNodeAlgorithmFor(config::Algorithm algorithm) {
   switch (algorithm) {
     case config::Algorithm::kRing: return InterNodeAlgorithm::kRing;
-    case config::Algorithm::kHalvingDoubling:
-    case config::Algorithm::kTree: return InterNodeAlgorithm::kHalvingDoubling;
+    case config::Algorithm::kHalvingDoubling: return InterNodeAlgorithm::kHalvingDoubling;
     case config::Algorithm::kAuto: break;
   }
   return InterNodeAlgorithm::kAuto;

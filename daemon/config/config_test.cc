@@ -124,7 +124,7 @@ TEST(ConfigTest, BadValuesNameKeyValueAndRange) {
   EXPECT_THAT(ErrorOf("tuning:\n  chunk_bytes: 99999999999G\n"), HasSubstr("too large"));
   EXPECT_THAT(ErrorOf("tuning:\n  channels: 0\n"), HasSubstr("'channels'"));
   EXPECT_THAT(ErrorOf("tuning:\n  algorithm: fastest\n"),
-              HasSubstr("expected one of auto, ring, halving_doubling, tree"));
+              HasSubstr("expected one of auto, ring, halving_doubling"));
   EXPECT_EQ(ErrorOf("log_level: loud\n"),
             "config.yaml:1: invalid value 'loud' for 'log_level': expected one of trace, debug, "
             "info, warn, error, critical, off");

@@ -17,7 +17,6 @@ constexpr std::pair<Algorithm, absl::string_view> kAlgorithmNames[] = {
     {Algorithm::kAuto, "auto"},
     {Algorithm::kRing, "ring"},
     {Algorithm::kHalvingDoubling, "halving_doubling"},
-    {Algorithm::kTree, "tree"},
 };
 
 // One row of the key table: everything needed to parse, validate and show a
@@ -97,6 +96,13 @@ Field AlgorithmField(std::string key, absl::string_view what) {
         tuning.algorithm = algorithm;
         return absl::OkStatus();
       }
+    }
+    if (normalized == "tree") {
+      return BadValue(key, value,
+                      absl::StrCat("there is no tree allreduce (halving_doubling takes log2 N "
+                                   "rounds, a tree 2 log2 N; ring moves the fewest bytes); "
+                                   "expected one of ",
+                                   allowed));
     }
     return BadValue(key, value, absl::StrCat("expected one of ", allowed));
   };

@@ -22,9 +22,11 @@
 namespace ciuic::config {
 
 // Inter-node collective algorithm; kAuto lets the engine pick per operation.
-enum class Algorithm { kAuto, kRing, kHalvingDoubling, kTree };
+// (No tree: a tree allreduce takes 2 log2 N rounds where halving-doubling
+// takes log2 N, and moves more bytes than the ring; "tree" is refused.)
+enum class Algorithm { kAuto, kRing, kHalvingDoubling };
 
-// "auto", "ring", "halving_doubling", "tree".
+// "auto", "ring", "halving_doubling".
 absl::string_view AlgorithmName(Algorithm algorithm);
 
 struct Tuning {

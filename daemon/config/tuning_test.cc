@@ -143,7 +143,7 @@ TEST(TuningTest, Channels) {
 
 TEST(TuningTest, Algorithm) {
   TuningRegistry registry;
-  for (const char* name : {"ring", "halving_doubling", "tree", "auto"}) {
+  for (const char* name : {"ring", "halving_doubling", "auto"}) {
     ASSERT_TRUE(registry.Set("algorithm", name).ok()) << name;
     EXPECT_EQ(ValueOf(registry, "algorithm"), name);
   }
@@ -153,9 +153,13 @@ TEST(TuningTest, Algorithm) {
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.message(),
             "invalid value 'fastest' for 'algorithm': expected one of auto, ring, "
-            "halving_doubling, tree");
+            "halving_doubling");
   EXPECT_EQ(registry.Snapshot().algorithm, Algorithm::kHalvingDoubling);
-  EXPECT_EQ(AlgorithmName(Algorithm::kTree), "tree");
+  // No tree allreduce: refused, saying why, not run as something else.
+  bad = registry.Set("algorithm", "tree");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("there is no tree allreduce"));
+  EXPECT_EQ(registry.Snapshot().algorithm, Algorithm::kHalvingDoubling);
 }
 
 TEST(TuningTest, FailedSetChangesNothing) {
