@@ -415,14 +415,20 @@ void ClusterJob::LaneLoop(Lane& lane) {
         op.timing->run_end = end;
       }
     }
-    // Done goes before the operations complete: a rank that hears of its
-    // last operation may leave at once, and its node's Leave must not reach
-    // the coordinator before this run's Done (it would count the run as
-    // cut off, and warn).
-    proto::NodeEvent done;
-    done.mutable_done()->set_seq(run.seq);
-    Write(done);  // a closed stream: the job is ending anyway
-    for (const auto& op : run.ops) op_done_(op.key, s);
+    // The ranks hear first (writing the Done is a system call on a TCP
+    // stream), but under write_mu_, so the Done is written before anything
+    // else: a rank that hears of its last operation may leave at once, and
+    // its node's Leave must not reach the coordinator before this run's
+    // Done (it would count the run as cut off, and warn). op_done_ only
+    // posts to the engine.
+    {
+      proto::NodeEvent done;
+      done.mutable_done()->set_seq(run.seq);
+      std::lock_guard<std::mutex> lock(write_mu_);
+      for (const auto& op : run.ops) op_done_(op.key, s);
+      // A closed stream: the job is ending anyway.
+      if (!writes_closed_ && stream_) stream_->Write(done);
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& op : run.ops) {
