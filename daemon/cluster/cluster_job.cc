@@ -150,6 +150,24 @@ void ClusterJob::Submit(ClusterOp op) {
   Push(std::move(e));
 }
 
+proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
+  proto::NodeEvent ready;
+  auto* r = ready.mutable_ready();
+  r->set_name(op.name);
+  auto* sig = r->mutable_signature();
+  sig->set_collective(op.sig.collective);
+  sig->set_dtype(op.sig.dtype);
+  sig->set_reduce_op(op.sig.reduce_op);
+  sig->set_root(op.sig.root);
+  sig->set_count(op.sig.count);
+  sig->set_codec(op.sig.codec);
+  sig->set_codec_ratio(op.sig.codec_ratio);
+  r->set_priority(op.priority);
+  r->set_device_buffers(op.staged != nullptr);
+  r->set_timeout_ms(op.timeout_ms ? op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms);
+  return ready;
+}
+
 void ClusterJob::Abort(const absl::Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_) return;
@@ -416,19 +434,24 @@ void ClusterJob::LaneLoop(Lane& lane) {
       }
     }
     // The ranks hear first (writing the Done is a system call on a TCP
-    // stream), but under write_mu_, so the Done is written before anything
-    // else: a rank that hears of its last operation may leave at once, and
-    // its node's Leave must not reach the coordinator before this run's
-    // Done (it would count the run as cut off, and warn). op_done_ only
-    // posts to the engine.
+    // stream). A rank that hears of its last operation may leave at once,
+    // and its node's Leave must not reach the coordinator before this run's
+    // Done (it would count the run as cut off, and warn): the Leave waits
+    // for the Dones announced here (dones_pending_).
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      ++dones_pending_;
+    }
+    for (const auto& op : run.ops) op_done_(op.key, s);
     {
       proto::NodeEvent done;
       done.mutable_done()->set_seq(run.seq);
       std::lock_guard<std::mutex> lock(write_mu_);
-      for (const auto& op : run.ops) op_done_(op.key, s);
       // A closed stream: the job is ending anyway.
       if (!writes_closed_ && stream_) stream_->Write(done);
+      --dones_pending_;
     }
+    dones_cv_.notify_all();
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& op : run.ops) {
@@ -509,21 +532,7 @@ void ClusterJob::Run() {
     }
     switch (e.kind) {
       case Event::kSubmit: {
-        proto::NodeEvent ready;
-        auto* r = ready.mutable_ready();
-        r->set_name(e.op.name);
-        auto* sig = r->mutable_signature();
-        sig->set_collective(e.op.sig.collective);
-        sig->set_dtype(e.op.sig.dtype);
-        sig->set_reduce_op(e.op.sig.reduce_op);
-        sig->set_root(e.op.sig.root);
-        sig->set_count(e.op.sig.count);
-        sig->set_codec(e.op.sig.codec);
-        sig->set_codec_ratio(e.op.sig.codec_ratio);
-        r->set_priority(e.op.priority);
-        r->set_device_buffers(e.op.staged != nullptr);
-        const config::Tuning tuning = options_.tuning->Snapshot();
-        r->set_timeout_ms(e.op.timeout_ms ? e.op.timeout_ms : tuning.op_timeout_ms);
+        const proto::NodeEvent ready = ReadyFor(e.op);
         const std::string name = e.op.name;
         // Stamped before the Ready goes: once it has, the Run may come (and
         // the timing be read) before this thread runs again.
@@ -572,7 +581,12 @@ void ClusterJob::Run() {
         if (!left) {
           proto::NodeEvent leave;
           leave.mutable_leave()->set_reason(std::string(e.status.message()));
-          Write(leave);
+          {
+            // After the Dones of runs whose operations have completed.
+            std::unique_lock<std::mutex> lock(write_mu_);
+            dones_cv_.wait(lock, [&] { return dones_pending_ == 0; });
+            if (!writes_closed_ && stream_) stream_->Write(leave);
+          }
           CloseWrites();
         }
         FailAll(e.status);

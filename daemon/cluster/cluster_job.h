@@ -31,6 +31,8 @@
 // each Run straight to the lanes: one thread hand-off less per operation,
 // 10-15 us here) and the lanes. Submit, Abort, state and Peers may be
 // called from any thread; the callbacks run on the ClusterJob's threads.
+// (Writing the Ready on Submit's caller's thread instead measured no
+// different here: 8 B 2-node medians within the noise, 12 rounds.)
 #pragma once
 
 #include <atomic>
@@ -265,6 +267,8 @@ class ClusterJob {
   // operations go to the lanes; one that breaks the protocol fails them and
   // the job.
   void Announce(const proto::CoordinatorEvent::Run& run);
+  // The Ready that tells the coordinator `op` is ready on this node.
+  proto::NodeEvent ReadyFor(const ClusterOp& op) const;
   void Push(Event e);
 
   Options options_;
@@ -289,6 +293,10 @@ class ClusterJob {
   std::thread reader_;
   std::mutex write_mu_;
   bool writes_closed_ = false;        // guarded by write_mu_
+  // Runs whose operations were reported done and whose Done is not written
+  // yet (guarded by write_mu_); a Leave waits for 0 on dones_cv_.
+  int dones_pending_ = 0;
+  std::condition_variable dones_cv_;
   std::condition_variable lanes_cv_;  // with mu_
   std::deque<Announced> announced_;   // guarded by mu_: not yet started, in seq order
   std::map<std::string, int> running_names_;  // guarded by mu_
