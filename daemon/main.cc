@@ -29,6 +29,7 @@
 #include "cluster/ucx_transports.h"
 #include "control/control_service.h"
 #include "control/peer_client.h"
+#include "control/metrics.h"
 #include "control/peer_service.h"
 #include "control/tcp_ordering.h"
 #include "cuda/gpu_info.h"
@@ -251,6 +252,21 @@ int Main(int argc, char** argv) {
                  ordering_listener->port(),
                  cluster_token.empty() ? " (no cluster token: any daemon may register)" : "");
   }
+  std::unique_ptr<MetricsEndpoint> metrics;
+  if (!cfg.metrics_listen.empty()) {
+    auto started = MetricsEndpoint::Start(cfg.metrics_listen, engine->get(), cfg.node_name);
+    if (!started.ok()) {
+      spdlog::critical("{}", std::string(started.status().message()));
+      if (peer_server) peer_server->Shutdown();
+      if (ordering_listener) ordering_listener->Shutdown();
+      (*server)->Shutdown();
+      (*engine)->Shutdown();
+      return 1;
+    }
+    metrics = std::move(*started);
+    service.set_metrics_address(metrics->address());
+    spdlog::info("Prometheus metrics on http://{}/metrics", metrics->address());
+  }
   {
     std::string runs;
     for (std::string_view isa : reduce::SupportedIsas()) {
@@ -271,6 +287,7 @@ int Main(int argc, char** argv) {
   sigwait(&signals, &sig);
   spdlog::info("{} received: draining", strsignal(sig));
   NotifySystemd("STOPPING=1");
+  metrics.reset();  // no scrape reads the engine after this
   coordinator.Shutdown();
   (*engine)->Shutdown();
   if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

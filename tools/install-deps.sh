@@ -7,7 +7,7 @@ packages=(
   build-essential cmake pkg-config ninja-build
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libucx-dev ucx-utils
-  libabsl-dev libspdlog-dev libfmt-dev libyaml-cpp-dev
+  libabsl-dev libspdlog-dev libfmt-dev libyaml-cpp-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-numpy python3-torch python3-matplotlib python3-pytest
   openmpi-bin libopenmpi-dev

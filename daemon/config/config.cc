@@ -60,8 +60,16 @@ class Parser {
         {"max_arena_bytes", Scalar([&](const auto& key, const auto& value) {
            return SetArenaBytes(key, value, config);
          })},
-        {"listen",
-         Scalar([&](const auto& key, const auto& value) { return SetListen(key, value, config); })},
+        {"listen", Scalar([&](const auto& key, const auto& value) {
+           return SetHostPort(key, value, "listen", &config.listen);
+         })},
+        {"metrics_listen", Scalar([&](const auto& key, const auto& value) {
+           if (value.empty()) {
+             config.metrics_listen.clear();
+             return absl::OkStatus();
+           }
+           return SetHostPort(key, value, "metrics_listen", &config.metrics_listen);
+         })},
         {"ordering_port", Scalar([&](const auto& key, const auto& value) {
            absl::StatusOr<uint64_t> number = ParseUnsigned(value);
            if (!number.ok() || *number > 65535) {
@@ -211,9 +219,10 @@ class Parser {
     return absl::OkStatus();
   }
 
-  absl::Status SetListen(const YAML::Node& key, const std::string& value, DaemonConfig& config) {
+  absl::Status SetHostPort(const YAML::Node& key, const std::string& value, absl::string_view name,
+                           std::string* out) {
     auto bad = [&](absl::string_view why) {
-      return Error(key, absl::StrCat("invalid value '", value, "' for 'listen': ", why,
+      return Error(key, absl::StrCat("invalid value '", value, "' for '", name, "': ", why,
                                      "; expected host:port, e.g. 0.0.0.0:7361 or [::]:7361"));
     };
     size_t colon = value.rfind(':');
@@ -239,7 +248,7 @@ class Parser {
     }
     absl::StatusOr<uint64_t> number = ParseUnsigned(port);
     if (!number.ok() || *number > 65535) return bad("port must be an integer in 0..65535");
-    config.listen = value;
+    *out = value;
     return absl::OkStatus();
   }
 

@@ -36,6 +36,10 @@ struct DaemonConfig {
   // this one for the jobs it coordinates, on the host of `listen`; 0 = a
   // free port, announced to the nodes when a job forms. 0..65535.
   int ordering_port = 0;
+  // host:port where Prometheus scrapes /metrics over HTTP; "" = no
+  // metrics endpoint (the default). Port 0: a free one (`ciuicctl status`
+  // shows it).
+  std::string metrics_listen;
   // File holding the secret shared by the cluster's daemons; "" = none.
   std::string cluster_token_file;
   // Initial live-tunable settings (YAML map `tuning`).

@@ -99,7 +99,7 @@ TEST(ConfigTest, ExampleMentionsEveryKey) {
   std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   for (const char* key : {"socket:", "node_name:", "log_level:", "worker_threads:",
                           "max_arena_bytes:", "listen:", "ordering_port:", "cluster_token_file:",
-                          "tuning:"}) {
+                          "metrics_listen:", "tuning:"}) {
     EXPECT_THAT(text, HasSubstr(key));
   }
   for (const std::string& key : TuningKeys()) EXPECT_THAT(text, HasSubstr(key + ":"));
@@ -167,6 +167,21 @@ TEST(ConfigTest, Listen) {
                 StartsWith("config.yaml:1: invalid value"))
         << bad;
   }
+}
+
+TEST(ConfigTest, MetricsListen) {
+  absl::StatusOr<DaemonConfig> config = Parse("log_level: info\n");
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->metrics_listen, "");  // off by default
+  config = Parse("metrics_listen: \"127.0.0.1:9464\"\n");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->metrics_listen, "127.0.0.1:9464");
+  config = Parse("metrics_listen: \"\"\n");
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->metrics_listen, "");
+  EXPECT_EQ(ErrorOf("metrics_listen: \"9464\"\n"),
+            "config.yaml:1: invalid value '9464' for 'metrics_listen': no port; expected "
+            "host:port, e.g. 0.0.0.0:7361 or [::]:7361");
 }
 
 TEST(ConfigTest, WrongNodeTypesAreErrors) {

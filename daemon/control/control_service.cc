@@ -70,6 +70,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
   reply->set_socket_path(socket_path_);
   reply->set_peer_address(peer_address_);
   reply->set_ordering_port(ordering_port_);
+  reply->set_metrics_address(metrics_address_);
   reply->set_reduce_kernels(std::string(reduce::ActiveIsa()));
   reply->set_uptime_seconds(st.uptime_seconds);
   reply->set_worker_threads(st.worker_threads);

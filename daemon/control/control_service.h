@@ -36,6 +36,7 @@ class ControlService final : public proto::Control::Service {
   // Where the peer service listens (shown in status and peers).
   void set_peer_address(std::string address) { peer_address_ = std::move(address); }
   void set_ordering_port(uint32_t port) { ordering_port_ = port; }
+  void set_metrics_address(std::string address) { metrics_address_ = std::move(address); }
 
  private:
   Engine* engine_;
@@ -44,6 +45,7 @@ class ControlService final : public proto::Control::Service {
   std::string socket_path_;
   std::string peer_address_;
   uint32_t ordering_port_ = 0;
+  std::string metrics_address_;
 };
 
 // Serves `service` on unix:`socket_path` (mode 0666; stale file replaced,

@@ -97,6 +97,8 @@ struct Job {
   uint64_t ops_completed = 0;
   uint64_t ops_failed = 0;
   uint64_t bytes = 0;
+  std::array<uint64_t, kOpDurationBuckets> duration_counts{};  // EngineStatus::JobRow's
+  double duration_sum_seconds = 0;
 };
 
 namespace {
@@ -949,6 +951,7 @@ void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl:
   auto it = jobs_.find(job_key);
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
   const uint64_t bytes = op.trace.bytes;
+  const double took = std::chrono::duration<double>(Clock::now() - op.trace.submitted).count();
   RecordOnLoop(op, status);
   if (status.ok()) {
     ++ops_completed_;
@@ -956,6 +959,11 @@ void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl:
     if (job) {
       ++job->ops_completed;
       job->bytes += bytes;
+      const size_t bucket = static_cast<size_t>(
+          std::lower_bound(std::begin(kOpDurationBounds), std::end(kOpDurationBounds), took) -
+          std::begin(kOpDurationBounds));
+      ++job->duration_counts[bucket];
+      job->duration_sum_seconds += took;
     }
   } else {
     ++ops_failed_;
@@ -1048,6 +1056,8 @@ EngineStatus Engine::StatusOnLoop() {
       row.ops_staged = g.ops;
       row.bytes_staged = g.bytes;
     }
+    row.duration_counts = job->duration_counts;
+    row.duration_sum_seconds = job->duration_sum_seconds;
     std::vector<std::shared_ptr<PendingOp>> ops;
     for (auto& [name, op] : job->pending) ops.push_back(op);
     std::sort(ops.begin(), ops.end(), [](auto& a, auto& b) { return a->seq < b->seq; });

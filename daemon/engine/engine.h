@@ -20,10 +20,12 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -76,6 +78,13 @@ struct EnginePeers {
   std::vector<Job> jobs;
 };
 
+// Upper bounds (seconds) of the buckets of an operation's duration, from
+// its node's first submission to its completion (Prometheus: le, then +Inf).
+inline constexpr double kOpDurationBounds[] = {50e-6, 100e-6, 250e-6, 500e-6, 1e-3,  2.5e-3,
+                                               5e-3,  10e-3,  25e-3,  50e-3,  0.1,   0.25,
+                                               0.5,   1,      2.5,    10};
+inline constexpr size_t kOpDurationBuckets = std::size(kOpDurationBounds) + 1;  // with +Inf
+
 struct EngineStatus {
   struct SessionRow {
     uint64_t id = 0;
@@ -110,6 +119,10 @@ struct EngineStatus {
     uint64_t fused_runs = 0;  // and the fused allreduces they made
     uint64_t ops_staged = 0;    // multi-node: operations on GPU buffers
     uint64_t bytes_staged = 0;  // and the bytes copied device <-> host for them
+    // Completed operations (not those of the fast path) by duration:
+    // per bucket of kOpDurationBounds, not cumulative (the last: longer).
+    std::array<uint64_t, kOpDurationBuckets> duration_counts{};
+    double duration_sum_seconds = 0;
     std::vector<PendingRow> pending;
   };
   double uptime_seconds = 0;

@@ -142,7 +142,9 @@ TEST(OperabilityTest, TraceShowsTheLateRankFailuresAndKeepsTraceOps) {
     EXPECT_GE(op.done_us(), op.launched_us());
     EXPECT_FALSE(op.has_ready_us());  // one node: no coordinator
     EXPECT_FALSE(op.has_run_start_us());
-    if (i > 0) EXPECT_GT(op.submitted_us(), trace.ops(i - 1).submitted_us());
+    if (i > 0) {
+      EXPECT_GT(op.submitted_us(), trace.ops(i - 1).submitted_us());
+    }
   }
   const proto::OpTrace& bad = trace.ops(3);
   EXPECT_EQ(bad.name(), "bad");
@@ -186,6 +188,84 @@ TEST(OperabilityTest, TraceShowsTheLateRankFailuresAndKeepsTraceOps) {
   ASSERT_EQ(ReadTrace(daemon->socket(), job + "b", &trace), "");
   EXPECT_EQ(trace.capacity(), 0u);
   EXPECT_EQ(trace.ops_size(), 0);
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// Prometheus /metrics (metrics_listen, port 0: status names the port): the
+// daemon's and the job's counters, the duration histogram, while the job
+// runs; a bad address stops the daemon at start, naming the key.
+TEST(OperabilityTest, PrometheusMetricsWhileAJobRuns) {
+  auto daemon = DaemonProcess::Start("metrics_listen: \"127.0.0.1:0\"\n"
+                                     "tuning:\n  fast_path_bytes: 0\n");
+  ASSERT_NE(daemon, nullptr);
+  int code = 0;
+  std::string out = Ctl(*daemon, "--json status", &code);
+  ASSERT_EQ(code, 0) << out;
+  const std::string key = "\"metricsAddress\":\"";
+  const size_t at = out.find(key);
+  ASSERT_NE(at, std::string::npos) << out;
+  const size_t from = at + key.size();
+  const std::string address = out.substr(from, out.find('"', from) - from);
+  ASSERT_TRUE(address.rfind("127.0.0.1:", 0) == 0 && address != "127.0.0.1:0") << address;
+  EXPECT_TRUE(Contains(Ctl(*daemon, "status", &code), "http://" + address + "/metrics"));
+  const std::string job = UniqueJobId("metrics");
+  int ready[2], release[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(release), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(16 << 10, 1.0f);
+    for (int i = 0; i < 3; ++i) {
+      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum).Wait();
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    }
+    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+    char c;
+    CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+    return 0;
+  });
+  char c;
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  std::string metrics;
+  code = RunCommand("/usr/bin/python3 -c 'import sys, urllib.request; "
+                    "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read()"
+                    ".decode())' http://" + address + "/metrics",
+                    &metrics);
+  ASSERT_EQ(code, 0) << metrics;
+  const std::string labels = "{job=\"" + job + "\",uid=\"" + std::to_string(getuid()) + "\"}";
+  for (const std::string& line :
+       {std::string("ciuic_ops_completed_total 3\n"), std::string("ciuic_ops_failed_total 0\n"),
+        std::string("ciuic_sessions 2\n"), std::string("ciuic_bytes_reduced_total 196608\n"),
+        "ciuic_job_ops_completed_total" + labels + " 3\n",
+        "ciuic_job_bytes_reduced_total" + labels + " 196608\n",
+        "ciuic_job_world_size" + labels + " 2\n", "ciuic_job_pending_ops" + labels + " 0\n",
+        "ciuic_job_op_duration_seconds_count" + labels + " 3\n",
+        std::string("# TYPE ciuic_job_op_duration_seconds histogram\n")}) {
+    EXPECT_TRUE(Contains(metrics, line)) << line << " in:\n" << metrics;
+  }
+  // The +Inf bucket holds all three; the buckets are cumulative.
+  EXPECT_TRUE(Contains(metrics, "ciuic_job_op_duration_seconds_bucket{job=\"" + job + "\",uid=\"" +
+                                    std::to_string(getuid()) + "\",le=\"+Inf\"} 3\n"))
+      << metrics;
+  EXPECT_TRUE(Contains(metrics, "ciuic_build_info{version=")) << metrics;
+  // A second daemon cannot have the same address: it says so and exits 1.
+  const std::string config = daemon->dir() + "/second.yaml";
+  FILE* f = fopen(config.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  fprintf(f, "metrics_listen: \"%s\"\nlisten: \"127.0.0.1:0\"\n", address.c_str());
+  fclose(f);
+  std::string second;
+  EXPECT_EQ(RunCommand("timeout 20 " + std::string(CIUICD_PATH) + " --config " + config +
+                           " --socket " + daemon->dir() + "/second.sock",
+                       &second),
+            1)
+      << second;
+  EXPECT_TRUE(Contains(second, "cannot serve /metrics on " + address)) << second;
+  ASSERT_EQ(write(release[1], "gg", 2), 2);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
@@ -295,6 +375,7 @@ TEST(OperabilityTest, ConfigErrorsStopTheDaemonWithTheKeyNamed) {
       {"socket_path: /tmp/x\n", "socket_path"},
       {"log_level: loud\n", "log_level"},
       {"tuning: [1, 2\n", "ciuicd.yaml"},
+      {"metrics_listen: \"9464\"\n", "metrics_listen"},
   };
   for (const Case& c : cases) {
     const std::string path = dir + "/ciuicd.yaml";

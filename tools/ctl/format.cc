@@ -148,6 +148,9 @@ std::string FormatStatus(const proto::StatusReply& status) {
                             ? OrDash(status.peer_address())
                             : absl::StrCat(status.peer_address(), " (ordering streams on port ",
                                            status.ordering_port(), ")"));
+  field("metrics", status.metrics_address().empty()
+                       ? "off (metrics_listen)"
+                       : absl::StrCat("http://", status.metrics_address(), "/metrics"));
   field("worker threads", absl::StrCat(status.worker_threads()));
   field("operations",
         absl::StrCat(status.ops_completed(), " completed, ", status.ops_failed(), " failed"));

@@ -27,6 +27,7 @@ proto::StatusReply SampleStatus() {
   status.set_peer_address("10.0.0.1:7361");
   status.set_ordering_port(40123);
   status.set_reduce_kernels("avx512");
+  status.set_metrics_address("10.0.0.1:9464");
   status.set_ops_completed(1234);
   status.set_ops_failed(2);
   status.set_bytes_reduced(uint64_t{3} << 30);
@@ -132,6 +133,7 @@ TEST(FormatStatusTest, ShowsSummarySessionsAndJobs) {
   EXPECT_THAT(text,
               HasSubstr("  peer service    10.0.0.1:7361 (ordering streams on port 40123)\n"));
   EXPECT_THAT(text, HasSubstr("  reduce kernels  avx512\n"));
+  EXPECT_THAT(text, HasSubstr("  metrics         http://10.0.0.1:9464/metrics\n"));
   EXPECT_THAT(text, HasSubstr("  cuda            built with CUDA\n"));
   EXPECT_THAT(text, HasSubstr("  gpus            0: NVIDIA H200 (140.0 GiB, sm_90)\n"
                               "                  1: NVIDIA H200 (140.0 GiB, sm_90)\n"));
@@ -156,6 +158,7 @@ TEST(FormatStatusTest, EmptyDaemon) {
   EXPECT_THAT(text, HasSubstr("  cuda            built without CUDA\n"));
   EXPECT_THAT(text, HasSubstr("  gpus            none: -\n"));
   EXPECT_THAT(text, HasSubstr("  peer service    -\n"));
+  EXPECT_THAT(text, HasSubstr("  metrics         off (metrics_listen)\n"));
   EXPECT_THAT(text, HasSubstr("  reduce kernels  -\n"));
   status.set_gpus_unavailable("ciuicd was built without CUDA");
   EXPECT_THAT(FormatStatus(status), HasSubstr("  gpus            none: ciuicd was built without CUDA\n"));
