@@ -198,7 +198,7 @@ const std::vector<Field>& Table() {
       IntegerField("trace_ops",
                    "How many of its last operations the daemon keeps a record of for "
                    "`ciuicctl trace` (0: none)",
-                   "", &Tuning::trace_ops, 0, 1000000),
+                   "", &Tuning::trace_ops, 0, 100000),
   };
   return *table;
 }

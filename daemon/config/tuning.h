@@ -84,7 +84,7 @@ struct Tuning {
   uint64_t staging_segment_bytes = uint64_t{16} << 20;
   // How many of its last operations the daemon keeps a record of, for
   // `ciuicctl trace` (when each rank submitted, each phase). 0: none.
-  // 0..1000000.
+  // 0..100000.
   uint32_t trace_ops = 4096;
 
   friend bool operator==(const Tuning&, const Tuning&) = default;

@@ -143,8 +143,17 @@ class Client {
 
   explicit Client(std::string socket_path)
       : socket_path_(std::move(socket_path)),
-        stub_(proto::Control::NewStub(grpc::CreateChannel(absl::StrCat("unix:", socket_path_),
-                                                          grpc::InsecureChannelCredentials()))) {}
+        stub_(proto::Control::NewStub(grpc::CreateCustomChannel(
+            absl::StrCat("unix:", socket_path_), grpc::InsecureChannelCredentials(),
+            UnlimitedReplies()))) {}
+
+  // A whole trace (trace_ops up to 100000 records) is bigger than gRPC's
+  // default 4 MiB reply limit.
+  static grpc::ChannelArguments UnlimitedReplies() {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    return args;
+  }
 
   // Fails early, with the OS's words, when the socket is not there at all.
   std::optional<Failure> CheckSocket() const {
