@@ -1018,6 +1018,23 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
         Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
       }
       absl::Status s;
+      if (!all && *codec == nullptr && settings.segment_bytes == 0) {
+        // Uncompressed reduce_scatter: each node ends with its own ranks'
+        // blocks only, half the bytes of an allreduce (every node takes this
+        // path alike: it depends on the run's settings only).
+        std::vector<Block> blocks;
+        for (int r = 0; r < world; ++r) {
+          blocks.push_back(Block{static_cast<size_t>(r) * block, block, node_of_rank_[r]});
+        }
+        s = ReduceScatterRing(ctx, dtype, wire_op, node, blocks, input);
+        if (!s.ok()) return s;
+        for (const auto& p : op.parts) {
+          uint8_t* mine = node + static_cast<size_t>(p.rank) * block;
+          if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, mine, op.sig.count, world);
+          std::memcpy(p.recv, mine, block);
+        }
+        return absl::OkStatus();
+      }
       if (settings.segment_bytes == 0 || count == 0) {
         s = CarryAllreduce(ctx, seq, -1, settings, *codec, feedback, op.name, dtype, wire_op, node,
                            count, input);

@@ -64,7 +64,8 @@ struct InterNodeContext {
   const std::atomic<int>* yield = nullptr;
 };
 
-// A byte range of `data` that node `owner` holds before an allgather.
+// A byte range of `data` that node `owner` holds before an allgather, or
+// ends with after a reduce-scatter.
 struct Block {
   size_t offset;
   size_t bytes;
@@ -163,6 +164,18 @@ InterNodeAlgorithm ChooseAllreduceAlgorithm(int num_nodes, size_t bytes);
 // (fusion) changes no bit: halving-doubling always, the ring on two nodes
 // (allreduce_ring.cc).
 bool OffsetIndependent(int num_nodes, InterNodeAlgorithm algo);
+
+// Reduce-scatter: node k ends with the blocks whose owner is k reduced over
+// every node's `data` (the bytes outside its own blocks are left partial;
+// bytes in no block are not reduced). Blocks must be whole elements, must
+// not overlap and must lie inside `data`; a node may own any number of them
+// (its local ranks' blocks). Ring order, N-1 steps, pipelined in chunks:
+// each node sends (N-1)/N of the blocks' bytes, half of an allreduce's. Two
+// nodes reduce in node order, as AllreduceRing does. `input` as for
+// AllreduceRing (read, never written; the results go to `data`).
+absl::Status ReduceScatterRing(const InterNodeContext& ctx, wire::DataType dtype,
+                               wire::ReduceOp op, void* data, const std::vector<Block>& blocks,
+                               const void* input = nullptr);
 
 // Every node ends up with every block. Blocks may be empty and a node may own
 // any number of them; blocks must not overlap and must lie inside `data`

@@ -622,6 +622,116 @@ INSTANTIATE_TEST_SUITE_P(Nodes, AllgatherTest,
                          });
 
 // ---------------------------------------------------------------------------
+// Reduce-scatter: each node's own blocks reduced over every node, every
+// dtype and op, for block layouts like a job's (ranks of a node contiguous,
+// or dealt round-robin, uneven and empty blocks), in place and out of
+// place (the input never written).
+
+class ReduceScatterTest : public ::testing::TestWithParam<NodesChannels> {};
+
+void CheckReduceScatter(Cluster& cluster, DataType t, ReduceOp op,
+                        const std::vector<Block>& blocks, size_t count, bool out_of_place,
+                        const std::string& what) {
+  const int n = cluster.nodes();
+  const size_t es = Size(t);
+  std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(count * es));
+  for (int k = 0; k < n; ++k) {
+    for (size_t i = 0; i < count; ++i) Put(t, data[k].data(), i, Value(op, t, k, i));
+  }
+  const std::vector<std::vector<uint8_t>> inputs = data;
+  std::vector<const void*> ptrs;
+  for (const auto& d : inputs) ptrs.push_back(d.data());
+  std::vector<uint8_t> want(count * es);
+  if (count > 0) Reduce(t, op, ptrs.data(), n, want.data(), count);
+  std::vector<std::vector<uint8_t>> out = data;
+  if (out_of_place) {
+    for (auto& o : out) std::fill(o.begin(), o.end(), 0xEE);
+  }
+  ExpectAllOk(cluster.Run(
+                  [&](int k, const InterNodeContext& ctx) {
+                    return ReduceScatterRing(ctx, t, op, out[k].data(), blocks,
+                                             out_of_place ? data[k].data() : nullptr);
+                  },
+                  64, 3),
+              what);
+  for (int k = 0; k < n; ++k) {
+    for (const Block& b : blocks) {
+      if (b.owner != k) continue;
+      ASSERT_EQ(std::memcmp(out[k].data() + b.offset, want.data() + b.offset, b.bytes), 0)
+          << what << " node " << k << " block at " << b.offset;
+    }
+    if (out_of_place) EXPECT_EQ(data[k], inputs[k]) << what << ": input written";
+  }
+}
+
+TEST_P(ReduceScatterTest, OwnBlocksReducedForEveryTypeOpAndLayout) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  for (DataType t : kTypes) {
+    const size_t es = Size(t);
+    // Two ranks per node, node k's ranks 2k, 2k+1 (a job's usual layout);
+    // then ranks dealt round-robin to the nodes, one of them empty.
+    const size_t per = 1001;
+    std::vector<Block> contiguous, dealt;
+    for (int rank = 0; rank < 2 * n; ++rank) {
+      contiguous.push_back({rank * per * es, per * es, rank / 2});
+      const size_t bytes = rank == 1 ? 0 : (per + 13 * rank) * es;
+      const size_t at = dealt.empty() ? 0 : dealt.back().offset + dealt.back().bytes;
+      dealt.push_back({at, bytes, rank % n});
+    }
+    const size_t dealt_count = (dealt.back().offset + dealt.back().bytes) / es;
+    for (ReduceOp op : kOps) {
+      const std::string what = Name(t) + " " + Name(op);
+      CheckReduceScatter(cluster, t, op, contiguous, 2 * n * per, false, what + " contiguous");
+      CheckReduceScatter(cluster, t, op, dealt, dealt_count, true, what + " dealt, out of place");
+    }
+  }
+  // Nothing to move.
+  CheckReduceScatter(cluster, DataType::kFloat32, ReduceOp::kSum, {}, 0, false, "empty");
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, ReduceScatterTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 5),
+                                            ::testing::Values(1, 2)),
+                         [](const ::testing::TestParamInfo<NodesChannels>& info) {
+                           return absl::StrCat(std::get<0>(info.param), "Nodes",
+                                               std::get<1>(info.param), "Channels");
+                         });
+
+// Two nodes: the reduce-scatter gives each element the bits the ring
+// allreduce gives it (node order), also for arbitrary floats, NaN and -0.
+TEST(TwoNodesTest, ReduceScatterGivesTheAllreducesBits) {
+  Cluster cluster(2, 2);
+  const size_t count = 40001;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-1e3f, 1e3f);
+  std::vector<std::vector<float>> a(2, std::vector<float>(count));
+  for (auto& v : a) {
+    for (float& x : v) x = dist(rng);
+    v[7] = std::numeric_limits<float>::quiet_NaN();
+    v[8] = -0.0f;
+  }
+  for (ReduceOp op : kOps) {
+    std::vector<std::vector<float>> all = a, rs = a;
+    ExpectAllOk(cluster.Run(
+                    [&](int k, const InterNodeContext& ctx) {
+                      return AllreduceRing(ctx, DataType::kFloat32, op, all[k].data(), count);
+                    },
+                    4096),
+                "allreduce");
+    const std::vector<Block> blocks = {{0, 20000 * 4, 1}, {20000 * 4, 20001 * 4, 0}};
+    ExpectAllOk(cluster.Run(
+                    [&](int k, const InterNodeContext& ctx) {
+                      return ReduceScatterRing(ctx, DataType::kFloat32, op, rs[k].data(), blocks);
+                    },
+                    4096),
+                "reduce-scatter");
+    EXPECT_EQ(std::memcmp(rs[1].data(), all[1].data(), 20000 * 4), 0) << Name(op);
+    EXPECT_EQ(std::memcmp(rs[0].data() + 20000, all[0].data() + 20000, 20001 * 4), 0) << Name(op);
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Broadcast from every root: tree (one chunk) and chain (several).
 
 class BroadcastTest : public ::testing::TestWithParam<NodesChannels> {};
@@ -795,6 +905,10 @@ TEST(ArgumentTest, RejectsAvgAndBadTagBase) {
   ctx.tag_base = 1u << 24;
   EXPECT_EQ(BroadcastPipeline(ctx, &x, 4, 1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(AllgatherRing(ctx, &x, {{0, 4, 3}}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReduceScatterRing(ctx, DataType::kFloat32, ReduceOp::kSum, &x, {{0, 4, 3}}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReduceScatterRing(ctx, DataType::kFloat32, ReduceOp::kSum, &x, {{0, 3, 0}}).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // ---------------------------------------------------------------------------
