@@ -416,11 +416,14 @@ Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 
 Communicator::~Communicator() {
   if (impl_ && impl_->core) {
-    // Closing the socket tells the daemon; our own pending handles fail.
-    shutdown(impl_->core->sock_fd, SHUT_RDWR);
+    // Our own pending handles fail first, with CANCELLED; then closing the
+    // socket tells the daemon. (The other order let a thread waiting on a
+    // handle meanwhile take the daemon's answer to the hang-up, ABORTED
+    // "trainer disconnected", or see the hang-up itself, UNAVAILABLE.)
     const Status cancelled(StatusCode::kCancelled, "the communicator was destroyed");
     impl_->core->MarkDead(cancelled);
     if (impl_->core->fast) impl_->core->fast->CancelAll(cancelled);
+    shutdown(impl_->core->sock_fd, SHUT_RDWR);
   }
 }
 
