@@ -772,6 +772,34 @@ absl::Status ClusterJob::CarryAllreduce(InterNodeContext ctx, uint64_t seq, int 
   return s;
 }
 
+std::vector<std::pair<size_t, size_t>> ClusterJob::OwnParts(int node, size_t at, size_t n,
+                                                            size_t rank_count) const {
+  std::vector<std::pair<size_t, size_t>> parts;
+  if (rank_count == 0) return parts;
+  for (int r = 0; r < options_.world_size; ++r) {
+    if (node_of_rank_[r] != node) continue;
+    const size_t from = std::max(at, static_cast<size_t>(r) * rank_count);
+    const size_t to = std::min(at + n, static_cast<size_t>(r + 1) * rank_count);
+    if (from < to) parts.emplace_back(from - at, to - from);
+  }
+  return parts;
+}
+
+absl::Status ClusterJob::CarryReduceScatter(InterNodeContext ctx, uint64_t seq, int segment,
+                                            wire::DataType dtype, wire::ReduceOp op,
+                                            uint8_t* data, size_t at, size_t n,
+                                            size_t rank_count, const void* input) {
+  if (segment >= 0) ctx.tag_base = SegmentTagBase(seq, static_cast<size_t>(segment));
+  const size_t es = wire::DataTypeSize(static_cast<uint32_t>(dtype));
+  std::vector<Block> blocks;
+  for (int node = 0; node < ctx.transport->num_peers(); ++node) {
+    for (const auto& [offset, elements] : OwnParts(node, at, n, rank_count)) {
+      blocks.push_back(Block{offset * es, elements * es, node});
+    }
+  }
+  return ReduceScatterRing(ctx, dtype, op, data, blocks, input);
+}
+
 void ClusterJob::CountCompressed(uint64_t ops, const CompressionStats& stats) {
   compressed_ops_.fetch_add(ops, std::memory_order_relaxed);
   raw_bytes_.fetch_add(stats.raw_bytes, std::memory_order_relaxed);
@@ -932,17 +960,39 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
       return s;
     }
   }
+  // An uncompressed reduce_scatter: each segment reduce-scattered, and only
+  // this node's ranks' parts of it go back to the device.
+  const bool scatter =
+      op.sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter) &&
+      codec == nullptr;
   for (size_t k = 0; k < segments; ++k) {
     const int sl = static_cast<int>(k % 2);
     const auto [at, n] = range(k);
     if (absl::Status s = device.Wait(sl); !s.ok()) return s;
-    absl::Status s = CarryAllreduce(ctx, seq, segmented ? static_cast<int>(k) : -1, settings, codec,
-                                    feedback, op.name, dtype, wire_op, slot[sl], n, nullptr);
-    if (!s.ok()) return s;
-    if (requested == wire::ReduceOp::kAvg) {
-      DivideInPlace(dtype, slot[sl], n, options_.world_size);
+    const int segment = segmented ? static_cast<int>(k) : -1;
+    absl::Status s;
+    if (scatter) {
+      s = CarryReduceScatter(ctx, seq, segment, dtype, wire_op, slot[sl], at, n, op.sig.count,
+                             nullptr);
+      if (!s.ok()) return s;
+      for (const auto& [offset, elements] : OwnParts(self_, at, n, op.sig.count)) {
+        uint8_t* part = slot[sl] + offset * es;
+        if (requested == wire::ReduceOp::kAvg) {
+          DivideInPlace(dtype, part, elements, options_.world_size);
+        }
+        if (s = StagedStore(device, sl, offset * es, (at + offset) * es, elements * es); !s.ok()) {
+          return s;
+        }
+      }
+    } else {
+      s = CarryAllreduce(ctx, seq, segment, settings, codec, feedback, op.name, dtype, wire_op,
+                         slot[sl], n, nullptr);
+      if (!s.ok()) return s;
+      if (requested == wire::ReduceOp::kAvg) {
+        DivideInPlace(dtype, slot[sl], n, options_.world_size);
+      }
+      if (s = StagedStore(device, sl, 0, at * es, n * es); !s.ok()) return s;
     }
-    if (s = StagedStore(device, sl, 0, at * es, n * es); !s.ok()) return s;
     if (k + 2 < segments) {
       const auto [next_at, next_n] = range(k + 2);
       if (s = StagedFetch(device, sl, 0, next_at * es, next_n * es); !s.ok()) return s;
@@ -1018,15 +1068,19 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
         Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
       }
       absl::Status s;
-      if (!all && *codec == nullptr && settings.segment_bytes == 0) {
+      if (!all && *codec == nullptr) {
         // Uncompressed reduce_scatter: each node ends with its own ranks'
         // blocks only, half the bytes of an allreduce (every node takes this
-        // path alike: it depends on the run's settings only).
-        std::vector<Block> blocks;
-        for (int r = 0; r < world; ++r) {
-          blocks.push_back(Block{static_cast<size_t>(r) * block, block, node_of_rank_[r]});
+        // path alike, in the same segments as a node with GPU buffers: it
+        // depends on the run's settings only).
+        const size_t per =
+            settings.segment_bytes == 0 ? count : SegmentElements(settings.segment_bytes, count, es);
+        for (size_t k = 0, at = 0; s.ok() && at < count; ++k, at += per) {
+          s = CarryReduceScatter(ctx, seq, settings.segment_bytes == 0 ? -1 : static_cast<int>(k),
+                                 dtype, wire_op, node + at * es, at, std::min(per, count - at),
+                                 op.sig.count,
+                                 input ? static_cast<const uint8_t*>(input) + at * es : nullptr);
         }
-        s = ReduceScatterRing(ctx, dtype, wire_op, node, blocks, input);
         if (!s.ok()) return s;
         for (const auto& p : op.parts) {
           uint8_t* mine = node + static_cast<size_t>(p.rank) * block;

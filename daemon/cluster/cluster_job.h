@@ -257,6 +257,20 @@ class ClusterJob {
                               const RunSettings& settings, const Codec* codec, bool feedback,
                               const std::string& name, wire::DataType dtype, wire::ReduceOp op,
                               void* data, size_t count, const void* input);
+  // The inter-node part of an uncompressed reduce_scatter, on elements
+  // [at, at + n) of the node buffer (every rank's block of `rank_count`
+  // elements, back to back) held at `data` (`input`: the same elements of
+  // the one local rank's send buffer, or null): afterwards this node's
+  // ranks' parts of that range are reduced over every node (ReduceScatterRing;
+  // segment `segment` of a run announced with segment_bytes, else -1).
+  absl::Status CarryReduceScatter(InterNodeContext ctx, uint64_t seq, int segment,
+                                  wire::DataType dtype, wire::ReduceOp op, uint8_t* data,
+                                  size_t at, size_t n, size_t rank_count, const void* input);
+  // The parts of the ranks of node `node` in elements [at, at + n) of a
+  // reduce_scatter's node buffer (blocks of `rank_count` elements), as
+  // (offset from `at`, elements) pairs.
+  std::vector<std::pair<size_t, size_t>> OwnParts(int node, size_t at, size_t n,
+                                                  size_t rank_count) const;
   InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const RunSettings& settings,
                               Lane& lane);
   // The announced codec (nullptr: uncompressed); an error for a spec this
