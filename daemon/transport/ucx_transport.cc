@@ -533,13 +533,22 @@ class UcxTransport::Channel {
     }
   }
 
+  // With transfers to the peer still in flight (a failure cuts them off),
+  // the endpoint closes at once (forced). With none, it is flushed first:
+  // a send that completed here may still sit in UCX's buffer for the
+  // socket (an eager message is complete once copied), and a forced close
+  // would drop it, so that a peer still finishing the job's last run
+  // (while this node's rank has left) would lose it.
   void ClosePeerEndpoint(int peer) {
     if (static_cast<size_t>(peer) >= eps_.size() || eps_[peer] == nullptr) return;
     ucp_ep_h ep = eps_[peer];
     eps_[peer] = nullptr;
+    const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(), [peer](const Op* op) {
+      return op->peer == peer && !op->abandoned;
+    });
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = busy ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &param);
     if (req != nullptr && !UCS_PTR_IS_ERR(req)) close_requests_.push_back(req);
   }
