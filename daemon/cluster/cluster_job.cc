@@ -772,12 +772,12 @@ absl::Status ClusterJob::CarryAllreduce(InterNodeContext ctx, uint64_t seq, int 
   return s;
 }
 
-std::vector<std::pair<size_t, size_t>> ClusterJob::OwnParts(int node, size_t at, size_t n,
-                                                            size_t rank_count) const {
+std::vector<std::pair<size_t, size_t>> NodeParts(const std::vector<int>& node_of_rank, int node,
+                                                 size_t at, size_t n, size_t rank_count) {
   std::vector<std::pair<size_t, size_t>> parts;
   if (rank_count == 0) return parts;
-  for (int r = 0; r < options_.world_size; ++r) {
-    if (node_of_rank_[r] != node) continue;
+  for (int r = 0; r < static_cast<int>(node_of_rank.size()); ++r) {
+    if (node_of_rank[r] != node) continue;
     const size_t from = std::max(at, static_cast<size_t>(r) * rank_count);
     const size_t to = std::min(at + n, static_cast<size_t>(r + 1) * rank_count);
     if (from < to) parts.emplace_back(from - at, to - from);
@@ -793,7 +793,7 @@ absl::Status ClusterJob::CarryReduceScatter(InterNodeContext ctx, uint64_t seq, 
   const size_t es = wire::DataTypeSize(static_cast<uint32_t>(dtype));
   std::vector<Block> blocks;
   for (int node = 0; node < ctx.transport->num_peers(); ++node) {
-    for (const auto& [offset, elements] : OwnParts(node, at, n, rank_count)) {
+    for (const auto& [offset, elements] : NodeParts(node_of_rank_, node, at, n, rank_count)) {
       blocks.push_back(Block{offset * es, elements * es, node});
     }
   }
@@ -975,7 +975,7 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
       s = CarryReduceScatter(ctx, seq, segment, dtype, wire_op, slot[sl], at, n, op.sig.count,
                              nullptr);
       if (!s.ok()) return s;
-      for (const auto& [offset, elements] : OwnParts(self_, at, n, op.sig.count)) {
+      for (const auto& [offset, elements] : NodeParts(node_of_rank_, self_, at, n, op.sig.count)) {
         uint8_t* part = slot[sl] + offset * es;
         if (requested == wire::ReduceOp::kAvg) {
           DivideInPlace(dtype, part, elements, options_.world_size);

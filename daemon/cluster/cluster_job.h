@@ -79,6 +79,13 @@ class UnconnectedTransport {
 using TransportFactory =
     std::function<absl::StatusOr<std::unique_ptr<UnconnectedTransport>>(int channels)>;
 
+// The parts of node `node`'s ranks (node_of_rank[r] == node) in elements
+// [at, at + n) of a reduce_scatter's node buffer, where rank r's block is
+// elements [r * rank_count, (r + 1) * rank_count): (offset from `at`,
+// elements) pairs, in rank order.
+std::vector<std::pair<size_t, size_t>> NodeParts(const std::vector<int>& node_of_rank, int node,
+                                                 size_t at, size_t n, size_t rank_count);
+
 struct ClusterOp {
   uint64_t key = 0;  // the engine's, echoed in OpDone
   std::string name;
@@ -266,11 +273,6 @@ class ClusterJob {
   absl::Status CarryReduceScatter(InterNodeContext ctx, uint64_t seq, int segment,
                                   wire::DataType dtype, wire::ReduceOp op, uint8_t* data,
                                   size_t at, size_t n, size_t rank_count, const void* input);
-  // The parts of the ranks of node `node` in elements [at, at + n) of a
-  // reduce_scatter's node buffer (blocks of `rank_count` elements), as
-  // (offset from `at`, elements) pairs.
-  std::vector<std::pair<size_t, size_t>> OwnParts(int node, size_t at, size_t n,
-                                                  size_t rank_count) const;
   InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const RunSettings& settings,
                               Lane& lane);
   // The announced codec (nullptr: uncompressed); an error for a spec this

@@ -967,6 +967,22 @@ TEST(ClusterJobStagedTest, EveryDtypeOpAndSizeMatchesThePlainLoop) {
   }
 }
 
+// A node's ranks' parts of a segment of a reduce_scatter's node buffer:
+// ranks dealt to nodes out of order, segments cutting blocks.
+TEST(NodePartsTest, ClipsEachRankBlockToTheSegment) {
+  using Parts = std::vector<std::pair<size_t, size_t>>;
+  const std::vector<int> node_of_rank = {0, 0, 1, 1, 0};  // blocks of 10 elements
+  EXPECT_EQ(NodeParts(node_of_rank, 0, 15, 22, 10), (Parts{{0, 5}}));
+  EXPECT_EQ(NodeParts(node_of_rank, 1, 15, 22, 10), (Parts{{5, 10}, {15, 7}}));
+  EXPECT_EQ(NodeParts(node_of_rank, 0, 0, 50, 10), (Parts{{0, 10}, {10, 10}, {40, 10}}));
+  EXPECT_EQ(NodeParts(node_of_rank, 0, 40, 10, 10), (Parts{{0, 10}}));
+  EXPECT_EQ(NodeParts(node_of_rank, 1, 40, 10, 10), Parts{});
+  EXPECT_EQ(NodeParts(node_of_rank, 2, 0, 50, 10), Parts{});  // no ranks there
+  EXPECT_EQ(NodeParts(node_of_rank, 0, 0, 50, 0), Parts{});   // empty blocks
+  // Across two of its own ranks: a part each.
+  EXPECT_EQ(NodeParts(node_of_rank, 0, 9, 2, 10), (Parts{{0, 1}, {1, 1}}));
+}
+
 // reduce_scatter the same way: the node buffer holds every rank's block
 // (segments run over all of it), each rank gets its own block.
 TEST(ClusterJobStagedTest, ReduceScatterMatchesThePlainLoop) {
