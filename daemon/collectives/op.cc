@@ -58,6 +58,9 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
     return absl::InvalidArgumentError(
         absl::StrCat("operation name length ", e.name_len, " is not in 1..", wire::kMaxOpName));
   }
+  if (!wire::IsValidUtf8(e.name, e.name_len)) {
+    return absl::InvalidArgumentError("operation name is not valid UTF-8");
+  }
   op.name.assign(e.name, e.name_len);
   auto fail = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("operation '", op.name, "': ", what));

@@ -80,6 +80,17 @@ TEST_F(ValidateTest, RejectsGarbageNamingTheField) {
   expect_error(e, "name length 0");
   e.name_len = 100000;
   expect_error(e, "name length 100000");
+  // Names travel in protobuf strings: only UTF-8.
+  for (const char* bad : {"\xff", "a\xc3", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80"}) {
+    e.name_len = static_cast<uint32_t>(std::strlen(bad));
+    std::memcpy(e.name, bad, e.name_len);
+    expect_error(e, "not valid UTF-8");
+  }
+  e.name_len = 7;
+  std::memcpy(e.name, "gr\xc3\xa4" "d\xe2\x82", 7);  // "gräd" and a cut 3-byte sequence
+  expect_error(e, "not valid UTF-8");
+  e.name_len = 5;  // "gräd" alone
+  EXPECT_TRUE(Check(e, 2, 0).ok()) << Check(e, 2, 0);
   e = Entry(wire::Collective::kAllreduce, 10);
   e.send_offset = 0;  // the header
   expect_error(e, "send buffer");

@@ -125,6 +125,43 @@ inline constexpr const char* CollectiveName(uint32_t c) {
 }
 
 inline constexpr size_t kMaxOpName = 104;
+
+// Whether `p[0..n)` is well-formed UTF-8 (no overlong forms, surrogates or
+// code points past U+10FFFF). Operation names must be: they travel in
+// protobuf strings (the ordering stream, ciuicctl), which refuse anything else.
+inline bool IsValidUtf8(const char* p, size_t n) {
+  const auto* s = reinterpret_cast<const unsigned char*>(p);
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = s[i];
+    size_t len = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((s[i + k] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (s[i + k] & 0x3F);
+    }
+    static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += len;
+  }
+  return true;
+}
 inline constexpr size_t kMaxMessage = 232;
 
 // Buffers per collective (count is in elements; W is the job's world size):

@@ -626,6 +626,9 @@ Status Communicator::Impl::MakeEntry(wire::Collective collective, DataType dtype
                   "operation name longer than " + std::to_string(wire::kMaxOpName) +
                       " bytes: " + name);
   }
+  if (!wire::IsValidUtf8(name.data(), name.size())) {
+    return Status(StatusCode::kInvalidArgument, "operation name is not valid UTF-8");
+  }
   wire::SubmissionEntry& e = *out;
   e = wire::SubmissionEntry{};
   e.collective = static_cast<uint32_t>(collective);

@@ -157,6 +157,7 @@ TEST(FaultsTest, GarbageDescriptorsAndRingIndicesNeverHurtTheDaemon) {
     add([](auto& e) { e.count = 1ull << 40; }, "outside the session's arena");
     add([](auto& e) { e.name_len = 5000; }, "name length");
     add([](auto& e) { e.flags = 4; }, "reserved flags");
+    add([](auto& e) { e.name[0] = '\xff'; }, "not valid UTF-8");
     // Device buffers: a descriptor record at kDataOffset + 4096 naming
     // device 1000. A daemon without a GPU says why it takes no device
     // buffers (FAILED_PRECONDITION); one with a GPU refuses the device.

@@ -164,6 +164,27 @@ TEST_F(SemanticsTest, SameNameTwiceWhilePendingIsRefused) {
   close(pipe_fds[1]);
 }
 
+// A name that is not UTF-8 (it could not travel in the protobuf messages
+// that carry names) is refused by the SDK, naming the problem; the session
+// goes on.
+TEST_F(SemanticsTest, NonUtf8NameIsRefused) {
+  const std::string job = UniqueJobId("utf8");
+  ExpectAllZero(RunRanks(1, [&](int rank) {
+    auto comm = JoinJob(daemon_->socket(), job, rank, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> a(4, 1.0f);
+    OpOptions o;
+    o.name = "grad\xff";
+    Status s = comm->Allreduce(a.data(), a.data(), 4, DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    CHILD_CHECK(s.code() == StatusCode::kInvalidArgument && Contains(s.message(), "UTF-8"), "%s",
+                s.ToString().c_str());
+    o.name = "gr\xc3\xa4" "d";  // UTF-8: fine
+    s = comm->Allreduce(a.data(), a.data(), 4, DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    return 0;
+  }));
+}
+
 // WaitFor gives up without cancelling; Test never blocks; an operation that
 // outlives its timeout fails on the ranks that submitted it, naming the
 // missing rank, and a late submitter gets the same error at once.
