@@ -181,6 +181,25 @@ std::string ReadTrace(const std::string& socket, const std::string& job, proto::
   return "";
 }
 
+std::string ReadMetrics(const std::string& socket, std::string* text, std::string* address) {
+  std::string out;
+  const int code =
+      RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket + " status", &out);
+  if (code != 0) return "ciuicctl status exited " + std::to_string(code) + ": " + out;
+  proto::StatusReply status;
+  auto parsed = google::protobuf::util::JsonStringToMessage(out, &status);
+  if (!parsed.ok()) return "cannot parse ciuicctl's JSON (" + parsed.ToString() + "): " + out;
+  if (status.metrics_address().empty()) return "the daemon serves no /metrics: " + out;
+  *address = status.metrics_address();
+  const int fetched =
+      RunCommand("/usr/bin/python3 -c 'import sys, urllib.request; "
+                 "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read()"
+                 ".decode())' http://" + *address + "/metrics",
+                 text);
+  if (fetched != 0) return "GET /metrics failed: " + *text;
+  return "";
+}
+
 std::string UniqueJobId(const std::string& what) {
   static std::atomic<int> seq{0};
   return what + "-" + std::to_string(getpid()) + "-" + std::to_string(seq++);

@@ -70,6 +70,11 @@ int RunCommand(const std::string& command, std::string* output);
 // parsed into *reply. Returns "" or what went wrong (with the output).
 std::string ReadTrace(const std::string& socket, const std::string& job, proto::TraceReply* reply);
 
+// GET /metrics of the daemon at `socket` (its address from `ciuicctl
+// --json status`; the daemon needs metrics_listen) into *text, and the
+// address into *address. Returns "" or what went wrong.
+std::string ReadMetrics(const std::string& socket, std::string* text, std::string* address);
+
 // A job id no other test in any concurrent run uses.
 std::string UniqueJobId(const std::string& what);
 

@@ -1,6 +1,7 @@
 #include "control/metrics.h"
 
 #include <exception>
+#include <limits>
 #include <utility>
 #include <vector>
 

@@ -238,7 +238,7 @@ TEST(MultiNodeFaultsTest, DaemonWithoutTheClusterTokenCannotJoin) {
 }
 
 TEST(MultiNodeOperabilityTest, PeersShowsNodesLinksAndBytes) {
-  auto cluster = Cluster::Start(2);
+  auto cluster = Cluster::Start(2, "metrics_listen: \"127.0.0.1:0\"\n");
   ASSERT_NE(cluster, nullptr);
   const std::string job = UniqueJobId("peers");
   int ready[2], release[2];
@@ -272,6 +272,17 @@ TEST(MultiNodeOperabilityTest, PeersShowsNodesLinksAndBytes) {
     const size_t v = out.find(key, at);
     ASSERT_NE(v, std::string::npos) << out;
     EXPECT_GE(std::stoull(out.substr(v + strlen(key))), 2u << 20) << key << " " << out;
+  }
+  // The same link and bytes in Prometheus's form.
+  std::string metrics, address;
+  ASSERT_EQ(ReadMetrics(cluster->nodes[0]->socket(), &metrics, &address), "");
+  const std::string labels = "{job=\"" + job + "\",node=\"node1\"}";
+  EXPECT_TRUE(Contains(metrics, "ciuic_peer_connected" + labels + " 1\n")) << metrics;
+  for (const char* family : {"ciuic_peer_bytes_sent_total", "ciuic_peer_bytes_received_total"}) {
+    const size_t m = metrics.find(family + labels + " ");
+    ASSERT_NE(m, std::string::npos) << family << "\n" << metrics;
+    EXPECT_GE(std::stod(metrics.substr(m + strlen(family) + labels.size() + 1)), 2u << 20)
+        << family;
   }
   ASSERT_EQ(write(release[1], "gg", 2), 2);
   EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
