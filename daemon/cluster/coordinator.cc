@@ -565,12 +565,12 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
         head.signature.collective() != static_cast<uint32_t>(wire::Collective::kBarrier)) {
       run->set_segment_bytes(tuning.staging_segment_bytes);
     }
+    auto us = [](Clock::duration d) {
+      return static_cast<uint64_t>(
+          std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(d).count()));
+    };
     for (size_t g : group) {
       const Queued& q = job.backlog[g];
-      auto us = [](Clock::duration d) {
-        return static_cast<uint64_t>(
-            std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(d).count()));
-      };
       run->add_last_ready_node(q.last_node);
       run->add_ready_spread_us(us(q.ready_at - q.first_ready));
       run->add_queued_us(us(now - q.ready_at));
