@@ -339,10 +339,10 @@ class CudaDeviceRunner final : public DeviceRunner {
     submit_thread_.join();  // runs what was queued
     completions_.Stop();
     completion_thread_.join();  // every `done` called
-    // Both threads are gone: their state is this thread's now.
-    std::vector<uint64_t> ids;
-    for (auto& [id, s] : sessions_) ids.push_back(id);
-    for (uint64_t id : ids) CloseSessionOnSubmit(id);
+    // Both threads are gone: their state is this thread's now. Every
+    // operation has let go of its handles; the staged buffers still alive
+    // keep theirs.
+    sessions_.clear();
     for (auto& [key, stream] : streams_) {
       cudaSetDevice(key.second);
       cudaStreamDestroy(stream);
