@@ -161,7 +161,7 @@ inline void FillSmall(DataType t, ReduceOp op, int rank, void* out, size_t count
   }
 }
 
-enum class Coll { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
+enum class Coll { kAllreduce, kReduceScatter, kAllgather, kBroadcast, kAlltoall };
 
 inline const char* CollName(Coll c) {
   switch (c) {
@@ -169,19 +169,20 @@ inline const char* CollName(Coll c) {
     case Coll::kReduceScatter: return "reduce_scatter";
     case Coll::kAllgather: return "allgather";
     case Coll::kBroadcast: return "broadcast";
+    case Coll::kAlltoall: return "alltoall";
   }
   return "?";
 }
 
 // What rank `rank` of `world` must receive from `coll` of `count` elements
-// (per rank block for reduce_scatter / allgather) when rank r's send buffer
+// (per rank block for reduce_scatter / allgather / alltoall) when rank r's send buffer
 // is what fill(r, out, elements) writes; root is broadcast's.
 template <typename Fill>
 std::vector<uint8_t> ReferenceCollective(Coll coll, DataType t, ReduceOp op, int world, int rank,
                                          int root, size_t count, Fill fill) {
   const size_t es = DataTypeSize(t);
-  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
-  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
+  const size_t send_count = coll == Coll::kReduceScatter || coll == Coll::kAlltoall ? count * world : count;
+  const size_t recv_count = coll == Coll::kAllgather || coll == Coll::kAlltoall ? count * world : count;
   std::vector<std::vector<uint8_t>> in(world);
   for (int r = 0; r < world; ++r) {
     in[r].resize(send_count * es + 1);
@@ -202,6 +203,11 @@ std::vector<uint8_t> ReferenceCollective(Coll coll, DataType t, ReduceOp op, int
       break;
     case Coll::kBroadcast:
       std::memcpy(want.data(), in[root].data(), count * es);
+      break;
+    case Coll::kAlltoall:  // block r from rank r's block for this rank
+      for (int r = 0; r < world; ++r) {
+        std::memcpy(want.data() + r * count * es, in[r].data() + rank * count * es, count * es);
+      }
       break;
   }
   return want;

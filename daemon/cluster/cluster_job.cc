@@ -823,6 +823,9 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
     case wire::Collective::kBroadcast:
       s = MoveStaged(op, ctx, seq, settings);
       break;
+    case wire::Collective::kAlltoall:  // refused at submission (collectives/op.cc)
+      s = absl::UnimplementedError("alltoall takes host buffers only");
+      break;
     case wire::Collective::kBarrier:
       break;
   }
@@ -1133,6 +1136,24 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       if (!s.ok()) return s;
       fan_out(node, block);
       return absl::OkStatus();
+    }
+    case wire::Collective::kAlltoall: {
+      // Pairs on this node are copied here; the rest go straight between
+      // the ranks' buffers and the network.
+      std::vector<const uint8_t*> send(static_cast<size_t>(world), nullptr);
+      std::vector<uint8_t*> recv(static_cast<size_t>(world), nullptr);
+      for (const auto& p : op.parts) {
+        send[static_cast<size_t>(p.rank)] = p.send;
+        recv[static_cast<size_t>(p.rank)] = p.recv;
+      }
+      for (const auto& from : op.parts) {
+        for (const auto& to : op.parts) {
+          if (block == 0) break;
+          std::memcpy(to.recv + static_cast<size_t>(from.rank) * block,
+                      from.send + static_cast<size_t>(to.rank) * block, block);
+        }
+      }
+      return AlltoallPairwise(ctx, node_of_rank_, send, recv, block);
     }
     case wire::Collective::kBarrier:
       break;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "ciuic/fast_path.h"
 #include "ciuic/shm_layout.h"
 #include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
@@ -30,23 +31,10 @@ bool TokensEqual(const std::string& a, const std::string& b) {
 
 namespace {
 
+// As the engines and the SDK word signatures (fast_path.h).
 std::string SignatureText(const proto::OpSignature& s) {
-  static const char* kColl[] = {"?", "allreduce", "reduce_scatter", "allgather", "broadcast",
-                                "barrier"};
-  static const char* kType[] = {"?", "float32", "float64", "float16", "bfloat16",
-                                "int8", "uint8", "int32", "int64"};
-  static const char* kOp[] = {"", "sum", "avg", "min", "max", "prod"};
-  std::string out = s.collective() < 6 ? kColl[s.collective()] : "?";
-  if (s.collective() == 5) return out;
-  absl::StrAppend(&out, " ", s.dtype() < 9 ? kType[s.dtype()] : "?", " count=", s.count());
-  if (s.reduce_op() != 0) absl::StrAppend(&out, " op=", s.reduce_op() < 6 ? kOp[s.reduce_op()] : "?");
-  if (s.collective() == 4) absl::StrAppend(&out, " root=", s.root());
-  static const char* kCodecs[] = {"", "none", "fp16", "bf16", "int8", "topk"};
-  if (s.codec() != 0) {
-    absl::StrAppend(&out, " compression=", s.codec() < 6 ? kCodecs[s.codec()] : "?");
-    if (s.codec() == 5) absl::StrAppend(&out, ":", s.codec_ratio());
-  }
-  return out;
+  return wire::SignatureString(s.collective(), s.dtype(), s.reduce_op(), s.root(), s.count(),
+                               s.codec(), s.codec_ratio());
 }
 
 // The largest allreduce for which the auto rule picks halving-doubling on

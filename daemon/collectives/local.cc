@@ -33,6 +33,9 @@ LocalCollective::LocalCollective(const OpSignature& sig, std::vector<const uint8
     case wire::Collective::kAllgather:
       num_chunks_ = chunks_per_block_ * static_cast<size_t>(ranks_);
       break;
+    case wire::Collective::kAlltoall:  // one block per (sender, receiver) pair
+      num_chunks_ = chunks_per_block_ * static_cast<size_t>(ranks_) * static_cast<size_t>(ranks_);
+      break;
     case wire::Collective::kBarrier:
       break;
   }
@@ -43,6 +46,7 @@ uint64_t LocalCollective::payload_bytes() const {
   switch (static_cast<wire::Collective>(sig_.collective)) {
     case wire::Collective::kReduceScatter:
     case wire::Collective::kAllgather:
+    case wire::Collective::kAlltoall:
       return block * static_cast<uint64_t>(ranks_);
     default:
       return block;
@@ -92,6 +96,15 @@ void LocalCollective::RunChunk(size_t index) const {
         for (int r = 0; r < ranks_; ++r) {
           if (recv_[r] + off != src) std::memcpy(recv_[r] + off, src, n * es);
         }
+        break;
+      }
+      case wire::Collective::kAlltoall: {
+        // owner = sender * ranks + receiver: the sender's block for the
+        // receiver lands in the receiver's block for the sender.
+        const size_t from = owner / static_cast<size_t>(ranks_);
+        const size_t to = owner % static_cast<size_t>(ranks_);
+        std::memcpy(recv_[to] + from * block_bytes + off, send_[from] + to * block_bytes + off,
+                    n * es);
         break;
       }
       case wire::Collective::kBarrier:

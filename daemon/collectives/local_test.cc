@@ -112,6 +112,39 @@ TEST_P(LocalCollectiveTest, AllgatherAndBroadcastCopyExactly) {
   }
 }
 
+TEST_P(LocalCollectiveTest, AlltoallEveryDtypeMatchesPlainLoop) {
+  const auto [ranks, count, chunk] = GetParam();
+  for (wire::DataType dtype : wire::kAllDataTypes) {
+    const uint64_t es = wire::DataTypeSize(static_cast<uint32_t>(dtype));
+    const uint64_t block = count * es;
+    const uint64_t all = block * static_cast<uint64_t>(ranks);
+    std::vector<std::vector<uint8_t>> send(ranks), recv(ranks);
+    std::vector<const uint8_t*> sp(ranks);
+    std::vector<uint8_t*> rp(ranks);
+    for (int r = 0; r < ranks; ++r) {
+      send[r].resize(all);
+      recv[r].assign(all, 0xEE);
+      for (uint64_t i = 0; i < all; ++i) send[r][i] = static_cast<uint8_t>(Value(r, i) + 50);
+      sp[r] = send[r].data();
+      rp[r] = recv[r].data();
+    }
+    OpSignature sig{static_cast<uint32_t>(wire::Collective::kAlltoall),
+                    static_cast<uint32_t>(dtype), 0, 0, count};
+    LocalCollective c(sig, sp, rp, chunk);
+    EXPECT_EQ(c.payload_bytes(), all);
+    RunAll(c);
+    for (int to = 0; to < ranks; ++to) {
+      for (int from = 0; from < ranks; ++from) {
+        for (uint64_t i = 0; i < block; ++i) {
+          ASSERT_EQ(recv[to][from * block + i], send[from][to * block + i])
+              << wire::DataTypeName(static_cast<uint32_t>(dtype)) << " rank " << to << " from "
+              << from << " byte " << i;
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     SizesRanksChunks, LocalCollectiveTest,
     ::testing::Values(Param{1, 5, 64}, Param{2, 0, 64}, Param{2, 1, 64}, Param{2, 1001, 64},

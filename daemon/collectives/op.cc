@@ -104,6 +104,11 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
     if (!s.ok()) return fail(s.message());
     op.sig.reduce_op = e.reduce_op;
   }
+  if (collective == wire::Collective::kAlltoall && device) {
+    return absl::UnimplementedError(absl::StrCat(
+        "operation '", op.name, "': alltoall takes host buffers only (CUDA device buffers are "
+        "not supported for alltoall yet)"));
+  }
   if (collective == wire::Collective::kBroadcast) {
     if (e.root < 0 || e.root >= world_size) {
       return fail(absl::StrCat("broadcast root ", e.root, " is not a rank of a job of ",
@@ -126,6 +131,7 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
       op.send_bytes = rank == e.root ? block : 0;
       op.recv_bytes = block;
       break;
+    case wire::Collective::kAlltoall: op.send_bytes = all; op.recv_bytes = all; break;
     case wire::Collective::kBarrier: break;
   }
   // Where the two buffers start, in one address space: the daemon's mapping
@@ -205,6 +211,7 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
       case wire::Collective::kAllgather:  // send is this rank's block of recv
         in_place = send_at == recv_at + static_cast<uint64_t>(rank) * block;
         break;
+      case wire::Collective::kAlltoall:  // every block is read and written by others
       case wire::Collective::kBarrier: break;
     }
     if (!in_place) return fail("send and recv buffers overlap without being in place");

@@ -39,7 +39,8 @@ class ValidateTest : public ::testing::Test {
 
 TEST_F(ValidateTest, AcceptsEveryCollectiveWithGoodBuffers) {
   for (auto c : {wire::Collective::kAllreduce, wire::Collective::kReduceScatter,
-                 wire::Collective::kAllgather, wire::Collective::kBroadcast}) {
+                 wire::Collective::kAllgather, wire::Collective::kBroadcast,
+                 wire::Collective::kAlltoall}) {
     EXPECT_TRUE(Check(Entry(c, 100)).ok()) << wire::CollectiveName(static_cast<uint32_t>(c));
     EXPECT_TRUE(Check(Entry(c, 0)).ok());
   }
@@ -253,6 +254,35 @@ TEST_F(ValidateTest, InPlaceLayoutsAreAllowed) {
   e.send_offset = e.recv_offset + 3 * 10 * 4;
   EXPECT_TRUE(Check(e, 4, 3).ok());
   EXPECT_FALSE(Check(e, 4, 0).ok());
+}
+
+TEST_F(ValidateTest, AlltoallTakesWholeBuffersNeverInPlaceAndNoDeviceMemory) {
+  auto e = Entry(wire::Collective::kAlltoall, 10);
+  e.reduce_op = 0;
+  auto v = ValidateSubmission(e, *mem_, 3, 1);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->send_bytes, 10u * 4 * 3);
+  EXPECT_EQ(v->recv_bytes, 10u * 4 * 3);
+  EXPECT_EQ(v->sig.reduce_op, 0u);
+  EXPECT_EQ(v->sig.ToString(), "alltoall float32 count=10");
+  // Same buffer, or any overlap: refused.
+  for (uint64_t shift : {uint64_t{0}, uint64_t{40}, uint64_t{119}}) {
+    e.recv_offset = e.send_offset + shift;
+    absl::Status s = Check(e, 3, 1);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << shift;
+    EXPECT_NE(s.message().find("overlap"), std::string::npos) << s;
+  }
+  e.recv_offset = e.send_offset + 120;  // just apart
+  EXPECT_TRUE(Check(e, 3, 1).ok());
+  // Past the arena: named.
+  e.recv_offset = wire::kDataOffset + (1 << 16) - 100;
+  EXPECT_NE(Check(e, 3, 1).message().find("recv"), std::string::npos);
+  // Device buffers: refused with the reason, GPU or not.
+  e = Entry(wire::Collective::kAlltoall, 10);
+  e.flags = wire::kSubmitFlagDeviceBuffers;
+  absl::Status s = Check(e, 3, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(s.message().find("alltoall takes host buffers only"), std::string::npos) << s;
 }
 
 TEST_F(ValidateTest, NonRootBroadcastNeedsNoSendBuffer) {

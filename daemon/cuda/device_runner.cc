@@ -555,6 +555,8 @@ class CudaDeviceRunner final : public DeviceRunner {
       }
       case wire::Collective::kBarrier:
         return absl::InternalError("a barrier has no device buffers");
+      case wire::Collective::kAlltoall:  // refused by ValidateSubmission
+        return absl::UnimplementedError("alltoall takes host buffers only");
     }
     return Finish(*stream, event);
   }
@@ -618,6 +620,9 @@ class CudaDeviceRunner final : public DeviceRunner {
     const bool broadcast = collective == wire::Collective::kBroadcast;
     if (collective == wire::Collective::kBarrier) {
       return absl::InternalError("a barrier has no device buffers");
+    }
+    if (collective == wire::Collective::kAlltoall) {  // refused by ValidateSubmission
+      return absl::UnimplementedError("alltoall takes host buffers only");
     }
     const size_t block = sig.count * sig.element_bytes();
     const size_t all = block * static_cast<size_t>(world);

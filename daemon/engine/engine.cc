@@ -109,7 +109,8 @@ std::string JobKey(uid_t uid, const std::string& id) { return absl::StrCat(uid, 
 uint64_t OpBytes(const OpSignature& sig, int world_size) {
   uint64_t bytes = sig.count * sig.element_bytes();
   const auto c = static_cast<wire::Collective>(sig.collective);
-  if (c == wire::Collective::kReduceScatter || c == wire::Collective::kAllgather) {
+  if (c == wire::Collective::kReduceScatter || c == wire::Collective::kAllgather ||
+      c == wire::Collective::kAlltoall) {
     bytes *= static_cast<uint64_t>(world_size);
   }
   return bytes;

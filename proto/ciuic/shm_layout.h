@@ -43,6 +43,7 @@ enum class Collective : uint32_t {
   kAllgather = 3,
   kBroadcast = 4,
   kBarrier = 5,
+  kAlltoall = 6,
 };
 
 enum class DataType : uint32_t {
@@ -120,6 +121,7 @@ inline constexpr const char* CollectiveName(uint32_t c) {
     case Collective::kAllgather: return "allgather";
     case Collective::kBroadcast: return "broadcast";
     case Collective::kBarrier: return "barrier";
+    case Collective::kAlltoall: return "alltoall";
   }
   return nullptr;
 }
@@ -170,6 +172,8 @@ inline constexpr size_t kMaxMessage = 232;
 //   allgather       send: count        recv: count * W (block r from rank r)
 //   broadcast       send: count (read on root only)  recv: count
 //   barrier         no buffers; count must be 0
+//   alltoall        send: count * W (block j goes to rank j)
+//                   recv: count * W (block i comes from rank i); never in place
 struct SubmissionEntry {
   uint64_t op_id;        // chosen by the SDK, echoed in the completion
   uint32_t collective;   // Collective

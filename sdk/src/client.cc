@@ -353,7 +353,7 @@ class Communicator::Impl {
     const uint64_t block = e.count * es;
     uint64_t payload = block;
     if (collective == wire::Collective::kReduceScatter ||
-        collective == wire::Collective::kAllgather) {
+        collective == wire::Collective::kAllgather || collective == wire::Collective::kAlltoall) {
       payload = block * static_cast<uint64_t>(options.world_size);
     }
     return payload <= limit;
@@ -370,7 +370,7 @@ class Communicator::Impl {
     if (collective != wire::Collective::kAllreduce &&
         collective != wire::Collective::kReduceScatter &&
         collective != wire::Collective::kAllgather &&
-        collective != wire::Collective::kBroadcast) {
+        collective != wire::Collective::kBroadcast && collective != wire::Collective::kAlltoall) {
       return false;
     }
     const uint64_t es = wire::DataTypeSize(e.dtype);
@@ -392,6 +392,7 @@ class Communicator::Impl {
         case wire::Collective::kBroadcast: in_place = sp == rp; break;
         case wire::Collective::kReduceScatter: in_place = rp == sp + me * block; break;
         case wire::Collective::kAllgather: in_place = sp == rp + me * block; break;
+        case wire::Collective::kAlltoall:  // never in place
         case wire::Collective::kBarrier: break;
       }
       if (!in_place) return false;
@@ -896,6 +897,13 @@ Handle Communicator::Broadcast(const void* send, void* recv, size_t count, DataT
   const size_t send_bytes = root == rank() ? bytes : 0;
   return impl_->Submit(wire::Collective::kBroadcast, dtype, 0, root, count,
                        {send, send_bytes}, {recv, bytes}, recv, options);
+}
+
+Handle Communicator::Alltoall(const void* send, void* recv, size_t count, DataType dtype,
+                              const OpOptions& options) {
+  const size_t all = count * DataTypeSize(dtype) * world_size();
+  return impl_->Submit(wire::Collective::kAlltoall, dtype, 0, 0, count, {send, all},
+                       {recv, all}, recv, options);
 }
 
 Handle Communicator::Barrier(const OpOptions& options) {

@@ -71,7 +71,8 @@ bool Reduces(wire::Collective c) {
 
 // Bytes counted for ciuicctl, like the daemon's FinishOnLoop.
 uint64_t CountedBytes(wire::Collective c, uint64_t block, int world_size) {
-  if (c == wire::Collective::kReduceScatter || c == wire::Collective::kAllgather) {
+  if (c == wire::Collective::kReduceScatter || c == wire::Collective::kAllgather ||
+      c == wire::Collective::kAlltoall) {
     return block * static_cast<uint64_t>(world_size);
   }
   return c == wire::Collective::kBarrier ? 0 : block;
@@ -480,6 +481,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   switch (op->collective) {
     case wire::Collective::kAllreduce:
     case wire::Collective::kReduceScatter:
+    case wire::Collective::kAlltoall:  // each rank takes its blocks from every input
       if (send_bytes > 0) std::memcpy(InputArea(slot, rank_), send, send_bytes);
       break;
     case wire::Collective::kAllgather:
@@ -595,6 +597,13 @@ bool FastPath::Progress(FastOp& op, bool check_deadline) {
       break;
     case wire::Collective::kAllgather:
       if (block > 0) std::memcpy(op.recv, result, block * static_cast<uint64_t>(world_size_));
+      break;
+    case wire::Collective::kAlltoall:
+      // The inputs stay until every rank has departed (after its copy).
+      for (int from = 0; block > 0 && from < world_size_; ++from) {
+        std::memcpy(static_cast<uint8_t*>(op.recv) + static_cast<uint64_t>(from) * block,
+                    InputArea(op.slot, from) + static_cast<uint64_t>(rank_) * block, block);
+      }
       break;
     case wire::Collective::kBarrier:
       break;

@@ -39,7 +39,8 @@ int RunMatrix(const std::string& socket, const std::string& job, int rank, int w
   CHILD_CHECK(comm != nullptr, "join");
   const size_t kCounts[] = {0, 1, 1001, 262147};  // 262147 float32: 16 chunks and a bit
   int combo = 0;
-  for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+  for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast,
+                     Coll::kAlltoall}) {
     const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
     for (DataType t : kAllDataTypes) {
       for (ReduceOp op : kAllReduceOps) {

@@ -42,7 +42,8 @@ struct CheckOptions {
   std::string name;        // the operation's name
   bool zero_copy = false;  // shared-memory buffers (else heap ones, staged by the SDK)
   // Allreduce/broadcast into the send buffer; reduce_scatter out of its own
-  // block of the send buffer; allgather from its own block of the receive one.
+  // block of the send buffer; allgather from its own block of the receive one;
+  // ignored for alltoall (never in place).
   bool in_place = false;
   int root = 0;            // broadcast
   uint64_t salt = 0;       // FillInput's
@@ -57,8 +58,10 @@ inline int RunAndCheck(Communicator& comm, Coll coll, DataType t, ReduceOp op, s
   const int world = comm.world_size();
   const int rank = comm.rank();
   const size_t es = DataTypeSize(t);
-  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
-  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
+  const size_t send_count =
+      coll == Coll::kReduceScatter || coll == Coll::kAlltoall ? count * world : count;
+  const size_t recv_count =
+      coll == Coll::kAllgather || coll == Coll::kAlltoall ? count * world : count;
   Buffer sb, rb;
   std::vector<uint8_t> sh, rh;
   uint8_t* send;
@@ -87,7 +90,7 @@ inline int RunAndCheck(Communicator& comm, Coll coll, DataType t, ReduceOp op, s
   std::memset(recv, 0x5a, recv_count * es);
   const uint8_t* send_arg = send;
   uint8_t* recv_arg = recv;
-  if (o.in_place) {
+  if (o.in_place && coll != Coll::kAlltoall) {  // alltoall is never in place
     if (coll == Coll::kAllreduce || coll == Coll::kBroadcast) {
       recv_arg = send;
     } else if (coll == Coll::kReduceScatter) {
@@ -105,6 +108,7 @@ inline int RunAndCheck(Communicator& comm, Coll coll, DataType t, ReduceOp op, s
     case Coll::kReduceScatter: h = comm.ReduceScatter(send_arg, recv_arg, count, t, op, opts); break;
     case Coll::kAllgather: h = comm.Allgather(send_arg, recv_arg, count, t, opts); break;
     case Coll::kBroadcast: h = comm.Broadcast(send_arg, recv_arg, count, t, o.root, opts); break;
+    case Coll::kAlltoall: h = comm.Alltoall(send_arg, recv_arg, count, t, opts); break;
   }
   Status s = h.Wait();
   CHILD_CHECK(s.ok(), "%s: %s", o.name.c_str(), s.ToString().c_str());

@@ -127,6 +127,7 @@ Handle SubmitDevice(Communicator& comm, Coll coll, DeviceBuffer s, DeviceBuffer 
     case Coll::kReduceScatter: return comm.ReduceScatter(s, r, count, t, op, opts);
     case Coll::kAllgather: return comm.Allgather(s, r, count, t, opts);
     case Coll::kBroadcast: break;
+    case Coll::kAlltoall: return Handle();  // host buffers only: not run here
   }
   return comm.Broadcast(s, r, count, t, root, opts);
 }

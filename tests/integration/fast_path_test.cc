@@ -60,7 +60,10 @@ int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
 // Counts per collective: 0, 1, odd, the most that fits the limit, one more.
 std::vector<size_t> Counts(Coll coll, DataType t, int world) {
   const size_t es = DataTypeSize(t);
-  const size_t per = (coll == Coll::kReduceScatter || coll == Coll::kAllgather) ? es * world : es;
+  const size_t per =
+      (coll == Coll::kReduceScatter || coll == Coll::kAllgather || coll == Coll::kAlltoall)
+          ? es * world
+          : es;
   const size_t at = kLimit / per;
   return {0, 1, 37, at, at + 1};
 }
@@ -69,7 +72,8 @@ int RunMatrix(const std::string& socket, const std::string& job, int rank, int w
   auto comm = JoinJob(socket, job, rank, world, 16 << 20);
   CHILD_CHECK(comm != nullptr, "join");
   int variant = 0;
-  for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+  for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast,
+                     Coll::kAlltoall}) {
     const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
     for (DataType t : kAllDataTypes) {
       for (ReduceOp op : kAllReduceOps) {

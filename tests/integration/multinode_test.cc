@@ -67,7 +67,8 @@ TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
     CHILD_CHECK(comm != nullptr, "join");
     const size_t kCounts[] = {0, 1, 1001, 100003};
     int combo = 0;
-    for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+    for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast,
+                     Coll::kAlltoall}) {
       const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
       for (DataType t : kAllDataTypes) {
         for (ReduceOp op : kAllReduceOps) {

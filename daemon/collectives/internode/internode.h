@@ -184,6 +184,17 @@ absl::Status ReduceScatterRing(const InterNodeContext& ctx, wire::DataType dtype
 absl::Status AllgatherRing(const InterNodeContext& ctx, void* data,
                            const std::vector<Block>& blocks);
 
+// Alltoall of the job's ranks between nodes: rank a's block b (send[a] +
+// b * block_bytes) lands in rank b's block a (recv[b] + a * block_bytes)
+// for every pair of ranks on different nodes; pairs on one node are the
+// caller's. node_of_rank[r] is rank r's node; send and recv have one entry
+// per rank, set (and apart) for this node's ranks, ignored for the others.
+// N-1 steps, step s exchanging with nodes r+s+1 and r-s-1, straight between
+// the ranks' buffers; each node sends its ranks' blocks for other nodes once.
+absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int>& node_of_rank,
+                              const std::vector<const uint8_t*>& send,
+                              const std::vector<uint8_t*>& recv, size_t block_bytes);
+
 // `bytes` of `data` from node `root` to all. A message that fits in one chunk
 // goes down a binomial tree (ceil(log2 N) hops); a longer one down a chain
 // root -> root+1 -> ... in chunks, each node forwarding a chunk as soon as it

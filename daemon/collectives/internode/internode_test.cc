@@ -774,6 +774,100 @@ bool Names(const absl::Status& s, int node) {
   return std::string(s.message()).find(absl::StrCat("node ", node)) != std::string::npos;
 }
 
+// ---------------------------------------------------------------------------
+// Alltoall between nodes: every rank's block for every rank on another node
+// lands where a plain loop puts it, for ranks contiguous or dealt unevenly
+// to the nodes and blocks of 0, 1, odd, not-a-chunk-multiple and large sizes.
+
+class AlltoallTest : public ::testing::TestWithParam<NodesChannels> {};
+
+uint8_t AlltoallByte(size_t from, size_t to, size_t i) {
+  return static_cast<uint8_t>(from * 61 + to * 17 + i * 7 + (i >> 9));
+}
+
+void CheckAlltoall(Cluster& cluster, const std::vector<int>& node_of_rank, size_t block,
+                   uint64_t chunk, const std::string& what) {
+  const size_t world = node_of_rank.size();
+  std::vector<std::vector<uint8_t>> send(world, std::vector<uint8_t>(block * world));
+  std::vector<std::vector<uint8_t>> recv(world, std::vector<uint8_t>(block * world, 0xEE));
+  for (size_t from = 0; from < world; ++from) {
+    for (size_t to = 0; to < world; ++to) {
+      for (size_t i = 0; i < block; ++i) send[from][to * block + i] = AlltoallByte(from, to, i);
+    }
+  }
+  const std::vector<std::vector<uint8_t>> inputs = send;
+  ExpectAllOk(cluster.Run(
+                  [&](int k, const InterNodeContext& ctx) {
+                    std::vector<const uint8_t*> sp(world, nullptr);
+                    std::vector<uint8_t*> rp(world, nullptr);
+                    for (size_t r = 0; r < world; ++r) {
+                      if (node_of_rank[r] != k) continue;
+                      sp[r] = send[r].data();
+                      rp[r] = recv[r].data();
+                    }
+                    // Pairs on one node are the caller's.
+                    for (size_t a = 0; a < world; ++a) {
+                      for (size_t b = 0; b < world; ++b) {
+                        if (node_of_rank[a] == k && node_of_rank[b] == k && block > 0) {
+                          std::memcpy(rp[b] + a * block, sp[a] + b * block, block);
+                        }
+                      }
+                    }
+                    return AlltoallPairwise(ctx, node_of_rank, sp, rp, block);
+                  },
+                  chunk, 3),
+              what);
+  for (size_t to = 0; to < world; ++to) {
+    for (size_t from = 0; from < world; ++from) {
+      for (size_t i = 0; i < block; ++i) {
+        ASSERT_EQ(recv[to][from * block + i], AlltoallByte(from, to, i))
+            << what << ": rank " << to << " from " << from << " byte " << i;
+      }
+    }
+    EXPECT_EQ(send[to], inputs[to]) << what << ": input of rank " << to << " written";
+  }
+}
+
+TEST_P(AlltoallTest, EveryBlockLandsForEveryLayoutAndSize) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  std::vector<int> one_each, contiguous, dealt;
+  for (int k = 0; k < n; ++k) one_each.push_back(k);
+  for (int r = 0; r < 2 * n; ++r) contiguous.push_back(r / 2);
+  // 3n-1 ranks dealt round-robin: the last node has one rank fewer.
+  for (int r = 0; r < 3 * n - 1; ++r) dealt.push_back(n == 1 ? 0 : r % n);
+  for (size_t block : {size_t{0}, size_t{1}, size_t{1001}, size_t{4 * 1001 + 3}}) {
+    const std::string size = absl::StrCat(" block ", block);
+    CheckAlltoall(cluster, one_each, block, 64, "one rank per node" + size);
+    CheckAlltoall(cluster, contiguous, block, 64, "two ranks per node" + size);
+    CheckAlltoall(cluster, dealt, block, 100, "dealt" + size);
+  }
+  CheckAlltoall(cluster, contiguous, 100003, 4096, "two ranks per node, large");
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, AlltoallTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 5),
+                                            ::testing::Values(1, 2)),
+                         [](const ::testing::TestParamInfo<NodesChannels>& info) {
+                           return absl::StrCat(std::get<0>(info.param), "Nodes",
+                                               std::get<1>(info.param), "Channels");
+                         });
+
+TEST(AlltoallArgumentTest, RejectsBadPlacementAndMissingBuffers) {
+  Cluster cluster(2, 1);
+  uint8_t a[8] = {}, b[8] = {};
+  const std::vector<absl::Status> st = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k == 0) return AlltoallPairwise(ctx, {0, 2}, {a, a}, {b, b}, 4);  // node 2 of 2
+        return AlltoallPairwise(ctx, {0, 1}, {a, nullptr}, {b, nullptr}, 4);  // own rank 1 unset
+      },
+      64, 4, milliseconds(2000));
+  EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument) << st[0];
+  EXPECT_NE(st[0].message().find("rank 1 is on node 2 of 2"), std::string::npos) << st[0];
+  EXPECT_EQ(st[1].code(), absl::StatusCode::kInvalidArgument) << st[1];
+  EXPECT_NE(st[1].message().find("local rank 1"), std::string::npos) << st[1];
+}
+
 // Kills `victim` after `after` matched transfers involving it, while all run
 // `op`; every node must fail within the deadline (plus scheduling slack), the
 // victim's ring neighbours naming it, nobody else succeeding — except the
@@ -851,6 +945,40 @@ TEST(FaultTest, KillNodeMidAllgatherAndBroadcast) {
         return BroadcastPipeline(ctx, d.data(), d.size(), 0);
       },
       {1, 3}, /*may_succeed=*/{0});
+}
+
+TEST(FaultTest, KillNodeMidAlltoall) {
+  // One rank per node: the first half of a node's data is its send buffer,
+  // the second half its recv buffer.
+  KillMidOperation(
+      5, 2, 10,
+      [](int k, const InterNodeContext& ctx, std::vector<uint8_t>& d) {
+        const size_t half = d.size() / 2;
+        std::vector<const uint8_t*> sp(5, nullptr);
+        std::vector<uint8_t*> rp(5, nullptr);
+        sp[k] = d.data();
+        rp[k] = d.data() + half;
+        return AlltoallPairwise(ctx, {0, 1, 2, 3, 4}, sp, rp, half / 5);
+      },
+      {});
+}
+
+TEST(FaultTest, AlltoallBlockSizesThatDisagreeFailEverywhere) {
+  Cluster cluster(3, 2);
+  std::vector<std::vector<uint8_t>> send(3, std::vector<uint8_t>(3 * 5000, 1));
+  std::vector<std::vector<uint8_t>> recv(3, std::vector<uint8_t>(3 * 5000, 0));
+  const Clock::time_point start = Clock::now();
+  const std::vector<absl::Status> st = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        std::vector<const uint8_t*> sp(3, nullptr);
+        std::vector<uint8_t*> rp(3, nullptr);
+        sp[k] = send[k].data();
+        rp[k] = recv[k].data();
+        return AlltoallPairwise(ctx, {0, 1, 2}, sp, rp, k == 1 ? 4999 : 5000);
+      },
+      1024, 4, kFaultDeadline);
+  EXPECT_LT(Clock::now() - start, kFaultDeadline + milliseconds(1000));
+  for (int k = 0; k < 3; ++k) EXPECT_FALSE(st[k].ok()) << "node " << k;
 }
 
 TEST(FaultTest, MismatchedCountsFailEverywhere) {

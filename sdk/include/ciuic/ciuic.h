@@ -206,6 +206,12 @@ class Communicator {
     return Broadcast(buffer, buffer, count, dtype, root, options);
   }
   Handle Barrier(const OpOptions& options = {});
+  // send and recv hold count * world_size elements each: block j of send
+  // goes to rank j, block i of recv comes from rank i (expert parallelism's
+  // token exchange). Never in place: send and recv must not overlap. Host
+  // memory only.
+  Handle Alltoall(const void* send, void* recv, size_t count, DataType dtype,
+                  const OpOptions& options = {});
 
   // The same collectives on device memory (see the top of this file); sizes
   // and in-place rules as above, in-place meaning the same pointer.

@@ -463,6 +463,31 @@ class Communicator:
         self.allgather_async(output, input, name, priority, timeout).wait()
         return output
 
+    def alltoall_async(self, output, input, name=None, priority=0, timeout=None):
+        _check_same_kind("alltoall", input, output)
+        if _is_cuda(input) or _is_cuda(output):
+            raise error_class(StatusCode.UNIMPLEMENTED)(
+                "alltoall: CUDA tensors are not supported yet (host tensors only)")
+        ibuf, dtype = _as_buffer(input, "alltoall input")
+        obuf, odtype = _as_buffer(output, "alltoall output")
+        if dtype != odtype:
+            raise InvalidArgumentError("alltoall: input and output dtypes differ")
+        if isinstance(ibuf, np.ndarray) and isinstance(obuf, np.ndarray) and \
+                ibuf.nbytes > 0 and np.may_share_memory(ibuf, obuf):
+            raise InvalidArgumentError("alltoall: input and output overlap (never in place)")
+        ibuf = self._stage_apart(ibuf, obuf)
+        h = self._impl.alltoall(ibuf, obuf, dtype=dtype, name=name or "", priority=priority,
+                                timeout_ms=_timeout_ms(timeout))
+        return Work(h, output, self)
+
+    def alltoall(self, output, input, name=None, priority=0, timeout=None):
+        """``input`` and ``output`` hold world_size equal blocks: block j of
+        ``input`` goes to rank j, block i of ``output`` comes from rank i (as
+        torch.distributed.all_to_all_single without split sizes). Never in
+        place; host tensors and arrays only."""
+        self.alltoall_async(output, input, name, priority, timeout).wait()
+        return output
+
     def broadcast_async(self, t, root=0, name=None, priority=0, timeout=None):
         if _is_cuda(t):
             return self._device_async("broadcast", t, t, t.numel(), t, root=root, name=name,

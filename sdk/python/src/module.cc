@@ -355,6 +355,28 @@ class PyComm {
     });
   }
 
+  PyHandle Alltoall(py::handle send, py::handle recv, std::optional<std::string> dtype,
+                    const std::string& name, int32_t priority, uint32_t timeout_ms) {
+    auto sv = GetView(send, false, "input");
+    auto rv = GetView(recv, true, "output");
+    const auto [dt_, scount_] = TypeAndCount(*sv, dtype, "alltoall input");
+    const DataType dt = dt_;
+    const size_t scount = scount_;
+    const auto [rdt_, rcount_] = TypeAndCount(*rv, dtype, "alltoall output");
+    const DataType rdt = rdt_;
+    const size_t rcount = rcount_;
+    const size_t world = static_cast<size_t>(world_size_);
+    if (rdt != dt || rcount != scount || scount % world != 0) {
+      ThrowInvalid("alltoall: input and output must hold the same number of elements of the "
+                   "same dtype, a multiple of world_size (" + std::to_string(world_size_) +
+                   "); input " + Describe(dt, scount) + ", output " + Describe(rdt, rcount));
+    }
+    const OpOptions o = MakeOptions(name, priority, timeout_ms);
+    return Submit(name, sv, rv, [&](Communicator& c) {
+      return c.Alltoall(sv->data(), rv->data(), scount / world, dt, o);
+    });
+  }
+
   PyHandle Broadcast(py::handle buffer, int root, std::optional<std::string> dtype,
                      const std::string& name, int32_t priority, uint32_t timeout_ms) {
     if (root < 0 || root >= world_size_) {
@@ -578,6 +600,9 @@ PYBIND11_MODULE(_ciuic, m) {
            py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0,
            py::arg("compression") = "")
       .def("allgather", &PyComm::Allgather, py::arg("send"), py::arg("recv"), py::kw_only(),
+           py::arg("dtype") = py::none(), py::arg("name") = "", py::arg("priority") = 0,
+           py::arg("timeout_ms") = 0)
+      .def("alltoall", &PyComm::Alltoall, py::arg("send"), py::arg("recv"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("name") = "", py::arg("priority") = 0,
            py::arg("timeout_ms") = 0)
       .def("broadcast", &PyComm::Broadcast, py::arg("buffer"), py::kw_only(), py::arg("root"),

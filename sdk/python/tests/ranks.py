@@ -176,6 +176,27 @@ def allgather_all(ctx, lib, dtype, seed):
     return checks
 
 
+def alltoall_reference(inputs, rank, n):
+    """Block r of rank `rank`'s output: rank r's block `rank`."""
+    if n == 0:
+        return np.zeros(0, inputs[0].dtype)
+    return np.concatenate([x[rank * n:(rank + 1) * n] for x in inputs])
+
+
+def alltoall_all(ctx, lib, dtype, seed):
+    checks = 0
+    for n in SMALL_SIZES + (big_size(dtype) // ctx.world,):
+        inputs = [values(seed + n, r, n * ctx.world, dtype) for r in range(ctx.world)]
+        src = make(inputs[ctx.rank], dtype, lib)
+        out = empty_like_lib(n * ctx.world, dtype, lib)
+        got = ctx.comm.alltoall(out, src, name=ctx.name(f"a2a.{lib}.{dtype}.{n}"))
+        assert got is out
+        expect_equal(out, alltoall_reference(inputs, ctx.rank, n), dtype, lib, f"alltoall n={n}")
+        expect_equal(src, inputs[ctx.rank], dtype, lib, f"alltoall n={n}: input unchanged")
+        checks += 1
+    return checks
+
+
 def broadcast_all(ctx, lib, dtype, seed):
     checks = 0
     for root in range(ctx.world):
@@ -500,7 +521,7 @@ def mn_values(seed, rank, n, dtype, op):
 
 
 def mn_collectives(ctx, lib, dtype, seed, big):
-    """allreduce (every op), reduce_scatter (every op), allgather and
+    """allreduce (every op), reduce_scatter (every op), allgather, alltoall and
     broadcast (a root on each node) of sizes 0, 1, odd and, with `big`, about
     1M elements (sum only for the reductions), against numpy references."""
     world, rank = ctx.world, ctx.rank
@@ -531,6 +552,13 @@ def mn_collectives(ctx, lib, dtype, seed, big):
         out = empty_like_lib(n * world, dtype, lib)
         ctx.comm.allgather(out, src, name=ctx.name(f"mn.ag.{lib}.{dtype}.{n}"))
         expect_equal(out, np.concatenate(inputs), dtype, lib, f"allgather n={n}")
+        checks += 1
+    for n in MN_SMALL_SIZES + big_or_none(MN_BIG // world):
+        inputs = [values(seed + n, r, n * world, dtype) for r in range(world)]
+        src = make(inputs[rank], dtype, lib)
+        out = empty_like_lib(n * world, dtype, lib)
+        ctx.comm.alltoall(out, src, name=ctx.name(f"mn.a2a.{lib}.{dtype}.{n}"))
+        expect_equal(out, alltoall_reference(inputs, rank, n), dtype, lib, f"alltoall n={n}")
         checks += 1
     for root in sorted({0, world - 1}):  # node 0 and the last node
         for n in MN_SMALL_SIZES + big_or_none(MN_BIG):

@@ -26,6 +26,12 @@ def test_allgather(pool, lib, dtype):
 
 
 @pytest.mark.parametrize("lib,dtype", CASES)
+def test_alltoall(pool, lib, dtype):
+    checks = pool.run(ranks.alltoall_all, lib, dtype, 15)
+    assert checks[0] == len(ranks.SMALL_SIZES) + 1
+
+
+@pytest.mark.parametrize("lib,dtype", CASES)
 def test_broadcast(pool, lib, dtype):
     pool.run(ranks.broadcast_all, lib, dtype, 14)
 

@@ -79,6 +79,15 @@ def test_local_argument_errors(solo):
         solo.reduce_scatter(np.zeros(3, np.float32), np.zeros(4, np.float32))
     with pytest.raises(ciuic.InvalidArgumentError, match="same dtype"):
         solo.allgather(np.zeros(3, np.float32), np.zeros(3, np.int32))
+    with pytest.raises(ciuic.InvalidArgumentError, match="same number of elements"):
+        solo.alltoall(np.zeros(3, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(ciuic.InvalidArgumentError, match="same dtype"):
+        solo.alltoall(np.zeros(3, np.float32), np.zeros(3, np.int32))
+    with pytest.raises(ciuic.InvalidArgumentError, match="never in place"):
+        solo.alltoall(a, a)
+    with pytest.raises(ciuic.InvalidArgumentError, match="never in place"):
+        t = torch.zeros(8)
+        solo.alltoall(t[2:6], t[:4])
     with pytest.raises(ciuic.InvalidArgumentError, match="root"):
         solo.broadcast(a, root=1)
     with pytest.raises(ciuic.InvalidArgumentError, match="buffer protocol"):
