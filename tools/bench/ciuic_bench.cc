@@ -9,7 +9,8 @@
 // allocates its buffers once, in shared memory (zero copy), before timing.
 // Per size: the median over iterations of the slowest rank's time per
 // operation, algbw = bytes / time, busbw = algbw * the nccl-tests factor
-// (allreduce 2(n-1)/n, reduce_scatter and allgather (n-1)/n, broadcast 1).
+// (allreduce 2(n-1)/n, reduce_scatter, allgather and alltoall (n-1)/n,
+// broadcast 1).
 // The first (cold) iteration is reported apart. With --burst K each
 // iteration submits K operations of the size at once (each on its own slice
 // of the buffers, each with its own name) and waits for all: the time is per
@@ -77,7 +78,7 @@ struct Flags {
 [[noreturn]] void Usage(const std::string& error) {
   if (!error.empty()) fprintf(stderr, "ciuic-bench: %s\n", error.c_str());
   fprintf(stderr,
-          "usage: ciuic-bench [--op allreduce|reduce_scatter|allgather|broadcast|barrier]\n"
+          "usage: ciuic-bench [--op allreduce|reduce_scatter|allgather|alltoall|broadcast|barrier]\n"
           "                   [--nodes 1] [--ranks-per-node R] [--sizes 8,64K,16M,256M]\n"
           "                   [--dtype float32|float64|float16|bfloat16|int8|uint8|int32|int64]\n"
           "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
@@ -191,12 +192,13 @@ Flags ParseFlags(int argc, char** argv) {
       Usage("unknown argument '" + a + "'");
     }
   }
-  static const char* kOps[] = {"allreduce", "reduce_scatter", "allgather", "broadcast",
-                               "barrier"};
+  static const char* kOps[] = {"allreduce", "reduce_scatter", "allgather", "alltoall",
+                               "broadcast", "barrier"};
   if (std::find_if(std::begin(kOps), std::end(kOps),
                    [&](const char* o) { return f.op == o; }) == std::end(kOps)) {
     Usage("unknown op '" + f.op + "'");
   }
+  if (f.op == "alltoall" && f.cuda) Usage("--op alltoall takes host memory only (--device cpu)");
   if (f.nodes > 1 && !f.socket.empty()) {
     Usage("--socket names one daemon; with --nodes > 1 ciuic-bench starts its own daemons");
   }
@@ -318,7 +320,9 @@ struct SizeResult {
 uint64_t CountFor(const Flags& f, uint64_t bytes, int world) {
   const uint64_t es = ciuic::DataTypeSize(f.dtype);
   uint64_t count = bytes / es;
-  if (f.op == "reduce_scatter" || f.op == "allgather") count /= static_cast<uint64_t>(world);
+  if (f.op == "reduce_scatter" || f.op == "allgather" || f.op == "alltoall") {
+    count /= static_cast<uint64_t>(world);
+  }
   return count;
 }
 
@@ -355,6 +359,8 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const RankBuffers& 
     return c.ReduceScatter(send, recv, count, f.dtype, f.reduce_op, o);
   } else if (f.op == "allgather") {
     return c.Allgather(send, recv, count, f.dtype);
+  } else if (f.op == "alltoall") {
+    return c.Alltoall(send, recv, count, f.dtype);
   } else if (f.op == "broadcast") {
     return c.Broadcast(send, recv, count, f.dtype, 0);
   }
@@ -385,8 +391,9 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const RankBuffers& b,
   const int world = c.world_size();
   const int rank = c.rank();
   const uint64_t es = ciuic::DataTypeSize(f.dtype);
-  const uint64_t send_elems = f.op == "reduce_scatter" ? count * world : count;
-  const uint64_t recv_elems = f.op == "allgather" ? count * world : count;
+  const bool all_to_all = f.op == "alltoall";
+  const uint64_t send_elems = f.op == "reduce_scatter" || all_to_all ? count * world : count;
+  const uint64_t recv_elems = f.op == "allgather" || all_to_all ? count * world : count;
   // Device buffers: the pattern is built here and copied up, the result down.
   std::vector<uint8_t> host_send, host_recv;
   void* send = b.send_shm.data();
@@ -421,7 +428,9 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const RankBuffers& b,
     else if (f.op == "reduce_scatter") want = Expected(f, world, rank * count + i);
     else if (f.op == "allgather") want = static_cast<double>(Input(f, static_cast<int>(i / count), i % count));
     else if (f.op == "broadcast") want = static_cast<double>(Input(f, 0, i));
-    else break;
+    else if (all_to_all) {  // block r from rank r's block for this rank
+      want = static_cast<double>(Input(f, static_cast<int>(i / count), rank * count + i % count));
+    } else break;
     const double got = Load(f.dtype, recv, i);
     if (!Matches(f, got, want)) ++wrong;
     max_err = std::max(max_err, std::fabs(got - want));
@@ -640,7 +649,9 @@ struct OwnDaemon {
 
 double BusFactor(const std::string& op, int n) {
   if (op == "allreduce") return 2.0 * (n - 1) / n;
-  if (op == "reduce_scatter" || op == "allgather") return static_cast<double>(n - 1) / n;
+  if (op == "reduce_scatter" || op == "allgather" || op == "alltoall") {
+    return static_cast<double>(n - 1) / n;
+  }
   if (op == "broadcast") return 1.0;
   return 0.0;
 }
@@ -742,7 +753,8 @@ int main(int argc, char** argv) {
     const uint64_t count = f.op == "barrier" ? 0 : CountFor(f, bytes, world);
     const uint64_t es = ciuic::DataTypeSize(f.dtype);
     const uint64_t moved = f.burst * (f.op == "barrier" ? 0
-                                      : (f.op == "reduce_scatter" || f.op == "allgather")
+                                      : (f.op == "reduce_scatter" || f.op == "allgather" ||
+                                         f.op == "alltoall")
                                           ? count * es * world
                                           : count * es);
     const double algbw = med > 0 ? moved / (med * 1e3) : 0;  // bytes/us /1e3 = GB/s

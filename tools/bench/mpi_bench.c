@@ -15,7 +15,8 @@
  *     MPI_Wtime and no barrier between them;
  *   - time_us is the median over iterations of the max over ranks;
  *   - algbw = bytes / time, busbw = algbw * factor, with factor 2(n-1)/n for
- *     allreduce, (n-1)/n for reduce_scatter and allgather, 1 for broadcast;
+ *     allreduce, (n-1)/n for reduce_scatter, allgather and alltoall, 1 for
+ *     broadcast;
  *   - --check refills the buffers, runs one more (untimed) op and compares
  *     every output element with an expectation computed independently from
  *     the fill rule; errors is the number of mismatching elements summed over
@@ -23,7 +24,7 @@
  *
  * The bytes of a size are the whole per-rank buffer as nccl-tests defines
  * them: the allreduce/broadcast buffer, the full (count*ranks) buffer of
- * allgather and reduce_scatter. A size that is not a multiple of
+ * allgather, reduce_scatter and alltoall. A size that is not a multiple of
  * (element size * ranks) for those two is rounded down (at least one element
  * per rank); the JSON reports the bytes actually moved.
  */
@@ -36,11 +37,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum Op { kAllreduce, kReduceScatter, kAllgather, kBroadcast, kBarrier };
+enum Op { kAllreduce, kReduceScatter, kAllgather, kAlltoall, kBroadcast, kBarrier };
 enum Dtype { kFloat32, kFloat64, kInt32 };
 
-static const char* const kOpNames[] = {"allreduce", "reduce_scatter",
-                                       "allgather", "broadcast", "barrier"};
+static const char* const kOpNames[] = {"allreduce", "reduce_scatter", "allgather",
+                                       "alltoall",  "broadcast",      "barrier"};
 static const char* const kDtypeNames[] = {"float32", "float64", "int32"};
 
 #define kMaxSizes 64
@@ -77,7 +78,7 @@ static void Usage(void) {
           "usage: mpirun -np R ciuic-mpi-bench --op OP [--sizes 8,64K,16M,256M]\n"
           "         [--dtype float32|float64|int32] [--iters K] [--warmup K]\n"
           "         [--check] [--json] [--nodes N --ranks-per-node R]\n"
-          "  OP: allreduce|reduce_scatter|allgather|broadcast|barrier\n"
+          "  OP: allreduce|reduce_scatter|allgather|alltoall|broadcast|barrier\n"
           "  sizes: bytes per rank, suffixes K, M, G (powers of 1024)\n");
 }
 
@@ -140,7 +141,7 @@ static void ParseArgs(int argc, char** argv, Options* opt) {
     if (!strcmp(a, "--op")) {
       NEED_VALUE();
       int found = 0;
-      for (int k = 0; k < 5; ++k)
+      for (int k = 0; k < (int)(sizeof(kOpNames) / sizeof(kOpNames[0])); ++k)
         if (!strcmp(next, kOpNames[k])) opt->op = (enum Op)k, found = 1;
       if (!found) Die("unknown --op %s", next);
       have_op = 1;
@@ -270,6 +271,12 @@ static Shape ShapeFor(enum Op op, enum Dtype d, size_t bytes) {
       s.recv_count = count * n;
       s.bytes = count * n * es;
       break;
+    case kAlltoall:
+      count = bytes / es / n; /* per rank pair */
+      if (count == 0) count = 1;
+      s.send_count = s.recv_count = count * n;
+      s.bytes = count * n * es;
+      break;
     case kBarrier:
       break;
   }
@@ -281,7 +288,8 @@ static double BusFactor(enum Op op) {
   switch (op) {
     case kAllreduce: return 2.0 * (n - 1) / n;
     case kReduceScatter:
-    case kAllgather: return (n - 1) / n;
+    case kAllgather:
+    case kAlltoall: return (n - 1) / n;
     case kBroadcast: return 1.0;
     default: return 0.0;
   }
@@ -317,6 +325,11 @@ static long long CountErrors(const Options* o, const Shape* s, const void* recv)
       case kAllreduce: want = ExpectedSum(i); break;
       case kReduceScatter: want = ExpectedSum((size_t)g_rank * s->recv_count + i); break;
       case kAllgather: want = FillValue((int)(i / block), i % block); break;
+      case kAlltoall: { /* block r from rank r's block for this rank */
+        size_t pair = s->send_count / (size_t)g_nranks;
+        want = FillValue((int)(i / pair), (size_t)g_rank * pair + i % pair);
+        break;
+      }
       case kBroadcast: want = FillValue(0, i); break;
       case kBarrier: break;
     }
@@ -336,6 +349,10 @@ static void RunOp(const Options* o, const Shape* s, void* send, void* recv) {
       break;
     case kAllgather:
       MPI_Allgather(send, (int)s->send_count, t, recv, (int)s->send_count, t, MPI_COMM_WORLD);
+      break;
+    case kAlltoall:
+      MPI_Alltoall(send, (int)(s->send_count / (size_t)g_nranks), t, recv,
+                   (int)(s->send_count / (size_t)g_nranks), t, MPI_COMM_WORLD);
       break;
     case kBroadcast:
       MPI_Bcast(recv, (int)s->recv_count, t, 0, MPI_COMM_WORLD);
