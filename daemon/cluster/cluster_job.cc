@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ciuic/peer.pb.h"
+#include "cluster/coordinator.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
 #include "reduce/reduce.h"
@@ -165,6 +166,28 @@ proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
   r->set_priority(op.priority);
   r->set_device_buffers(op.staged != nullptr);
   r->set_timeout_ms(op.timeout_ms ? op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms);
+  if (op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
+    // Per node m: this node's ranks' counts for m's ranks, and those they
+    // expect from m's, each folded in (sender, receiver) order (coordinator.h).
+    const int nodes = *std::max_element(node_of_rank_.begin(), node_of_rank_.end()) + 1;
+    std::vector<uint64_t> out(static_cast<size_t>(nodes), kSplitsSeed);
+    std::vector<uint64_t> in(static_cast<size_t>(nodes), kSplitsSeed);
+    for (const auto& p : op.parts) {  // in rank order
+      for (int b = 0; b < options_.world_size; ++b) {
+        uint64_t& h = out[static_cast<size_t>(node_of_rank_[b])];
+        h = HashSplits(h, p.send_counts[static_cast<size_t>(b)]);
+      }
+    }
+    for (int a = 0; a < options_.world_size; ++a) {
+      uint64_t& h = in[static_cast<size_t>(node_of_rank_[a])];
+      for (const auto& p : op.parts) h = HashSplits(h, p.recv_counts[static_cast<size_t>(a)]);
+    }
+    for (int m = 0; m < nodes; ++m) {
+      r->add_split_out(out[static_cast<size_t>(m)]);
+      r->add_split_in(in[static_cast<size_t>(m)]);
+    }
+    r->set_splits_error(op.splits_error);
+  }
   return ready;
 }
 
@@ -824,6 +847,7 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
       s = MoveStaged(op, ctx, seq, settings);
       break;
     case wire::Collective::kAlltoall:  // refused at submission (collectives/op.cc)
+    case wire::Collective::kAlltoallv:
       s = absl::UnimplementedError("alltoall takes host buffers only");
       break;
     case wire::Collective::kBarrier:
@@ -1137,23 +1161,39 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       fan_out(node, block);
       return absl::OkStatus();
     }
-    case wire::Collective::kAlltoall: {
+    case wire::Collective::kAlltoall:
+    case wire::Collective::kAlltoallv: {
       // Pairs on this node are copied here; the rest go straight between
       // the ranks' buffers and the network.
-      std::vector<const uint8_t*> send(static_cast<size_t>(world), nullptr);
-      std::vector<uint8_t*> recv(static_cast<size_t>(world), nullptr);
+      const bool v_splits = collective == wire::Collective::kAlltoallv;
+      std::vector<AlltoallBuffers> ranks(static_cast<size_t>(world));
       for (const auto& p : op.parts) {
-        send[static_cast<size_t>(p.rank)] = p.send;
-        recv[static_cast<size_t>(p.rank)] = p.recv;
-      }
-      for (const auto& from : op.parts) {
-        for (const auto& to : op.parts) {
-          if (block == 0) break;
-          std::memcpy(to.recv + static_cast<size_t>(from.rank) * block,
-                      from.send + static_cast<size_t>(to.rank) * block, block);
+        AlltoallBuffers& b = ranks[static_cast<size_t>(p.rank)];
+        b.send = p.send;
+        b.recv = p.recv;
+        if (v_splits) {
+          for (uint64_t c : p.send_counts) b.send_bytes.push_back(c * es);
+          for (uint64_t c : p.recv_counts) b.recv_bytes.push_back(c * es);
+        } else {
+          b.send_bytes.assign(static_cast<size_t>(world), block);
+          b.recv_bytes.assign(static_cast<size_t>(world), block);
         }
       }
-      return AlltoallPairwise(ctx, node_of_rank_, send, recv, block);
+      for (const auto& from : op.parts) {
+        const AlltoallBuffers& f = ranks[static_cast<size_t>(from.rank)];
+        uint64_t at = 0;
+        for (int to = 0; to < world; ++to) {
+          const uint64_t bytes = f.send_bytes[static_cast<size_t>(to)];
+          if (node_of_rank_[to] == self_ && bytes > 0) {
+            const AlltoallBuffers& t = ranks[static_cast<size_t>(to)];
+            uint64_t into = 0;
+            for (int k = 0; k < from.rank; ++k) into += t.recv_bytes[static_cast<size_t>(k)];
+            std::memcpy(t.recv + into, f.send + at, bytes);
+          }
+          at += bytes;
+        }
+      }
+      return AlltoallPairwise(ctx, node_of_rank_, ranks);
     }
     case wire::Collective::kBarrier:
       break;

@@ -96,8 +96,14 @@ struct ClusterOp {
     int rank;
     const uint8_t* send;
     uint8_t* recv;
+    // alltoallv: elements for / from each rank of the job (else empty).
+    std::vector<uint64_t> send_counts;
+    std::vector<uint64_t> recv_counts;
   };
   std::vector<Part> parts;  // one per local rank
+  // alltoallv whose local ranks' counts disagree (the engine's words): the
+  // Ready carries it, and the coordinator fails the operation everywhere.
+  std::string splits_error;
   // An operation on GPU buffers: the node buffer lives on the device and is
   // staged through host memory (parts' send and recv are then null).
   // Released with the op, which waits for its device work.

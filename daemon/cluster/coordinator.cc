@@ -423,6 +423,13 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
   }
   run.ready[node] = true;
   ++run.ready_count;
+  if (ready.split_out_size() > 0 || ready.split_in_size() > 0) {
+    run.split_out.resize(nodes);
+    run.split_in.resize(nodes);
+    run.split_out[node].assign(ready.split_out().begin(), ready.split_out().end());
+    run.split_in[node].assign(ready.split_in().begin(), ready.split_in().end());
+  }
+  if (run.splits_error.empty()) run.splits_error = ready.splits_error();
   if (!run.failure.ok()) {
     send_fail(node, run.failure);
   } else if (!SameSignature(run.signature, ready.signature())) {
@@ -435,6 +442,16 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     }
   } else {
     run.deadline = std::min(run.deadline, now + timeout);
+    if (run.ready_count == nodes &&
+        run.signature.collective() == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
+      absl::Status splits = CheckSplits(job, ready.name(), run);
+      if (!splits.ok()) {
+        run.failure = splits;
+        for (int n = 0; n < nodes; ++n) send_fail(n, run.failure);
+        job.pending.erase(it);
+        return;
+      }
+    }
     if (run.ready_count == nodes) {
       Queued q;
       q.name = ready.name();
@@ -454,6 +471,34 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     }
   }
   if (run.ready_count == nodes) job.pending.erase(it);
+}
+
+absl::Status Coordinator::CheckSplits(const Job& job, const std::string& name,
+                                      const PendingRun& run) {
+  auto fail = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("operation '", name, "' mismatched across ranks: ", why));
+  };
+  if (!run.splits_error.empty()) return fail(run.splits_error);
+  const size_t nodes = static_cast<size_t>(job.membership.nodes_size());
+  for (size_t k = 0; k < nodes; ++k) {
+    if (k >= run.split_out.size() || run.split_out[k].size() != nodes ||
+        run.split_in[k].size() != nodes) {
+      return fail(absl::StrCat(NodeLabel(job, static_cast<int>(k)),
+                               " sent no alltoallv counts (a daemon of an older version?)"));
+    }
+  }
+  for (size_t k = 0; k < nodes; ++k) {
+    for (size_t m = 0; m < nodes; ++m) {
+      if (k != m && run.split_out[k][m] != run.split_in[m][k]) {
+        return fail(absl::StrCat("alltoallv counts disagree: what the ranks of ",
+                                 NodeLabel(job, static_cast<int>(k)), " send to those of ",
+                                 NodeLabel(job, static_cast<int>(m)),
+                                 " is not what those expect from them"));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {

@@ -52,6 +52,17 @@
 
 namespace ciuic::daemon {
 
+// alltoallv's check between nodes: a hash of element counts, folded in
+// order (start from kSplitsSeed). The same on every daemon (no per-process
+// seed), so nodes compare hashes instead of sending world_size^2 counts.
+inline constexpr uint64_t kSplitsSeed = 0x6a09e667f3bcc908ull;
+inline uint64_t HashSplits(uint64_t h, uint64_t count) {
+  uint64_t z = h ^ (count + 0x9e3779b97f4a7c15ull);  // splitmix64's finaliser
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 // How the coordinator speaks to one node's ordering stream.
 class NodeStream {
  public:
@@ -113,6 +124,11 @@ class Coordinator {
     absl::Status failure;  // poisoned: later nodes get it at once
     int32_t priority = 0;  // the highest any node gave
     bool device_buffers = false;  // some node's buffers are in GPU memory
+    // alltoallv: each node's Ready.split_out / split_in, and the first
+    // splits_error a node reported.
+    std::vector<std::vector<uint64_t>> split_out;
+    std::vector<std::vector<uint64_t>> split_in;
+    std::string splits_error;
   };
   // Ready on every node, waiting to be announced.
   struct Queued {
@@ -161,6 +177,10 @@ class Coordinator {
   void FailJob(Job& job, int code, const std::string& message, int leaving = -1);
   void MaybeErase(const std::string& key);
   std::string NodeLabel(const Job& job, int node) const;
+  // alltoallv, once every node is ready: INVALID_ARGUMENT when a node
+  // reported its own ranks' counts disagreeing, or when what node k's ranks
+  // send to node m's differs from what those expect (their hashes).
+  absl::Status CheckSplits(const Job& job, const std::string& name, const PendingRun& run);
   void TimerLoop();
 
   const std::string token_;

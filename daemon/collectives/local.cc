@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "reduce/reduce.h"
 
 namespace ciuic::daemon {
@@ -13,10 +14,36 @@ constexpr uint64_t kCacheBlockBytes = 64 * 1024;
 }  // namespace
 
 LocalCollective::LocalCollective(const OpSignature& sig, std::vector<const uint8_t*> send,
-                                 std::vector<uint8_t*> recv, uint64_t chunk_bytes)
+                                 std::vector<uint8_t*> recv, uint64_t chunk_bytes,
+                                 std::vector<std::vector<uint64_t>> send_counts)
     : sig_(sig), send_(std::move(send)), recv_(std::move(recv)),
       ranks_(static_cast<int>(recv_.size())) {
   const auto c = static_cast<wire::Collective>(sig_.collective);
+  if (c == wire::Collective::kAlltoallv) {
+    // Pieces of at most chunk_bytes per (sender, receiver) pair; block j of
+    // a send buffer and block i of a receive buffer follow the blocks before.
+    const size_t w = static_cast<size_t>(ranks_);
+    const uint64_t es = sig_.element_bytes();
+    const uint64_t piece = std::max<uint64_t>(es, chunk_bytes / es * es);
+    std::vector<uint64_t> recv_at(w, 0);
+    for (size_t from = 0; from < w; ++from) {
+      uint64_t send_at = 0;
+      uint64_t sent = 0;
+      for (size_t to = 0; to < w; ++to) {
+        const uint64_t bytes = send_counts[from][to] * es;
+        for (uint64_t done = 0; done < bytes; done += piece) {
+          pieces_.push_back(Piece{send_[from] + send_at + done, recv_[to] + recv_at[to] + done,
+                                  std::min(piece, bytes - done)});
+        }
+        send_at += bytes;
+        recv_at[to] += bytes;
+        sent += bytes;
+      }
+      v_payload_bytes_ = std::max(v_payload_bytes_, sent);
+    }
+    num_chunks_ = pieces_.size();
+    return;
+  }
   if (c == wire::Collective::kBarrier || sig_.count == 0) {
     num_chunks_ = 0;
     return;
@@ -36,12 +63,16 @@ LocalCollective::LocalCollective(const OpSignature& sig, std::vector<const uint8
     case wire::Collective::kAlltoall:  // one block per (sender, receiver) pair
       num_chunks_ = chunks_per_block_ * static_cast<size_t>(ranks_) * static_cast<size_t>(ranks_);
       break;
+    case wire::Collective::kAlltoallv:  // above
     case wire::Collective::kBarrier:
       break;
   }
 }
 
 uint64_t LocalCollective::payload_bytes() const {
+  if (static_cast<wire::Collective>(sig_.collective) == wire::Collective::kAlltoallv) {
+    return v_payload_bytes_;  // the largest send buffer
+  }
   const uint64_t block = sig_.count * sig_.element_bytes();
   switch (static_cast<wire::Collective>(sig_.collective)) {
     case wire::Collective::kReduceScatter:
@@ -55,6 +86,11 @@ uint64_t LocalCollective::payload_bytes() const {
 
 void LocalCollective::RunChunk(size_t index) const {
   const auto c = static_cast<wire::Collective>(sig_.collective);
+  if (c == wire::Collective::kAlltoallv) {
+    const Piece& p = pieces_[index];
+    std::memcpy(p.to, p.from, p.bytes);
+    return;
+  }
   const uint64_t es = sig_.element_bytes();
   const uint64_t block_bytes = sig_.count * es;
   // Which rank block (for reduce_scatter / allgather) and which element range.
@@ -107,10 +143,28 @@ void LocalCollective::RunChunk(size_t index) const {
                     n * es);
         break;
       }
+      case wire::Collective::kAlltoallv:  // above
       case wire::Collective::kBarrier:
         break;
     }
   }
+}
+
+absl::Status AlltoallvMismatch(const std::vector<int>& ranks,
+                               const std::vector<const std::vector<uint64_t>*>& send_counts,
+                               const std::vector<const std::vector<uint64_t>*>& recv_counts) {
+  for (int i : ranks) {
+    for (int j : ranks) {
+      const uint64_t sends = (*send_counts[i])[j];
+      const uint64_t expects = (*recv_counts[j])[i];
+      if (sends != expects) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "alltoallv counts disagree: rank ", i, " sends ", sends, " element(s) to rank ", j,
+            ", which expects ", expects, " from it"));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ciuic::daemon

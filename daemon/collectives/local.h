@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "collectives/op.h"
 
 namespace ciuic::daemon {
@@ -28,9 +29,12 @@ namespace ciuic::daemon {
 class LocalCollective {
  public:
   // send[r] / recv[r] are rank r's buffers (nullptr where ValidatedOp has
-  // none); they stay valid until the last chunk has run.
+  // none); they stay valid until the last chunk has run. alltoallv:
+  // send_counts[r] is rank r's (elements for each rank; the receivers'
+  // counts agree, AlltoallvMismatch), empty for every other collective.
   LocalCollective(const OpSignature& sig, std::vector<const uint8_t*> send,
-                  std::vector<uint8_t*> recv, uint64_t chunk_bytes);
+                  std::vector<uint8_t*> recv, uint64_t chunk_bytes,
+                  std::vector<std::vector<uint64_t>> send_counts = {});
 
   size_t num_chunks() const { return num_chunks_; }
   void RunChunk(size_t index) const;
@@ -45,6 +49,21 @@ class LocalCollective {
   uint64_t chunk_elems_ = 1;
   size_t chunks_per_block_ = 1;  // chunks per rank block (reduce_scatter, allgather)
   size_t num_chunks_ = 0;
+  // alltoallv: each chunk's pair and elements, in bytes.
+  struct Piece {
+    const uint8_t* from;
+    uint8_t* to;
+    uint64_t bytes;
+  };
+  std::vector<Piece> pieces_;
+  uint64_t v_payload_bytes_ = 0;
 };
+
+// alltoallv: OK when every send_counts[i][j] equals recv_counts[j][i] among
+// `ranks` (indices into both), else INVALID_ARGUMENT naming the first pair
+// that disagrees.
+absl::Status AlltoallvMismatch(const std::vector<int>& ranks,
+                               const std::vector<const std::vector<uint64_t>*>& send_counts,
+                               const std::vector<const std::vector<uint64_t>*>& recv_counts);
 
 }  // namespace ciuic::daemon

@@ -145,6 +145,68 @@ TEST_P(LocalCollectiveTest, AlltoallEveryDtypeMatchesPlainLoop) {
   }
 }
 
+TEST_P(LocalCollectiveTest, AlltoallvUnevenBlocksMatchPlainLoop) {
+  const auto [ranks, count, chunk] = GetParam();
+  const size_t w = static_cast<size_t>(ranks);
+  for (wire::DataType dtype : {wire::DataType::kFloat64, wire::DataType::kBFloat16,
+                               wire::DataType::kUInt8}) {
+    const uint64_t es = wire::DataTypeSize(static_cast<uint32_t>(dtype));
+    // Pair (i, j) sends a size derived from count: some empty, some large.
+    std::vector<std::vector<uint64_t>> counts(w, std::vector<uint64_t>(w));
+    for (size_t i = 0; i < w; ++i) {
+      for (size_t j = 0; j < w; ++j) counts[i][j] = (i + 2 * j) % 3 == 0 ? 0 : count / (1 + i + j);
+    }
+    std::vector<std::vector<uint8_t>> send(w), recv(w);
+    std::vector<const uint8_t*> sp(w);
+    std::vector<uint8_t*> rp(w);
+    for (size_t r = 0; r < w; ++r) {
+      uint64_t out = 0, in = 0;
+      for (size_t j = 0; j < w; ++j) {
+        out += counts[r][j] * es;
+        in += counts[j][r] * es;
+      }
+      send[r].resize(out);
+      for (uint64_t i = 0; i < out; ++i) send[r][i] = static_cast<uint8_t>(r * 31 + i * 7);
+      recv[r].assign(in + 1, 0xEE);
+      sp[r] = send[r].data();
+      rp[r] = recv[r].data();
+    }
+    OpSignature sig{static_cast<uint32_t>(wire::Collective::kAlltoallv),
+                    static_cast<uint32_t>(dtype), 0, 0, 0};
+    LocalCollective c(sig, sp, rp, chunk, counts);
+    RunAll(c);
+    for (size_t to = 0; to < w; ++to) {
+      uint64_t at = 0;
+      for (size_t from = 0; from < w; ++from) {
+        uint64_t src = 0;
+        for (size_t k = 0; k < to; ++k) src += counts[from][k] * es;
+        for (uint64_t i = 0; i < counts[from][to] * es; ++i) {
+          ASSERT_EQ(recv[to][at + i], send[from][src + i])
+              << "rank " << to << " from " << from << " byte " << i;
+        }
+        at += counts[from][to] * es;
+      }
+      EXPECT_EQ(recv[to][at], 0xEE) << "rank " << to << " written past its end";
+    }
+  }
+}
+
+TEST(AlltoallvMismatchTest, NamesTheFirstPairThatDisagrees) {
+  const std::vector<uint64_t> s0{1, 2, 3}, s1{4, 5, 6}, s2{7, 8, 9};
+  const std::vector<uint64_t> r0{1, 4, 7}, r1{2, 5, 8}, r2{3, 6, 9};
+  std::vector<const std::vector<uint64_t>*> send{&s0, &s1, &s2}, recv{&r0, &r1, &r2};
+  EXPECT_TRUE(AlltoallvMismatch({0, 1, 2}, send, recv).ok());
+  const std::vector<uint64_t> r2_bad{3, 60, 9};
+  recv[2] = &r2_bad;
+  absl::Status s = AlltoallvMismatch({0, 1, 2}, send, recv);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(),
+            "alltoallv counts disagree: rank 1 sends 6 element(s) to rank 2, which expects 60 "
+            "from it");
+  // Only the ranks given are compared (a node's own).
+  EXPECT_TRUE(AlltoallvMismatch({0, 1}, send, recv).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(
     SizesRanksChunks, LocalCollectiveTest,
     ::testing::Values(Param{1, 5, 64}, Param{2, 0, 64}, Param{2, 1, 64}, Param{2, 1001, 64},

@@ -27,6 +27,37 @@ bool Overlap(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) {
   return a < b + bn && b < a + an;
 }
 
+// alltoallv's counts: 2 * world_size uint64 at `offset` (8-aligned) in the
+// arena, copied out; op's send and recv bytes are their sums times `es`.
+absl::Status ReadSplits(uint64_t offset, const SessionMemory& memory, int world_size, size_t es,
+                        ValidatedOp* op) {
+  const size_t w = static_cast<size_t>(world_size);
+  if (offset % alignof(uint64_t) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("alltoallv counts at offset ", offset, " are not 8-byte aligned"));
+  }
+  auto p = memory.DataRange(offset, 2 * w * sizeof(uint64_t));
+  if (!p.ok()) return absl::InvalidArgumentError(absl::StrCat("alltoallv counts: ", p.status().message()));
+  std::vector<uint64_t> counts(2 * w);
+  std::memcpy(counts.data(), *p, counts.size() * sizeof(uint64_t));  // the trainer may change them
+  // Every sum times es must fit comfortably in 63 bits.
+  const uint64_t max_elems = (std::numeric_limits<uint64_t>::max() >> 1) / es;
+  uint64_t sums[2] = {0, 0};
+  for (size_t i = 0; i < 2 * w; ++i) {
+    uint64_t& sum = sums[i / w];
+    if (counts[i] > max_elems - sum) {
+      return absl::InvalidArgumentError(absl::StrCat("alltoallv ", i < w ? "send" : "recv",
+                                                     " counts add up to too many elements"));
+    }
+    sum += counts[i];
+  }
+  op->send_counts.assign(counts.begin(), counts.begin() + w);
+  op->recv_counts.assign(counts.begin() + w, counts.end());
+  op->send_bytes = sums[0] * es;
+  op->recv_bytes = sums[1] * es;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateDeviceBuffer(const wire::DeviceBufferDescriptor& d, uint64_t bytes,
@@ -104,10 +135,11 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
     if (!s.ok()) return fail(s.message());
     op.sig.reduce_op = e.reduce_op;
   }
-  if (collective == wire::Collective::kAlltoall && device) {
+  const bool v_splits = collective == wire::Collective::kAlltoallv;
+  if ((collective == wire::Collective::kAlltoall || v_splits) && device) {
     return absl::UnimplementedError(absl::StrCat(
-        "operation '", op.name, "': alltoall takes host buffers only (CUDA device buffers are "
-        "not supported for alltoall yet)"));
+        "operation '", op.name, "': ", cname, " takes host buffers only (CUDA device buffers are "
+        "not supported for ", cname, " yet)"));
   }
   if (collective == wire::Collective::kBroadcast) {
     if (e.root < 0 || e.root >= world_size) {
@@ -123,6 +155,11 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
   if (e.count > max_count) return fail(absl::StrCat("count ", e.count, " is too large"));
   const uint64_t block = e.count * es;
   const uint64_t all = block * static_cast<uint64_t>(world_size);
+  if (v_splits) {
+    if (e.count != 0) return fail(absl::StrCat("alltoallv with count ", e.count, " (must be 0)"));
+    absl::Status read = ReadSplits(e.splits_offset, memory, world_size, es, &op);
+    if (!read.ok()) return fail(read.message());
+  }
   switch (collective) {
     case wire::Collective::kAllreduce: op.send_bytes = block; op.recv_bytes = block; break;
     case wire::Collective::kReduceScatter: op.send_bytes = all; op.recv_bytes = block; break;
@@ -132,6 +169,7 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
       op.recv_bytes = block;
       break;
     case wire::Collective::kAlltoall: op.send_bytes = all; op.recv_bytes = all; break;
+    case wire::Collective::kAlltoallv: break;  // ReadSplits
     case wire::Collective::kBarrier: break;
   }
   // Where the two buffers start, in one address space: the daemon's mapping
@@ -212,6 +250,7 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
         in_place = send_at == recv_at + static_cast<uint64_t>(rank) * block;
         break;
       case wire::Collective::kAlltoall:  // every block is read and written by others
+      case wire::Collective::kAlltoallv:
       case wire::Collective::kBarrier: break;
     }
     if (!in_place) return fail("send and recv buffers overlap without being in place");

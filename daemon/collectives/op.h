@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "ciuic/shm_layout.h"
@@ -43,6 +44,10 @@ struct ValidatedOp {
   uint64_t recv_bytes = 0;
   uint32_t timeout_ms = 0;  // 0: the daemon's default
   int32_t priority = 0;
+  // alltoallv: elements for / from each rank (world_size entries each),
+  // copied out of the arena; empty for every other collective.
+  std::vector<uint64_t> send_counts;
+  std::vector<uint64_t> recv_counts;
 };
 
 // Checks one submission copied out of a session's ring against everything

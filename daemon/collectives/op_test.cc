@@ -285,6 +285,58 @@ TEST_F(ValidateTest, AlltoallTakesWholeBuffersNeverInPlaceAndNoDeviceMemory) {
   EXPECT_NE(s.message().find("alltoall takes host buffers only"), std::string::npos) << s;
 }
 
+TEST_F(ValidateTest, AlltoallvReadsItsCountsAndChecksThem) {
+  // Counts at 8 KiB into the arena: send {3, 0, 5}, recv {1, 2, 4}.
+  const uint64_t at = wire::kDataOffset + 8192;
+  auto put = [&](std::vector<uint64_t> counts) {
+    std::memcpy(*mem_->DataRange(at, counts.size() * 8), counts.data(), counts.size() * 8);
+  };
+  put({3, 0, 5, 1, 2, 4});
+  auto e = Entry(wire::Collective::kAlltoallv, 0);
+  e.reduce_op = 0;
+  e.splits_offset = at;
+  auto v = ValidateSubmission(e, *mem_, 3, 1);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->send_counts, (std::vector<uint64_t>{3, 0, 5}));
+  EXPECT_EQ(v->recv_counts, (std::vector<uint64_t>{1, 2, 4}));
+  EXPECT_EQ(v->send_bytes, 8u * 4);
+  EXPECT_EQ(v->recv_bytes, 7u * 4);
+  EXPECT_EQ(v->sig.ToString(), "alltoallv float32 count=0");
+  auto expect_error = [&](wire::SubmissionEntry bad, const char* words,
+                          absl::StatusCode code = absl::StatusCode::kInvalidArgument) {
+    absl::Status s = Check(bad, 3, 1);
+    EXPECT_EQ(s.code(), code) << words << ": " << s;
+    EXPECT_NE(s.message().find(words), absl::string_view::npos) << s.message();
+  };
+  auto bad = e;
+  bad.count = 4;
+  expect_error(bad, "alltoallv with count 4 (must be 0)");
+  bad = e;
+  bad.splits_offset = at + 4;
+  expect_error(bad, "not 8-byte aligned");
+  bad = e;
+  bad.splits_offset = wire::kDataOffset + (1 << 16) - 16;  // 48 bytes do not fit
+  expect_error(bad, "alltoallv counts");
+  bad = e;
+  bad.splits_offset = 8;  // the header
+  expect_error(bad, "alltoallv counts");
+  put({3, std::numeric_limits<uint64_t>::max() / 8, 5, 1, 2, 4});
+  expect_error(e, "send counts add up to too many elements");
+  put({3, 0, 5, 1, 2, uint64_t{1} << 61});
+  expect_error(e, "recv counts add up to too many elements");
+  put({3, 0, 5, 1, 2, 1 << 20});  // adds up, but not in the arena
+  expect_error(e, "recv");
+  put({3, 0, 5, 1, 2, 4});
+  bad = e;
+  bad.recv_offset = bad.send_offset + 31;  // 32 bytes sent: overlaps by one
+  expect_error(bad, "overlap");
+  bad.recv_offset = bad.send_offset + 32;
+  EXPECT_TRUE(Check(bad, 3, 1).ok());
+  bad = e;
+  bad.flags = wire::kSubmitFlagDeviceBuffers;
+  expect_error(bad, "alltoallv takes host buffers only", absl::StatusCode::kUnimplemented);
+}
+
 TEST_F(ValidateTest, NonRootBroadcastNeedsNoSendBuffer) {
   auto e = Entry(wire::Collective::kBroadcast, 10);
   e.root = 0;

@@ -556,6 +556,7 @@ class CudaDeviceRunner final : public DeviceRunner {
       case wire::Collective::kBarrier:
         return absl::InternalError("a barrier has no device buffers");
       case wire::Collective::kAlltoall:  // refused by ValidateSubmission
+      case wire::Collective::kAlltoallv:
         return absl::UnimplementedError("alltoall takes host buffers only");
     }
     return Finish(*stream, event);
@@ -621,7 +622,8 @@ class CudaDeviceRunner final : public DeviceRunner {
     if (collective == wire::Collective::kBarrier) {
       return absl::InternalError("a barrier has no device buffers");
     }
-    if (collective == wire::Collective::kAlltoall) {  // refused by ValidateSubmission
+    if (collective == wire::Collective::kAlltoall ||
+        collective == wire::Collective::kAlltoallv) {  // refused by ValidateSubmission
       return absl::UnimplementedError("alltoall takes host buffers only");
     }
     const size_t block = sig.count * sig.element_bytes();

@@ -75,6 +75,9 @@ struct PendingOp {
   // the ClusterJob stages through host memory.
   std::shared_ptr<StagedNodeBuffer> staged;
   OpRecord trace;  // for `ciuicctl trace`
+  // alltoallv in a multi-node job whose local ranks' counts disagree: the
+  // coordinator fails it on every node with this.
+  std::string splits_error;
   // While running:
   std::unique_ptr<LocalCollective> collective;
   std::atomic<size_t> chunks_left{0};
@@ -841,6 +844,31 @@ void Engine::CheckDeadlinesOnLoop() {
 }
 
 void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
+  const bool v_splits =
+      op->sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
+  if (v_splits) {
+    // The counts of this node's pairs (the coordinator checks the others').
+    std::vector<int> local;
+    std::vector<const std::vector<uint64_t>*> send_counts(job.world_size, nullptr);
+    std::vector<const std::vector<uint64_t>*> recv_counts(job.world_size, nullptr);
+    for (auto& part : op->parts) {
+      if (!part) continue;
+      const int r = part->session->rank;
+      local.push_back(r);
+      send_counts[r] = &part->op.send_counts;
+      recv_counts[r] = &part->op.recv_counts;
+      op->trace.bytes = std::max(op->trace.bytes, part->op.send_bytes);
+    }
+    absl::Status agree = AlltoallvMismatch(local, send_counts, recv_counts);
+    if (!agree.ok()) {
+      absl::Status mismatch = absl::InvalidArgumentError(absl::StrCat(
+          "operation '", op->name, "' mismatched across ranks: ", agree.message()));
+      spdlog::warn("job '{}': {}", job.id, std::string(mismatch.message()));
+      if (!job.cluster) return FailPendingOnLoop(job, *op, mismatch);
+      // The other nodes' ranks must hear of it too: through the coordinator.
+      op->splits_error = std::string(agree.message());
+    }
+  }
   if (op->sig.device) return LaunchDeviceOnLoop(job, std::move(op));
   if (job.cluster) return SubmitToClusterOnLoop(job, std::move(op));
   const config::Tuning tuning = options_.tuning->Snapshot();  // fixed for this operation
@@ -850,8 +878,12 @@ void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     send[r] = op->parts[r]->op.send;
     recv[r] = op->parts[r]->op.recv;
   }
+  std::vector<std::vector<uint64_t>> send_counts;
+  if (v_splits) {
+    for (int r = 0; r < job.world_size; ++r) send_counts.push_back(op->parts[r]->op.send_counts);
+  }
   op->collective = std::make_unique<LocalCollective>(op->sig, std::move(send), std::move(recv),
-                                                     tuning.chunk_bytes);
+                                                     tuning.chunk_bytes, std::move(send_counts));
   const size_t chunks = op->collective->num_chunks();
   const uint64_t bytes = op->collective->payload_bytes();
   if (chunks <= 1 || bytes <= tuning.small_op_bytes || workers_->size() == 0) {
@@ -882,6 +914,7 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   c.sig = op->sig;
   c.priority = op->priority;
   c.staged = std::move(op->staged);  // the ClusterOp's alone: it goes with the run
+  c.splits_error = op->splits_error;
   op->trace.cluster = std::make_shared<ClusterOp::Timing>();
   c.timing = op->trace.cluster;
   for (auto& part : op->parts) {
@@ -889,7 +922,8 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     if (c.staged) {
       c.parts.push_back(ClusterOp::Part{part->session->rank, nullptr, nullptr});
     } else {
-      c.parts.push_back(ClusterOp::Part{part->session->rank, part->op.send, part->op.recv});
+      c.parts.push_back(ClusterOp::Part{part->session->rank, part->op.send, part->op.recv,
+                                        part->op.send_counts, part->op.recv_counts});
     }
     if (part->op.timeout_ms) c.timeout_ms = part->op.timeout_ms;
   }

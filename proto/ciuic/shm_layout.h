@@ -35,7 +35,7 @@
 namespace ciuic::wire {
 
 inline constexpr uint64_t kSessionMagic = 0x31765f6369756963ULL;  // "ciuic_v1"
-inline constexpr uint32_t kLayoutVersion = 3;  // 3: device buffer descriptors
+inline constexpr uint32_t kLayoutVersion = 4;  // 3: device buffer descriptors; 4: splits_offset
 
 enum class Collective : uint32_t {
   kAllreduce = 1,
@@ -44,6 +44,7 @@ enum class Collective : uint32_t {
   kBroadcast = 4,
   kBarrier = 5,
   kAlltoall = 6,
+  kAlltoallv = 7,
 };
 
 enum class DataType : uint32_t {
@@ -122,6 +123,7 @@ inline constexpr const char* CollectiveName(uint32_t c) {
     case Collective::kBroadcast: return "broadcast";
     case Collective::kBarrier: return "barrier";
     case Collective::kAlltoall: return "alltoall";
+    case Collective::kAlltoallv: return "alltoallv";
   }
   return nullptr;
 }
@@ -174,6 +176,13 @@ inline constexpr size_t kMaxMessage = 232;
 //   barrier         no buffers; count must be 0
 //   alltoall        send: count * W (block j goes to rank j)
 //                   recv: count * W (block i comes from rank i); never in place
+//   alltoallv       count must be 0; splits_offset locates 2 * W uint64 element
+//                   counts: send_counts[W] then recv_counts[W]. send holds
+//                   sum(send_counts) elements, block j (send_counts[j] of them,
+//                   blocks back to back in rank order) going to rank j; recv
+//                   holds sum(recv_counts), block i from rank i. Rank i's
+//                   send_counts[j] must equal rank j's recv_counts[i]. Never
+//                   in place.
 struct SubmissionEntry {
   uint64_t op_id;        // chosen by the SDK, echoed in the completion
   uint32_t collective;   // Collective
@@ -191,9 +200,10 @@ struct SubmissionEntry {
   // 0 = the daemon's `compression` setting, else Codec.
   uint32_t codec;
   float codec_ratio;     // topk only: fraction of elements kept, (0, 1]
+  uint64_t splits_offset;  // alltoallv only: byte offset (8-aligned) of the counts
   char name[kMaxOpName]; // matches the operation across ranks
 };
-static_assert(sizeof(SubmissionEntry) == 176);
+static_assert(sizeof(SubmissionEntry) == 184);
 
 // SubmissionEntry.flags: the buffers are CUDA device memory. send_offset
 // and recv_offset then point at DeviceBufferDescriptor records in the

@@ -109,6 +109,7 @@ struct Handle::State {
   // Staging for buffers outside shared memory: copied out at completion.
   Buffer staging;      // send (or send and recv, when they overlap)
   Buffer staging_out;  // recv, when apart from send
+  Buffer splits;       // alltoallv's counts, read by the daemon
   const uint8_t* staging_recv = nullptr;
   void* user_recv = nullptr;
   size_t recv_bytes = 0;
@@ -154,6 +155,7 @@ struct Core {
     }
     st.staging = Buffer();
     st.staging_out = Buffer();
+    st.splits = Buffer();
     st.device_event.reset();
     st.status = std::move(status);
     st.done.store(true, std::memory_order_release);
@@ -314,8 +316,10 @@ class Communicator::Impl {
     size_t bytes;
   };
 
+  // `splits` (alltoallv only): send_counts then recv_counts, 2 * world_size.
   Handle Submit(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
-                size_t count, Span send, Span recv, void* user_recv, const OpOptions& opts);
+                size_t count, Span send, Span recv, void* user_recv, const OpOptions& opts,
+                const std::vector<uint64_t>* splits = nullptr);
 
   // Whether a submission goes on the job's fast path: small enough, and
   // valid the way the daemon checks a submission (ValidateSubmission), so
@@ -346,6 +350,8 @@ class Communicator::Impl {
   bool FastFits(const wire::SubmissionEntry& e) const {
     const auto collective = static_cast<wire::Collective>(e.collective);
     if (collective == wire::Collective::kBarrier) return true;
+    // Counts that differ per rank: the daemon matches them (a kDaemon key).
+    if (collective == wire::Collective::kAlltoallv) return false;
     const uint64_t es = wire::DataTypeSize(e.dtype);
     const uint64_t limit = core->fast->payload_limit();
     // limit <= 64 MiB, so once count <= limit none of the products overflow.
@@ -370,7 +376,8 @@ class Communicator::Impl {
     if (collective != wire::Collective::kAllreduce &&
         collective != wire::Collective::kReduceScatter &&
         collective != wire::Collective::kAllgather &&
-        collective != wire::Collective::kBroadcast && collective != wire::Collective::kAlltoall) {
+        collective != wire::Collective::kBroadcast && collective != wire::Collective::kAlltoall &&
+        collective != wire::Collective::kAlltoallv) {
       return false;
     }
     const uint64_t es = wire::DataTypeSize(e.dtype);
@@ -393,6 +400,7 @@ class Communicator::Impl {
         case wire::Collective::kReduceScatter: in_place = rp == sp + me * block; break;
         case wire::Collective::kAllgather: in_place = sp == rp + me * block; break;
         case wire::Collective::kAlltoall:  // never in place
+        case wire::Collective::kAlltoallv:
         case wire::Collective::kBarrier: break;
       }
       if (!in_place) return false;
@@ -650,7 +658,8 @@ Status Communicator::Impl::MakeEntry(wire::Collective collective, DataType dtype
 
 Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
                                   uint32_t reduce_op, int root, size_t count, Span send,
-                                  Span recv, void* user_recv, const OpOptions& opts) {
+                                  Span recv, void* user_recv, const OpOptions& opts,
+                                  const std::vector<uint64_t>* splits) {
   Core& c = *core;
   std::string name;
   wire::SubmissionEntry e;
@@ -662,6 +671,16 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   }
   auto st = std::make_shared<Handle::State>();
   st->core = core;
+  if (splits != nullptr) {
+    // The counts live in the arena until the operation completes.
+    const size_t bytes = splits->size() * sizeof(uint64_t);
+    uint64_t off = 0;
+    Status s = c.arena->Allocate(bytes, &off);
+    if (!s.ok()) return Failed(Status(s.code(), "operation '" + name + "': " + s.message()));
+    st->splits = BufferAccess::Make(c.arena, off, bytes);
+    std::memcpy(c.arena->base + off, splits->data(), bytes);
+    e.splits_offset = off;
+  }
 
   // In a job with a fast path every valid operation takes its key there,
   // large ones too, and learns its route (proto/ciuic/fast_path.h).
@@ -904,6 +923,26 @@ Handle Communicator::Alltoall(const void* send, void* recv, size_t count, DataTy
   const size_t all = count * DataTypeSize(dtype) * world_size();
   return impl_->Submit(wire::Collective::kAlltoall, dtype, 0, 0, count, {send, all},
                        {recv, all}, recv, options);
+}
+
+Handle Communicator::Alltoallv(const void* send, const std::vector<size_t>& send_counts,
+                               void* recv, const std::vector<size_t>& recv_counts,
+                               DataType dtype, const OpOptions& options) {
+  const size_t w = static_cast<size_t>(world_size());
+  if (send_counts.size() != w || recv_counts.size() != w) {
+    return impl_->Failed(Status(StatusCode::kInvalidArgument,
+                         "alltoallv: " + std::to_string(send_counts.size()) + " send and " +
+                             std::to_string(recv_counts.size()) + " recv counts for " +
+                             std::to_string(w) + " ranks (one per rank each)"));
+  }
+  std::vector<uint64_t> splits(send_counts.begin(), send_counts.end());
+  splits.insert(splits.end(), recv_counts.begin(), recv_counts.end());
+  uint64_t send_elems = 0, recv_elems = 0;
+  for (size_t c : send_counts) send_elems += c;
+  for (size_t c : recv_counts) recv_elems += c;
+  const size_t es = DataTypeSize(dtype);
+  return impl_->Submit(wire::Collective::kAlltoallv, dtype, 0, 0, 0, {send, send_elems * es},
+                       {recv, recv_elems * es}, recv, options, &splits);
 }
 
 Handle Communicator::Barrier(const OpOptions& options) {

@@ -185,4 +185,81 @@ struct Cluster {
   }
 };
 
+// One rank of an alltoallv in which rank i sends counts(i, j) elements to
+// rank j (the same function on every rank): rank r's send buffer is
+// FillInput(r, salt) data; the whole receive buffer is compared with the
+// senders' blocks, and one element past it must stay untouched. Returns 0
+// or, through CHILD_CHECK, 1 naming the operation and the element.
+template <typename Counts>
+int RunAlltoallvAndCheck(Communicator& comm, DataType t, Counts counts, const std::string& name,
+                         bool zero_copy, uint64_t salt = 0) {
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  const size_t es = DataTypeSize(t);
+  std::vector<size_t> send_counts(world), recv_counts(world);
+  size_t send_total = 0, recv_total = 0;
+  for (int j = 0; j < world; ++j) {
+    send_counts[j] = counts(rank, j);
+    recv_counts[j] = counts(j, rank);
+    send_total += send_counts[j];
+    recv_total += recv_counts[j];
+  }
+  Buffer sb, rb;
+  std::vector<uint8_t> sh, rh;
+  uint8_t* send;
+  uint8_t* recv;
+  if (zero_copy) {
+    Status s = comm.Allocate(send_total * es + 1, &sb);
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    s = comm.Allocate((recv_total + 1) * es, &rb);
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    send = static_cast<uint8_t*>(sb.data());
+    recv = static_cast<uint8_t*>(rb.data());
+  } else {
+    sh.resize(send_total * es + 1);
+    rh.resize((recv_total + 1) * es);
+    send = sh.data();
+    recv = rh.data();
+  }
+  FillInput(t, ReduceOp::kSum, rank, send, send_total, salt);
+  std::memset(recv, 0x5a, (recv_total + 1) * es);
+  OpOptions opts;
+  opts.name = name;
+  Status s = comm.Alltoallv(send, send_counts, recv, recv_counts, t, opts).Wait();
+  CHILD_CHECK(s.ok(), "%s: %s", name.c_str(), s.ToString().c_str());
+  size_t at = 0;
+  for (int from = 0; from < world; ++from) {
+    size_t from_total = 0, offset = 0;
+    for (int j = 0; j < world; ++j) {
+      if (j < rank) offset += counts(from, j);
+      from_total += counts(from, j);
+    }
+    std::vector<uint8_t> theirs(from_total * es + 1);
+    FillInput(t, ReduceOp::kSum, from, theirs.data(), from_total, salt);
+    for (size_t i = 0; i < counts(from, rank); ++i) {
+      CHILD_CHECK(std::memcmp(recv + (at + i) * es, theirs.data() + (offset + i) * es, es) == 0,
+                  "%s rank %d: element %zu from rank %d differs from its input", name.c_str(),
+                  rank, i, from);
+    }
+    at += counts(from, rank);
+  }
+  for (size_t b = 0; b < es; ++b) {
+    CHILD_CHECK(recv[recv_total * es + b] == 0x5a, "%s rank %d: written past the end",
+                name.c_str(), rank);
+  }
+  return 0;
+}
+
+// Uneven alltoallv counts of every kind: none (0), one element, odd sizes,
+// some pairs empty, a rank that sends nothing; `scale` makes them large.
+inline size_t UnevenCounts(int from, int to, int pattern, size_t scale) {
+  switch (pattern) {
+    case 0: return 0;
+    case 1: return 1;
+    case 2: return (from * 3 + to) % 4 == 0 ? 0 : (from + 1) * 7 + to * 3;
+    case 3: return from == 1 ? 0 : ((to + from) % 3 + 1) * scale + from;
+  }
+  return 0;
+}
+
 }  // namespace ciuic::testing

@@ -104,6 +104,78 @@ TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// One alltoallv whose counts are counts(i, j) except that rank `off_to`
+// expects one element more from rank `off_from`: every rank must fail with
+// INVALID_ARGUMENT containing `words`.
+template <typename Counts>
+int ExpectAlltoallvMismatch(Communicator& comm, Counts counts, int off_from, int off_to,
+                            const std::string& name, const std::string& words) {
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  std::vector<size_t> send_counts(world), recv_counts(world);
+  size_t st = 0, rt = 0;
+  for (int j = 0; j < world; ++j) {
+    send_counts[j] = counts(rank, j);
+    recv_counts[j] = counts(j, rank) + (rank == off_to && j == off_from ? 1 : 0);
+    st += send_counts[j];
+    rt += recv_counts[j];
+  }
+  std::vector<int32_t> in(st, rank), out(rt, -1);
+  OpOptions o;
+  o.name = name;
+  Status s =
+      comm.Alltoallv(in.data(), send_counts, out.data(), recv_counts, DataType::kInt32, o).Wait();
+  CHILD_CHECK(s.code() == StatusCode::kInvalidArgument &&
+                  Contains(s.message(), "'" + name + "' mismatched across ranks") &&
+                  Contains(s.message(), words),
+              "%s: %s", name.c_str(), s.ToString().c_str());
+  return 0;
+}
+
+TEST_P(MultiNodeTest, AlltoallvUnevenBlocksAndMismatchesOverUcxTcp) {
+  const Shape shape = GetParam();
+  auto cluster = Cluster::Start(shape.nodes, "tuning:\n  chunk_bytes: 64K\n");
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("a2av");
+  const int world = shape.nodes * shape.ranks_per_node;
+  auto codes = RunRanks(world, [&](int rank) {
+    auto comm = cluster->Join(job, rank, shape.nodes, shape.ranks_per_node);
+    CHILD_CHECK(comm != nullptr, "join");
+    int combo = 0;
+    for (DataType t : kAllDataTypes) {
+      for (int pattern = 0; pattern < 4; ++pattern) {
+        const size_t scale = pattern == 3 && t == DataType::kFloat32 ? 70001 : 501;
+        const std::string name =
+            std::string("a2av/") + DataTypeName(t) + "/" + std::to_string(pattern);
+        auto counts = [&](int i, int j) { return UnevenCounts(i, j, pattern, scale); };
+        if (RunAlltoallvAndCheck(*comm, t, counts, name, ++combo % 2 == 0, pattern) != 0) return 1;
+      }
+    }
+    auto counts = [](int i, int j) { return static_cast<size_t>(3 + i + j); };
+    // Between nodes: the coordinator compares the nodes' counts.
+    if (ExpectAlltoallvMismatch(*comm, counts, 0, world - 1, "a2av/between",
+                                "alltoallv counts disagree") != 0) {
+      return 1;
+    }
+    // Within node 0 of a multi-node job: its daemon finds it, every node hears.
+    if (shape.ranks_per_node > 1 &&
+        ExpectAlltoallvMismatch(*comm, counts, 0, 1, "a2av/within",
+                                "rank 0 sends 4 element(s) to rank 1, which expects 5") != 0) {
+      return 1;
+    }
+    // The job goes on.
+    if (RunAlltoallvAndCheck(*comm, DataType::kInt64, counts, "a2av/after", true) != 0) return 1;
+    if (RunOne(*comm, Coll::kAlltoall, DataType::kFloat16, ReduceOp::kSum, 3001, "a2a/after") != 0) {
+      return 1;
+    }
+    Status s = comm->Barrier().Wait();
+    CHILD_CHECK(s.ok(), "barrier: %s", s.ToString().c_str());
+    return 0;
+  }, std::chrono::seconds(300));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, MultiNodeTest,
                          kShapes, ShapeName);
 

@@ -8,6 +8,7 @@
 // depend on each other: the send window keeps max_inflight chunks moving to
 // whichever peers they are for. Each node sends (N-1)/N of its ranks' data
 // once, in N-1 messages' worth of chunks rather than one per rank pair.
+// Blocks may differ in size (alltoallv): each side knows its own pairs'.
 #include <algorithm>
 #include <cstdint>
 
@@ -20,19 +21,19 @@ namespace ciuic::daemon {
 using internode_internal::Mod;
 
 absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int>& node_of_rank,
-                              const std::vector<const uint8_t*>& send,
-                              const std::vector<uint8_t*>& recv, size_t block_bytes) {
+                              const std::vector<AlltoallBuffers>& ranks) {
   constexpr const char* kName = "AlltoallPairwise";
   if (absl::Status s = internode_internal::CheckContext(ctx, kName); !s.ok()) return s;
   const int n = ctx.transport->num_peers();
   const int me = ctx.transport->self();
   const size_t world = node_of_rank.size();
-  if (send.size() != world || recv.size() != world) {
-    return absl::InvalidArgumentError(absl::StrCat(kName, ": ", send.size(), " send and ",
-                                                   recv.size(), " recv buffers for ", world,
-                                                   " ranks"));
+  if (ranks.size() != world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kName, ": buffers for ", ranks.size(), " ranks in a job of ", world));
   }
   std::vector<std::vector<size_t>> ranks_of(static_cast<size_t>(std::max(n, 0)));
+  // Where each local rank's block for / from each rank starts.
+  std::vector<std::vector<size_t>> send_at(world), recv_at(world);
   for (size_t r = 0; r < world; ++r) {
     const int node = node_of_rank[r];
     if (node < 0 || node >= n) {
@@ -40,9 +41,21 @@ absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int
           absl::StrCat(kName, ": rank ", r, " is on node ", node, " of ", n));
     }
     ranks_of[static_cast<size_t>(node)].push_back(r);
-    if (node == me && block_bytes > 0 && (send[r] == nullptr || recv[r] == nullptr)) {
+    if (node != me) continue;
+    const AlltoallBuffers& b = ranks[r];
+    if (b.send_bytes.size() != world || b.recv_bytes.size() != world) {
       return absl::InvalidArgumentError(
-          absl::StrCat(kName, ": local rank ", r, " has no send or recv buffer"));
+          absl::StrCat(kName, ": local rank ", r, " has no byte counts for every rank"));
+    }
+    for (size_t j = 0, s = 0, t = 0; j < world; ++j) {
+      send_at[r].push_back(s);
+      recv_at[r].push_back(t);
+      s += b.send_bytes[j];
+      t += b.recv_bytes[j];
+      if ((s > 0 && b.send == nullptr) || (t > 0 && b.recv == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kName, ": local rank ", r, " has no send or recv buffer"));
+      }
     }
   }
   if (n <= 1) return absl::OkStatus();
@@ -51,26 +64,6 @@ absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int
   sched.name = kName;
   sched.num_tag_steps = static_cast<uint32_t>(n - 1);
   const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
-  // The step with the most chunks, over every pair of nodes: the same on
-  // every node, since it depends on the placement of ranks alone.
-  size_t most_ranks = 0, second = 0;
-  for (const auto& rs : ranks_of) {
-    if (rs.size() > most_ranks) {
-      second = most_ranks;
-      most_ranks = rs.size();
-    } else {
-      second = std::max(second, rs.size());
-    }
-  }
-  absl::StatusOr<size_t> chunk = internode_internal::PlanChunkBytes(
-      ctx.chunk_bytes, 1, chunk_bits, [&](size_t c) {
-        return most_ranks * second * ((block_bytes + c - 1) / c);
-      });
-  if (!chunk.ok()) {
-    return absl::Status(chunk.status().code(),
-                        absl::StrCat(kName, ": ", chunk.status().message()));
-  }
-
   const std::vector<size_t>& mine = ranks_of[static_cast<size_t>(me)];
   sched.steps.resize(static_cast<size_t>(n - 1));
   for (int s = 0; s < n - 1; ++s) {
@@ -80,15 +73,33 @@ absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int
     for (size_t from : mine) {
       for (size_t to : ranks_of[static_cast<size_t>(st.send.peer)]) {
         // Only read: Side keeps one pointer type for both directions.
-        st.send.Add(const_cast<uint8_t*>(send[from]) + to * block_bytes, block_bytes);
+        st.send.Add(const_cast<uint8_t*>(ranks[from].send) + send_at[from][to],
+                    ranks[from].send_bytes[to]);
       }
     }
     st.recv.peer = Mod(me - s - 1, n);
     for (size_t from : ranks_of[static_cast<size_t>(st.recv.peer)]) {
-      for (size_t to : mine) st.recv.Add(recv[to] + from * block_bytes, block_bytes);
+      for (size_t to : mine) {
+        st.recv.Add(ranks[to].recv + recv_at[to][from], ranks[to].recv_bytes[from]);
+      }
     }
   }
-  return internode_internal::RunSchedule(ctx, sched, *chunk, chunk_bits);
+  // A fixed chunk size: a node knows the sizes of its own pairs only, and
+  // both sides of a pair cut the same list the same way. A step whose
+  // chunks would overflow the tag's chunk field fails on both of its sides.
+  const size_t chunk = std::max<uint64_t>(1, ctx.chunk_bytes);
+  for (const internode_internal::Step& st : sched.steps) {
+    for (const internode_internal::Side* side : {&st.send, &st.recv}) {
+      internode_internal::Side probe = *side;
+      probe.Cut(chunk);
+      if (chunk_bits < 0 || probe.num_chunks() > (size_t{1} << chunk_bits)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            kName, ": ", probe.num_chunks(), " chunks of ", chunk,
+            " bytes between two nodes exceed the tag's chunk field; raise chunk_bytes"));
+      }
+    }
+  }
+  return internode_internal::RunSchedule(ctx, sched, chunk, chunk_bits);
 }
 
 }  // namespace ciuic::daemon

@@ -184,16 +184,27 @@ absl::Status ReduceScatterRing(const InterNodeContext& ctx, wire::DataType dtype
 absl::Status AllgatherRing(const InterNodeContext& ctx, void* data,
                            const std::vector<Block>& blocks);
 
-// Alltoall of the job's ranks between nodes: rank a's block b (send[a] +
-// b * block_bytes) lands in rank b's block a (recv[b] + a * block_bytes)
-// for every pair of ranks on different nodes; pairs on one node are the
-// caller's. node_of_rank[r] is rank r's node; send and recv have one entry
-// per rank, set (and apart) for this node's ranks, ignored for the others.
-// N-1 steps, step s exchanging with nodes r+s+1 and r-s-1, straight between
-// the ranks' buffers; each node sends its ranks' blocks for other nodes once.
+// One rank's buffers for AlltoallPairwise: its blocks for (send) and from
+// (recv) each rank of the job lie back to back in rank order, of the given
+// sizes in bytes (alltoall: all equal).
+struct AlltoallBuffers {
+  const uint8_t* send = nullptr;
+  uint8_t* recv = nullptr;
+  std::vector<uint64_t> send_bytes;  // one per rank of the job
+  std::vector<uint64_t> recv_bytes;
+};
+
+// Alltoall(v) of the job's ranks between nodes: rank a's block for rank b
+// lands in rank b's block from rank a, for every pair of ranks on different
+// nodes; pairs on one node are the caller's. node_of_rank[r] is rank r's
+// node; `ranks` has one entry per rank, set for this node's ranks, ignored
+// for the others. Rank a's send_bytes[b] must equal rank b's recv_bytes[a]
+// (the caller checks; sizes that disagree fail the transfer or land
+// misplaced). N-1 steps, step s exchanging with nodes r+s+1 and r-s-1,
+// straight between the ranks' buffers; each node sends its ranks' blocks
+// for other nodes once, in chunks of chunk_bytes.
 absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int>& node_of_rank,
-                              const std::vector<const uint8_t*>& send,
-                              const std::vector<uint8_t*>& recv, size_t block_bytes);
+                              const std::vector<AlltoallBuffers>& ranks);
 
 // `bytes` of `data` from node `root` to all. A message that fits in one chunk
 // goes down a binomial tree (ceil(log2 N) hops); a longer one down a chain

@@ -785,47 +785,65 @@ uint8_t AlltoallByte(size_t from, size_t to, size_t i) {
   return static_cast<uint8_t>(from * 61 + to * 17 + i * 7 + (i >> 9));
 }
 
-void CheckAlltoall(Cluster& cluster, const std::vector<int>& node_of_rank, size_t block,
-                   uint64_t chunk, const std::string& what) {
+// Every rank's buffers, its blocks `bytes(from, to)` long, each node as a
+// caller does it: its own pairs copied, the others through AlltoallPairwise.
+void CheckAlltoallv(Cluster& cluster, const std::vector<int>& node_of_rank,
+                    const std::function<size_t(size_t, size_t)>& bytes, uint64_t chunk,
+                    const std::string& what) {
   const size_t world = node_of_rank.size();
-  std::vector<std::vector<uint8_t>> send(world, std::vector<uint8_t>(block * world));
-  std::vector<std::vector<uint8_t>> recv(world, std::vector<uint8_t>(block * world, 0xEE));
-  for (size_t from = 0; from < world; ++from) {
-    for (size_t to = 0; to < world; ++to) {
-      for (size_t i = 0; i < block; ++i) send[from][to * block + i] = AlltoallByte(from, to, i);
+  std::vector<AlltoallBuffers> ranks(world);
+  std::vector<std::vector<uint8_t>> send(world), recv(world);
+  for (size_t r = 0; r < world; ++r) {
+    for (size_t j = 0; j < world; ++j) {
+      ranks[r].send_bytes.push_back(bytes(r, j));
+      ranks[r].recv_bytes.push_back(bytes(j, r));
+      for (size_t i = 0; i < bytes(r, j); ++i) send[r].push_back(AlltoallByte(r, j, i));
     }
+    size_t in = 0;
+    for (size_t j = 0; j < world; ++j) in += bytes(j, r);
+    recv[r].assign(in + 1, 0xEE);  // one byte past the end: must stay untouched
+    ranks[r].send = send[r].data();
+    ranks[r].recv = recv[r].data();
   }
   const std::vector<std::vector<uint8_t>> inputs = send;
   ExpectAllOk(cluster.Run(
                   [&](int k, const InterNodeContext& ctx) {
-                    std::vector<const uint8_t*> sp(world, nullptr);
-                    std::vector<uint8_t*> rp(world, nullptr);
+                    std::vector<AlltoallBuffers> mine(world);
                     for (size_t r = 0; r < world; ++r) {
-                      if (node_of_rank[r] != k) continue;
-                      sp[r] = send[r].data();
-                      rp[r] = recv[r].data();
+                      if (node_of_rank[r] == k) mine[r] = ranks[r];
                     }
-                    // Pairs on one node are the caller's.
                     for (size_t a = 0; a < world; ++a) {
+                      size_t at = 0;
                       for (size_t b = 0; b < world; ++b) {
-                        if (node_of_rank[a] == k && node_of_rank[b] == k && block > 0) {
-                          std::memcpy(rp[b] + a * block, sp[a] + b * block, block);
+                        if (node_of_rank[a] == k && node_of_rank[b] == k && bytes(a, b) > 0) {
+                          size_t into = 0;
+                          for (size_t c = 0; c < a; ++c) into += bytes(c, b);
+                          std::memcpy(recv[b].data() + into, send[a].data() + at, bytes(a, b));
                         }
+                        at += bytes(a, b);
                       }
                     }
-                    return AlltoallPairwise(ctx, node_of_rank, sp, rp, block);
+                    return AlltoallPairwise(ctx, node_of_rank, mine);
                   },
                   chunk, 3),
               what);
   for (size_t to = 0; to < world; ++to) {
+    size_t at = 0;
     for (size_t from = 0; from < world; ++from) {
-      for (size_t i = 0; i < block; ++i) {
-        ASSERT_EQ(recv[to][from * block + i], AlltoallByte(from, to, i))
+      for (size_t i = 0; i < bytes(from, to); ++i) {
+        ASSERT_EQ(recv[to][at + i], AlltoallByte(from, to, i))
             << what << ": rank " << to << " from " << from << " byte " << i;
       }
+      at += bytes(from, to);
     }
+    EXPECT_EQ(recv[to][at], 0xEE) << what << ": rank " << to << " written past its end";
     EXPECT_EQ(send[to], inputs[to]) << what << ": input of rank " << to << " written";
   }
+}
+
+void CheckAlltoall(Cluster& cluster, const std::vector<int>& node_of_rank, size_t block,
+                   uint64_t chunk, const std::string& what) {
+  CheckAlltoallv(cluster, node_of_rank, [block](size_t, size_t) { return block; }, chunk, what);
 }
 
 TEST_P(AlltoallTest, EveryBlockLandsForEveryLayoutAndSize) {
@@ -843,6 +861,21 @@ TEST_P(AlltoallTest, EveryBlockLandsForEveryLayoutAndSize) {
     CheckAlltoall(cluster, dealt, block, 100, "dealt" + size);
   }
   CheckAlltoall(cluster, contiguous, 100003, 4096, "two ranks per node, large");
+  // alltoallv: every pair its own size, many of them empty, some crossing
+  // chunks; whole pairs of nodes with nothing between them.
+  std::mt19937 rng(n * 7 + channels);
+  for (const auto* layout : {&one_each, &contiguous, &dealt}) {
+    const size_t world = layout->size();
+    std::vector<size_t> sizes(world * world);
+    for (size_t& x : sizes) x = rng() % 3 == 0 ? 0 : rng() % 700;
+    CheckAlltoallv(cluster, *layout, [&](size_t a, size_t b) { return sizes[a * world + b]; },
+                   64, "alltoallv");
+    CheckAlltoallv(cluster, *layout,
+                   [&](size_t a, size_t b) {
+                     return (*layout)[a] == 0 || (*layout)[b] == 0 ? sizes[a * world + b] : 0;
+                   },
+                   100, "alltoallv, only node 0's pairs");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, AlltoallTest,
@@ -856,10 +889,11 @@ INSTANTIATE_TEST_SUITE_P(Nodes, AlltoallTest,
 TEST(AlltoallArgumentTest, RejectsBadPlacementAndMissingBuffers) {
   Cluster cluster(2, 1);
   uint8_t a[8] = {}, b[8] = {};
+  const AlltoallBuffers good{a, b, {4, 4}, {4, 4}};
   const std::vector<absl::Status> st = cluster.Run(
       [&](int k, const InterNodeContext& ctx) {
-        if (k == 0) return AlltoallPairwise(ctx, {0, 2}, {a, a}, {b, b}, 4);  // node 2 of 2
-        return AlltoallPairwise(ctx, {0, 1}, {a, nullptr}, {b, nullptr}, 4);  // own rank 1 unset
+        if (k == 0) return AlltoallPairwise(ctx, {0, 2}, {good, good});  // node 2 of 2
+        return AlltoallPairwise(ctx, {0, 1}, {good, AlltoallBuffers{nullptr, b, {4, 4}, {4, 4}}});
       },
       64, 4, milliseconds(2000));
   EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument) << st[0];
@@ -954,11 +988,10 @@ TEST(FaultTest, KillNodeMidAlltoall) {
       5, 2, 10,
       [](int k, const InterNodeContext& ctx, std::vector<uint8_t>& d) {
         const size_t half = d.size() / 2;
-        std::vector<const uint8_t*> sp(5, nullptr);
-        std::vector<uint8_t*> rp(5, nullptr);
-        sp[k] = d.data();
-        rp[k] = d.data() + half;
-        return AlltoallPairwise(ctx, {0, 1, 2, 3, 4}, sp, rp, half / 5);
+        std::vector<AlltoallBuffers> ranks(5);
+        ranks[k] = AlltoallBuffers{d.data(), d.data() + half, std::vector<uint64_t>(5, half / 5),
+                                   std::vector<uint64_t>(5, half / 5)};
+        return AlltoallPairwise(ctx, {0, 1, 2, 3, 4}, ranks);
       },
       {});
 }
@@ -970,11 +1003,11 @@ TEST(FaultTest, AlltoallBlockSizesThatDisagreeFailEverywhere) {
   const Clock::time_point start = Clock::now();
   const std::vector<absl::Status> st = cluster.Run(
       [&](int k, const InterNodeContext& ctx) {
-        std::vector<const uint8_t*> sp(3, nullptr);
-        std::vector<uint8_t*> rp(3, nullptr);
-        sp[k] = send[k].data();
-        rp[k] = recv[k].data();
-        return AlltoallPairwise(ctx, {0, 1, 2}, sp, rp, k == 1 ? 4999 : 5000);
+        const uint64_t block = k == 1 ? 4999 : 5000;
+        std::vector<AlltoallBuffers> ranks(3);
+        ranks[k] = AlltoallBuffers{send[k].data(), recv[k].data(), std::vector<uint64_t>(3, block),
+                                   std::vector<uint64_t>(3, block)};
+        return AlltoallPairwise(ctx, {0, 1, 2}, ranks);
       },
       1024, 4, kFaultDeadline);
   EXPECT_LT(Clock::now() - start, kFaultDeadline + milliseconds(1000));

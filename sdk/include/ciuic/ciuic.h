@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ciuic/status.h"
 
@@ -212,6 +213,15 @@ class Communicator {
   // memory only.
   Handle Alltoall(const void* send, void* recv, size_t count, DataType dtype,
                   const OpOptions& options = {});
+  // Alltoall with blocks of any size (MoE token exchange): send holds
+  // send_counts[j] elements for each rank j, back to back in rank order;
+  // recv gets recv_counts[i] elements from each rank i, likewise. Both
+  // vectors have world_size entries, and rank i's send_counts[j] must equal
+  // rank j's recv_counts[i] (else every rank gets INVALID_ARGUMENT). Never in
+  // place; host memory only.
+  Handle Alltoallv(const void* send, const std::vector<size_t>& send_counts, void* recv,
+                   const std::vector<size_t>& recv_counts, DataType dtype,
+                   const OpOptions& options = {});
 
   // The same collectives on device memory (see the top of this file); sizes
   // and in-place rules as above, in-place meaning the same pointer.

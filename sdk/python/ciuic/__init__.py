@@ -136,6 +136,26 @@ def _TORCH_DTYPES():
     return _torch_dtypes_cache
 
 
+def _split_counts(t, split_sizes, world_size, what):
+    """Elements per block of ``t`` cut along its first dimension into
+    ``split_sizes`` rows each (None: world_size equal blocks)."""
+    shape = tuple(t.shape)
+    rows = shape[0] if shape else 1
+    numel = int(np.prod(shape)) if shape else 1
+    per_row = numel // rows if rows else 0
+    if split_sizes is None:
+        if rows % world_size:
+            raise InvalidArgumentError(
+                f"alltoall: the {what}'s {rows} rows do not split into {world_size} equal blocks")
+        return [rows // world_size * per_row] * world_size
+    sizes = [int(x) for x in split_sizes]
+    if len(sizes) != world_size or any(x < 0 for x in sizes) or sum(sizes) != rows:
+        raise InvalidArgumentError(
+            f"alltoall: {what}_split_sizes {sizes} must be {world_size} non-negative row "
+            f"counts adding up to the {what}'s {rows} rows")
+    return [x * per_row for x in sizes]
+
+
 def _timeout_ms(timeout):
     if timeout is None:
         return 0
@@ -463,7 +483,8 @@ class Communicator:
         self.allgather_async(output, input, name, priority, timeout).wait()
         return output
 
-    def alltoall_async(self, output, input, name=None, priority=0, timeout=None):
+    def alltoall_async(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                       name=None, priority=0, timeout=None):
         _check_same_kind("alltoall", input, output)
         if _is_cuda(input) or _is_cuda(output):
             raise error_class(StatusCode.UNIMPLEMENTED)(
@@ -476,16 +497,28 @@ class Communicator:
                 ibuf.nbytes > 0 and np.may_share_memory(ibuf, obuf):
             raise InvalidArgumentError("alltoall: input and output overlap (never in place)")
         ibuf = self._stage_apart(ibuf, obuf)
-        h = self._impl.alltoall(ibuf, obuf, dtype=dtype, name=name or "", priority=priority,
-                                timeout_ms=_timeout_ms(timeout))
+        if output_split_sizes is None and input_split_sizes is None:
+            h = self._impl.alltoall(ibuf, obuf, dtype=dtype, name=name or "",
+                                    priority=priority, timeout_ms=_timeout_ms(timeout))
+        else:
+            send_counts = _split_counts(input, input_split_sizes, self.world_size, "input")
+            recv_counts = _split_counts(output, output_split_sizes, self.world_size, "output")
+            h = self._impl.alltoallv(ibuf, obuf, send_counts, recv_counts, dtype=dtype,
+                                     name=name or "", priority=priority,
+                                     timeout_ms=_timeout_ms(timeout))
         return Work(h, output, self)
 
-    def alltoall(self, output, input, name=None, priority=0, timeout=None):
-        """``input`` and ``output`` hold world_size equal blocks: block j of
-        ``input`` goes to rank j, block i of ``output`` comes from rank i (as
-        torch.distributed.all_to_all_single without split sizes). Never in
-        place; host tensors and arrays only."""
-        self.alltoall_async(output, input, name, priority, timeout).wait()
+    def alltoall(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                 name=None, priority=0, timeout=None):
+        """As torch.distributed.all_to_all_single: ``input``'s rows (its first
+        dimension) are cut into world_size blocks, block j going to rank j;
+        ``output``'s block i comes from rank i. Without split sizes the
+        blocks are equal; with them (a list of world_size row counts, for
+        either side; the other side's default is equal blocks) they may
+        differ (alltoallv): rank i's input_split_sizes[j] must equal rank j's
+        output_split_sizes[i]. Never in place; host tensors and arrays only."""
+        self.alltoall_async(output, input, output_split_sizes, input_split_sizes, name,
+                            priority, timeout).wait()
         return output
 
     def broadcast_async(self, t, root=0, name=None, priority=0, timeout=None):

@@ -377,6 +377,38 @@ class PyComm {
     });
   }
 
+  PyHandle Alltoallv(py::handle send, py::handle recv, const std::vector<size_t>& send_counts,
+                     const std::vector<size_t>& recv_counts, std::optional<std::string> dtype,
+                     const std::string& name, int32_t priority, uint32_t timeout_ms) {
+    auto sv = GetView(send, false, "input");
+    auto rv = GetView(recv, true, "output");
+    const auto [dt_, scount_] = TypeAndCount(*sv, dtype, "alltoallv input");
+    const DataType dt = dt_;
+    const size_t scount = scount_;
+    const auto [rdt_, rcount_] = TypeAndCount(*rv, dtype, "alltoallv output");
+    const DataType rdt = rdt_;
+    const size_t rcount = rcount_;
+    const size_t world = static_cast<size_t>(world_size_);
+    if (send_counts.size() != world || recv_counts.size() != world) {
+      ThrowInvalid("alltoallv: one send and one recv count per rank (" +
+                   std::to_string(world_size_) + "); got " + std::to_string(send_counts.size()) +
+                   " and " + std::to_string(recv_counts.size()));
+    }
+    size_t ssum = 0, rsum = 0;
+    for (size_t c : send_counts) ssum += c;
+    for (size_t c : recv_counts) rsum += c;
+    if (rdt != dt || ssum != scount || rsum != rcount) {
+      ThrowInvalid("alltoallv: the input must hold the send counts' sum and the output the recv "
+                   "counts' sum, of one dtype; input " + Describe(dt, scount) + " for " +
+                   std::to_string(ssum) + ", output " + Describe(rdt, rcount) + " for " +
+                   std::to_string(rsum));
+    }
+    const OpOptions o = MakeOptions(name, priority, timeout_ms);
+    return Submit(name, sv, rv, [&](Communicator& c) {
+      return c.Alltoallv(sv->data(), send_counts, rv->data(), recv_counts, dt, o);
+    });
+  }
+
   PyHandle Broadcast(py::handle buffer, int root, std::optional<std::string> dtype,
                      const std::string& name, int32_t priority, uint32_t timeout_ms) {
     if (root < 0 || root >= world_size_) {
@@ -603,6 +635,10 @@ PYBIND11_MODULE(_ciuic, m) {
            py::arg("dtype") = py::none(), py::arg("name") = "", py::arg("priority") = 0,
            py::arg("timeout_ms") = 0)
       .def("alltoall", &PyComm::Alltoall, py::arg("send"), py::arg("recv"), py::kw_only(),
+           py::arg("dtype") = py::none(), py::arg("name") = "", py::arg("priority") = 0,
+           py::arg("timeout_ms") = 0)
+      .def("alltoallv", &PyComm::Alltoallv, py::arg("send"), py::arg("recv"),
+           py::arg("send_counts"), py::arg("recv_counts"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("name") = "", py::arg("priority") = 0,
            py::arg("timeout_ms") = 0)
       .def("broadcast", &PyComm::Broadcast, py::arg("buffer"), py::kw_only(), py::arg("root"),

@@ -197,6 +197,62 @@ def alltoall_all(ctx, lib, dtype, seed):
     return checks
 
 
+def split_rows(i, j, pattern):
+    """Rows rank i sends rank j in alltoallv test `pattern`: none, one,
+    uneven with empty pairs, and a rank (1) that sends nothing."""
+    return [0, 1, 0 if (3 * i + j) % 4 == 0 else (i + 1) * 5 + 3 * j,
+            0 if i == 1 else ((i + j) % 3 + 1) * 700 + i][pattern]
+
+
+def alltoallv_all(ctx, lib, dtype, seed, cols=3):
+    """alltoall with input/output split sizes (rows of `cols` elements),
+    against numpy: every pattern of split_rows."""
+    world, rank = ctx.world, ctx.rank
+    checks = 0
+    for pattern in range(4):
+        rows = [[split_rows(i, j, pattern) for j in range(world)] for i in range(world)]
+        inputs = [values(seed + pattern, r, sum(rows[r]) * cols, dtype) for r in range(world)]
+        src = make(inputs[rank], dtype, lib).reshape(sum(rows[rank]), cols)
+        recv_rows = [rows[i][rank] for i in range(world)]
+        out = empty_like_lib(sum(recv_rows) * cols, dtype, lib).reshape(sum(recv_rows), cols)
+        got = ctx.comm.alltoall(out, src, output_split_sizes=recv_rows,
+                                input_split_sizes=rows[rank],
+                                name=ctx.name(f"a2av.{lib}.{dtype}.{pattern}"))
+        assert got is out
+        want = []
+        for i in range(world):
+            at = sum(rows[i][:rank]) * cols
+            want.append(inputs[i][at:at + rows[i][rank] * cols])
+        expect_equal(out.reshape(-1), np.concatenate(want), dtype, lib,
+                     f"alltoallv pattern {pattern}")
+        checks += 1
+    return checks
+
+
+def alltoallv_mismatch(ctx):
+    """Rank world-1 expects one row more from rank 0 than rank 0 sends:
+    InvalidArgumentError on every rank, and the next operation works."""
+    import ciuic
+    world, rank = ctx.world, ctx.rank
+    send = [1] * world
+    recv = [1] * world
+    if rank == world - 1:
+        recv[0] = 2
+    src = np.full(sum(send), rank, np.int32)
+    out = np.zeros(sum(recv), np.int32)
+    try:
+        ctx.comm.alltoall(out, src, output_split_sizes=recv, input_split_sizes=send,
+                          name=ctx.name("a2av.mismatch"), timeout=20)
+    except ciuic.InvalidArgumentError as e:
+        message = e.message
+    else:
+        raise AssertionError("no error for mismatched alltoallv counts")
+    out = np.zeros(world, np.int32)
+    ctx.comm.alltoall(out, np.full(world, rank, np.int32), name=ctx.name("a2av.after"))
+    assert out.tolist() == list(range(world)), out
+    return message
+
+
 def broadcast_all(ctx, lib, dtype, seed):
     checks = 0
     for root in range(ctx.world):
@@ -560,6 +616,7 @@ def mn_collectives(ctx, lib, dtype, seed, big):
         ctx.comm.alltoall(out, src, name=ctx.name(f"mn.a2a.{lib}.{dtype}.{n}"))
         expect_equal(out, alltoall_reference(inputs, rank, n), dtype, lib, f"alltoall n={n}")
         checks += 1
+    checks += alltoallv_all(ctx, lib, dtype, seed)
     for root in sorted({0, world - 1}):  # node 0 and the last node
         for n in MN_SMALL_SIZES + big_or_none(MN_BIG):
             inputs = [values(seed + n + root, r, n, dtype) for r in range(world)]

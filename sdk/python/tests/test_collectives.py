@@ -32,6 +32,18 @@ def test_alltoall(pool, lib, dtype):
 
 
 @pytest.mark.parametrize("lib,dtype", CASES)
+def test_alltoall_with_split_sizes(pool, lib, dtype):
+    checks = pool.run(ranks.alltoallv_all, lib, dtype, 16)
+    assert checks[0] == 4
+
+
+def test_alltoall_split_sizes_that_disagree_fail_on_every_rank(pool):
+    for message in pool.run(ranks.alltoallv_mismatch):
+        assert "mismatched across ranks" in message and "alltoallv counts disagree" in message, \
+            message
+
+
+@pytest.mark.parametrize("lib,dtype", CASES)
 def test_broadcast(pool, lib, dtype):
     pool.run(ranks.broadcast_all, lib, dtype, 14)
 

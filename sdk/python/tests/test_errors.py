@@ -88,6 +88,12 @@ def test_local_argument_errors(solo):
     with pytest.raises(ciuic.InvalidArgumentError, match="never in place"):
         t = torch.zeros(8)
         solo.alltoall(t[2:6], t[:4])
+    with pytest.raises(ciuic.InvalidArgumentError, match="input_split_sizes"):
+        solo.alltoall(np.zeros(4, np.float32), np.zeros(4, np.float32), input_split_sizes=[3])
+    with pytest.raises(ciuic.InvalidArgumentError, match="output_split_sizes"):
+        solo.alltoall(np.zeros(4, np.float32), np.zeros(4, np.float32), output_split_sizes=[4, 0])
+    with pytest.raises(ciuic.InvalidArgumentError, match="input_split_sizes"):
+        solo.alltoall(np.zeros(4, np.float32), np.zeros(4, np.float32), input_split_sizes=[-1])
     with pytest.raises(ciuic.InvalidArgumentError, match="root"):
         solo.broadcast(a, root=1)
     with pytest.raises(ciuic.InvalidArgumentError, match="buffer protocol"):
