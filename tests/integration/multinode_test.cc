@@ -104,34 +104,6 @@ TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
-// One alltoallv whose counts are counts(i, j) except that rank `off_to`
-// expects one element more from rank `off_from`: every rank must fail with
-// INVALID_ARGUMENT containing `words`.
-template <typename Counts>
-int ExpectAlltoallvMismatch(Communicator& comm, Counts counts, int off_from, int off_to,
-                            const std::string& name, const std::string& words) {
-  const int world = comm.world_size();
-  const int rank = comm.rank();
-  std::vector<size_t> send_counts(world), recv_counts(world);
-  size_t st = 0, rt = 0;
-  for (int j = 0; j < world; ++j) {
-    send_counts[j] = counts(rank, j);
-    recv_counts[j] = counts(j, rank) + (rank == off_to && j == off_from ? 1 : 0);
-    st += send_counts[j];
-    rt += recv_counts[j];
-  }
-  std::vector<int32_t> in(st, rank), out(rt, -1);
-  OpOptions o;
-  o.name = name;
-  Status s =
-      comm.Alltoallv(in.data(), send_counts, out.data(), recv_counts, DataType::kInt32, o).Wait();
-  CHILD_CHECK(s.code() == StatusCode::kInvalidArgument &&
-                  Contains(s.message(), "'" + name + "' mismatched across ranks") &&
-                  Contains(s.message(), words),
-              "%s: %s", name.c_str(), s.ToString().c_str());
-  return 0;
-}
-
 TEST_P(MultiNodeTest, AlltoallvUnevenBlocksAndMismatchesOverUcxTcp) {
   const Shape shape = GetParam();
   auto cluster = Cluster::Start(shape.nodes, "tuning:\n  chunk_bytes: 64K\n");

@@ -33,6 +33,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ciuic/ciuic.h"
@@ -168,6 +169,24 @@ std::pair<DataType, size_t> TypeAndCount(const View& v, const std::optional<std:
                  "uint8, int32, int64)");
   }
   return {dt, v.bytes() / DataTypeSize(dt)};
+}
+
+// The input and output of a collective with two buffers of its own sizes:
+// views, dtypes and element counts ("<what> input" / "<what> output" in
+// errors).
+struct InOut {
+  std::shared_ptr<View> in, out;
+  DataType in_dtype, out_dtype;
+  size_t in_count, out_count;
+};
+InOut GetInOut(py::handle send, py::handle recv, const std::optional<std::string>& dtype,
+               const std::string& what) {
+  InOut io;
+  io.in = GetView(send, false, "input");
+  io.out = GetView(recv, true, "output");
+  std::tie(io.in_dtype, io.in_count) = TypeAndCount(*io.in, dtype, (what + " input").c_str());
+  std::tie(io.out_dtype, io.out_count) = TypeAndCount(*io.out, dtype, (what + " output").c_str());
+  return io;
 }
 
 ReduceOp ParseOp(const std::string& name) {
@@ -315,14 +334,8 @@ class PyComm {
                          std::optional<std::string> dtype, const std::string& name,
                          int32_t priority, uint32_t timeout_ms, const std::string& compression) {
     const ReduceOp rop = ParseOp(op);
-    auto sv = GetView(send, false, "input");
-    auto rv = GetView(recv, true, "output");
-    const auto [dt_, count_] = TypeAndCount(*rv, dtype, "reduce_scatter output");
-    const DataType dt = dt_;
-    const size_t count = count_;
-    const auto [sdt_, scount_] = TypeAndCount(*sv, dtype, "reduce_scatter input");
-    const DataType sdt = sdt_;
-    const size_t scount = scount_;
+    const InOut io = GetInOut(send, recv, dtype, "reduce_scatter");
+    const auto& [sv, rv, sdt, dt, scount, count] = io;
     if (sdt != dt || scount != count * world_size_) {
       ThrowInvalid("reduce_scatter: the input must hold world_size (" +
                    std::to_string(world_size_) + ") times the output's elements of the same "
@@ -336,14 +349,8 @@ class PyComm {
 
   PyHandle Allgather(py::handle send, py::handle recv, std::optional<std::string> dtype,
                      const std::string& name, int32_t priority, uint32_t timeout_ms) {
-    auto sv = GetView(send, false, "input");
-    auto rv = GetView(recv, true, "output");
-    const auto [dt_, count_] = TypeAndCount(*sv, dtype, "allgather input");
-    const DataType dt = dt_;
-    const size_t count = count_;
-    const auto [rdt_, rcount_] = TypeAndCount(*rv, dtype, "allgather output");
-    const DataType rdt = rdt_;
-    const size_t rcount = rcount_;
+    const InOut io = GetInOut(send, recv, dtype, "allgather");
+    const auto& [sv, rv, dt, rdt, count, rcount] = io;
     if (rdt != dt || rcount != count * world_size_) {
       ThrowInvalid("allgather: the output must hold world_size (" +
                    std::to_string(world_size_) + ") times the input's elements of the same "
@@ -357,14 +364,8 @@ class PyComm {
 
   PyHandle Alltoall(py::handle send, py::handle recv, std::optional<std::string> dtype,
                     const std::string& name, int32_t priority, uint32_t timeout_ms) {
-    auto sv = GetView(send, false, "input");
-    auto rv = GetView(recv, true, "output");
-    const auto [dt_, scount_] = TypeAndCount(*sv, dtype, "alltoall input");
-    const DataType dt = dt_;
-    const size_t scount = scount_;
-    const auto [rdt_, rcount_] = TypeAndCount(*rv, dtype, "alltoall output");
-    const DataType rdt = rdt_;
-    const size_t rcount = rcount_;
+    const InOut io = GetInOut(send, recv, dtype, "alltoall");
+    const auto& [sv, rv, dt, rdt, scount, rcount] = io;
     const size_t world = static_cast<size_t>(world_size_);
     if (rdt != dt || rcount != scount || scount % world != 0) {
       ThrowInvalid("alltoall: input and output must hold the same number of elements of the "
@@ -380,14 +381,8 @@ class PyComm {
   PyHandle Alltoallv(py::handle send, py::handle recv, const std::vector<size_t>& send_counts,
                      const std::vector<size_t>& recv_counts, std::optional<std::string> dtype,
                      const std::string& name, int32_t priority, uint32_t timeout_ms) {
-    auto sv = GetView(send, false, "input");
-    auto rv = GetView(recv, true, "output");
-    const auto [dt_, scount_] = TypeAndCount(*sv, dtype, "alltoallv input");
-    const DataType dt = dt_;
-    const size_t scount = scount_;
-    const auto [rdt_, rcount_] = TypeAndCount(*rv, dtype, "alltoallv output");
-    const DataType rdt = rdt_;
-    const size_t rcount = rcount_;
+    const InOut io = GetInOut(send, recv, dtype, "alltoallv");
+    const auto& [sv, rv, dt, rdt, scount, rcount] = io;
     const size_t world = static_cast<size_t>(world_size_);
     if (send_counts.size() != world || recv_counts.size() != world) {
       ThrowInvalid("alltoallv: one send and one recv count per rank (" +
