@@ -10,6 +10,7 @@ BUS_FACTOR = {
     "allreduce": lambda n: 2.0 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "barrier": lambda n: 0.0,
 }
@@ -38,6 +39,9 @@ def shape_for(op, dtype, nbytes, n):
     if op == "allgather":
         count = max(1, nbytes // es // n)
         return count, count * n, count * n * es
+    if op == "alltoall":  # count elements per rank pair
+        count = max(1, nbytes // es // n)
+        return count * n, count * n, count * n * es
     return 0, 0, 0
 
 
@@ -81,6 +85,15 @@ def fill_value(xp, rank, start, count):
     torch: both have arange and int64)."""
     idx = xp.arange(start, start + count, dtype=xp.int64)
     return (idx * 3 + rank * 5) % 17 - 8
+
+
+def alltoall_expected(xp, rank, per, start, count):
+    """Elements [start, start+count) of what `rank` receives from an alltoall
+    of `per` elements per rank pair when every rank r sends
+    fill_value(r, 0, ...): element i is element rank * per + i % per of rank
+    i // per's input."""
+    idx = xp.arange(start, start + count, dtype=xp.int64)
+    return ((rank * per + idx % per) * 3 + (idx // per) * 5) % 17 - 8
 
 
 def valid_codec(text):

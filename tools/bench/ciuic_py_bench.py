@@ -46,7 +46,7 @@ import time
 import benchlib
 from benchlib import BUS_FACTOR, ELEMENT_SIZE, parse_size, shape_for
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "barrier")
 DTYPES = ("float32", "float64", "int32")
 
 
@@ -129,7 +129,7 @@ class SizeRun:
         self.checking = False  # the --check op runs under its own name (no residual)
         if op != "barrier":
             self.buf = comm.empty(self.send_count, self.dtype)
-        if op in ("reduce_scatter", "allgather"):
+        if op in ("reduce_scatter", "allgather", "alltoall"):
             self.out = comm.empty(self.recv_count, self.dtype)
         self.fill()
 
@@ -158,6 +158,8 @@ class SizeRun:
             c.reduce_scatter_async(self.out, self.buf, name=name, compression=codec).wait()
         elif op == "allgather":
             c.allgather(self.out, self.buf)
+        elif op == "alltoall":
+            c.alltoall(self.out, self.buf, name=name)
         elif op == "broadcast":
             c.broadcast(self.buf, root=0)
         else:
@@ -178,6 +180,10 @@ class SizeRun:
         elif op == "broadcast":
             want = benchlib.fill_value(np, 0, 0, self.recv_count)
             got = self.buf
+        elif op == "alltoall":
+            want = benchlib.alltoall_expected(np, self.rank, self.send_count // self.world, 0,
+                                              self.recv_count)
+            got = self.out
         else:
             idx = np.arange(self.recv_count, dtype=np.int64)
             src = idx // self.send_count

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Smoke test of compare.py: OpenMPI and gloo, 2 ranks, two tiny sizes, one rep.
+# Smoke test of compare.py: OpenMPI and gloo, 2 ranks, two tiny sizes, one rep,
+# allreduce and alltoall.
 # Usage: compare_smoke_test.sh PATH/TO/ciuic-mpi-bench
 # Passes when compare.py exits 0 and its JSON has rows with errors == 0 for
 # both systems. Runs as root too (compare.py adds --allow-run-as-root) and on
@@ -15,17 +16,18 @@ trap 'rm -rf "$tmp"' EXIT
 # Belt and braces for mpirun as root, should a caller drop the flag.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
+for op in allreduce alltoall; do
 rc=0
-"$python" "$here/compare.py" --systems mpi,gloo --ranks 2 --sizes 8,4K \
+"$python" "$here/compare.py" --op "$op" --systems mpi,gloo --ranks 2 --sizes 8,4K \
     --reps 1 --iters 2 --warmup 1 --mpi-bench "$mpi_bench" --timeout 120 \
-    --json-out "$tmp/out.json" >"$tmp/stdout" 2>"$tmp/stderr" || rc=$?
+    --json-out "$tmp/$op.json" >"$tmp/stdout" 2>"$tmp/stderr" || rc=$?
 if [[ $rc -ne 0 ]]; then
   echo "FAIL: compare.py exited with $rc" >&2
   cat "$tmp/stdout" "$tmp/stderr" >&2
   exit 1
 fi
 
-"$python" - "$tmp/out.json" <<'PY'
+"$python" - "$tmp/$op.json" "$op" <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))
 rows = doc["rows"]
@@ -45,11 +47,13 @@ for system in ("mpi", "gloo"):
             if key not in r:
                 print("FAIL: %s row lacks %s: %s" % (system, key, r))
                 ok = False
-        if r.get("ranks") != 2:
-            print("FAIL: %s row with %s ranks" % (system, r.get("ranks")))
+        if r.get("ranks") != 2 or r.get("op") != sys.argv[2]:
+            print("FAIL: %s row with %s ranks for %s" % (system, r.get("ranks"), r.get("op")))
             ok = False
 sys.exit(0 if ok else 1)
 PY
+done
+cp "$tmp/allreduce.json" "$tmp/out.json"
 # md_table.py turns the file into a table with both systems' rows, and
 # refuses what is not such a file by name.
 table="$("$python" "$here/md_table.py" "$tmp/out.json")"

@@ -17,7 +17,7 @@ Method, per size (the same as ciuic-mpi-bench):
     then --iters ops each timed with time.perf_counter(), no barrier between;
   - time_us = median over iterations of the max over ranks;
   - algbw = bytes / time; busbw = algbw * 2(n-1)/n (allreduce),
-    (n-1)/n (reduce_scatter, allgather), 1 (broadcast); GB/s = 1e9 B/s;
+    (n-1)/n (reduce_scatter, allgather, alltoall), 1 (broadcast); GB/s = 1e9 B/s;
   - --check refills, runs one more op and counts output elements that differ
     from an expectation computed from the fill rule (errors, summed over
     ranks; null without --check).
@@ -42,7 +42,7 @@ import time
 import benchlib
 from benchlib import BUS_FACTOR, ELEMENT_SIZE, parse_size, shape_for
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "barrier")
 DTYPES = ("float32", "float64", "int32")
 CHUNK = 1 << 22  # elements per step when filling/checking big buffers
 
@@ -141,6 +141,9 @@ class SizeRun:
             self.buf = torch.empty(self.send_count, dtype=self.dtype)
             self.out = torch.empty(self.recv_count, dtype=self.dtype)
             self.out_views = list(self.out.split(self.send_count))
+        elif op == "alltoall":
+            self.buf = torch.empty(self.send_count, dtype=self.dtype)
+            self.out = torch.empty(self.recv_count, dtype=self.dtype)
         self.fill()
 
     def fill(self):
@@ -155,7 +158,7 @@ class SizeRun:
                 self.buf[start:start + n].fill_(-1000)
             else:
                 self.buf[start:start + n].copy_(benchlib.fill_value(t, src_rank, start, n))
-        if op in ("reduce_scatter", "allgather"):
+        if op in ("reduce_scatter", "allgather", "alltoall"):
             self.out.fill_(-1000)
 
     def run(self):
@@ -169,6 +172,8 @@ class SizeRun:
             self.out.copy_(self.buf[lo:lo + self.recv_count])
         elif op == "allgather":
             d.all_gather(self.out_views, self.buf)
+        elif op == "alltoall":
+            d.all_to_all_single(self.out, self.buf)
         elif op == "broadcast":
             d.broadcast(self.buf, src=0)
         else:
@@ -179,7 +184,7 @@ class SizeRun:
         op = self.args.op
         if op == "barrier":
             return 0
-        result = self.out if op in ("reduce_scatter", "allgather") else self.buf
+        result = self.out if op in ("reduce_scatter", "allgather", "alltoall") else self.buf
         base = self.rank * self.recv_count if op == "reduce_scatter" else 0
         errors = 0
         for start in range(0, self.recv_count, CHUNK):
@@ -188,6 +193,9 @@ class SizeRun:
                 want = sum(benchlib.fill_value(t, r, base + start, n) for r in range(self.world))
             elif op == "broadcast":
                 want = benchlib.fill_value(t, 0, start, n)
+            elif op == "alltoall":
+                want = benchlib.alltoall_expected(t, self.rank, self.send_count // self.world,
+                                                  start, n)
             else:  # allgather: element i came from rank i // block, index i % block
                 idx = t.arange(start, start + n, dtype=t.int64)
                 src = idx // self.send_count
