@@ -1163,8 +1163,8 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
     }
     case wire::Collective::kAlltoall:
     case wire::Collective::kAlltoallv: {
-      // Pairs on this node are copied here; the rest go straight between
-      // the ranks' buffers and the network.
+      // Pairs on this node are copied here, while the others go straight
+      // between the ranks' buffers and the network.
       const bool v_splits = collective == wire::Collective::kAlltoallv;
       std::vector<AlltoallBuffers> ranks(static_cast<size_t>(world));
       for (const auto& p : op.parts) {
@@ -1179,21 +1179,24 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
           b.recv_bytes.assign(static_cast<size_t>(world), block);
         }
       }
-      for (const auto& from : op.parts) {
-        const AlltoallBuffers& f = ranks[static_cast<size_t>(from.rank)];
-        uint64_t at = 0;
-        for (int to = 0; to < world; ++to) {
-          const uint64_t bytes = f.send_bytes[static_cast<size_t>(to)];
-          if (node_of_rank_[to] == self_ && bytes > 0) {
-            const AlltoallBuffers& t = ranks[static_cast<size_t>(to)];
-            uint64_t into = 0;
-            for (int k = 0; k < from.rank; ++k) into += t.recv_bytes[static_cast<size_t>(k)];
-            std::memcpy(t.recv + into, f.send + at, bytes);
+      // While the first chunks travel.
+      auto local_pairs = [&] {
+        for (const auto& from : op.parts) {
+          const AlltoallBuffers& f = ranks[static_cast<size_t>(from.rank)];
+          uint64_t at = 0;
+          for (int to = 0; to < world; ++to) {
+            const uint64_t bytes = f.send_bytes[static_cast<size_t>(to)];
+            if (node_of_rank_[to] == self_ && bytes > 0) {
+              const AlltoallBuffers& t = ranks[static_cast<size_t>(to)];
+              uint64_t into = 0;
+              for (int k = 0; k < from.rank; ++k) into += t.recv_bytes[static_cast<size_t>(k)];
+              std::memcpy(t.recv + into, f.send + at, bytes);
+            }
+            at += bytes;
           }
-          at += bytes;
         }
-      }
-      return AlltoallPairwise(ctx, node_of_rank_, ranks);
+      };
+      return AlltoallPairwise(ctx, node_of_rank_, ranks, local_pairs);
     }
     case wire::Collective::kBarrier:
       break;

@@ -11,6 +11,7 @@
 // Blocks may differ in size (alltoallv): each side knows its own pairs'.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 #include "collectives/internode/common.h"
 #include "collectives/internode/internode.h"
@@ -20,9 +21,15 @@ namespace ciuic::daemon {
 
 using internode_internal::Mod;
 
-absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int>& node_of_rank,
-                              const std::vector<AlltoallBuffers>& ranks) {
-  constexpr const char* kName = "AlltoallPairwise";
+namespace {
+
+constexpr const char* kName = "AlltoallPairwise";
+
+// AlltoallPairwise's schedule, run with `meanwhile` as its overlapped work
+// (which it may also never run: on an early error, or with one node).
+absl::Status Pairwise(const InterNodeContext& ctx, const std::vector<int>& node_of_rank,
+                      const std::vector<AlltoallBuffers>& ranks,
+                      std::function<void()> meanwhile) {
   if (absl::Status s = internode_internal::CheckContext(ctx, kName); !s.ok()) return s;
   const int n = ctx.transport->num_peers();
   const int me = ctx.transport->self();
@@ -62,6 +69,7 @@ absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int
 
   internode_internal::Schedule sched;
   sched.name = kName;
+  sched.meanwhile = std::move(meanwhile);
   sched.num_tag_steps = static_cast<uint32_t>(n - 1);
   const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
   const std::vector<size_t>& mine = ranks_of[static_cast<size_t>(me)];
@@ -100,6 +108,21 @@ absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int
     }
   }
   return internode_internal::RunSchedule(ctx, sched, chunk, chunk_bits);
+}
+
+}  // namespace
+
+absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int>& node_of_rank,
+                              const std::vector<AlltoallBuffers>& ranks,
+                              const std::function<void()>& meanwhile) {
+  bool ran = false;
+  auto once = [&] {
+    if (!ran && meanwhile) meanwhile();
+    ran = true;
+  };
+  absl::Status s = Pairwise(ctx, node_of_rank, ranks, once);
+  once();  // whatever happened, the caller's work is done on return
+  return s;
 }
 
 }  // namespace ciuic::daemon

@@ -35,6 +35,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -202,9 +203,13 @@ struct AlltoallBuffers {
 // (the caller checks; sizes that disagree fail the transfer or land
 // misplaced). N-1 steps, step s exchanging with nodes r+s+1 and r-s-1,
 // straight between the ranks' buffers; each node sends its ranks' blocks
-// for other nodes once, in chunks of chunk_bytes.
+// for other nodes once, in chunks of chunk_bytes. `meanwhile` (may be null:
+// the caller's copies between its own ranks, say) runs on the calling thread
+// while the first transfers travel, and in every case before it returns; it
+// must not touch the blocks that cross nodes.
 absl::Status AlltoallPairwise(const InterNodeContext& ctx, const std::vector<int>& node_of_rank,
-                              const std::vector<AlltoallBuffers>& ranks);
+                              const std::vector<AlltoallBuffers>& ranks,
+                              const std::function<void()>& meanwhile = nullptr);
 
 // `bytes` of `data` from node `root` to all. A message that fits in one chunk
 // goes down a binomial tree (ceil(log2 N) hops); a longer one down a chain

@@ -812,18 +812,25 @@ void CheckAlltoallv(Cluster& cluster, const std::vector<int>& node_of_rank,
                     for (size_t r = 0; r < world; ++r) {
                       if (node_of_rank[r] == k) mine[r] = ranks[r];
                     }
-                    for (size_t a = 0; a < world; ++a) {
-                      size_t at = 0;
-                      for (size_t b = 0; b < world; ++b) {
-                        if (node_of_rank[a] == k && node_of_rank[b] == k && bytes(a, b) > 0) {
-                          size_t into = 0;
-                          for (size_t c = 0; c < a; ++c) into += bytes(c, b);
-                          std::memcpy(recv[b].data() + into, send[a].data() + at, bytes(a, b));
+                    // Pairs on one node are the caller's, done meanwhile.
+                    bool copied = false;
+                    auto local = [&] {
+                      copied = true;
+                      for (size_t a = 0; a < world; ++a) {
+                        size_t at = 0;
+                        for (size_t b = 0; b < world; ++b) {
+                          if (node_of_rank[a] == k && node_of_rank[b] == k && bytes(a, b) > 0) {
+                            size_t into = 0;
+                            for (size_t c = 0; c < a; ++c) into += bytes(c, b);
+                            std::memcpy(recv[b].data() + into, send[a].data() + at, bytes(a, b));
+                          }
+                          at += bytes(a, b);
                         }
-                        at += bytes(a, b);
                       }
-                    }
-                    return AlltoallPairwise(ctx, node_of_rank, mine);
+                    };
+                    absl::Status s = AlltoallPairwise(ctx, node_of_rank, mine, local);
+                    if (!copied) return absl::InternalError("meanwhile never ran");
+                    return s;
                   },
                   chunk, 3),
               what);
@@ -900,6 +907,16 @@ TEST(AlltoallArgumentTest, RejectsBadPlacementAndMissingBuffers) {
   EXPECT_NE(st[0].message().find("rank 1 is on node 2 of 2"), std::string::npos) << st[0];
   EXPECT_EQ(st[1].code(), absl::StatusCode::kInvalidArgument) << st[1];
   EXPECT_NE(st[1].message().find("local rank 1"), std::string::npos) << st[1];
+  // The caller's overlapped work runs once even when the schedule cannot.
+  int ran = 0;
+  const std::vector<absl::Status> again = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k != 0) return absl::OkStatus();
+        return AlltoallPairwise(ctx, {0, 2}, {good, good}, [&ran] { ++ran; });
+      },
+      64, 4, milliseconds(2000));
+  EXPECT_FALSE(again[0].ok());
+  EXPECT_EQ(ran, 1);
 }
 
 // Kills `victim` after `after` matched transfers involving it, while all run

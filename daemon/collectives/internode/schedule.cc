@@ -448,6 +448,11 @@ absl::Status Runner::Run() {
   d.runner = this;
   d.driving = true;
   Drive(d, lock, true);
+  if (s_.meanwhile) {
+    lock.unlock();  // the transport's threads drive the schedule meanwhile
+    s_.meanwhile();
+    lock.lock();
+  }
   // Until the deadline; after it, until the cancelled transfers' callbacks
   // have all come (the transport fires every one after FailPeer).
   bool cancelled = false;

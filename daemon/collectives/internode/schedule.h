@@ -117,6 +117,10 @@ struct Schedule {
   // Reduction parameters, used by steps with reduce set.
   wire::DataType dtype = wire::DataType::kUInt8;
   wire::ReduceOp op = wire::ReduceOp::kSum;
+  // Work of the caller's that overlaps the transfers: run on the calling
+  // thread once the first transfers are posted, before it waits (null: none).
+  // It must not touch the schedule's ranges.
+  std::function<void()> meanwhile;
 };
 
 // Bits of the chunk field for a schedule with num_tag_steps steps; -1 if the
