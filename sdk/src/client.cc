@@ -937,12 +937,19 @@ Handle Communicator::Alltoallv(const void* send, const std::vector<size_t>& send
   }
   std::vector<uint64_t> splits(send_counts.begin(), send_counts.end());
   splits.insert(splits.end(), recv_counts.begin(), recv_counts.end());
-  uint64_t send_elems = 0, recv_elems = 0;
-  for (size_t c : send_counts) send_elems += c;
-  for (size_t c : recv_counts) recv_elems += c;
   const size_t es = DataTypeSize(dtype);
-  return impl_->Submit(wire::Collective::kAlltoallv, dtype, 0, 0, 0, {send, send_elems * es},
-                       {recv, recv_elems * es}, recv, options, &splits);
+  size_t bytes[2] = {0, 0};  // send, recv
+  for (size_t k = 0; k < splits.size(); ++k) {
+    size_t b = 0;
+    if (__builtin_mul_overflow(splits[k], es, &b) ||
+        __builtin_add_overflow(bytes[k / w], b, &bytes[k / w])) {
+      return impl_->Failed(Status(StatusCode::kInvalidArgument,
+                                  std::string("alltoallv: the ") + (k < w ? "send" : "recv") +
+                                      " counts add up to more bytes than memory holds"));
+    }
+  }
+  return impl_->Submit(wire::Collective::kAlltoallv, dtype, 0, 0, 0, {send, bytes[0]},
+                       {recv, bytes[1]}, recv, options, &splits);
 }
 
 Handle Communicator::Barrier(const OpOptions& options) {

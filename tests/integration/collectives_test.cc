@@ -90,6 +90,11 @@ int RunAlltoallvMatrix(const std::string& socket, const std::string& job, int ra
     Status s = comm->Alltoallv(in.data(), {1}, out.data(), one, DataType::kInt32).Wait();
     CHILD_CHECK(s.code() == StatusCode::kInvalidArgument && Contains(s.message(), "one per rank"),
                 "%s", s.ToString().c_str());
+    std::vector<size_t> huge(world, SIZE_MAX / 2);
+    s = comm->Alltoallv(in.data(), huge, out.data(), one, DataType::kInt32).Wait();
+    CHILD_CHECK(s.code() == StatusCode::kInvalidArgument &&
+                    Contains(s.message(), "send counts add up to more bytes"),
+                "%s", s.ToString().c_str());
   }
   auto after = [](int i, int j) { return static_cast<size_t>(i * 2 + j); };
   if (RunAlltoallvAndCheck(*comm, DataType::kFloat32, after, "a2av/after", true) != 0) return 1;
