@@ -186,6 +186,24 @@ TEST(FaultsTest, GarbageDescriptorsAndRingIndicesNeverHurtTheDaemon) {
           e.count = 0;
         }, "device-buffer flag does not apply");
     add([](auto& e) { e.recv_offset += 4; }, "overlap");
+    // alltoallv: its counts (2 x world 2) read out of the arena and checked.
+    const uint64_t counts[4] = {~0ull / 4, 1, 1, 1};
+    std::memcpy(raw.base + wire::kDataOffset + 8192, counts, sizeof(counts));
+    auto v = [](uint64_t at) {
+      return [at](auto& e) {
+        e.collective = static_cast<uint32_t>(wire::Collective::kAlltoallv);
+        e.count = 0;
+        e.splits_offset = at;
+      };
+    };
+    add(v(wire::kDataOffset + 8192 + 4), "not 8-byte aligned");
+    add(v(16), "alltoallv counts: ");
+    add(v(~0ull - 7), "alltoallv counts: ");
+    add(v(wire::kDataOffset + 8192), "send counts add up to too many elements");
+    add([](auto& e) {
+          e.collective = static_cast<uint32_t>(wire::Collective::kAlltoall);
+          e.flags = wire::kSubmitFlagDeviceBuffers;
+        }, "alltoall takes host buffers only", 12);
     for (auto& c : cases) raw.Submit(c.e);
     for (size_t i = 0; i < cases.size(); ++i) {
       wire::CompletionEntry done;
