@@ -58,7 +58,8 @@ bool RawSession::Open(const std::string& socket_path, uint64_t arena_bytes) {
 }
 
 int RawSession::Join(const std::string& socket_path, const std::string& job, int rank,
-                     int world, std::string* message) {
+                     int world, std::string* message, int local_size,
+                     const std::string& coordinator) {
   auto stub = proto::Control::NewStub(
       grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials()));
   proto::JoinJobRequest req;
@@ -66,8 +67,9 @@ int RawSession::Join(const std::string& socket_path, const std::string& job, int
   req.set_job_id(job);
   req.set_rank(rank);
   req.set_world_size(world);
-  req.set_local_rank(rank);
-  req.set_local_size(world);
+  req.set_local_rank(local_size < 0 ? rank : rank % local_size);
+  req.set_local_size(local_size < 0 ? world : local_size);
+  req.set_coordinator(coordinator);
   proto::JoinJobReply reply;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));

@@ -20,8 +20,11 @@ struct RawSession {
   // Handshake on `socket`.session; false (and a message on stderr) on failure.
   bool Open(const std::string& socket, uint64_t arena_bytes);
   // JoinJob over gRPC; returns the gRPC status code (0 = OK) and message.
+  // local_size < 0: every rank on this node (local rank = rank); else a
+  // multi-node job whose coordinator is `coordinator` (local rank: rank %
+  // local_size).
   int Join(const std::string& socket, const std::string& job, int rank, int world,
-           std::string* message);
+           std::string* message, int local_size = -1, const std::string& coordinator = "");
   ~RawSession();
 
   wire::SessionHeader* header() const { return reinterpret_cast<wire::SessionHeader*>(base); }

@@ -136,10 +136,10 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
     op.sig.reduce_op = e.reduce_op;
   }
   const bool v_splits = collective == wire::Collective::kAlltoallv;
-  if ((collective == wire::Collective::kAlltoall || v_splits) && device) {
+  if (v_splits && device) {
     return absl::UnimplementedError(absl::StrCat(
-        "operation '", op.name, "': ", cname, " takes host buffers only (CUDA device buffers are "
-        "not supported for ", cname, " yet)"));
+        "operation '", op.name, "': alltoallv takes host buffers only (CUDA device buffers are "
+        "not supported for alltoallv yet)"));
   }
   if (collective == wire::Collective::kBroadcast) {
     if (e.root < 0 || e.root >= world_size) {

@@ -889,6 +889,13 @@ Handle Communicator::Broadcast(DeviceBuffer send, DeviceBuffer recv, size_t coun
                              root == rank() ? bytes : 0, recv, bytes, options);
 }
 
+Handle Communicator::Alltoall(DeviceBuffer send, DeviceBuffer recv, size_t count,
+                              DataType dtype, const OpOptions& options) {
+  const size_t all = count * DataTypeSize(dtype) * world_size();
+  return impl_->SubmitDevice(wire::Collective::kAlltoall, dtype, 0, 0, count, send, all, recv,
+                             all, options);
+}
+
 Handle Communicator::Allreduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, const OpOptions& options) {
   const size_t bytes = count * DataTypeSize(dtype);

@@ -127,7 +127,7 @@ Handle SubmitDevice(Communicator& comm, Coll coll, DeviceBuffer s, DeviceBuffer 
     case Coll::kReduceScatter: return comm.ReduceScatter(s, r, count, t, op, opts);
     case Coll::kAllgather: return comm.Allgather(s, r, count, t, opts);
     case Coll::kBroadcast: break;
-    case Coll::kAlltoall: return Handle();  // host buffers only: not run here
+    case Coll::kAlltoall: return comm.Alltoall(s, r, count, t, opts);
   }
   return comm.Broadcast(s, r, count, t, root, opts);
 }
@@ -165,8 +165,10 @@ int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, const Devi
   const int world = comm.world_size();
   const int rank = comm.rank();
   const size_t es = DataTypeSize(t);
-  const size_t send_count = coll == Coll::kReduceScatter ? count * world : count;
-  const size_t recv_count = coll == Coll::kAllgather ? count * world : count;
+  const bool a2a = coll == Coll::kAlltoall;
+  const size_t send_count = coll == Coll::kReduceScatter || a2a ? count * world : count;
+  const size_t recv_count = coll == Coll::kAllgather || a2a ? count * world : count;
+  in_place = in_place && !a2a;  // alltoall is never in place
   std::vector<uint8_t> host(send_count * es + 1);
   FillInput(t, op, rank, host.data(), send_count);
   CHILD_CHECK(send_count * es <= mem.bytes && recv_count * es <= mem.bytes, "%s: %zu bytes",
@@ -222,7 +224,8 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
   DeviceMemory mem;
   if (AllocateDeviceMemory(262147 * 8 * static_cast<size_t>(world), &mem) != 0) return 1;
   int combo = 0;
-  for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast}) {
+  for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast,
+                    Coll::kAlltoall}) {
     const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduceScatter;
     for (DataType t : kAllDataTypes) {
       for (ReduceOp op : kAllReduceOps) {
@@ -432,6 +435,14 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
             }
           }
         }
+        // alltoall on device buffers stays within one node: refused at once.
+        OpOptions o;
+        o.name = "a2a-device";
+        Status s = comm.Alltoall(DeviceBuffer{mem.send, device}, DeviceBuffer{mem.recv, device}, 4,
+                                 DataType::kFloat32, o).Wait();
+        CHILD_CHECK(s.code() == StatusCode::kUnimplemented &&
+                        Contains(s.message(), "within one node only"),
+                    "%s", s.ToString().c_str());
         return FreeDeviceMemory(&mem);
       });
 }

@@ -201,9 +201,10 @@ TEST(FaultsTest, GarbageDescriptorsAndRingIndicesNeverHurtTheDaemon) {
     add(v(~0ull - 7), "alltoallv counts: ");
     add(v(wire::kDataOffset + 8192), "send counts add up to too many elements");
     add([](auto& e) {
-          e.collective = static_cast<uint32_t>(wire::Collective::kAlltoall);
+          e.collective = static_cast<uint32_t>(wire::Collective::kAlltoallv);
+          e.count = 0;
           e.flags = wire::kSubmitFlagDeviceBuffers;
-        }, "alltoall takes host buffers only", 12);
+        }, "alltoallv takes host buffers only", 12);
     for (auto& c : cases) raw.Submit(c.e);
     for (size_t i = 0; i < cases.size(); ++i) {
       wire::CompletionEntry done;

@@ -21,6 +21,7 @@
 #include "ciuic/control.pb.h"
 #include "common.h"
 #include "harness.h"
+#include "raw_session.h"
 #include "reference.h"
 
 namespace ciuic::testing {
@@ -246,6 +247,42 @@ TEST(MultiNodeFaultsTest, KilledDaemonFailsTheJobOnTheOtherNodesNamingIt) {
   });
   EXPECT_EQ(codes, (std::vector<int>{0, 0}));
   cluster->nodes[2].reset();
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// alltoall on device buffers stays within one node: a multi-node job's
+// rank gets UNIMPLEMENTED at once, before anything else is looked at (no
+// GPU needed: the daemon refuses it by the submission's flags).
+TEST(MultiNodeFaultsTest, DeviceAlltoallAcrossNodesIsRefusedAtOnce) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("a2adev");
+  auto codes = RunRanks(1, [&](int) {
+    RawSession raw;
+    CHILD_CHECK(raw.Open(cluster->nodes[0]->socket(), 1 << 20), "open");
+    std::string msg;
+    CHILD_CHECK(raw.Join(cluster->nodes[0]->socket(), job, 0, 2, &msg, 1, cluster->peers[0]) == 0,
+                "join: %s", msg.c_str());
+    wire::SubmissionEntry e{};
+    e.op_id = 7;
+    e.collective = static_cast<uint32_t>(wire::Collective::kAlltoall);
+    e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
+    e.count = 4;
+    e.flags = wire::kSubmitFlagDeviceBuffers;
+    e.send_offset = wire::kDataOffset;
+    e.recv_offset = wire::kDataOffset + 4096;
+    std::memcpy(e.name, "a2a", 3);
+    e.name_len = 3;
+    raw.Submit(e);
+    wire::CompletionEntry done;
+    CHILD_CHECK(raw.NextCompletion(&done, 5000), "no completion");
+    const std::string text(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+    CHILD_CHECK(done.op_id == 7 && done.status_code == 12 &&
+                    Contains(text, "alltoall on CUDA device buffers runs within one node only"),
+                "code %d: %s", done.status_code, text.c_str());
+    return 0;
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0}));
   EXPECT_TRUE(cluster->StopAll());
 }
 

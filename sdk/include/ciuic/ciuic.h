@@ -209,8 +209,7 @@ class Communicator {
   Handle Barrier(const OpOptions& options = {});
   // send and recv hold count * world_size elements each: block j of send
   // goes to rank j, block i of recv comes from rank i (expert parallelism's
-  // token exchange). Never in place: send and recv must not overlap. Host
-  // memory only.
+  // token exchange). Never in place: send and recv must not overlap.
   Handle Alltoall(const void* send, void* recv, size_t count, DataType dtype,
                   const OpOptions& options = {});
   // Alltoall with blocks of any size (MoE token exchange): send holds
@@ -233,6 +232,9 @@ class Communicator {
                    const OpOptions& options = {});
   Handle Broadcast(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype, int root,
                    const OpOptions& options = {});
+  // Within one node only (a job over several nodes gets UNIMPLEMENTED).
+  Handle Alltoall(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype,
+                  const OpOptions& options = {});
 
   class Impl;
 

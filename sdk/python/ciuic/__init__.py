@@ -486,9 +486,18 @@ class Communicator:
     def alltoall_async(self, output, input, output_split_sizes=None, input_split_sizes=None,
                        name=None, priority=0, timeout=None):
         _check_same_kind("alltoall", input, output)
-        if _is_cuda(input) or _is_cuda(output):
-            raise error_class(StatusCode.UNIMPLEMENTED)(
-                "alltoall: CUDA tensors are not supported yet (host tensors only)")
+        if _is_cuda(output):
+            if output_split_sizes is not None or input_split_sizes is not None:
+                raise error_class(StatusCode.UNIMPLEMENTED)(
+                    "alltoall: split sizes take host tensors only (not CUDA ones yet)")
+            if input.numel() != output.numel() or input.numel() % self.world_size:
+                raise InvalidArgumentError(
+                    f"alltoall: input and output must hold the same number of elements, a "
+                    f"multiple of world_size ({self.world_size}); input {input.numel()}, "
+                    f"output {output.numel()}")
+            return self._device_async("alltoall", input, output,
+                                      input.numel() // self.world_size, output, name=name,
+                                      priority=priority, timeout=timeout)
         ibuf, dtype = _as_buffer(input, "alltoall input")
         obuf, odtype = _as_buffer(output, "alltoall output")
         if dtype != odtype:
@@ -516,7 +525,8 @@ class Communicator:
         blocks are equal; with them (a list of world_size row counts, for
         either side; the other side's default is equal blocks) they may
         differ (alltoallv): rank i's input_split_sizes[j] must equal rank j's
-        output_split_sizes[i]. Never in place; host tensors and arrays only."""
+        output_split_sizes[i]. Never in place. CUDA tensors: equal blocks, and
+        within one node only."""
         self.alltoall_async(output, input, output_split_sizes, input_split_sizes, name,
                             priority, timeout).wait()
         return output

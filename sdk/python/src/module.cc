@@ -428,7 +428,8 @@ class PyComm {
   // A collective on CUDA device memory (torch CUDA tensors: the Python
   // layer passes data_ptr(), the device index and the current stream). The
   // counts are the C++ API's: elements per rank (allreduce, broadcast), of
-  // the output (reduce_scatter) or of the input (allgather). The caller
+  // the output (reduce_scatter), of the input (allgather) or per rank pair
+  // (alltoall). The caller
   // keeps the tensors alive until the operation completes.
   PyHandle DeviceOp(const std::string& collective, uintptr_t send, uintptr_t recv, int device,
                     uint64_t count, const std::string& dtype, const std::string& op, int root,
@@ -449,6 +450,8 @@ class PyComm {
       submit = [=](Communicator& c) { return c.ReduceScatter(sb, rb, count, dt, rop, o); };
     } else if (collective == "allgather") {
       submit = [=](Communicator& c) { return c.Allgather(sb, rb, count, dt, o); };
+    } else if (collective == "alltoall") {
+      submit = [=](Communicator& c) { return c.Alltoall(sb, rb, count, dt, o); };
     } else if (collective == "broadcast") {
       if (root < 0 || root >= world_size_) {
         ThrowInvalid("broadcast: root " + std::to_string(root) + " is not in a world of size " +

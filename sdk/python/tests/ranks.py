@@ -658,7 +658,8 @@ def _cuda_device(ctx):
 
 
 def cuda_collectives(ctx, dtype, seed):
-    """Every collective on CUDA tensors (device buffers through the daemon),
+    """Every collective on CUDA tensors (device buffers through the daemon,
+    alltoall included),
     every op for the reductions, sizes 0, 1, odd and just over 4 MiB; the
     inputs are written on the current stream right before each call (the
     daemon must wait for that work)."""
@@ -687,7 +688,12 @@ def cuda_collectives(ctx, dtype, seed):
         t = make(inputs[r], dtype, "torch").to(dev)
         ctx.comm.broadcast(t, root=w - 1, name=ctx.name(f"cuda.bc.{dtype}.{n}"))
         expect_equal(t.cpu(), inputs[w - 1], dtype, "torch", f"broadcast {n}")
-        checks += 2
+        blocks = [values(seed + n + 3, q, n * w, dtype) for q in range(w)]
+        inp = make(blocks[r], dtype, "torch").to(dev, non_blocking=True)
+        out = torch.zeros(n * w, dtype=getattr(torch, dtype), device=dev)
+        ctx.comm.alltoall(out, inp, name=ctx.name(f"cuda.a2a.{dtype}.{n}"))
+        expect_equal(out.cpu(), alltoall_reference(blocks, r, n), dtype, "torch", f"alltoall {n}")
+        checks += 3
     return checks
 
 
