@@ -233,15 +233,24 @@ def train(args):
 
     times, losses = run_steps(args, model, x, y, rank, world, rank == 0)
 
-    final = torch.tensor([losses[-1]])
-    dist.all_reduce(final)
-    final = final.item() / world
+    last = torch.tensor([losses[-1]])
+    dist.all_reduce(last)
+    final = last.item() / world
     summary = summarize(args, args.backend, nodes, world, nparams, threads, times, losses, final)
     if rank == 0:
         report(summary)
     if comm is not None:
         comm.close()
+    # torch 1.13's gloo group joins its worker threads in its destructor,
+    # holding the GIL; a worker that drops the last reference to a tensor
+    # Python made (it lets go of `last` a moment after the all_reduce
+    # returns) waits for the GIL there: both wait forever, and the rank
+    # hangs at exit (seen 2 runs in 30 on one busy core). So the group goes
+    # (DDP's reducer holds it too) while every such tensor is still
+    # referenced here.
     dist.destroy_process_group()
+    del model, net
+    del last
     return summary
 
 
@@ -310,15 +319,17 @@ def supervise(procs, results, grace_s=20):
     Rank 0's summary is read while waiting (a queue's writer only exits once
     its data is read). A rank that fails gets the others terminated (they
     would wait for it forever); ranks still alive `grace_s` after the summary
-    (hung at exit) are terminated too.
+    or after another rank's clean exit (hung at exit) are terminated too.
     """
     summary, rc, done_at = None, 0, None
     while any(p.is_alive() for p in procs):
         try:
             summary = results.get(timeout=0.2)
-            done_at = time.monotonic()
+            done_at = done_at or time.monotonic()
         except queue.Empty:
             pass
+        if done_at is None and any(not p.is_alive() and p.exitcode == 0 for p in procs):
+            done_at = time.monotonic()
         failed = [p for p in procs if not p.is_alive() and p.exitcode != 0]
         late = done_at is not None and time.monotonic() - done_at > grace_s
         if failed or late:
@@ -327,8 +338,9 @@ def supervise(procs, results, grace_s=20):
                 print(f"train_ddp: {failed[0].name} failed ({failed[0].exitcode}); "
                       "stopping the others", file=sys.stderr, flush=True)
             else:
-                print(f"train_ddp: ranks still running {grace_s} s after the end; stopping them",
-                      file=sys.stderr, flush=True)
+                alive = ", ".join(p.name for p in procs if p.is_alive())
+                print(f"train_ddp: {alive} still running {grace_s} s after the end; "
+                      "stopping them", file=sys.stderr, flush=True)
             for p in procs:
                 if p.is_alive():
                     p.terminate()

@@ -219,7 +219,7 @@ def worker(args):
     if rank == 0:
         print_header(args, world)
     sizes = [0] if args.op == "barrier" else args.size_list
-    for nbytes in sizes:
+    for i, nbytes in enumerate(sizes):
         s = SizeRun(torch, dist, args, rank, world, nbytes)
         dist.barrier()
         t0 = time.perf_counter()
@@ -246,7 +246,12 @@ def worker(args):
         if rank == 0:
             med_us = statistics.median(times[:args.iters].tolist()) * 1e6
             print_row(args, world, s, med_us, float(times[args.iters]) * 1e6, errors)
-        del s
+        if i + 1 < len(sizes):
+            del s, times  # the next size's buffers come after these are freed
+    # torch 1.13's gloo group joins its worker threads in its destructor,
+    # holding the GIL; a worker that then drops the last reference to a
+    # tensor Python made waits for the GIL: a hang at exit. The last size's
+    # tensors stay referenced until the group is gone.
     dist.destroy_process_group()
 
 

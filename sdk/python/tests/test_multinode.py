@@ -71,8 +71,14 @@ def test_ddp_hook_with_int8_compression_tracks_uncompressed(cluster):
                "--steps", "12", "--seed", "3", "--model-size", "small"]
         if codec:
             cmd += ["--compression", codec]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                             env=dict(os.environ, UCX_TLS="tcp"))
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                                 env=dict(os.environ, UCX_TLS="tcp"))
+        except subprocess.TimeoutExpired as e:
+            def text(b):
+                return (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-2000:]
+            raise AssertionError(f"train_ddp --compression {codec} ran past 240 s\n"
+                                 f"stdout: {text(e.stdout)}\nstderr: {text(e.stderr)}") from None
         assert out.returncode == 0, out.stderr[-2000:]
         results[codec] = json.loads(out.stdout.strip().splitlines()[-1])
     exact = results[None]["final_loss"]
