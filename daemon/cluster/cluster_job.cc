@@ -846,9 +846,11 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
     case wire::Collective::kBroadcast:
       s = MoveStaged(op, ctx, seq, settings);
       break;
-    case wire::Collective::kAlltoall:  // refused at submission (collectives/op.cc)
-    case wire::Collective::kAlltoallv:
-      s = absl::UnimplementedError("alltoall takes host buffers only");
+    case wire::Collective::kAlltoall:
+      s = AlltoallStaged(op, ctx);
+      break;
+    case wire::Collective::kAlltoallv:  // refused at submission (collectives/op.cc)
+      s = absl::UnimplementedError("alltoallv takes host buffers only");
       break;
     case wire::Collective::kBarrier:
       break;
@@ -935,6 +937,50 @@ absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext&
       if (s = fetch(sl, k + 2); !s.ok()) return s;
     }
   }
+  return device.Finish();
+}
+
+absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx) {
+  StagedNodeBuffer& device = *op.staged;
+  const int world = options_.world_size;
+  const size_t block = op.sig.count * op.sig.element_bytes();
+  const size_t all = block * static_cast<size_t>(world);
+  // The node buffer holds the local ranks' send buffers in rank order
+  // (staged_buffer.h); one slot takes them all, the other the results.
+  std::vector<int> local;
+  for (const auto& p : op.parts) local.push_back(p.rank);
+  std::sort(local.begin(), local.end());
+  if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
+  if (block == 0) return device.Finish();
+  const size_t total = all * local.size();
+  auto sent = device.Slot(0, total);
+  if (!sent.ok()) return sent.status();
+  auto got = device.Slot(1, total);
+  if (!got.ok()) return got.status();
+  if (absl::Status s = StagedFetch(device, 0, 0, 0, total); !s.ok()) return s;
+  if (absl::Status s = device.Wait(0); !s.ok()) return s;
+  std::vector<AlltoallBuffers> ranks(static_cast<size_t>(world));
+  for (size_t i = 0; i < local.size(); ++i) {
+    AlltoallBuffers& b = ranks[static_cast<size_t>(local[i])];
+    b.send = *sent + i * all;
+    b.recv = *got + i * all;
+    b.send_bytes.assign(static_cast<size_t>(world), block);
+    b.recv_bytes.assign(static_cast<size_t>(world), block);
+  }
+  // Pairs on this node, in host memory while the first chunks travel.
+  auto local_pairs = [&] {
+    for (int from : local) {
+      for (int to : local) {
+        const AlltoallBuffers& f = ranks[static_cast<size_t>(from)];
+        const AlltoallBuffers& t = ranks[static_cast<size_t>(to)];
+        std::memcpy(t.recv + static_cast<size_t>(from) * block,
+                    f.send + static_cast<size_t>(to) * block, block);
+      }
+    }
+  };
+  absl::Status s = AlltoallPairwise(ctx, node_of_rank_, ranks, local_pairs);
+  if (!s.ok()) return s;
+  if (s = StagedStore(device, 1, 0, 0, total); !s.ok()) return s;
   return device.Finish();
 }
 

@@ -77,19 +77,20 @@ struct Ends {
   }
 };
 
-// `n` nodes (two by default), one rank each, their jobs and the
-// coordinator.
+// `n` nodes (two by default), `per_node` ranks each (node k's: ranks
+// k * per_node onwards), their jobs and the coordinator.
 class Nodes {
  public:
   // Each node has its own daemon tuning; node 0's daemon hosts the
   // coordinator (rank 0), so its tuning decides the runs' settings.
-  explicit Nodes(int n = 2) : tuning_(n), coordinator_("token", &tuning_[0]), hub_(n, 1), ends_(n) {
+  explicit Nodes(int n = 2, int per_node = 1)
+      : tuning_(n), coordinator_("token", &tuning_[0]), hub_(n, 1), ends_(n) {
     for (int k = 0; k < n; ++k) {
       ClusterJob::Options o;
       o.job_id = "job";
       o.uid = 1;
-      o.world_size = n;
-      o.local_ranks = {k};
+      o.world_size = n * per_node;
+      for (int i = 0; i < per_node; ++i) o.local_ranks.push_back(k * per_node + i);
       o.node_name = "n" + std::to_string(k);
       o.coordinator = "direct";
       o.cluster_token = "token";
@@ -1092,6 +1093,98 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
       const size_t segments = (counts.back() + per - 1) / per;
       EXPECT_EQ(fetches, segments) << "dtype " << static_cast<int>(cases[o].dtype);
       EXPECT_EQ(stores, segments * (n - 1)) << "dtype " << static_cast<int>(cases[o].dtype);
+    }
+  }
+}
+
+// Alltoall between nodes whose ranks' buffers are "on the GPU" (staged) and
+// a node whose are not: every rank's block for every rank lands where it
+// belongs, pairs on one node included, with one fetch and one store of the
+// staged node's buffers whole.
+TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
+  for (auto [n, per] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{2, 2}, std::pair{3, 2}}) {
+    SCOPED_TRACE(std::to_string(n) + " nodes x " + std::to_string(per) + " ranks");
+    Nodes nodes(n, per);
+    const int world = n * per;
+    struct Case {
+      wire::DataType dtype;
+      size_t count;  // elements of each block
+    };
+    std::vector<Case> cases;
+    for (size_t c : {size_t{0}, size_t{1}, size_t{7}, size_t{3001}}) {
+      cases.push_back({wire::DataType::kFloat32, c});
+      cases.push_back({wire::DataType::kInt64, c});
+      cases.push_back({wire::DataType::kBFloat16, c});
+    }
+    // [rank][case]: world blocks each, and a guard byte after them.
+    std::vector<std::vector<std::vector<uint8_t>>> send(world), recv(world);
+    std::vector<std::shared_ptr<HostStagedBuffer>> staged0(cases.size());
+    for (int r = 0; r < world; ++r) {
+      for (size_t o = 0; o < cases.size(); ++o) {
+        const Case& c = cases[o];
+        const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+        send[r].emplace_back(c.count * world * es + 1);
+        recv[r].emplace_back(c.count * world * es + 1, 0xee);
+        for (size_t i = 0; i < c.count * world; ++i) {
+          Put(c.dtype, send[r][o].data(), i, SmallValue(c.dtype, r, o, i));
+        }
+      }
+    }
+    for (int k = 0; k < n; ++k) {
+      const bool gpu = k != 1;  // node 1 keeps host buffers
+      for (size_t o = 0; o < cases.size(); ++o) {
+        const Case& c = cases[o];
+        const size_t all = c.count * world * wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+        ClusterOp op;
+        op.key = o;
+        op.name = "a2a" + std::to_string(o);
+        op.sig.collective = static_cast<uint32_t>(wire::Collective::kAlltoall);
+        op.sig.dtype = static_cast<uint32_t>(c.dtype);
+        op.sig.count = c.count;
+        std::vector<const void*> inputs;
+        std::vector<void*> outputs;
+        std::vector<size_t> places;
+        // Node k's ranks, given in reverse: the node buffer is in rank order
+        // whatever order the parts come in.
+        for (int i = per - 1; i >= 0; --i) {
+          const int r = k * per + i;
+          op.parts.push_back(ClusterOp::Part{r, gpu ? nullptr : send[r][o].data(),
+                                             gpu ? nullptr : recv[r][o].data(), {}, {}});
+          inputs.push_back(send[r][o].data());
+          outputs.push_back(recv[r][o].data());
+          places.push_back(static_cast<size_t>(i) * all);
+        }
+        if (gpu) {
+          auto b = std::make_shared<HostStagedBuffer>(c.dtype, c.count * world * per, inputs,
+                                                      outputs, places, all);
+          b->SetInputPlaces(places, all);
+          if (k == 0) staged0[o] = b;
+          op.staged = b;
+        }
+        nodes.job(k).Submit(std::move(op));
+      }
+    }
+    for (int k = 0; k < n; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(cases.size())) << "node " << k;
+    for (int k = 0; k < n; ++k) {
+      for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
+    }
+    for (size_t o = 0; o < cases.size(); ++o) {
+      const Case& c = cases[o];
+      const size_t block = c.count * wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+      for (int r = 0; r < world; ++r) {
+        std::vector<uint8_t> want;
+        for (int from = 0; from < world; ++from) {
+          const uint8_t* b = send[from][o].data() + static_cast<size_t>(r) * block;
+          want.insert(want.end(), b, b + block);
+        }
+        want.push_back(0xee);  // nothing written past the end
+        EXPECT_EQ(recv[r][o], want) << "rank " << r << " dtype " << static_cast<int>(c.dtype)
+                                    << " count " << c.count;
+      }
+      std::vector<std::string> want_calls = {"P"};
+      if (c.count > 0) want_calls = {"P", "F0", "S0"};
+      want_calls.push_back("fan-out");
+      EXPECT_EQ(staged0[o]->calls(), want_calls) << "count " << c.count;
     }
   }
 }

@@ -85,8 +85,9 @@ using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 // Pinned host buffers for staging, allocated once and reused: a released
 // buffer goes back here (from any thread) and serves a later request of at
-// most its size and at least half of it. Freed when the pool goes (after the
-// runner, as the buffers handed out keep it alive).
+// most its size and at least half of it, unless the pool already keeps
+// kKeepBytes. Freed when the pool goes (after the runner, as the buffers
+// handed out keep it alive).
 class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
  public:
   ~PinnedPool() {
@@ -105,6 +106,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
         size = it->first;
         p = it->second;
         free_.erase(it);
+        kept_ -= size;
       }
     }
     if (p == nullptr) {
@@ -119,14 +121,28 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
     *data = p;
     std::shared_ptr<PinnedPool> self = shared_from_this();
     return std::shared_ptr<void>(p, [self, size](void* q) {
-      std::lock_guard<std::mutex> lock(self->mu_);
-      self->free_.emplace(size, static_cast<uint8_t*>(q));
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        if (self->kept_ + size <= kKeepBytes) {
+          self->free_.emplace(size, static_cast<uint8_t*>(q));
+          self->kept_ += size;
+          return;
+        }
+      }
+      // Beyond what the pool keeps (a large alltoall's slots): back to the
+      // system.
+      cudaFreeHost(q);
+      cudaGetLastError();
     });
   }
 
  private:
+  // Pinned memory kept for reuse at most (every segment's slots fit many
+  // times over; whole alltoall slots may not).
+  static constexpr uint64_t kKeepBytes = uint64_t{1} << 30;
   std::mutex mu_;
   std::multimap<uint64_t, uint8_t*> free_;  // by size
+  uint64_t kept_ = 0;  // the sizes in free_
 };
 
 // One opened IPC memory handle, closed (on the device it was opened on)
@@ -630,16 +646,25 @@ class CudaDeviceRunner final : public DeviceRunner {
     if (collective == wire::Collective::kBarrier) {
       return absl::InternalError("a barrier has no device buffers");
     }
-    if (collective == wire::Collective::kAlltoall ||
-        collective == wire::Collective::kAlltoallv) {  // refused by the engine / validation
-      return absl::UnimplementedError(
-          "alltoall on CUDA device buffers runs within one node only");
+    if (collective == wire::Collective::kAlltoallv) {  // refused by validation
+      return absl::UnimplementedError("alltoallv takes host buffers only");
     }
+    const bool a2a = collective == wire::Collective::kAlltoall;
     const size_t block = sig.count * sig.element_bytes();
     const size_t all = block * static_cast<size_t>(world);
-    parts.count = scatter || gather ? sig.count * static_cast<size_t>(world) : sig.count;
-    parts.output_bytes = gather ? all : block;
-    parts.input_bytes = gather || broadcast ? block : 0;
+    // An alltoall's node buffer: each local rank's send buffer (`all`
+    // bytes) at its place in rank order, then its receive buffer's bytes
+    // there, copied out by Finish.
+    auto place = [&ranks, all](const DeviceRankBuffers& b) {
+      size_t before = 0;
+      for (const DeviceRankBuffers& o : ranks) before += o.rank < b.rank;
+      return before * all;
+    };
+    parts.count = a2a ? sig.count * static_cast<size_t>(world) * ranks.size()
+                  : scatter || gather ? sig.count * static_cast<size_t>(world)
+                                      : sig.count;
+    parts.output_bytes = gather || a2a ? all : block;
+    parts.input_bytes = a2a ? all : gather || broadcast ? block : 0;
     std::shared_ptr<DeviceResiduals>& residuals = residuals_[job];
     if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
     parts.residuals = residuals;
@@ -662,15 +687,17 @@ class CudaDeviceRunner final : public DeviceRunner {
           OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv", &parts.holds);
       if (!recv.ok()) return fail(recv.status());
       parts.outputs.push_back(*recv);
-      parts.output_offsets.push_back(scatter ? static_cast<size_t>(b.rank) * block : 0);
+      parts.output_offsets.push_back(a2a       ? place(b)
+                                     : scatter ? static_cast<size_t>(b.rank) * block
+                                               : 0);
       // In place, without a send buffer: the rank's block of its receive
       // buffer (an allgather), or the buffer itself.
       const uint8_t* input = gather ? *recv + static_cast<size_t>(b.rank) * block : *recv;
-      if (scatter && b.send_bytes == 0) {
-        // Validation gives every reduce_scatter rank a send buffer of
-        // world blocks; its receive buffer alone is one block.
-        return fail(absl::InternalError(
-            absl::StrCat("rank ", r, "'s reduce_scatter has no send buffer")));
+      if ((scatter || a2a) && b.send_bytes == 0) {
+        // Validation gives every reduce_scatter and alltoall rank a send
+        // buffer of world blocks (alltoall is never in place).
+        return fail(absl::InternalError(absl::StrCat("rank ", r, "'s ", a2a ? "alltoall" : "reduce_scatter",
+                                                     " has no send buffer")));
       }
       if (b.send_bytes > 0) {
         auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send",
@@ -678,9 +705,9 @@ class CudaDeviceRunner final : public DeviceRunner {
         if (!send.ok()) return fail(send.status());
         input = *send;
       }
-      if (gather) {
+      if (gather || a2a) {
         parts.inputs.push_back(input);
-        parts.input_offsets.push_back(static_cast<size_t>(b.rank) * block);
+        parts.input_offsets.push_back(a2a ? place(b) : static_cast<size_t>(b.rank) * block);
       } else if (broadcast) {
         if (b.rank == sig.root) {
           parts.inputs.push_back(input);
@@ -692,11 +719,13 @@ class CudaDeviceRunner final : public DeviceRunner {
       if (s = WaitForRank(b, r, parts.stream); !s.ok()) return fail(s);
       parts.holds.push_back(sessions_[b.session_id]);  // its events
     }
-    if (scatter) {
-      // Every rank's block, reduced: memory of its own, on the stream.
+    if (scatter || a2a) {
+      // Every rank's block, reduced, or the node's ranks' buffers: memory
+      // of its own, on the stream.
       void* node = nullptr;
       s = Cuda(cudaMallocAsync(&node, parts.count * sig.element_bytes(), parts.stream),
-               "cudaMallocAsync (the node's reduce_scatter buffer)");
+               a2a ? "cudaMallocAsync (the node's alltoall buffer)"
+                   : "cudaMallocAsync (the node's reduce_scatter buffer)");
       if (!s.ok()) return fail(s);
       parts.node = static_cast<uint8_t*>(node);
       parts.owns_node = true;

@@ -75,9 +75,11 @@ class DeviceRunner {
   // with the node's StagedNodeBuffer, whose work goes on a stream of its
   // own that first waits for each rank's event; the node buffer is the
   // first rank's receive buffer (allreduce, allgather, broadcast) or device
-  // memory of the buffer's own for every rank's block (reduce_scatter). The buffer keeps the ranks'
-  // handles open while it lives (a session closed meanwhile closes them
-  // when it goes).
+  // memory of the buffer's own: every rank's block (reduce_scatter), or the
+  // node's ranks' whole send buffers back to back in rank order, which the
+  // results replace before they go to the ranks' receive buffers
+  // (alltoall). The buffer keeps the ranks' handles open while it lives (a
+  // session closed meanwhile closes them when it goes).
   // `job` names the job whose error feedback residuals (kept on the device
   // for compressed operations) the buffer uses.
   virtual void Stage(

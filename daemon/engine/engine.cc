@@ -695,15 +695,6 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
     ++job.ops_failed;
     return CompleteOnLoop(*s, entry.op_id, job.failure);
   }
-  if ((entry.flags & wire::kSubmitFlagDeviceBuffers) != 0 &&
-      entry.collective == static_cast<uint32_t>(wire::Collective::kAlltoall) &&
-      job.local_size < job.world_size) {
-    ++ops_failed_;
-    ++job.ops_failed;
-    return CompleteOnLoop(*s, entry.op_id, absl::UnimplementedError(
-        "alltoall on CUDA device buffers runs within one node only (a job over several nodes "
-        "takes host buffers for it)"));
-  }
   auto valid = ValidateSubmission(entry, *s->memory, job.world_size, s->rank);
   if (!valid.ok()) {
     ++ops_failed_;

@@ -232,7 +232,8 @@ class Communicator {
                    const OpOptions& options = {});
   Handle Broadcast(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype, int root,
                    const OpOptions& options = {});
-  // Within one node only (a job over several nodes gets UNIMPLEMENTED).
+  // Equal blocks; across nodes each node's ranks' buffers are staged whole
+  // through pinned host memory (2 x the node's send bytes of it).
   Handle Alltoall(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype,
                   const OpOptions& options = {});
 

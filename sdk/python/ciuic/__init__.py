@@ -525,8 +525,8 @@ class Communicator:
         blocks are equal; with them (a list of world_size row counts, for
         either side; the other side's default is equal blocks) they may
         differ (alltoallv): rank i's input_split_sizes[j] must equal rank j's
-        output_split_sizes[i]. Never in place. CUDA tensors: equal blocks, and
-        within one node only."""
+        output_split_sizes[i]. Never in place. CUDA tensors: equal blocks
+        (across nodes staged whole through host memory)."""
         self.alltoall_async(output, input, output_split_sizes, input_split_sizes, name,
                             priority, timeout).wait()
         return output
