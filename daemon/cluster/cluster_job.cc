@@ -55,6 +55,27 @@ bool KeepsErrorFeedback(const config::Tuning& tuning, const std::string& name) {
   return tuning.error_feedback && (name.empty() || name[0] != '#');
 }
 
+// An alltoall(v)'s pairs on this node: each local rank's block for each
+// local rank copied into that rank's block from it (`ranks` as
+// AlltoallPairwise takes them; local[r]: rank r is on this node).
+void CopyLocalPairs(const std::vector<AlltoallBuffers>& ranks, const std::vector<bool>& local) {
+  for (size_t from = 0; from < ranks.size(); ++from) {
+    if (!local[from]) continue;
+    const AlltoallBuffers& f = ranks[from];
+    uint64_t at = 0;
+    for (size_t to = 0; to < ranks.size(); ++to) {
+      const uint64_t bytes = f.send_bytes[to];
+      if (local[to] && bytes > 0) {
+        const AlltoallBuffers& t = ranks[to];
+        uint64_t into = 0;
+        for (size_t k = 0; k < from; ++k) into += t.recv_bytes[k];
+        std::memcpy(t.recv + into, f.send + at, bytes);
+      }
+      at += bytes;
+    }
+  }
+}
+
 }  // namespace
 
 struct ClusterJob::Event {
@@ -172,15 +193,18 @@ proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
     const int nodes = *std::max_element(node_of_rank_.begin(), node_of_rank_.end()) + 1;
     std::vector<uint64_t> out(static_cast<size_t>(nodes), kSplitsSeed);
     std::vector<uint64_t> in(static_cast<size_t>(nodes), kSplitsSeed);
-    for (const auto& p : op.parts) {  // in rank order
+    std::vector<const ClusterOp::Part*> parts;  // in rank order
+    for (const auto& p : op.parts) parts.push_back(&p);
+    std::sort(parts.begin(), parts.end(), [](auto* a, auto* b) { return a->rank < b->rank; });
+    for (const ClusterOp::Part* p : parts) {
       for (int b = 0; b < options_.world_size; ++b) {
         uint64_t& h = out[static_cast<size_t>(node_of_rank_[b])];
-        h = HashSplits(h, p.send_counts[static_cast<size_t>(b)]);
+        h = HashSplits(h, p->send_counts[static_cast<size_t>(b)]);
       }
     }
     for (int a = 0; a < options_.world_size; ++a) {
       uint64_t& h = in[static_cast<size_t>(node_of_rank_[a])];
-      for (const auto& p : op.parts) h = HashSplits(h, p.recv_counts[static_cast<size_t>(a)]);
+      for (const ClusterOp::Part* p : parts) h = HashSplits(h, p->recv_counts[static_cast<size_t>(a)]);
     }
     for (int m = 0; m < nodes; ++m) {
       r->add_split_out(out[static_cast<size_t>(m)]);
@@ -847,10 +871,8 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
       s = MoveStaged(op, ctx, seq, settings);
       break;
     case wire::Collective::kAlltoall:
+    case wire::Collective::kAlltoallv:
       s = AlltoallStaged(op, ctx);
-      break;
-    case wire::Collective::kAlltoallv:  // refused at submission (collectives/op.cc)
-      s = absl::UnimplementedError("alltoallv takes host buffers only");
       break;
     case wire::Collective::kBarrier:
       break;
@@ -942,45 +964,68 @@ absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext&
 
 absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx) {
   StagedNodeBuffer& device = *op.staged;
-  const int world = options_.world_size;
-  const size_t block = op.sig.count * op.sig.element_bytes();
-  const size_t all = block * static_cast<size_t>(world);
-  // The node buffer holds the local ranks' send buffers in rank order
-  // (staged_buffer.h); one slot takes them all, the other the results.
-  std::vector<int> local;
-  for (const auto& p : op.parts) local.push_back(p.rank);
-  std::sort(local.begin(), local.end());
+  const size_t world = static_cast<size_t>(options_.world_size);
+  const size_t es = op.sig.element_bytes();
+  const size_t block = op.sig.count * es;
+  const bool v_splits = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
+  // The node buffer holds the local ranks' send buffers back to back in
+  // rank order (staged_buffer.h); one slot takes them all, the other the
+  // results, likewise.
+  std::vector<const ClusterOp::Part*> parts;
+  for (const auto& p : op.parts) parts.push_back(&p);
+  std::sort(parts.begin(), parts.end(), [](auto* a, auto* b) { return a->rank < b->rank; });
+  std::vector<AlltoallBuffers> ranks(world);
+  std::vector<bool> local(world, false);
+  size_t sent = 0, got = 0;  // bytes of the node's ranks
+  for (const ClusterOp::Part* p : parts) {
+    AlltoallBuffers& b = ranks[static_cast<size_t>(p->rank)];
+    local[static_cast<size_t>(p->rank)] = true;
+    if (v_splits) {
+      if (p->send_counts.size() != world || p->recv_counts.size() != world) {
+        return absl::InternalError(
+            absl::StrCat("alltoallv of rank ", p->rank, " without counts for every rank"));
+      }
+      for (uint64_t c : p->send_counts) b.send_bytes.push_back(c * es);
+      for (uint64_t c : p->recv_counts) b.recv_bytes.push_back(c * es);
+    } else {
+      b.send_bytes.assign(world, block);
+      b.recv_bytes.assign(world, block);
+    }
+    for (size_t j = 0; j < world; ++j) {
+      sent += b.send_bytes[j];
+      got += b.recv_bytes[j];
+    }
+  }
   if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
-  if (block == 0) return device.Finish();
-  const size_t total = all * local.size();
-  auto sent = device.Slot(0, total);
-  if (!sent.ok()) return sent.status();
-  auto got = device.Slot(1, total);
-  if (!got.ok()) return got.status();
-  if (absl::Status s = StagedFetch(device, 0, 0, 0, total); !s.ok()) return s;
-  if (absl::Status s = device.Wait(0); !s.ok()) return s;
-  std::vector<AlltoallBuffers> ranks(static_cast<size_t>(world));
-  for (size_t i = 0; i < local.size(); ++i) {
-    AlltoallBuffers& b = ranks[static_cast<size_t>(local[i])];
-    b.send = *sent + i * all;
-    b.recv = *got + i * all;
-    b.send_bytes.assign(static_cast<size_t>(world), block);
-    b.recv_bytes.assign(static_cast<size_t>(world), block);
+  // Every node's ranks may still send to or receive from these.
+  auto slot_of = [&](int slot, size_t bytes) -> absl::StatusOr<uint8_t*> {
+    if (bytes == 0) return nullptr;
+    return device.Slot(slot, bytes);
+  };
+  auto out = slot_of(0, sent);
+  if (!out.ok()) return out.status();
+  auto in = slot_of(1, got);
+  if (!in.ok()) return in.status();
+  for (size_t i = 0, s_at = 0, r_at = 0; i < parts.size(); ++i) {
+    AlltoallBuffers& b = ranks[static_cast<size_t>(parts[i]->rank)];
+    b.send = *out ? *out + s_at : nullptr;
+    b.recv = *in ? *in + r_at : nullptr;
+    for (size_t j = 0; j < world; ++j) {
+      s_at += b.send_bytes[j];
+      r_at += b.recv_bytes[j];
+    }
+  }
+  if (sent > 0) {
+    if (absl::Status s = StagedFetch(device, 0, 0, 0, sent); !s.ok()) return s;
+    if (absl::Status s = device.Wait(0); !s.ok()) return s;
   }
   // Pairs on this node, in host memory while the first chunks travel.
-  auto local_pairs = [&] {
-    for (int from : local) {
-      for (int to : local) {
-        const AlltoallBuffers& f = ranks[static_cast<size_t>(from)];
-        const AlltoallBuffers& t = ranks[static_cast<size_t>(to)];
-        std::memcpy(t.recv + static_cast<size_t>(from) * block,
-                    f.send + static_cast<size_t>(to) * block, block);
-      }
-    }
-  };
-  absl::Status s = AlltoallPairwise(ctx, node_of_rank_, ranks, local_pairs);
+  absl::Status s =
+      AlltoallPairwise(ctx, node_of_rank_, ranks, [&] { CopyLocalPairs(ranks, local); });
   if (!s.ok()) return s;
-  if (s = StagedStore(device, 1, 0, 0, total); !s.ok()) return s;
+  if (got > 0) {
+    if (s = StagedStore(device, 1, 0, 0, got); !s.ok()) return s;
+  }
   return device.Finish();
 }
 
@@ -1225,24 +1270,10 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
           b.recv_bytes.assign(static_cast<size_t>(world), block);
         }
       }
+      std::vector<bool> local(static_cast<size_t>(world), false);
+      for (const auto& p : op.parts) local[static_cast<size_t>(p.rank)] = true;
       // While the first chunks travel.
-      auto local_pairs = [&] {
-        for (const auto& from : op.parts) {
-          const AlltoallBuffers& f = ranks[static_cast<size_t>(from.rank)];
-          uint64_t at = 0;
-          for (int to = 0; to < world; ++to) {
-            const uint64_t bytes = f.send_bytes[static_cast<size_t>(to)];
-            if (node_of_rank_[to] == self_ && bytes > 0) {
-              const AlltoallBuffers& t = ranks[static_cast<size_t>(to)];
-              uint64_t into = 0;
-              for (int k = 0; k < from.rank; ++k) into += t.recv_bytes[static_cast<size_t>(k)];
-              std::memcpy(t.recv + into, f.send + at, bytes);
-            }
-            at += bytes;
-          }
-        }
-      };
-      return AlltoallPairwise(ctx, node_of_rank_, ranks, local_pairs);
+      return AlltoallPairwise(ctx, node_of_rank_, ranks, [&] { CopyLocalPairs(ranks, local); });
     }
     case wire::Collective::kBarrier:
       break;

@@ -247,7 +247,7 @@ class ClusterJob {
   // of an allgather carries a piece of every rank's block).
   absl::Status MoveStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
                           const RunSettings& settings);
-  // Alltoall: the node's ranks' send buffers fetched whole into one host
+  // Alltoall(v): the node's ranks' send buffers fetched whole into one host
   // slot, exchanged into the other (pairs on this node copied there), and
   // stored whole; not in segments (the pairwise exchange's chunks run over
   // the whole buffers, as on a node with host buffers).

@@ -551,8 +551,9 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   }
   absl::Status PlaceInputs() override {
     return Enqueue(-1, "P", [this] {
-      for (size_t i = 0; i < inputs_.size() && input_bytes_ > 0; ++i) {
-        std::memcpy(Node() + input_offsets_[i], inputs_[i], input_bytes_);
+      for (size_t i = 0; i < inputs_.size() && (input_bytes_ > 0 || !input_sizes_.empty()); ++i) {
+        const size_t bytes = input_sizes_.empty() ? input_bytes_ : input_sizes_[i];
+        if (bytes > 0) std::memcpy(Node() + input_offsets_[i], inputs_[i], bytes);
       }
       return absl::OkStatus();
     });
@@ -577,16 +578,23 @@ class HostStagedBuffer final : public StagedNodeBuffer {
       return absl::OkStatus();
     });
   }
-  // Allgather, broadcast: input i goes to `offsets[i]` of the node buffer.
+  // Allgather, broadcast, alltoall: input i goes to `offsets[i]` of the
+  // node buffer.
   void SetInputPlaces(std::vector<size_t> offsets, size_t bytes) {
     input_offsets_ = std::move(offsets);
     input_bytes_ = bytes;
+  }
+  // Alltoallv: each input's and output's own size, instead of one for all.
+  void SetSizes(std::vector<size_t> inputs, std::vector<size_t> outputs) {
+    input_sizes_ = std::move(inputs);
+    output_sizes_ = std::move(outputs);
   }
   absl::Status Wait(int slot) override { return WaitFor(last_[slot]); }
   absl::Status Finish() override {
     Enqueue(-1, "fan-out", [this] {
       for (size_t r = 0; r < outputs_.size(); ++r) {
-        std::memcpy(outputs_[r], Node() + output_offsets_[r], output_bytes_);
+        const size_t bytes = output_sizes_.empty() ? output_bytes_ : output_sizes_[r];
+        if (bytes > 0) std::memcpy(outputs_[r], Node() + output_offsets_[r], bytes);
       }
       return absl::OkStatus();
     }).IgnoreError();
@@ -724,6 +732,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   std::vector<uint8_t> node_;  // "device" memory
   std::vector<size_t> input_offsets_;
   size_t input_bytes_ = 0;
+  std::vector<size_t> input_sizes_, output_sizes_;
   std::vector<uint8_t> slots_[2];
   std::mutex mu_;
   std::condition_variable cv_;
@@ -1097,10 +1106,10 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
   }
 }
 
-// Alltoall between nodes whose ranks' buffers are "on the GPU" (staged) and
-// a node whose are not: every rank's block for every rank lands where it
-// belongs, pairs on one node included, with one fetch and one store of the
-// staged node's buffers whole.
+// Alltoall(v) between nodes whose ranks' buffers are "on the GPU" (staged)
+// and a node whose are not: every rank's block for every rank lands where
+// it belongs, pairs on one node included, with one fetch and one store of
+// the staged node's buffers whole.
 TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
   for (auto [n, per] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{2, 2}, std::pair{3, 2}}) {
     SCOPED_TRACE(std::to_string(n) + " nodes x " + std::to_string(per) + " ranks");
@@ -1108,24 +1117,38 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
     const int world = n * per;
     struct Case {
       wire::DataType dtype;
-      size_t count;  // elements of each block
+      size_t count;  // elements of each block (alltoallv: a scale)
+      bool v;
     };
     std::vector<Case> cases;
     for (size_t c : {size_t{0}, size_t{1}, size_t{7}, size_t{3001}}) {
-      cases.push_back({wire::DataType::kFloat32, c});
-      cases.push_back({wire::DataType::kInt64, c});
-      cases.push_back({wire::DataType::kBFloat16, c});
+      cases.push_back({wire::DataType::kFloat32, c, false});
+      cases.push_back({wire::DataType::kInt64, c, false});
+      cases.push_back({wire::DataType::kBFloat16, c, false});
+      cases.push_back({wire::DataType::kFloat32, c, true});
     }
-    // [rank][case]: world blocks each, and a guard byte after them.
+    // Elements rank a sends rank b in case o: alltoallv's differ per pair,
+    // zero for some.
+    auto pair = [&](size_t o, int a, int b) -> size_t {
+      const Case& c = cases[o];
+      return c.v ? static_cast<size_t>((a * 3 + b * 5 + static_cast<int>(o)) % 4) * c.count
+                 : c.count;
+    };
+    auto sum = [&](size_t o, int r, bool sending) {
+      size_t t = 0;
+      for (int q = 0; q < world; ++q) t += sending ? pair(o, r, q) : pair(o, q, r);
+      return t;
+    };
+    // [rank][case]: what it sends, then a guard byte; what it receives, too.
     std::vector<std::vector<std::vector<uint8_t>>> send(world), recv(world);
     std::vector<std::shared_ptr<HostStagedBuffer>> staged0(cases.size());
     for (int r = 0; r < world; ++r) {
       for (size_t o = 0; o < cases.size(); ++o) {
         const Case& c = cases[o];
         const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
-        send[r].emplace_back(c.count * world * es + 1);
-        recv[r].emplace_back(c.count * world * es + 1, 0xee);
-        for (size_t i = 0; i < c.count * world; ++i) {
+        send[r].emplace_back(sum(o, r, true) * es + 1);
+        recv[r].emplace_back(sum(o, r, false) * es + 1, 0xee);
+        for (size_t i = 0; i < sum(o, r, true); ++i) {
           Put(c.dtype, send[r][o].data(), i, SmallValue(c.dtype, r, o, i));
         }
       }
@@ -1134,30 +1157,46 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
       const bool gpu = k != 1;  // node 1 keeps host buffers
       for (size_t o = 0; o < cases.size(); ++o) {
         const Case& c = cases[o];
-        const size_t all = c.count * world * wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+        const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
         ClusterOp op;
         op.key = o;
         op.name = "a2a" + std::to_string(o);
-        op.sig.collective = static_cast<uint32_t>(wire::Collective::kAlltoall);
+        op.sig.collective = static_cast<uint32_t>(c.v ? wire::Collective::kAlltoallv
+                                                      : wire::Collective::kAlltoall);
         op.sig.dtype = static_cast<uint32_t>(c.dtype);
-        op.sig.count = c.count;
+        op.sig.count = c.v ? 0 : c.count;
         std::vector<const void*> inputs;
         std::vector<void*> outputs;
-        std::vector<size_t> places;
-        // Node k's ranks, given in reverse: the node buffer is in rank order
-        // whatever order the parts come in.
-        for (int i = per - 1; i >= 0; --i) {
+        std::vector<size_t> in_at, out_at, in_bytes, out_bytes;
+        size_t sent = 0, got = 0;
+        for (int i = 0; i < per; ++i) {  // the node buffer: in rank order
           const int r = k * per + i;
-          op.parts.push_back(ClusterOp::Part{r, gpu ? nullptr : send[r][o].data(),
-                                             gpu ? nullptr : recv[r][o].data(), {}, {}});
           inputs.push_back(send[r][o].data());
           outputs.push_back(recv[r][o].data());
-          places.push_back(static_cast<size_t>(i) * all);
+          in_at.push_back(sent);
+          out_at.push_back(got);
+          in_bytes.push_back(sum(o, r, true) * es);
+          out_bytes.push_back(sum(o, r, false) * es);
+          sent += in_bytes.back();
+          got += out_bytes.back();
+        }
+        // The parts come in reverse: the node buffer is in rank order
+        // whatever order they come in.
+        for (int i = per - 1; i >= 0; --i) {
+          const int r = k * per + i;
+          ClusterOp::Part part{r, gpu ? nullptr : send[r][o].data(),
+                               gpu ? nullptr : recv[r][o].data(), {}, {}};
+          for (int q = 0; c.v && q < world; ++q) {
+            part.send_counts.push_back(pair(o, r, q));
+            part.recv_counts.push_back(pair(o, q, r));
+          }
+          op.parts.push_back(std::move(part));
         }
         if (gpu) {
-          auto b = std::make_shared<HostStagedBuffer>(c.dtype, c.count * world * per, inputs,
-                                                      outputs, places, all);
-          b->SetInputPlaces(places, all);
+          auto b = std::make_shared<HostStagedBuffer>(c.dtype, std::max(sent, got) / es, inputs,
+                                                      outputs, out_at, 0);
+          b->SetInputPlaces(in_at, 0);
+          b->SetSizes(in_bytes, out_bytes);
           if (k == 0) staged0[o] = b;
           op.staged = b;
         }
@@ -1170,19 +1209,27 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
     }
     for (size_t o = 0; o < cases.size(); ++o) {
       const Case& c = cases[o];
-      const size_t block = c.count * wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+      const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
       for (int r = 0; r < world; ++r) {
-        std::vector<uint8_t> want;
+        std::vector<uint8_t> want;  // the plain loop: from every rank, in rank order
         for (int from = 0; from < world; ++from) {
-          const uint8_t* b = send[from][o].data() + static_cast<size_t>(r) * block;
-          want.insert(want.end(), b, b + block);
+          size_t at = 0;
+          for (int q = 0; q < r; ++q) at += pair(o, from, q);
+          const uint8_t* b = send[from][o].data() + at * es;
+          want.insert(want.end(), b, b + pair(o, from, r) * es);
         }
         want.push_back(0xee);  // nothing written past the end
         EXPECT_EQ(recv[r][o], want) << "rank " << r << " dtype " << static_cast<int>(c.dtype)
-                                    << " count " << c.count;
+                                    << " count " << c.count << (c.v ? " alltoallv" : "");
+      }
+      size_t sent = 0, got = 0;  // by node 0's ranks
+      for (int r = 0; r < per; ++r) {
+        sent += sum(o, r, true);
+        got += sum(o, r, false);
       }
       std::vector<std::string> want_calls = {"P"};
-      if (c.count > 0) want_calls = {"P", "F0", "S0"};
+      if (sent > 0) want_calls.push_back("F0");
+      if (got > 0) want_calls.push_back("S0");
       want_calls.push_back("fan-out");
       EXPECT_EQ(staged0[o]->calls(), want_calls) << "count " << c.count;
     }

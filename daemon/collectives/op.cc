@@ -136,11 +136,6 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
     op.sig.reduce_op = e.reduce_op;
   }
   const bool v_splits = collective == wire::Collective::kAlltoallv;
-  if (v_splits && device) {
-    return absl::UnimplementedError(absl::StrCat(
-        "operation '", op.name, "': alltoallv takes host buffers only (CUDA device buffers are "
-        "not supported for alltoallv yet)"));
-  }
   if (collective == wire::Collective::kBroadcast) {
     if (e.root < 0 || e.root >= world_size) {
       return fail(absl::StrCat("broadcast root ", e.root, " is not a rank of a job of ",

@@ -326,9 +326,22 @@ TEST_F(ValidateTest, AlltoallvReadsItsCountsAndChecksThem) {
   expect_error(bad, "overlap");
   bad.recv_offset = bad.send_offset + 32;
   EXPECT_TRUE(Check(bad, 3, 1).ok());
+  // On device buffers (the last case: descriptors replace the data): the
+  // counts still come from the arena, and the allocations must hold their
+  // sums (32 bytes sent).
   bad = e;
   bad.flags = wire::kSubmitFlagDeviceBuffers;
-  expect_error(bad, "alltoallv takes host buffers only", absl::StatusCode::kUnimplemented);
+  wire::DeviceBufferDescriptor d{};
+  d.allocation_bytes = 24;
+  std::memcpy(*mem_->DataRange(bad.send_offset, sizeof(d)), &d, sizeof(d));
+  d.allocation_bytes = 28;
+  std::memcpy(*mem_->DataRange(bad.recv_offset, sizeof(d)), &d, sizeof(d));
+  const GpuProbe& gpus = ProbeGpus();
+  if (!gpus.built_with_cuda || gpus.devices.empty()) {
+    expect_error(bad, "device (CUDA) buffers: ", absl::StatusCode::kFailedPrecondition);
+  } else {
+    expect_error(bad, "send device buffer: 32 bytes at offset 0 do not fit in the allocation of 24");
+  }
 }
 
 TEST_F(ValidateTest, NonRootBroadcastNeedsNoSendBuffer) {

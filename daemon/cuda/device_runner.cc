@@ -205,6 +205,10 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     std::vector<uint8_t*> outputs;       // every rank's receive buffer
     std::vector<size_t> output_offsets;  // where in the node buffer each output's bytes are
     size_t output_bytes = 0;
+    // Alltoallv: each input's and output's own size (then the two above
+    // are unused).
+    std::vector<size_t> input_sizes;
+    std::vector<size_t> output_sizes;
     Holds holds;  // the ranks' mappings and sessions (their events)
     std::shared_ptr<DeviceResiduals> residuals;  // the job's error feedback
   };
@@ -231,13 +235,17 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
                              p_.node, p_.count, p_.stream);
   }
   absl::Status PlaceInputs() override {
-    if (p_.stream == nullptr || p_.input_bytes == 0) return absl::OkStatus();
+    // Reducing collectives have inputs, but no places for them.
+    if (p_.stream == nullptr || (p_.input_bytes == 0 && p_.input_sizes.empty())) {
+      return absl::OkStatus();
+    }
     if (absl::Status s = Current(); !s.ok()) return s;
     for (size_t i = 0; i < p_.inputs.size(); ++i) {
       uint8_t* to = p_.node + p_.input_offsets[i];
-      if (p_.inputs[i] == to) continue;  // in place
+      const size_t bytes = p_.input_sizes.empty() ? p_.input_bytes : p_.input_sizes[i];
+      if (p_.inputs[i] == to || bytes == 0) continue;  // in place, or nothing
       absl::Status s = Cuda(
-          cudaMemcpyAsync(to, p_.inputs[i], p_.input_bytes, cudaMemcpyDeviceToDevice, p_.stream),
+          cudaMemcpyAsync(to, p_.inputs[i], bytes, cudaMemcpyDeviceToDevice, p_.stream),
           "cudaMemcpyAsync device to device (inputs to the node buffer)");
       if (!s.ok()) return s;
     }
@@ -277,10 +285,11 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
   absl::Status Finish() override {
     if (p_.stream == nullptr) return absl::OkStatus();
     if (absl::Status s = Current(); !s.ok()) return s;
-    for (size_t r = 0; r < p_.outputs.size() && p_.output_bytes > 0; ++r) {
+    for (size_t r = 0; r < p_.outputs.size(); ++r) {
       const uint8_t* from = p_.node + p_.output_offsets[r];
-      if (p_.outputs[r] == from) continue;
-      absl::Status s = Cuda(cudaMemcpyAsync(p_.outputs[r], from, p_.output_bytes,
+      const size_t bytes = p_.output_sizes.empty() ? p_.output_bytes : p_.output_sizes[r];
+      if (p_.outputs[r] == from || bytes == 0) continue;
+      absl::Status s = Cuda(cudaMemcpyAsync(p_.outputs[r], from, bytes,
                                             cudaMemcpyDeviceToDevice, p_.stream),
                             "cudaMemcpyAsync device to device (result to the ranks)");
       if (!s.ok()) return s;
@@ -497,7 +506,13 @@ class CudaDeviceRunner final : public DeviceRunner {
                        const std::string& job, cudaEvent_t* event, int* device_out,
                        cudaStream_t* stream_out, Holds* holds) {
     const int world = static_cast<int>(ranks.size());
-    if (sig.count == 0) return absl::OkStatus();  // nothing to read or write
+    const bool v_splits = sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
+    bool empty = sig.count == 0;
+    if (v_splits) {
+      empty = true;
+      for (const DeviceRankBuffers& b : ranks) empty = empty && b.send_bytes == 0;
+    }
+    if (empty) return absl::OkStatus();  // nothing to read or write
     if (absl::Status s = Begin(ranks, device_out); !s.ok()) return s;
     auto stream = StreamFor(*device_out, job);
     if (!stream.ok()) return stream.status();
@@ -508,7 +523,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     std::vector<uint8_t*> recv(world, nullptr);
     for (int r = 0; r < world; ++r) {
       const DeviceRankBuffers& b = ranks[r];
-      if (b.recv_bytes == 0) {
+      if (b.recv_bytes == 0 && !v_splits) {
         return absl::InternalError(absl::StrCat("rank ", r, " has no receive buffer"));
       }
       if (b.send_bytes > 0) {
@@ -516,9 +531,11 @@ class CudaDeviceRunner final : public DeviceRunner {
         if (!p.ok()) return p.status();
         send[r] = *p;
       }
-      auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", holds);
-      if (!p.ok()) return p.status();
-      recv[r] = *p;
+      if (b.recv_bytes > 0) {  // alltoallv may receive nothing
+        auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", holds);
+        if (!p.ok()) return p.status();
+        recv[r] = *p;
+      }
       holds->push_back(sessions_[b.session_id]);  // its events
       absl::Status waited = WaitForRank(b, r, *stream);
       if (!waited.ok()) return waited;
@@ -580,8 +597,29 @@ class CudaDeviceRunner final : public DeviceRunner {
           }
         }
         break;
-      case wire::Collective::kAlltoallv:  // refused by ValidateSubmission
-        return absl::UnimplementedError("alltoallv takes host buffers only");
+      case wire::Collective::kAlltoallv: {
+        // Rank `from`'s piece for `to` into `to`'s piece from `from`, at
+        // the sums of the counts before them (the engine checked that the
+        // pairs agree).
+        const size_t es = sig.element_bytes();
+        for (int from = 0; from < world; ++from) {
+          const DeviceRankBuffers& f = ranks[from];
+          uint64_t at = 0;
+          for (int to = 0; to < world; ++to) {
+            const uint64_t bytes = f.send_counts[to] * es;
+            uint64_t into = 0;
+            for (int k = 0; k < from; ++k) into += ranks[to].recv_counts[k] * es;
+            if (bytes > 0) {
+              absl::Status s = Cuda(cudaMemcpyAsync(recv[to] + into, send[from] + at, bytes,
+                                                    cudaMemcpyDeviceToDevice, *stream),
+                                    "cudaMemcpyAsync device to device");
+              if (!s.ok()) return s;
+            }
+            at += bytes;
+          }
+        }
+        break;
+      }
     }
     return Finish(*stream, event);
   }
@@ -646,21 +684,35 @@ class CudaDeviceRunner final : public DeviceRunner {
     if (collective == wire::Collective::kBarrier) {
       return absl::InternalError("a barrier has no device buffers");
     }
-    if (collective == wire::Collective::kAlltoallv) {  // refused by validation
-      return absl::UnimplementedError("alltoallv takes host buffers only");
-    }
-    const bool a2a = collective == wire::Collective::kAlltoall;
+    const bool v_splits = collective == wire::Collective::kAlltoallv;
+    const bool a2a = collective == wire::Collective::kAlltoall || v_splits;
     const size_t block = sig.count * sig.element_bytes();
     const size_t all = block * static_cast<size_t>(world);
-    // An alltoall's node buffer: each local rank's send buffer (`all`
-    // bytes) at its place in rank order, then its receive buffer's bytes
-    // there, copied out by Finish.
-    auto place = [&ranks, all](const DeviceRankBuffers& b) {
-      size_t before = 0;
-      for (const DeviceRankBuffers& o : ranks) before += o.rank < b.rank;
-      return before * all;
+    // An alltoall's node buffer: the local ranks' send buffers back to back
+    // in rank order, then their receive buffers' bytes likewise, copied out
+    // by Finish (alltoall: `all` bytes each; alltoallv: the sums of each
+    // rank's counts).
+    auto send_size = [v_splits, all](const DeviceRankBuffers& b) {
+      return v_splits ? static_cast<size_t>(b.send_bytes) : all;
     };
-    parts.count = a2a ? sig.count * static_cast<size_t>(world) * ranks.size()
+    auto recv_size = [v_splits, all](const DeviceRankBuffers& b) {
+      return v_splits ? static_cast<size_t>(b.recv_bytes) : all;
+    };
+    auto place = [&ranks](const DeviceRankBuffers& b, auto size) {
+      size_t before = 0;
+      for (const DeviceRankBuffers& o : ranks) before += o.rank < b.rank ? size(o) : 0;
+      return before;
+    };
+    size_t node_bytes = 0;
+    if (a2a) {
+      size_t sent = 0, got = 0;
+      for (const DeviceRankBuffers& b : ranks) {
+        sent += send_size(b);
+        got += recv_size(b);
+      }
+      node_bytes = std::max(sent, got);
+    }
+    parts.count = a2a                 ? node_bytes / sig.element_bytes()
                   : scatter || gather ? sig.count * static_cast<size_t>(world)
                                       : sig.count;
     parts.output_bytes = gather || a2a ? all : block;
@@ -668,7 +720,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     std::shared_ptr<DeviceResiduals>& residuals = residuals_[job];
     if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
     parts.residuals = residuals;
-    if (sig.count == 0) return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
+    if (parts.count == 0) return std::make_shared<CudaStagedBuffer>(std::move(parts), pool_);
     if (absl::Status current = Begin(ranks, &parts.device); !current.ok()) return current;
     absl::Status s = Cuda(cudaStreamCreateWithFlags(&parts.stream, cudaStreamNonBlocking),
                           "cudaStreamCreateWithFlags");
@@ -683,21 +735,25 @@ class CudaDeviceRunner final : public DeviceRunner {
     };
     for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
       const DeviceRankBuffers& b = ranks[r];
-      auto recv =
-          OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv", &parts.holds);
-      if (!recv.ok()) return fail(recv.status());
-      parts.outputs.push_back(*recv);
-      parts.output_offsets.push_back(a2a       ? place(b)
+      uint8_t* output = nullptr;  // alltoallv may receive nothing
+      if (b.recv_bytes > 0 || !v_splits) {
+        auto recv =
+            OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv", &parts.holds);
+        if (!recv.ok()) return fail(recv.status());
+        output = *recv;
+      }
+      parts.outputs.push_back(output);
+      parts.output_offsets.push_back(a2a       ? place(b, recv_size)
                                      : scatter ? static_cast<size_t>(b.rank) * block
                                                : 0);
       // In place, without a send buffer: the rank's block of its receive
       // buffer (an allgather), or the buffer itself.
-      const uint8_t* input = gather ? *recv + static_cast<size_t>(b.rank) * block : *recv;
-      if ((scatter || a2a) && b.send_bytes == 0) {
+      const uint8_t* input = gather ? output + static_cast<size_t>(b.rank) * block : output;
+      if ((scatter || (a2a && !v_splits)) && b.send_bytes == 0) {
         // Validation gives every reduce_scatter and alltoall rank a send
         // buffer of world blocks (alltoall is never in place).
-        return fail(absl::InternalError(absl::StrCat("rank ", r, "'s ", a2a ? "alltoall" : "reduce_scatter",
-                                                     " has no send buffer")));
+        return fail(absl::InternalError(absl::StrCat(
+            "rank ", r, "'s ", a2a ? "alltoall" : "reduce_scatter", " has no send buffer")));
       }
       if (b.send_bytes > 0) {
         auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send",
@@ -705,9 +761,14 @@ class CudaDeviceRunner final : public DeviceRunner {
         if (!send.ok()) return fail(send.status());
         input = *send;
       }
+      if (v_splits) {
+        parts.input_sizes.push_back(send_size(b));
+        parts.output_sizes.push_back(recv_size(b));
+      }
       if (gather || a2a) {
         parts.inputs.push_back(input);
-        parts.input_offsets.push_back(a2a ? place(b) : static_cast<size_t>(b.rank) * block);
+        parts.input_offsets.push_back(a2a ? place(b, send_size)
+                                          : static_cast<size_t>(b.rank) * block);
       } else if (broadcast) {
         if (b.rank == sig.root) {
           parts.inputs.push_back(input);

@@ -57,6 +57,9 @@ struct DeviceRankBuffers {
   uint64_t recv_bytes = 0;  // ValidatedOp::recv_bytes
   wire::DeviceBufferDescriptor send{};
   wire::DeviceBufferDescriptor recv{};
+  // alltoallv: elements for / from each rank of the job (else empty).
+  std::vector<uint64_t> send_counts;
+  std::vector<uint64_t> recv_counts;
 };
 
 class DeviceRunner {

@@ -131,7 +131,9 @@ std::vector<DeviceRankBuffers> DeviceRanksOf(const PendingOp& op) {
     b.recv_bytes = part->op.recv_bytes;
     b.send = part->op.send_device;
     b.recv = part->op.recv_device;
-    ranks.push_back(b);
+    b.send_counts = part->op.send_counts;
+    b.recv_counts = part->op.recv_counts;
+    ranks.push_back(std::move(b));
   }
   return ranks;
 }
@@ -919,8 +921,9 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   c.timing = op->trace.cluster;
   for (auto& part : op->parts) {
     if (!part) continue;
-    if (c.staged) {
-      c.parts.push_back(ClusterOp::Part{part->session->rank, nullptr, nullptr});
+    if (c.staged) {  // the buffers are the staged buffer's; alltoallv's counts still count
+      c.parts.push_back(ClusterOp::Part{part->session->rank, nullptr, nullptr,
+                                        part->op.send_counts, part->op.recv_counts});
     } else {
       c.parts.push_back(ClusterOp::Part{part->session->rank, part->op.send, part->op.recv,
                                         part->op.send_counts, part->op.recv_counts});

@@ -409,7 +409,11 @@ class Communicator::Impl {
   }
   Handle SubmitDevice(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
                       size_t count, DeviceBuffer send, size_t send_bytes, DeviceBuffer recv,
-                      size_t recv_bytes, const OpOptions& opts);
+                      size_t recv_bytes, const OpOptions& opts,
+                      const std::vector<uint64_t>* splits = nullptr);
+  // Puts alltoallv's counts in the arena for the daemon (held by `st`).
+  Status StageSplits(const std::vector<uint64_t>& splits, Handle::State& st,
+                     wire::SubmissionEntry& e);
 
   // The entry's fields but the buffers; `*name` is the operation's name.
   Status MakeEntry(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
@@ -672,14 +676,8 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   auto st = std::make_shared<Handle::State>();
   st->core = core;
   if (splits != nullptr) {
-    // The counts live in the arena until the operation completes.
-    const size_t bytes = splits->size() * sizeof(uint64_t);
-    uint64_t off = 0;
-    Status s = c.arena->Allocate(bytes, &off);
+    Status s = StageSplits(*splits, *st, e);
     if (!s.ok()) return Failed(Status(s.code(), "operation '" + name + "': " + s.message()));
-    st->splits = BufferAccess::Make(c.arena, off, bytes);
-    std::memcpy(c.arena->base + off, splits->data(), bytes);
-    e.splits_offset = off;
   }
 
   // In a job with a fast path every valid operation takes its key there,
@@ -789,10 +787,24 @@ Handle Communicator::Impl::Publish(const std::shared_ptr<Handle::State>& st,
   return Handle(st);
 }
 
+Status Communicator::Impl::StageSplits(const std::vector<uint64_t>& splits, Handle::State& st,
+                                       wire::SubmissionEntry& e) {
+  // The counts live in the arena until the operation completes.
+  const size_t bytes = splits.size() * sizeof(uint64_t);
+  uint64_t off = 0;
+  Status s = core->arena->Allocate(bytes, &off);
+  if (!s.ok()) return s;
+  st.splits = BufferAccess::Make(core->arena, off, bytes);
+  std::memcpy(core->arena->base + off, splits.data(), bytes);
+  e.splits_offset = off;
+  return Status::Ok();
+}
+
 Handle Communicator::Impl::SubmitDevice(wire::Collective collective, DataType dtype,
                                         uint32_t reduce_op, int root, size_t count,
                                         DeviceBuffer send, size_t send_bytes, DeviceBuffer recv,
-                                        size_t recv_bytes, const OpOptions& opts) {
+                                        size_t recv_bytes, const OpOptions& opts,
+                                        const std::vector<uint64_t>* splits) {
   Core& c = *core;
   std::string name;
   wire::SubmissionEntry e;
@@ -823,6 +835,10 @@ Handle Communicator::Impl::SubmitDevice(wire::Collective collective, DataType dt
   }
   auto st = std::make_shared<Handle::State>();
   st->core = core;
+  if (splits != nullptr) {
+    Status s = StageSplits(*splits, *st, e);
+    if (!s.ok()) return fail(s);
+  }
   if (send_bytes > 0 || recv_bytes > 0) {
     // One event on the trainer's stream orders the daemon after everything
     // enqueued there so far, for both buffers.
@@ -932,31 +948,58 @@ Handle Communicator::Alltoall(const void* send, void* recv, size_t count, DataTy
                        {recv, all}, recv, options);
 }
 
+namespace {
+
+// Alltoallv's counts as the daemon reads them (send_counts then
+// recv_counts) and the bytes they make (send, recv), or why they are wrong.
+Status AlltoallvSplits(int world_size, const std::vector<size_t>& send_counts,
+                       const std::vector<size_t>& recv_counts, DataType dtype,
+                       std::vector<uint64_t>* splits, size_t bytes[2]) {
+  const size_t w = static_cast<size_t>(world_size);
+  if (send_counts.size() != w || recv_counts.size() != w) {
+    return Status(StatusCode::kInvalidArgument,
+                  "alltoallv: " + std::to_string(send_counts.size()) + " send and " +
+                      std::to_string(recv_counts.size()) + " recv counts for " +
+                      std::to_string(w) + " ranks (one per rank each)");
+  }
+  splits->assign(send_counts.begin(), send_counts.end());
+  splits->insert(splits->end(), recv_counts.begin(), recv_counts.end());
+  const size_t es = DataTypeSize(dtype);
+  bytes[0] = bytes[1] = 0;
+  for (size_t k = 0; k < splits->size(); ++k) {
+    size_t b = 0;
+    if (__builtin_mul_overflow((*splits)[k], es, &b) ||
+        __builtin_add_overflow(bytes[k / w], b, &bytes[k / w])) {
+      return Status(StatusCode::kInvalidArgument,
+                    std::string("alltoallv: the ") + (k < w ? "send" : "recv") +
+                        " counts add up to more bytes than memory holds");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Handle Communicator::Alltoallv(const void* send, const std::vector<size_t>& send_counts,
                                void* recv, const std::vector<size_t>& recv_counts,
                                DataType dtype, const OpOptions& options) {
-  const size_t w = static_cast<size_t>(world_size());
-  if (send_counts.size() != w || recv_counts.size() != w) {
-    return impl_->Failed(Status(StatusCode::kInvalidArgument,
-                         "alltoallv: " + std::to_string(send_counts.size()) + " send and " +
-                             std::to_string(recv_counts.size()) + " recv counts for " +
-                             std::to_string(w) + " ranks (one per rank each)"));
-  }
-  std::vector<uint64_t> splits(send_counts.begin(), send_counts.end());
-  splits.insert(splits.end(), recv_counts.begin(), recv_counts.end());
-  const size_t es = DataTypeSize(dtype);
-  size_t bytes[2] = {0, 0};  // send, recv
-  for (size_t k = 0; k < splits.size(); ++k) {
-    size_t b = 0;
-    if (__builtin_mul_overflow(splits[k], es, &b) ||
-        __builtin_add_overflow(bytes[k / w], b, &bytes[k / w])) {
-      return impl_->Failed(Status(StatusCode::kInvalidArgument,
-                                  std::string("alltoallv: the ") + (k < w ? "send" : "recv") +
-                                      " counts add up to more bytes than memory holds"));
-    }
-  }
+  std::vector<uint64_t> splits;
+  size_t bytes[2];
+  Status s = AlltoallvSplits(world_size(), send_counts, recv_counts, dtype, &splits, bytes);
+  if (!s.ok()) return impl_->Failed(s);
   return impl_->Submit(wire::Collective::kAlltoallv, dtype, 0, 0, 0, {send, bytes[0]},
                        {recv, bytes[1]}, recv, options, &splits);
+}
+
+Handle Communicator::Alltoallv(DeviceBuffer send, const std::vector<size_t>& send_counts,
+                               DeviceBuffer recv, const std::vector<size_t>& recv_counts,
+                               DataType dtype, const OpOptions& options) {
+  std::vector<uint64_t> splits;
+  size_t bytes[2];
+  Status s = AlltoallvSplits(world_size(), send_counts, recv_counts, dtype, &splits, bytes);
+  if (!s.ok()) return impl_->Failed(s);
+  return impl_->SubmitDevice(wire::Collective::kAlltoallv, dtype, 0, 0, 0, send, bytes[0], recv,
+                             bytes[1], options, &splits);
 }
 
 Handle Communicator::Barrier(const OpOptions& options) {

@@ -185,6 +185,54 @@ struct Cluster {
   }
 };
 
+// Rank `rank`'s part of an alltoallv in which rank i sends counts(i, j)
+// elements to rank j (the same function on every rank): its send counts,
+// its recv counts and their sums.
+template <typename Counts>
+void AlltoallvCountsOf(Counts counts, int world, int rank, std::vector<size_t>* send_counts,
+                       std::vector<size_t>* recv_counts, size_t* send_total, size_t* recv_total) {
+  send_counts->assign(world, 0);
+  recv_counts->assign(world, 0);
+  *send_total = *recv_total = 0;
+  for (int j = 0; j < world; ++j) {
+    (*send_counts)[j] = counts(rank, j);
+    (*recv_counts)[j] = counts(j, rank);
+    *send_total += (*send_counts)[j];
+    *recv_total += (*recv_counts)[j];
+  }
+}
+
+// Checks rank `rank`'s receive buffer of that alltoallv (recv_total
+// elements and one more, which was 0x5a bytes and must stay so) against the
+// senders' FillInput(sender, salt) blocks. 0, or through CHILD_CHECK 1
+// naming the operation and the element.
+template <typename Counts>
+int CheckAlltoallvResult(DataType t, Counts counts, int world, int rank, const uint8_t* recv,
+                         size_t recv_total, uint64_t salt, const std::string& name) {
+  const size_t es = DataTypeSize(t);
+  size_t at = 0;
+  for (int from = 0; from < world; ++from) {
+    size_t from_total = 0, offset = 0;
+    for (int j = 0; j < world; ++j) {
+      if (j < rank) offset += counts(from, j);
+      from_total += counts(from, j);
+    }
+    std::vector<uint8_t> theirs(from_total * es + 1);
+    FillInput(t, ReduceOp::kSum, from, theirs.data(), from_total, salt);
+    for (size_t i = 0; i < counts(from, rank); ++i) {
+      CHILD_CHECK(std::memcmp(recv + (at + i) * es, theirs.data() + (offset + i) * es, es) == 0,
+                  "%s rank %d: element %zu from rank %d differs from its input", name.c_str(),
+                  rank, i, from);
+    }
+    at += counts(from, rank);
+  }
+  for (size_t b = 0; b < es; ++b) {
+    CHILD_CHECK(recv[recv_total * es + b] == 0x5a, "%s rank %d: written past the end",
+                name.c_str(), rank);
+  }
+  return 0;
+}
+
 // One rank of an alltoallv in which rank i sends counts(i, j) elements to
 // rank j (the same function on every rank): rank r's send buffer is
 // FillInput(r, salt) data; the whole receive buffer is compared with the
@@ -196,14 +244,9 @@ int RunAlltoallvAndCheck(Communicator& comm, DataType t, Counts counts, const st
   const int world = comm.world_size();
   const int rank = comm.rank();
   const size_t es = DataTypeSize(t);
-  std::vector<size_t> send_counts(world), recv_counts(world);
+  std::vector<size_t> send_counts, recv_counts;
   size_t send_total = 0, recv_total = 0;
-  for (int j = 0; j < world; ++j) {
-    send_counts[j] = counts(rank, j);
-    recv_counts[j] = counts(j, rank);
-    send_total += send_counts[j];
-    recv_total += recv_counts[j];
-  }
+  AlltoallvCountsOf(counts, world, rank, &send_counts, &recv_counts, &send_total, &recv_total);
   Buffer sb, rb;
   std::vector<uint8_t> sh, rh;
   uint8_t* send;
@@ -227,27 +270,7 @@ int RunAlltoallvAndCheck(Communicator& comm, DataType t, Counts counts, const st
   opts.name = name;
   Status s = comm.Alltoallv(send, send_counts, recv, recv_counts, t, opts).Wait();
   CHILD_CHECK(s.ok(), "%s: %s", name.c_str(), s.ToString().c_str());
-  size_t at = 0;
-  for (int from = 0; from < world; ++from) {
-    size_t from_total = 0, offset = 0;
-    for (int j = 0; j < world; ++j) {
-      if (j < rank) offset += counts(from, j);
-      from_total += counts(from, j);
-    }
-    std::vector<uint8_t> theirs(from_total * es + 1);
-    FillInput(t, ReduceOp::kSum, from, theirs.data(), from_total, salt);
-    for (size_t i = 0; i < counts(from, rank); ++i) {
-      CHILD_CHECK(std::memcmp(recv + (at + i) * es, theirs.data() + (offset + i) * es, es) == 0,
-                  "%s rank %d: element %zu from rank %d differs from its input", name.c_str(),
-                  rank, i, from);
-    }
-    at += counts(from, rank);
-  }
-  for (size_t b = 0; b < es; ++b) {
-    CHILD_CHECK(recv[recv_total * es + b] == 0x5a, "%s rank %d: written past the end",
-                name.c_str(), rank);
-  }
-  return 0;
+  return CheckAlltoallvResult(t, counts, world, rank, recv, recv_total, salt, name);
 }
 
 // One alltoallv whose counts are counts(i, j) except that rank `off_to`

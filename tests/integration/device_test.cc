@@ -101,6 +101,15 @@ TEST(DeviceBuffersTest, ClearErrorWithoutCuda) {
                 "got %s", s.ToString().c_str());
     CHILD_CHECK(sdk_cuda || why.find("built without CUDA") != std::string::npos, "%s",
                 why.c_str());
+    // Alltoallv too (its counts staged in the arena first), named.
+    float y[4] = {};
+    o.name = "devv";
+    s = comm->Alltoallv(DeviceBuffer{x, 0}, {4}, DeviceBuffer{y, 0}, {4}, DataType::kFloat32, o)
+            .Wait();
+    CHILD_CHECK(s.code() == StatusCode::kFailedPrecondition &&
+                    s.message().find(words) != std::string::npos &&
+                    s.message().find("operation 'devv'") != std::string::npos,
+                "alltoallv got %s", s.ToString().c_str());
     // The communicator still works on host memory.
     s = comm->Allreduce(x, x, 4, DataType::kFloat32, ReduceOp::kSum).Wait();
     CHILD_CHECK(s.ok() && x[3] == 4, "host allreduce after: %s", s.ToString().c_str());
@@ -211,6 +220,53 @@ int RunOneDevice(Communicator& comm, int device, cudaStream_t stream, const Devi
   return 0;
 }
 
+// One rank's alltoallv on device buffers in `mem`, rank i sending
+// UnevenCounts(i, j, pattern, scale) elements to rank j; checked as the host
+// alltoallv is (CheckAlltoallvResult).
+int RunOneDeviceAlltoallv(Communicator& comm, int device, cudaStream_t stream,
+                          const DeviceMemory& mem, DataType t, int pattern, size_t scale,
+                          const std::string& name) {
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  const size_t es = DataTypeSize(t);
+  auto counts = [&](int i, int j) { return UnevenCounts(i, j, pattern, scale); };
+  std::vector<size_t> send_counts, recv_counts;
+  size_t send_total = 0, recv_total = 0;
+  AlltoallvCountsOf(counts, world, rank, &send_counts, &recv_counts, &send_total, &recv_total);
+  CHILD_CHECK(send_total * es <= mem.bytes && (recv_total + 1) * es <= mem.bytes, "%s: %zu bytes",
+              name.c_str(), mem.bytes);
+  std::vector<uint8_t> host(send_total * es + 1);
+  FillInput(t, ReduceOp::kSum, rank, host.data(), send_total, pattern);
+  CUDA_CHECK(cudaMemsetAsync(mem.recv, 0x5a, (recv_total + 1) * es, stream));
+  CUDA_CHECK(cudaMemcpyAsync(mem.send, host.data(), send_total * es, cudaMemcpyHostToDevice,
+                             stream));
+  OpOptions opts;
+  opts.name = name;
+  opts.stream = stream;
+  Status st = comm.Alltoallv(DeviceBuffer{mem.send, device}, send_counts,
+                             DeviceBuffer{mem.recv, device}, recv_counts, t, opts).Wait();
+  CHILD_CHECK(st.ok(), "%s: %s", name.c_str(), st.ToString().c_str());
+  std::vector<uint8_t> got((recv_total + 1) * es);
+  CUDA_CHECK(cudaMemcpy(got.data(), mem.recv, got.size(), cudaMemcpyDeviceToHost));
+  return CheckAlltoallvResult(t, counts, world, rank, got.data(), recv_total, pattern, name);
+}
+
+// Alltoallv on device buffers: a few dtypes, every UnevenCounts pattern
+// (nothing at all, one element, empty pairs, a rank sending nothing).
+int RunDeviceAlltoallvs(Communicator& comm, int device, cudaStream_t stream,
+                        const DeviceMemory& mem, const std::string& prefix) {
+  for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64}) {
+    for (int pattern = 0; pattern < 4; ++pattern) {
+      const std::string name =
+          prefix + "a2av/" + DataTypeName(t) + "/" + std::to_string(pattern);
+      if (RunOneDeviceAlltoallv(comm, device, stream, mem, t, pattern, 10007, name) != 0) {
+        return 1;
+      }
+    }
+  }
+  return 0;
+}
+
 int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank, int world) {
   int devices = 0;
   CUDA_CHECK(cudaGetDeviceCount(&devices));
@@ -243,6 +299,7 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
       }
     }
   }
+  if (RunDeviceAlltoallvs(*comm, device, stream, mem, "") != 0) return 1;
   // A host operation after the device ones, and a mixed one: rank 0 on the
   // device, the others on the host, which fails on every rank naming it.
   float x = 1;
@@ -436,6 +493,7 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
             }
           }
         }
+        if (RunDeviceAlltoallvs(comm, device, stream, mem, "mn/") != 0) return 1;
         return FreeDeviceMemory(&mem);
       });
 }

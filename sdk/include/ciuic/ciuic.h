@@ -217,7 +217,8 @@ class Communicator {
   // recv gets recv_counts[i] elements from each rank i, likewise. Both
   // vectors have world_size entries, and rank i's send_counts[j] must equal
   // rank j's recv_counts[i] (else every rank gets INVALID_ARGUMENT). Never in
-  // place; host memory only.
+  // place. The counts are host memory; the buffers may be on the device
+  // (below).
   Handle Alltoallv(const void* send, const std::vector<size_t>& send_counts, void* recv,
                    const std::vector<size_t>& recv_counts, DataType dtype,
                    const OpOptions& options = {});
@@ -236,6 +237,9 @@ class Communicator {
   // through pinned host memory (2 x the node's send bytes of it).
   Handle Alltoall(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype,
                   const OpOptions& options = {});
+  Handle Alltoallv(DeviceBuffer send, const std::vector<size_t>& send_counts, DeviceBuffer recv,
+                   const std::vector<size_t>& recv_counts, DataType dtype,
+                   const OpOptions& options = {});
 
   class Impl;
 

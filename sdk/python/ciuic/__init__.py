@@ -395,7 +395,7 @@ class Communicator:
         return staged
 
     def _device_async(self, collective, send, recv, count, output, op="sum", root=0,
-                      name=None, priority=0, timeout=None, compression=None):
+                      name=None, priority=0, timeout=None, compression=None, counts=((), ())):
         """A collective on CUDA tensors: the SDK's device path, ordered after
         the work enqueued so far on torch's current stream of their device."""
         sp, sdev, sdtype, _ = _device_args(send, f"{collective} input")
@@ -409,7 +409,8 @@ class Communicator:
         h = self._impl.device_op(collective, sp, rp, device=rdev, count=count, dtype=rdtype,
                                  op=op, root=root, stream=stream, name=name or "",
                                  priority=priority, timeout_ms=_timeout_ms(timeout),
-                                 compression=compression or "")
+                                 compression=compression or "", send_counts=list(counts[0]),
+                                 recv_counts=list(counts[1]))
         return Work(h, output, self, keep=(send, recv))
 
     def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None,
@@ -488,8 +489,10 @@ class Communicator:
         _check_same_kind("alltoall", input, output)
         if _is_cuda(output):
             if output_split_sizes is not None or input_split_sizes is not None:
-                raise error_class(StatusCode.UNIMPLEMENTED)(
-                    "alltoall: split sizes take host tensors only (not CUDA ones yet)")
+                counts = (_split_counts(input, input_split_sizes, self.world_size, "input"),
+                          _split_counts(output, output_split_sizes, self.world_size, "output"))
+                return self._device_async("alltoallv", input, output, 0, output, name=name,
+                                          priority=priority, timeout=timeout, counts=counts)
             if input.numel() != output.numel() or input.numel() % self.world_size:
                 raise InvalidArgumentError(
                     f"alltoall: input and output must hold the same number of elements, a "
@@ -525,8 +528,8 @@ class Communicator:
         blocks are equal; with them (a list of world_size row counts, for
         either side; the other side's default is equal blocks) they may
         differ (alltoallv): rank i's input_split_sizes[j] must equal rank j's
-        output_split_sizes[i]. Never in place. CUDA tensors: equal blocks
-        (across nodes staged whole through host memory)."""
+        output_split_sizes[i]. Never in place. CUDA tensors too (across
+        nodes staged whole through host memory)."""
         self.alltoall_async(output, input, output_split_sizes, input_split_sizes, name,
                             priority, timeout).wait()
         return output

@@ -429,12 +429,14 @@ class PyComm {
   // layer passes data_ptr(), the device index and the current stream). The
   // counts are the C++ API's: elements per rank (allreduce, broadcast), of
   // the output (reduce_scatter), of the input (allgather) or per rank pair
-  // (alltoall). The caller
-  // keeps the tensors alive until the operation completes.
+  // (alltoall); alltoallv takes send_counts and recv_counts instead. The
+  // caller keeps the tensors alive until the operation completes.
   PyHandle DeviceOp(const std::string& collective, uintptr_t send, uintptr_t recv, int device,
                     uint64_t count, const std::string& dtype, const std::string& op, int root,
                     uintptr_t stream, const std::string& name, int32_t priority,
-                    uint32_t timeout_ms, const std::string& compression) {
+                    uint32_t timeout_ms, const std::string& compression,
+                    const std::vector<size_t>& send_counts,
+                    const std::vector<size_t>& recv_counts) {
     DataType dt;
     if (!ParseDataType(dtype, &dt)) ThrowInvalid("unknown dtype '" + dtype + "'");
     OpOptions o = MakeOptions(name, priority, timeout_ms, compression);
@@ -452,6 +454,10 @@ class PyComm {
       submit = [=](Communicator& c) { return c.Allgather(sb, rb, count, dt, o); };
     } else if (collective == "alltoall") {
       submit = [=](Communicator& c) { return c.Alltoall(sb, rb, count, dt, o); };
+    } else if (collective == "alltoallv") {
+      submit = [=](Communicator& c) {
+        return c.Alltoallv(sb, send_counts, rb, recv_counts, dt, o);
+      };
     } else if (collective == "broadcast") {
       if (root < 0 || root >= world_size_) {
         ThrowInvalid("broadcast: root " + std::to_string(root) + " is not in a world of size " +
@@ -648,7 +654,8 @@ PYBIND11_MODULE(_ciuic, m) {
            py::arg("recv"), py::kw_only(), py::arg("device"), py::arg("count"),
            py::arg("dtype"), py::arg("op") = "sum", py::arg("root") = 0, py::arg("stream") = 0,
            py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0,
-           py::arg("compression") = "")
+           py::arg("compression") = "", py::arg("send_counts") = std::vector<size_t>(),
+           py::arg("recv_counts") = std::vector<size_t>())
       .def("close", &PyComm::Close);
   m.def("sdk_supports_device_buffers", [] {
     std::string why;

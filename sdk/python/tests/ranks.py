@@ -204,9 +204,10 @@ def split_rows(i, j, pattern):
             0 if i == 1 else ((i + j) % 3 + 1) * 700 + i][pattern]
 
 
-def alltoallv_all(ctx, lib, dtype, seed, cols=3):
+def alltoallv_all(ctx, lib, dtype, seed, cols=3, device=None):
     """alltoall with input/output split sizes (rows of `cols` elements),
-    against numpy: every pattern of split_rows."""
+    against numpy: every pattern of split_rows (torch tensors on `device`,
+    a CUDA device, if given)."""
     world, rank = ctx.world, ctx.rank
     checks = 0
     for pattern in range(4):
@@ -215,16 +216,18 @@ def alltoallv_all(ctx, lib, dtype, seed, cols=3):
         src = make(inputs[rank], dtype, lib).reshape(sum(rows[rank]), cols)
         recv_rows = [rows[i][rank] for i in range(world)]
         out = empty_like_lib(sum(recv_rows) * cols, dtype, lib).reshape(sum(recv_rows), cols)
+        if device is not None:
+            src, out = src.to(device, non_blocking=True), out.to(device)
         got = ctx.comm.alltoall(out, src, output_split_sizes=recv_rows,
                                 input_split_sizes=rows[rank],
-                                name=ctx.name(f"a2av.{lib}.{dtype}.{pattern}"))
+                                name=ctx.name(f"a2av.{lib}.{dtype}.{pattern}.{device}"))
         assert got is out
         want = []
         for i in range(world):
             at = sum(rows[i][:rank]) * cols
             want.append(inputs[i][at:at + rows[i][rank] * cols])
-        expect_equal(out.reshape(-1), np.concatenate(want), dtype, lib,
-                     f"alltoallv pattern {pattern}")
+        expect_equal((out.cpu() if device is not None else out).reshape(-1),
+                     np.concatenate(want), dtype, lib, f"alltoallv pattern {pattern}")
         checks += 1
     return checks
 
@@ -659,7 +662,7 @@ def _cuda_device(ctx):
 
 def cuda_collectives(ctx, dtype, seed):
     """Every collective on CUDA tensors (device buffers through the daemon,
-    alltoall included),
+    alltoall and alltoallv included),
     every op for the reductions, sizes 0, 1, odd and just over 4 MiB; the
     inputs are written on the current stream right before each call (the
     daemon must wait for that work)."""
@@ -694,7 +697,7 @@ def cuda_collectives(ctx, dtype, seed):
         ctx.comm.alltoall(out, inp, name=ctx.name(f"cuda.a2a.{dtype}.{n}"))
         expect_equal(out.cpu(), alltoall_reference(blocks, r, n), dtype, "torch", f"alltoall {n}")
         checks += 3
-    return checks
+    return checks + alltoallv_all(ctx, "torch", dtype, seed, device=dev)
 
 
 class _FakeBucket:
