@@ -127,6 +127,13 @@ class Nodes {
   }
   config::TuningRegistry& tuning(int k) { return tuning_[k]; }
   ClusterJob& job(int k) { return *jobs_[k]; }
+  // Waits for `count` operation ends on every node; each must be OK.
+  void ExpectEndsOk(size_t count) {
+    for (size_t k = 0; k < ends_.size(); ++k) {
+      ASSERT_TRUE(ends_[k].WaitFor(count)) << "node " << k;
+      for (auto& [key, st] : ends_[k].ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
+    }
+  }
   Ends& ends(int k) { return ends_[k]; }
   int client_streams() const { return client_streams_.load(); }
 
@@ -1070,9 +1077,9 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
         nodes.job(k).Submit(std::move(op));
       }
     }
-    for (int k = 0; k < n; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(cases.size())) << "node " << k;
+    nodes.ExpectEndsOk(cases.size());
+    if (HasFatalFailure()) return;
     for (int k = 0; k < n; ++k) {
-      for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
       for (size_t o = 0; o < cases.size(); ++o) {
         const Case& c = cases[o];
         const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
@@ -1203,10 +1210,8 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
         nodes.job(k).Submit(std::move(op));
       }
     }
-    for (int k = 0; k < n; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(cases.size())) << "node " << k;
-    for (int k = 0; k < n; ++k) {
-      for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
-    }
+    nodes.ExpectEndsOk(cases.size());
+    if (HasFatalFailure()) return;
     for (size_t o = 0; o < cases.size(); ++o) {
       const Case& c = cases[o];
       const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
