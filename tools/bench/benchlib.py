@@ -11,6 +11,7 @@ BUS_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
     "alltoall": lambda n: (n - 1) / n,
+    "alltoallv": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "barrier": lambda n: 0.0,
 }
@@ -42,7 +43,30 @@ def shape_for(op, dtype, nbytes, n):
     if op == "alltoall":  # count elements per rank pair
         count = max(1, nbytes // es // n)
         return count * n, count * n, count * n * es
+    if op == "alltoallv":  # what each rank sends (and receives) in all
+        count = max(1, nbytes // es)
+        return count, count, count * es
     return 0, 0, 0
+
+
+def uneven_count(n, total, i, j):
+    """alltoallv: elements rank i sends rank j out of `total` each rank sends
+    (ciuic-bench's UnevenCount): shares 1 + ((j - i) mod n) of n(n+1)/2,
+    rounded down, the remainder to the largest share."""
+    d = (j - i) % n
+    shares = n * (n + 1) // 2
+
+    def piece(w):
+        return total // shares * w + total % shares * w // shares
+    given = sum(piece(w) for w in range(1, n + 1))
+    return piece(d + 1) + (total - given if d == n - 1 else 0)
+
+
+def alltoallv_pieces(n, total, rank):
+    """What `rank` receives from that alltoallv, in order: (sender, where the
+    piece starts in the sender's input, elements) per sender."""
+    return [(src, sum(uneven_count(n, total, src, j) for j in range(rank)),
+             uneven_count(n, total, src, rank)) for src in range(n)]
 
 
 def supervise(procs, timeout, name):

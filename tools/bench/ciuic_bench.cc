@@ -9,8 +9,12 @@
 // allocates its buffers once, in shared memory (zero copy), before timing.
 // Per size: the median over iterations of the slowest rank's time per
 // operation, algbw = bytes / time, busbw = algbw * the nccl-tests factor
-// (allreduce 2(n-1)/n, reduce_scatter, allgather and alltoall (n-1)/n,
-// broadcast 1).
+// (allreduce 2(n-1)/n, reduce_scatter, allgather, alltoall and alltoallv
+// (n-1)/n, broadcast 1).
+// --op alltoallv: a size is what each rank sends in all, cut unevenly as
+// routed tokens are between experts: rank i sends rank j a share
+// proportional to 1 + ((j - i) mod n), so each rank's largest piece is n
+// times its smallest, and every rank still sends and receives the size.
 // The first (cold) iteration is reported apart. With --burst K each
 // iteration submits K operations of the size at once (each on its own slice
 // of the buffers, each with its own name) and waits for all: the time is per
@@ -78,7 +82,8 @@ struct Flags {
 [[noreturn]] void Usage(const std::string& error) {
   if (!error.empty()) fprintf(stderr, "ciuic-bench: %s\n", error.c_str());
   fprintf(stderr,
-          "usage: ciuic-bench [--op allreduce|reduce_scatter|allgather|alltoall|broadcast|barrier]\n"
+          "usage: ciuic-bench [--op allreduce|reduce_scatter|allgather|alltoall|alltoallv|\n"
+          "                         broadcast|barrier]\n"
           "                   [--nodes 1] [--ranks-per-node R] [--sizes 8,64K,16M,256M]\n"
           "                   [--dtype float32|float64|float16|bfloat16|int8|uint8|int32|int64]\n"
           "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
@@ -193,12 +198,11 @@ Flags ParseFlags(int argc, char** argv) {
     }
   }
   static const char* kOps[] = {"allreduce", "reduce_scatter", "allgather", "alltoall",
-                               "broadcast", "barrier"};
+                               "alltoallv", "broadcast", "barrier"};
   if (std::find_if(std::begin(kOps), std::end(kOps),
                    [&](const char* o) { return f.op == o; }) == std::end(kOps)) {
     Usage("unknown op '" + f.op + "'");
   }
-  if (f.op == "alltoall" && f.cuda) Usage("--op alltoall takes host memory only (--device cpu)");
   if (f.nodes > 1 && !f.socket.empty()) {
     Usage("--socket names one daemon; with --nodes > 1 ciuic-bench starts its own daemons");
   }
@@ -317,6 +321,31 @@ struct SizeResult {
   double times_us[1];  // variable length: iters entries follow in the pipe
 };
 
+// --op alltoallv: elements rank i sends rank j out of `total` that each
+// rank sends: shares 1 + ((j - i) mod n) of n(n+1)/2, rounded down, and what
+// rounding leaves over to the largest (d = n - 1). Every rank's pieces, and
+// every rank's receipts, are then the same multiset: totals of `total`.
+uint64_t UnevenCount(int world, uint64_t total, int i, int j) {
+  const uint64_t n = static_cast<uint64_t>(world);
+  const uint64_t d = static_cast<uint64_t>(((j - i) % world + world) % world);
+  const uint64_t shares = n * (n + 1) / 2;
+  auto piece = [&](uint64_t w) { return total / shares * w + total % shares * w / shares; };
+  uint64_t given = 0;
+  for (uint64_t w = 1; w <= n; ++w) given += piece(w);
+  return piece(d + 1) + (d == n - 1 ? total - given : 0);
+}
+
+// Rank `rank`'s alltoallv counts (send: to each rank; recv: from each).
+void UnevenCounts(int world, uint64_t total, int rank, std::vector<size_t>* send,
+                  std::vector<size_t>* recv) {
+  send->clear();
+  recv->clear();
+  for (int j = 0; j < world; ++j) {
+    send->push_back(UnevenCount(world, total, rank, j));
+    recv->push_back(UnevenCount(world, total, j, rank));
+  }
+}
+
 uint64_t CountFor(const Flags& f, uint64_t bytes, int world) {
   const uint64_t es = ciuic::DataTypeSize(f.dtype);
   uint64_t count = bytes / es;
@@ -348,6 +377,12 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const RankBuffers& 
     if (f.op == "allreduce") return c.Allreduce(send, recv, count, f.dtype, f.reduce_op, o);
     if (f.op == "reduce_scatter") return c.ReduceScatter(send, recv, count, f.dtype, f.reduce_op, o);
     if (f.op == "allgather") return c.Allgather(send, recv, count, f.dtype, o);
+    if (f.op == "alltoall") return c.Alltoall(send, recv, count, f.dtype, o);
+    if (f.op == "alltoallv") {
+      std::vector<size_t> sc, rc;
+      UnevenCounts(c.world_size(), count, c.rank(), &sc, &rc);
+      return c.Alltoallv(send, sc, recv, rc, f.dtype, o);
+    }
     if (f.op == "broadcast") return c.Broadcast(send, recv, count, f.dtype, 0, o);
     return c.Barrier();
   }
@@ -361,6 +396,10 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const RankBuffers& 
     return c.Allgather(send, recv, count, f.dtype);
   } else if (f.op == "alltoall") {
     return c.Alltoall(send, recv, count, f.dtype);
+  } else if (f.op == "alltoallv") {
+    std::vector<size_t> sc, rc;
+    UnevenCounts(c.world_size(), count, c.rank(), &sc, &rc);
+    return c.Alltoallv(send, sc, recv, rc, f.dtype);
   } else if (f.op == "broadcast") {
     return c.Broadcast(send, recv, count, f.dtype, 0);
   }
@@ -394,6 +433,13 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const RankBuffers& b,
   const bool all_to_all = f.op == "alltoall";
   const uint64_t send_elems = f.op == "reduce_scatter" || all_to_all ? count * world : count;
   const uint64_t recv_elems = f.op == "allgather" || all_to_all ? count * world : count;
+  // alltoallv: where each sender's piece for this rank lies in its buffer
+  // (from) and in this rank's (into); count is each rank's total.
+  std::vector<uint64_t> from_at(world, 0), into_at(world + 1, 0);
+  for (int i = 0; i < world; ++i) {
+    for (int j = 0; j < rank; ++j) from_at[i] += UnevenCount(world, count, i, j);
+    into_at[i + 1] = into_at[i] + UnevenCount(world, count, i, rank);
+  }
   // Device buffers: the pattern is built here and copied up, the result down.
   std::vector<uint8_t> host_send, host_recv;
   void* send = b.send_shm.data();
@@ -430,6 +476,10 @@ uint64_t CheckOnce(ciuic::Communicator& c, const Flags& f, const RankBuffers& b,
     else if (f.op == "broadcast") want = static_cast<double>(Input(f, 0, i));
     else if (all_to_all) {  // block r from rank r's block for this rank
       want = static_cast<double>(Input(f, static_cast<int>(i / count), rank * count + i % count));
+    } else if (f.op == "alltoallv") {  // the piece from rank `from`, in rank order
+      const int from = static_cast<int>(
+          std::upper_bound(into_at.begin(), into_at.end(), i) - into_at.begin() - 1);
+      want = static_cast<double>(Input(f, from, from_at[from] + i - into_at[from]));
     } else break;
     const double got = Load(f.dtype, recv, i);
     if (!Matches(f, got, want)) ++wrong;
@@ -649,7 +699,7 @@ struct OwnDaemon {
 
 double BusFactor(const std::string& op, int n) {
   if (op == "allreduce") return 2.0 * (n - 1) / n;
-  if (op == "reduce_scatter" || op == "allgather" || op == "alltoall") {
+  if (op == "reduce_scatter" || op == "allgather" || op == "alltoall" || op == "alltoallv") {
     return static_cast<double>(n - 1) / n;
   }
   if (op == "broadcast") return 1.0;

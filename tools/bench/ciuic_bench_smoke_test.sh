@@ -1,7 +1,7 @@
 #!/bin/bash
 # Smoke test of ciuic-bench --json: one node of 2 ranks (it starts its own
-# ciuicd) and two 2-node jobs of 1 rank, sizes 8 and 4K, checked; then an
-# alltoall on 2 nodes x 2 ranks (busbw = 3/4 algbw), checked. Passes when
+# ciuicd) and two 2-node jobs of 1 rank, sizes 8 and 4K, checked; then
+# alltoall and alltoallv on 2 nodes x 2 ranks (busbw = 3/4 algbw), checked. Passes when
 # every row has 0 wrong elements and a busbw that agrees with its own time
 # (for 2 ranks busbw = algbw = bytes / time): an 8-byte row's busbw is about
 # 1e-4 GB/s, so it must keep its significant digits, not 4 decimals.
@@ -17,20 +17,23 @@ export UCX_TLS=tcp UCX_WARN_UNUSED_ENV_VARS=n
 "$bench" --op allreduce --sizes 8,4K --iters 20 --warmup 2 --check --json \
     --nodes 2 --ranks-per-node 1 >"$tmp/nodes.json" 2>"$tmp/nodes.err" ||
   { echo "FAIL: ciuic-bench (2 nodes x 1) exited $?" >&2; cat "$tmp/nodes.err" >&2; exit 1; }
-"$bench" --op alltoall --sizes 64,64K --iters 10 --warmup 2 --check --json \
-    --nodes 2 --ranks-per-node 2 >"$tmp/a2a.json" 2>"$tmp/a2a.err" ||
-  { echo "FAIL: ciuic-bench alltoall (2 nodes x 2) exited $?" >&2; cat "$tmp/a2a.err" >&2; exit 1; }
-/usr/bin/python3 - "$tmp/a2a.json" <<'PY'
+for op in alltoall alltoallv; do
+"$bench" --op "$op" --sizes 64,64K --iters 10 --warmup 2 --check --json \
+    --nodes 2 --ranks-per-node 2 >"$tmp/$op.json" 2>"$tmp/$op.err" ||
+  { echo "FAIL: ciuic-bench $op (2 nodes x 2) exited $?" >&2; cat "$tmp/$op.err" >&2; exit 1; }
+/usr/bin/python3 - "$tmp/$op.json" "$op" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 ok = sorted(r["bytes"] for r in rows) == [64, 65536]
 for r in rows:
     want = 0.75 * r["bytes"] / (r["time_us"] * 1e3)
-    ok = ok and r["errors"] == 0 and r["ranks"] == 4 and abs(r["busbw_gbps"] - want) <= 0.01 * want
+    ok = ok and r["errors"] == 0 and r["ranks"] == 4 and r["op"] == sys.argv[2] and \
+        abs(r["busbw_gbps"] - want) <= 0.01 * want
 if not ok:
-    print("FAIL: alltoall rows %s" % rows)
+    print("FAIL: %s rows %s" % (sys.argv[2], rows))
 sys.exit(0 if ok else 1)
 PY
+done
 /usr/bin/python3 - "$tmp/local.json" "$tmp/nodes.json" <<'PY'
 import json, sys
 ok = True

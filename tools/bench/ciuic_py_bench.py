@@ -46,7 +46,8 @@ import time
 import benchlib
 from benchlib import BUS_FACTOR, ELEMENT_SIZE, parse_size, shape_for
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "barrier")
+OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "alltoallv", "broadcast",
+       "barrier")
 DTYPES = ("float32", "float64", "int32")
 
 
@@ -129,8 +130,12 @@ class SizeRun:
         self.checking = False  # the --check op runs under its own name (no residual)
         if op != "barrier":
             self.buf = comm.empty(self.send_count, self.dtype)
-        if op in ("reduce_scatter", "allgather", "alltoall"):
+        if op in ("reduce_scatter", "allgather", "alltoall", "alltoallv"):
             self.out = comm.empty(self.recv_count, self.dtype)
+        if op == "alltoallv":  # element counts to / from each rank (rows of one element)
+            total = self.send_count
+            self.send_splits = [benchlib.uneven_count(world, total, rank, j) for j in range(world)]
+            self.recv_splits = [benchlib.uneven_count(world, total, j, rank) for j in range(world)]
         self.fill()
 
     def fill(self):
@@ -160,6 +165,9 @@ class SizeRun:
             c.allgather(self.out, self.buf)
         elif op == "alltoall":
             c.alltoall(self.out, self.buf, name=name)
+        elif op == "alltoallv":
+            c.alltoall(self.out, self.buf, output_split_sizes=self.recv_splits,
+                       input_split_sizes=self.send_splits, name=name)
         elif op == "broadcast":
             c.broadcast(self.buf, root=0)
         else:
@@ -183,6 +191,12 @@ class SizeRun:
         elif op == "alltoall":
             want = benchlib.alltoall_expected(np, self.rank, self.send_count // self.world, 0,
                                               self.recv_count)
+            got = self.out
+        elif op == "alltoallv":
+            want = np.concatenate([np.zeros(0, np.int64)] + [
+                benchlib.fill_value(np, src, at, n)
+                for src, at, n in benchlib.alltoallv_pieces(self.world, self.send_count,
+                                                            self.rank)])
             got = self.out
         else:
             idx = np.arange(self.recv_count, dtype=np.int64)

@@ -747,8 +747,8 @@ def parse_args(argv):
         description="Benchmark one collective on ciuic, OpenMPI and gloo, interleaved.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--op", default="allreduce",
-                   choices=("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast",
-                            "barrier"))
+                   choices=("allreduce", "reduce_scatter", "allgather", "alltoall", "alltoallv",
+                            "broadcast", "barrier"))
     p.add_argument("--sizes", default="8,1K,64K,1M,16M,64M,256M",
                    help="bytes per rank, K/M/G = powers of 1024 (nccl-tests definition)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "int32"))

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Smoke test of compare.py: OpenMPI and gloo, 2 ranks, two tiny sizes, one rep,
-# allreduce and alltoall.
+# allreduce, alltoall and alltoallv.
 # Usage: compare_smoke_test.sh PATH/TO/ciuic-mpi-bench
 # Passes when compare.py exits 0 and its JSON has rows with errors == 0 for
 # both systems. Runs as root too (compare.py adds --allow-run-as-root) and on
@@ -16,7 +16,7 @@ trap 'rm -rf "$tmp"' EXIT
 # Belt and braces for mpirun as root, should a caller drop the flag.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-for op in allreduce alltoall; do
+for op in allreduce alltoall alltoallv; do
 rc=0
 "$python" "$here/compare.py" --op "$op" --systems mpi,gloo --ranks 2 --sizes 8,4K \
     --reps 1 --iters 2 --warmup 1 --mpi-bench "$mpi_bench" --timeout 120 \

@@ -42,7 +42,8 @@ import time
 import benchlib
 from benchlib import BUS_FACTOR, ELEMENT_SIZE, parse_size, shape_for
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "barrier")
+OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "alltoallv", "broadcast",
+       "barrier")
 DTYPES = ("float32", "float64", "int32")
 CHUNK = 1 << 22  # elements per step when filling/checking big buffers
 
@@ -141,9 +142,13 @@ class SizeRun:
             self.buf = torch.empty(self.send_count, dtype=self.dtype)
             self.out = torch.empty(self.recv_count, dtype=self.dtype)
             self.out_views = list(self.out.split(self.send_count))
-        elif op == "alltoall":
+        elif op in ("alltoall", "alltoallv"):
             self.buf = torch.empty(self.send_count, dtype=self.dtype)
             self.out = torch.empty(self.recv_count, dtype=self.dtype)
+        if op == "alltoallv":  # element counts to / from each rank
+            total = self.send_count
+            self.send_splits = [benchlib.uneven_count(world, total, rank, j) for j in range(world)]
+            self.recv_splits = [benchlib.uneven_count(world, total, j, rank) for j in range(world)]
         self.fill()
 
     def fill(self):
@@ -158,7 +163,7 @@ class SizeRun:
                 self.buf[start:start + n].fill_(-1000)
             else:
                 self.buf[start:start + n].copy_(benchlib.fill_value(t, src_rank, start, n))
-        if op in ("reduce_scatter", "allgather", "alltoall"):
+        if op in ("reduce_scatter", "allgather", "alltoall", "alltoallv"):
             self.out.fill_(-1000)
 
     def run(self):
@@ -174,6 +179,9 @@ class SizeRun:
             d.all_gather(self.out_views, self.buf)
         elif op == "alltoall":
             d.all_to_all_single(self.out, self.buf)
+        elif op == "alltoallv":
+            d.all_to_all_single(self.out, self.buf, output_split_sizes=self.recv_splits,
+                                input_split_sizes=self.send_splits)
         elif op == "broadcast":
             d.broadcast(self.buf, src=0)
         else:
@@ -184,9 +192,17 @@ class SizeRun:
         op = self.args.op
         if op == "barrier":
             return 0
-        result = self.out if op in ("reduce_scatter", "allgather", "alltoall") else self.buf
+        result = self.out if op in ("reduce_scatter", "allgather", "alltoall",
+                                    "alltoallv") else self.buf
         base = self.rank * self.recv_count if op == "reduce_scatter" else 0
         errors = 0
+        if op == "alltoallv":  # each sender's piece for this rank, in rank order
+            into = 0
+            for src, at, n in benchlib.alltoallv_pieces(self.world, self.send_count, self.rank):
+                want = benchlib.fill_value(t, src, at, n)
+                errors += int((result[into:into + n] != want.to(self.dtype)).sum())
+                into += n
+            return errors
         for start in range(0, self.recv_count, CHUNK):
             n = min(CHUNK, self.recv_count - start)
             if op in ("allreduce", "reduce_scatter"):

@@ -15,8 +15,8 @@
  *     MPI_Wtime and no barrier between them;
  *   - time_us is the median over iterations of the max over ranks;
  *   - algbw = bytes / time, busbw = algbw * factor, with factor 2(n-1)/n for
- *     allreduce, (n-1)/n for reduce_scatter, allgather and alltoall, 1 for
- *     broadcast;
+ *     allreduce, (n-1)/n for reduce_scatter, allgather, alltoall and
+ *     alltoallv, 1 for broadcast;
  *   - --check refills the buffers, runs one more (untimed) op and compares
  *     every output element with an expectation computed independently from
  *     the fill rule; errors is the number of mismatching elements summed over
@@ -24,7 +24,10 @@
  *
  * The bytes of a size are the whole per-rank buffer as nccl-tests defines
  * them: the allreduce/broadcast buffer, the full (count*ranks) buffer of
- * allgather, reduce_scatter and alltoall. A size that is not a multiple of
+ * allgather, reduce_scatter and alltoall, what each rank sends in all for
+ * alltoallv (cut unevenly as ciuic-bench cuts it: rank i sends rank j a
+ * share proportional to 1 + ((j - i) mod n), the remainder of the rounding
+ * to the largest; every rank then also receives the size). A size that is not a multiple of
  * (element size * ranks) for those two is rounded down (at least one element
  * per rank); the JSON reports the bytes actually moved.
  */
@@ -37,11 +40,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum Op { kAllreduce, kReduceScatter, kAllgather, kAlltoall, kBroadcast, kBarrier };
+enum Op { kAllreduce, kReduceScatter, kAllgather, kAlltoall, kAlltoallv, kBroadcast, kBarrier };
 enum Dtype { kFloat32, kFloat64, kInt32 };
 
-static const char* const kOpNames[] = {"allreduce", "reduce_scatter", "allgather",
-                                       "alltoall",  "broadcast",      "barrier"};
+static const char* const kOpNames[] = {"allreduce", "reduce_scatter", "allgather", "alltoall",
+                                       "alltoallv", "broadcast",      "barrier"};
 static const char* const kDtypeNames[] = {"float32", "float64", "int32"};
 
 #define kMaxSizes 64
@@ -78,7 +81,7 @@ static void Usage(void) {
           "usage: mpirun -np R ciuic-mpi-bench --op OP [--sizes 8,64K,16M,256M]\n"
           "         [--dtype float32|float64|int32] [--iters K] [--warmup K]\n"
           "         [--check] [--json] [--nodes N --ranks-per-node R]\n"
-          "  OP: allreduce|reduce_scatter|allgather|alltoall|broadcast|barrier\n"
+          "  OP: allreduce|reduce_scatter|allgather|alltoall|alltoallv|broadcast|barrier\n"
           "  sizes: bytes per rank, suffixes K, M, G (powers of 1024)\n");
 }
 
@@ -237,6 +240,17 @@ static int64_t ExpectedSum(size_t index) {
   return s;
 }
 
+/* alltoallv: elements rank i sends rank j out of `total` each rank sends
+ * (ciuic-bench's UnevenCount, written again here). */
+static size_t UnevenCount(size_t total, int i, int j) {
+  size_t n = (size_t)g_nranks;
+  size_t d = (size_t)(((j - i) % g_nranks + g_nranks) % g_nranks);
+  size_t shares = n * (n + 1) / 2, given = 0;
+  for (size_t w = 1; w <= n; ++w) given += total / shares * w + total % shares * w / shares;
+  return total / shares * (d + 1) + total % shares * (d + 1) / shares +
+         (d == n - 1 ? total - given : 0);
+}
+
 /* Element counts of one size, nccl-tests style. */
 typedef struct {
   size_t send_count;  /* elements in the send buffer */
@@ -277,6 +291,12 @@ static Shape ShapeFor(enum Op op, enum Dtype d, size_t bytes) {
       s.send_count = s.recv_count = count * n;
       s.bytes = count * n * es;
       break;
+    case kAlltoallv:
+      count = bytes / es; /* all a rank sends (and receives) */
+      if (count == 0) count = 1;
+      s.send_count = s.recv_count = count;
+      s.bytes = count * es;
+      break;
     case kBarrier:
       break;
   }
@@ -289,7 +309,8 @@ static double BusFactor(enum Op op) {
     case kAllreduce: return 2.0 * (n - 1) / n;
     case kReduceScatter:
     case kAllgather:
-    case kAlltoall: return (n - 1) / n;
+    case kAlltoall:
+    case kAlltoallv: return (n - 1) / n;
     case kBroadcast: return 1.0;
     default: return 0.0;
   }
@@ -319,6 +340,15 @@ static void FillInputs(const Options* o, const Shape* s, void* send, void* recv)
 static long long CountErrors(const Options* o, const Shape* s, const void* recv) {
   long long errors = 0;
   size_t block = s->send_count; /* allgather: elements per rank */
+  /* alltoallv: where rank r's piece for this rank lies in its buffer
+   * (from_at) and in this rank's (into); `from` walks the senders. */
+  size_t* from_at = calloc((size_t)g_nranks, sizeof(size_t));
+  size_t* into = calloc((size_t)g_nranks + 1, sizeof(size_t));
+  int from = 0;
+  for (int r = 0; o->op == kAlltoallv && r < g_nranks; ++r) {
+    for (int j = 0; j < g_rank; ++j) from_at[r] += UnevenCount(s->send_count, r, j);
+    into[r + 1] = into[r] + UnevenCount(s->send_count, r, g_rank);
+  }
   for (size_t i = 0; i < s->recv_count; ++i) {
     int64_t want = 0;
     switch (o->op) {
@@ -330,12 +360,39 @@ static long long CountErrors(const Options* o, const Shape* s, const void* recv)
         want = FillValue((int)(i / pair), (size_t)g_rank * pair + i % pair);
         break;
       }
+      case kAlltoallv: { /* the piece from rank `from`, in rank order */
+        while (from + 1 < g_nranks && i >= into[from + 1]) ++from;
+        want = FillValue(from, from_at[from] + i - into[from]);
+        break;
+      }
       case kBroadcast: want = FillValue(0, i); break;
       case kBarrier: break;
     }
     if (!Matches(recv, o->dtype, i, want)) ++errors;
   }
+  free(from_at);
+  free(into);
   return errors;
+}
+
+/* alltoallv's counts and displacements for this rank (RunSize sets them). */
+static int* g_vcounts = NULL; /* send counts, send displs, recv counts, recv displs */
+
+static void SetAlltoallvCounts(const Shape* s) {
+  free(g_vcounts);
+  g_vcounts = malloc(sizeof(int) * 4 * (size_t)g_nranks);
+  int* sc = g_vcounts;
+  int* sd = sc + g_nranks;
+  int* rc = sd + g_nranks;
+  int* rd = rc + g_nranks;
+  for (int j = 0, sa = 0, ra = 0; j < g_nranks; ++j) {
+    sc[j] = (int)UnevenCount(s->send_count, g_rank, j);
+    rc[j] = (int)UnevenCount(s->send_count, j, g_rank);
+    sd[j] = sa;
+    rd[j] = ra;
+    sa += sc[j];
+    ra += rc[j];
+  }
 }
 
 static void RunOp(const Options* o, const Shape* s, void* send, void* recv) {
@@ -354,6 +411,12 @@ static void RunOp(const Options* o, const Shape* s, void* send, void* recv) {
       MPI_Alltoall(send, (int)(s->send_count / (size_t)g_nranks), t, recv,
                    (int)(s->send_count / (size_t)g_nranks), t, MPI_COMM_WORLD);
       break;
+    case kAlltoallv: {
+      int* v = g_vcounts;
+      MPI_Alltoallv(send, v, v + g_nranks, t, recv, v + 2 * g_nranks, v + 3 * g_nranks, t,
+                    MPI_COMM_WORLD);
+      break;
+    }
     case kBroadcast:
       MPI_Bcast(recv, (int)s->recv_count, t, 0, MPI_COMM_WORLD);
       break;
@@ -424,6 +487,7 @@ static void RunSize(const Options* o, size_t requested_bytes) {
   void* send = o->op == kBroadcast ? NULL : AllocPrefaulted(s.send_count * es);
   void* recv = AllocPrefaulted(s.recv_count * es);
   FillInputs(o, &s, send, recv);
+  if (o->op == kAlltoallv) SetAlltoallvCounts(&s);
 
   double* times = malloc(sizeof(double) * (size_t)o->iters);
   double* max_times = malloc(sizeof(double) * (size_t)o->iters);
