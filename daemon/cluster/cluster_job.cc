@@ -62,16 +62,12 @@ void CopyLocalPairs(const std::vector<AlltoallBuffers>& ranks, const std::vector
   for (size_t from = 0; from < ranks.size(); ++from) {
     if (!local[from]) continue;
     const AlltoallBuffers& f = ranks[from];
-    uint64_t at = 0;
     for (size_t to = 0; to < ranks.size(); ++to) {
       const uint64_t bytes = f.send_bytes[to];
       if (local[to] && bytes > 0) {
         const AlltoallBuffers& t = ranks[to];
-        uint64_t into = 0;
-        for (size_t k = 0; k < from; ++k) into += t.recv_bytes[k];
-        std::memcpy(t.recv + into, f.send + at, bytes);
+        std::memcpy(t.recv + t.RecvAt(from), f.send + f.SendAt(to), bytes);
       }
-      at += bytes;
     }
   }
 }
@@ -872,7 +868,7 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
       break;
     case wire::Collective::kAlltoall:
     case wire::Collective::kAlltoallv:
-      s = AlltoallStaged(op, ctx);
+      s = AlltoallStaged(op, ctx, seq, settings);
       break;
     case wire::Collective::kBarrier:
       break;
@@ -962,7 +958,8 @@ absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext&
   return device.Finish();
 }
 
-absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx) {
+absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx,
+                                         uint64_t seq, const RunSettings& settings) {
   StagedNodeBuffer& device = *op.staged;
   const size_t world = static_cast<size_t>(options_.world_size);
   const size_t es = op.sig.element_bytes();
@@ -997,7 +994,10 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
     }
   }
   if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
-  // Every node's ranks may still send to or receive from these.
+  if (!v_splits && settings.segment_bytes > 0 && block > 0) {
+    return AlltoallStagedInSegments(op, ctx, seq, settings, parts, local);
+  }
+  // Whole. Every node's ranks may still send to or receive from these.
   auto slot_of = [&](int slot, size_t bytes) -> absl::StatusOr<uint8_t*> {
     if (bytes == 0) return nullptr;
     return device.Slot(slot, bytes);
@@ -1025,6 +1025,81 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
   if (!s.ok()) return s;
   if (got > 0) {
     if (s = StagedStore(device, 1, 0, 0, got); !s.ok()) return s;
+  }
+  return device.Finish();
+}
+
+absl::Status ClusterJob::AlltoallStagedInSegments(const ClusterOp& op,
+                                                   const InterNodeContext& ctx, uint64_t seq,
+                                                   const RunSettings& settings,
+                                                   const std::vector<const ClusterOp::Part*>& parts,
+                                                   const std::vector<bool>& local) {
+  StagedNodeBuffer& device = *op.staged;
+  const size_t world = static_cast<size_t>(options_.world_size);
+  const size_t es = op.sig.element_bytes();
+  const size_t count = op.sig.count;
+  const size_t block = count * es;
+  const size_t all = block * world;
+  const size_t ranks_here = parts.size();
+  // Segment k: elements [k * per, ...) of every block, as nodes with host
+  // buffers cut them. In a slot the node's ranks' pieces lie back to back
+  // (rank order, then receiver order): what they send in its first half,
+  // what they receive in its second.
+  const size_t per = MoveSegmentElements(settings.segment_bytes, true, count, es,
+                                         options_.world_size);
+  const size_t segments = (count + per - 1) / per;
+  const size_t half = ranks_here * world * std::min(per, count) * es;
+  auto range = [&](size_t k) { return std::make_pair(k * per, std::min(per, count - k * per)); };
+  // Copies between the node buffer (rank i's block j at i * all + j * block)
+  // and the slot, for segment k's pieces.
+  auto each_piece = [&](size_t k, const std::function<absl::Status(size_t, size_t, size_t)>& copy) {
+    const auto [at, n] = range(k);
+    for (size_t i = 0; i < ranks_here; ++i) {
+      for (size_t j = 0; j < world; ++j) {
+        absl::Status s = copy((i * world + j) * n * es, i * all + j * block + at * es, n * es);
+        if (!s.ok()) return s;
+      }
+    }
+    return absl::OkStatus();
+  };
+  auto fetch = [&](int sl, size_t k) {
+    return each_piece(k, [&](size_t in_slot, size_t offset, size_t bytes) {
+      return StagedFetch(device, sl, in_slot, offset, bytes);
+    });
+  };
+  auto store = [&](int sl, size_t k) {
+    return each_piece(k, [&](size_t in_slot, size_t offset, size_t bytes) {
+      return StagedStore(device, sl, half + in_slot, offset, bytes);
+    });
+  };
+  uint8_t* slot[2] = {nullptr, nullptr};
+  for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
+    auto p = device.Slot(static_cast<int>(k), 2 * half);
+    if (!p.ok()) return p.status();
+    slot[k] = *p;
+    if (absl::Status s = fetch(static_cast<int>(k), k); !s.ok()) return s;
+  }
+  for (size_t k = 0; k < segments; ++k) {
+    const int sl = static_cast<int>(k % 2);
+    const auto [at, n] = range(k);
+    if (absl::Status s = device.Wait(sl); !s.ok()) return s;
+    std::vector<AlltoallBuffers> pieces(world);
+    for (size_t i = 0; i < ranks_here; ++i) {
+      pieces[static_cast<size_t>(parts[i]->rank)] = AlltoallBuffers{
+          slot[sl] + i * world * n * es, slot[sl] + half + i * world * n * es,
+          std::vector<uint64_t>(world, n * es), std::vector<uint64_t>(world, n * es)};
+    }
+    InterNodeContext segment = ctx;
+    segment.tag_base = SegmentTagBase(seq, k);
+    absl::Status s = AlltoallPairwise(segment, node_of_rank_, pieces,
+                                      [&] { CopyLocalPairs(pieces, local); });
+    if (!s.ok()) return s;
+    if (s = store(sl, k); !s.ok()) return s;
+    // The slot's next fetch goes after this store on the device queue; its
+    // first half is free already (the exchange has returned).
+    if (k + 2 < segments) {
+      if (s = fetch(sl, k + 2); !s.ok()) return s;
+    }
   }
   return device.Finish();
 }
@@ -1272,8 +1347,32 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       }
       std::vector<bool> local(static_cast<size_t>(world), false);
       for (const auto& p : op.parts) local[static_cast<size_t>(p.rank)] = true;
-      // While the first chunks travel.
-      return AlltoallPairwise(ctx, node_of_rank_, ranks, [&] { CopyLocalPairs(ranks, local); });
+      if (v_splits || settings.segment_bytes == 0 || block == 0) {
+        // While the first chunks travel.
+        return AlltoallPairwise(ctx, node_of_rank_, ranks, [&] { CopyLocalPairs(ranks, local); });
+      }
+      // Segments, as a node with GPU buffers runs them (AlltoallStaged):
+      // segment k carries elements [k * per, ...) of every block, each
+      // rank's pieces one stride (a block) apart. The pairs on this node go
+      // whole, while the first segment travels.
+      const size_t per =
+          MoveSegmentElements(settings.segment_bytes, true, op.sig.count, es, world);
+      absl::Status s;
+      for (size_t k = 0, at = 0; s.ok() && at < op.sig.count; ++k, at += per) {
+        const uint64_t piece = std::min(per, op.sig.count - at) * es;
+        std::vector<AlltoallBuffers> pieces(static_cast<size_t>(world));
+        for (const auto& p : op.parts) {
+          pieces[static_cast<size_t>(p.rank)] = AlltoallBuffers{
+              p.send + at * es, p.recv + at * es, std::vector<uint64_t>(world, piece),
+              std::vector<uint64_t>(world, piece), block};
+        }
+        InterNodeContext segment = ctx;
+        segment.tag_base = SegmentTagBase(seq, k);
+        s = AlltoallPairwise(segment, node_of_rank_, pieces, [&, k] {
+          if (k == 0) CopyLocalPairs(ranks, local);
+        });
+      }
+      return s;
     }
     case wire::Collective::kBarrier:
       break;

@@ -249,9 +249,16 @@ class ClusterJob {
                           const RunSettings& settings);
   // Alltoall(v): the node's ranks' send buffers fetched whole into one host
   // slot, exchanged into the other (pairs on this node copied there), and
-  // stored whole; not in segments (the pairwise exchange's chunks run over
-  // the whole buffers, as on a node with host buffers).
-  absl::Status AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx);
+  // stored whole. An alltoall announced with segment_bytes goes in segments
+  // instead (every node cuts its blocks alike: a node with host buffers
+  // too), each fetched into a slot while the one before travels.
+  absl::Status AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
+                              const RunSettings& settings);
+  // `parts`: op's, in rank order; local[r]: rank r is on this node.
+  absl::Status AlltoallStagedInSegments(const ClusterOp& op, const InterNodeContext& ctx,
+                                        uint64_t seq, const RunSettings& settings,
+                                        const std::vector<const ClusterOp::Part*>& parts,
+                                        const std::vector<bool>& local);
   // The host's allgather or broadcast on the node buffer, in the run's
   // segments (or whole).
   absl::Status MoveInSegments(const InterNodeContext& ctx, uint64_t seq,

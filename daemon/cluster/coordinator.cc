@@ -594,10 +594,10 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     // operation in the same segments, so that node overlaps one segment's
     // copies with another's transfers. Compressed ones go whole (their
     // error feedback is kept per operation element, not per segment), and
-    // so do alltoalls (each node stages its ranks' buffers whole).
+    // so do alltoallvs (each node stages its ranks' buffers whole: their
+    // pieces differ per pair).
     const auto head_collective = static_cast<wire::Collective>(head.signature.collective());
     if (head.device_buffers && head_codec.empty() && head_collective != wire::Collective::kBarrier &&
-        head_collective != wire::Collective::kAlltoall &&
         head_collective != wire::Collective::kAlltoallv) {
       run->set_segment_bytes(tuning.staging_segment_bytes);
     }

@@ -55,13 +55,17 @@ absl::Status Pairwise(const InterNodeContext& ctx, const std::vector<int>& node_
           absl::StrCat(kName, ": local rank ", r, " has no byte counts for every rank"));
     }
     for (size_t j = 0, s = 0, t = 0; j < world; ++j) {
-      send_at[r].push_back(s);
-      recv_at[r].push_back(t);
+      send_at[r].push_back(b.stride > 0 ? j * b.stride : s);
+      recv_at[r].push_back(b.stride > 0 ? j * b.stride : t);
       s += b.send_bytes[j];
       t += b.recv_bytes[j];
       if ((s > 0 && b.send == nullptr) || (t > 0 && b.recv == nullptr)) {
         return absl::InvalidArgumentError(
             absl::StrCat(kName, ": local rank ", r, " has no send or recv buffer"));
+      }
+      if (b.stride > 0 && (b.send_bytes[j] > b.stride || b.recv_bytes[j] > b.stride)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            kName, ": local rank ", r, "'s blocks are longer than their stride"));
       }
     }
   }

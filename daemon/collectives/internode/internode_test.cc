@@ -998,6 +998,63 @@ TEST(FaultTest, KillNodeMidAllgatherAndBroadcast) {
       {1, 3}, /*may_succeed=*/{0});
 }
 
+// Strided pieces (a segment of an alltoall): the blocks' first and second
+// parts moved by two calls with their own tags land where whole blocks would,
+// and nothing between a rank's pieces is touched by the call for the other.
+TEST(AlltoallStrideTest, PiecesOfEveryBlockLandWhereTheBlocksWould) {
+  const int n = 3;
+  Cluster cluster(n, 2);
+  const size_t block = 5001, first = 2000;  // pieces of 2000 and 3001 bytes
+  std::vector<std::vector<uint8_t>> send(n), recv(n, std::vector<uint8_t>(n * block + 1, 0xEE));
+  for (int r = 0; r < n; ++r) {
+    for (int j = 0; j < n; ++j) {
+      for (size_t i = 0; i < block; ++i) send[r].push_back(AlltoallByte(r, j, i));
+    }
+  }
+  ExpectAllOk(cluster.Run(
+                  [&](int k, const InterNodeContext& ctx) {
+                    for (int part = 0; part < 2; ++part) {
+                      const size_t at = part == 0 ? 0 : first;
+                      const uint64_t bytes = part == 0 ? first : block - first;
+                      std::vector<AlltoallBuffers> ranks(n);
+                      ranks[k] = AlltoallBuffers{send[k].data() + at, recv[k].data() + at,
+                                                 std::vector<uint64_t>(n, bytes),
+                                                 std::vector<uint64_t>(n, bytes), block};
+                      InterNodeContext c = ctx;
+                      c.tag_base += static_cast<uint64_t>(part) << 44;  // apart from every op's
+                      // One rank per node: its own block for itself is the caller's.
+                      std::memcpy(recv[k].data() + k * block + at, send[k].data() + k * block + at,
+                                  bytes);
+                      absl::Status s = AlltoallPairwise(c, {0, 1, 2}, ranks);
+                      if (!s.ok()) return s;
+                    }
+                    return absl::OkStatus();
+                  },
+                  1024, 3),
+              "strided");
+  for (int to = 0; to < n; ++to) {
+    for (int from = 0; from < n; ++from) {
+      for (size_t i = 0; i < block; ++i) {
+        ASSERT_EQ(recv[to][from * block + i], AlltoallByte(from, to, i))
+            << "rank " << to << " from " << from << " byte " << i;
+      }
+    }
+    EXPECT_EQ(recv[to][n * block], 0xEE) << "rank " << to << " written past its end";
+  }
+  // A piece longer than its stride is refused.
+  std::vector<AlltoallBuffers> bad(n);
+  bad[0] = AlltoallBuffers{send[0].data(), recv[0].data(), std::vector<uint64_t>(n, 10),
+                           std::vector<uint64_t>(n, 10), 9};
+  const std::vector<absl::Status> st = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k != 0) return absl::OkStatus();
+        return AlltoallPairwise(ctx, {0, 1, 2}, bad);
+      },
+      1024, 3);
+  EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument) << st[0];
+  EXPECT_NE(st[0].message().find("longer than their stride"), std::string::npos) << st[0];
+}
+
 TEST(FaultTest, KillNodeMidAlltoall) {
   // One rank per node: the first half of a node's data is its send buffer,
   // the second half its recv buffer.

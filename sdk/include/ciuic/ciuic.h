@@ -233,8 +233,8 @@ class Communicator {
                    const OpOptions& options = {});
   Handle Broadcast(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype, int root,
                    const OpOptions& options = {});
-  // Equal blocks; across nodes each node's ranks' buffers are staged whole
-  // through pinned host memory (2 x the node's send bytes of it).
+  // Across nodes staged through pinned host memory: alltoall in segments
+  // (staging_segment_bytes), alltoallv whole (2 x the node's send bytes).
   Handle Alltoall(DeviceBuffer send, DeviceBuffer recv, size_t count, DataType dtype,
                   const OpOptions& options = {});
   Handle Alltoallv(DeviceBuffer send, const std::vector<size_t>& send_counts, DeviceBuffer recv,

@@ -529,7 +529,7 @@ class Communicator:
         either side; the other side's default is equal blocks) they may
         differ (alltoallv): rank i's input_split_sizes[j] must equal rank j's
         output_split_sizes[i]. Never in place. CUDA tensors too (across
-        nodes staged whole through host memory)."""
+        nodes staged through pinned host memory)."""
         self.alltoall_async(output, input, output_split_sizes, input_split_sizes, name,
                             priority, timeout).wait()
         return output
