@@ -72,6 +72,35 @@ void CopyLocalPairs(const std::vector<AlltoallBuffers>& ranks, const std::vector
   }
 }
 
+// The staged pipeline of `segments` segments through the buffer's two
+// slots of `slot_bytes`: segments 0 and 1 fetched into slots 0 and 1, then
+// segment k carried (`carry`, on its slot's memory, once its fetch is done)
+// and stored, and segment k + 2 fetched into the same slot right after the
+// store (the device queue orders them), while segment k + 1 travels.
+absl::Status PipelineSegments(StagedNodeBuffer& device, size_t segments, size_t slot_bytes,
+                              const std::function<absl::Status(int, size_t)>& fetch,
+                              const std::function<absl::Status(uint8_t*, size_t)>& carry,
+                              const std::function<absl::Status(int, size_t)>& store) {
+  uint8_t* slot[2] = {nullptr, nullptr};
+  for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
+    auto p = device.Slot(static_cast<int>(k), slot_bytes);
+    if (!p.ok()) return p.status();
+    slot[k] = *p;
+    if (absl::Status s = fetch(static_cast<int>(k), k); !s.ok()) return s;
+  }
+  for (size_t k = 0; k < segments; ++k) {
+    const int sl = static_cast<int>(k % 2);
+    if (absl::Status s = device.Wait(sl); !s.ok()) return s;
+    absl::Status s = carry(slot[sl], k);
+    if (!s.ok()) return s;
+    if (s = store(sl, k); !s.ok()) return s;
+    if (k + 2 < segments) {
+      if (s = fetch(sl, k + 2); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct ClusterJob::Event {
@@ -936,26 +965,13 @@ absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext&
     }
     return absl::OkStatus();
   };
-  uint8_t* slot[2] = {nullptr, nullptr};
-  for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
-    auto p = device.Slot(static_cast<int>(k), pieces * per * es);
-    if (!p.ok()) return p.status();
-    slot[k] = *p;
-    if (absl::Status s = fetch(static_cast<int>(k), k); !s.ok()) return s;
-  }
-  for (size_t k = 0; k < segments; ++k) {
-    const int sl = static_cast<int>(k % 2);
-    const auto [at, n] = range(k);
-    if (absl::Status s = device.Wait(sl); !s.ok()) return s;
-    absl::Status s = MoveSegment(ctx, seq, segmented ? static_cast<int>(k) : -1, op, slot[sl],
-                                 n * es, 0, n * es);
-    if (!s.ok()) return s;
-    if (s = store(sl, k); !s.ok()) return s;
-    if (k + 2 < segments) {
-      if (s = fetch(sl, k + 2); !s.ok()) return s;
-    }
-  }
-  return device.Finish();
+  auto carry = [&](uint8_t* slot, size_t k) {
+    const size_t n = range(k).second;
+    return MoveSegment(ctx, seq, segmented ? static_cast<int>(k) : -1, op, slot, n * es, 0,
+                       n * es);
+  };
+  absl::Status s = PipelineSegments(device, segments, pieces * per * es, fetch, carry, store);
+  return s.ok() ? device.Finish() : s;
 }
 
 absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx,
@@ -1072,36 +1088,23 @@ absl::Status ClusterJob::AlltoallStagedInSegments(const ClusterOp& op,
       return StagedStore(device, sl, half + in_slot, offset, bytes);
     });
   };
-  uint8_t* slot[2] = {nullptr, nullptr};
-  for (size_t k = 0; k < std::min<size_t>(2, segments); ++k) {
-    auto p = device.Slot(static_cast<int>(k), 2 * half);
-    if (!p.ok()) return p.status();
-    slot[k] = *p;
-    if (absl::Status s = fetch(static_cast<int>(k), k); !s.ok()) return s;
-  }
-  for (size_t k = 0; k < segments; ++k) {
-    const int sl = static_cast<int>(k % 2);
-    const auto [at, n] = range(k);
-    if (absl::Status s = device.Wait(sl); !s.ok()) return s;
+  // The next fetch into a slot overwrites its first half only, after the
+  // exchange has returned.
+  auto carry = [&](uint8_t* slot, size_t k) {
+    const size_t n = range(k).second;
     std::vector<AlltoallBuffers> pieces(world);
     for (size_t i = 0; i < ranks_here; ++i) {
       pieces[static_cast<size_t>(parts[i]->rank)] = AlltoallBuffers{
-          slot[sl] + i * world * n * es, slot[sl] + half + i * world * n * es,
+          slot + i * world * n * es, slot + half + i * world * n * es,
           std::vector<uint64_t>(world, n * es), std::vector<uint64_t>(world, n * es)};
     }
     InterNodeContext segment = ctx;
     segment.tag_base = SegmentTagBase(seq, k);
-    absl::Status s = AlltoallPairwise(segment, node_of_rank_, pieces,
-                                      [&] { CopyLocalPairs(pieces, local); });
-    if (!s.ok()) return s;
-    if (s = store(sl, k); !s.ok()) return s;
-    // The slot's next fetch goes after this store on the device queue; its
-    // first half is free already (the exchange has returned).
-    if (k + 2 < segments) {
-      if (s = fetch(sl, k + 2); !s.ok()) return s;
-    }
-  }
-  return device.Finish();
+    return AlltoallPairwise(segment, node_of_rank_, pieces,
+                            [&] { CopyLocalPairs(pieces, local); });
+  };
+  absl::Status s = PipelineSegments(device, segments, 2 * half, fetch, carry, store);
+  return s.ok() ? device.Finish() : s;
 }
 
 absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx,
