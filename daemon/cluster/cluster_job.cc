@@ -1067,27 +1067,21 @@ absl::Status ClusterJob::AlltoallStagedInSegments(const ClusterOp& op,
   const size_t half = ranks_here * world * std::min(per, count) * es;
   auto range = [&](size_t k) { return std::make_pair(k * per, std::min(per, count - k * per)); };
   // Copies between the node buffer (rank i's block j at i * all + j * block)
-  // and the slot, for segment k's pieces.
-  auto each_piece = [&](size_t k, const std::function<absl::Status(size_t, size_t, size_t)>& copy) {
+  // and the slot, for segment k's pieces: per rank, one row per block.
+  auto rows = [&](int sl, size_t k, bool fetch) {
     const auto [at, n] = range(k);
     for (size_t i = 0; i < ranks_here; ++i) {
-      for (size_t j = 0; j < world; ++j) {
-        absl::Status s = copy((i * world + j) * n * es, i * all + j * block + at * es, n * es);
-        if (!s.ok()) return s;
-      }
+      const size_t in_slot = (fetch ? 0 : half) + i * world * n * es;
+      const size_t offset = i * all + at * es;
+      staged_bytes_.fetch_add(world * n * es, std::memory_order_relaxed);
+      absl::Status s = fetch ? device.FetchRows(sl, in_slot, offset, n * es, block, world)
+                             : device.StoreRows(sl, in_slot, offset, n * es, block, world);
+      if (!s.ok()) return s;
     }
     return absl::OkStatus();
   };
-  auto fetch = [&](int sl, size_t k) {
-    return each_piece(k, [&](size_t in_slot, size_t offset, size_t bytes) {
-      return StagedFetch(device, sl, in_slot, offset, bytes);
-    });
-  };
-  auto store = [&](int sl, size_t k) {
-    return each_piece(k, [&](size_t in_slot, size_t offset, size_t bytes) {
-      return StagedStore(device, sl, half + in_slot, offset, bytes);
-    });
-  };
+  auto fetch = [&](int sl, size_t k) { return rows(sl, k, true); };
+  auto store = [&](int sl, size_t k) { return rows(sl, k, false); };
   // The next fetch into a slot overwrites its first half only, after the
   // exchange has returned.
   auto carry = [&](uint8_t* slot, size_t k) {

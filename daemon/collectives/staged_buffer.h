@@ -56,6 +56,26 @@ class StagedNodeBuffer {
   // Enqueues a copy of the slot's bytes [slot_offset, slot_offset + bytes)
   // to the node buffer at `offset`.
   virtual absl::Status Store(int slot, size_t slot_offset, size_t offset, size_t bytes) = 0;
+  // `rows` Fetches (Stores) of `bytes` each: row r between the node buffer
+  // at offset + r * pitch and the slot at slot_offset + r * bytes (pieces
+  // of consecutive blocks, back to back in the slot). By default one Fetch
+  // (Store) per row; a GPU makes them one 2-D copy.
+  virtual absl::Status FetchRows(int slot, size_t slot_offset, size_t offset, size_t bytes,
+                                 size_t pitch, size_t rows) {
+    for (size_t r = 0; r < rows; ++r) {
+      absl::Status s = Fetch(slot, slot_offset + r * bytes, offset + r * pitch, bytes);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  virtual absl::Status StoreRows(int slot, size_t slot_offset, size_t offset, size_t bytes,
+                                 size_t pitch, size_t rows) {
+    for (size_t r = 0; r < rows; ++r) {
+      absl::Status s = Store(slot, slot_offset + r * bytes, offset + r * pitch, bytes);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   // Blocks until the slot's last Fetch or Store is complete.
   virtual absl::Status Wait(int slot) = 0;
   // Enqueues the node buffer's copy to every other local rank's output and

@@ -277,6 +277,22 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
                           "cudaMemcpyAsync host to device (staging)");
     return s.ok() ? Record(slot) : s;
   }
+  // One 2-D copy, unless the pitch is beyond what one may have (devices
+  // report about 2^31: memPitch); then a copy per row.
+  absl::Status FetchRows(int slot, size_t slot_offset, size_t offset, size_t bytes, size_t pitch,
+                         size_t rows) override {
+    if (pitch > kMaxPitch) {
+      return StagedNodeBuffer::FetchRows(slot, slot_offset, offset, bytes, pitch, rows);
+    }
+    return Rows(slot, slot_offset, offset, bytes, pitch, rows, cudaMemcpyDeviceToHost);
+  }
+  absl::Status StoreRows(int slot, size_t slot_offset, size_t offset, size_t bytes, size_t pitch,
+                         size_t rows) override {
+    if (pitch > kMaxPitch) {
+      return StagedNodeBuffer::StoreRows(slot, slot_offset, offset, bytes, pitch, rows);
+    }
+    return Rows(slot, slot_offset, offset, bytes, pitch, rows, cudaMemcpyHostToDevice);
+  }
   absl::Status Wait(int slot) override {
     if (slot < 0 || slot > 1 || events_[slot] == nullptr) return absl::OkStatus();
     if (absl::Status s = Current(); !s.ok()) return s;
@@ -330,6 +346,31 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     }
     return Current();
   }
+  // FetchRows / StoreRows: one cudaMemcpy2DAsync, rows back to back in the
+  // slot and `pitch` apart in the node buffer.
+  absl::Status Rows(int slot, size_t slot_offset, size_t offset, size_t bytes, size_t pitch,
+                    size_t rows, cudaMemcpyKind kind) {
+    if (rows == 0 || bytes == 0) return absl::OkStatus();
+    const size_t total = p_.count * wire::DataTypeSize(static_cast<uint32_t>(p_.dtype));
+    const size_t span = pitch * (rows - 1) + bytes;  // of the node buffer
+    if (slot < 0 || slot > 1 || pitch < bytes || (rows > 1 && pitch > total / (rows - 1)) ||
+        slot_offset > slot_bytes_[slot] || rows > (slot_bytes_[slot] - slot_offset) / bytes ||
+        offset > total || span > total - offset) {
+      return absl::InternalError(absl::StrCat("staging copy of ", rows, " rows of ", bytes,
+                                              " bytes ", pitch, " apart at ", offset,
+                                              " outside the buffer or the slot"));
+    }
+    if (absl::Status s = Current(); !s.ok()) return s;
+    uint8_t* host = slot_[slot] + slot_offset;
+    uint8_t* node = p_.node + offset;
+    const bool down = kind == cudaMemcpyDeviceToHost;
+    absl::Status s = Cuda(cudaMemcpy2DAsync(down ? host : node, down ? bytes : pitch,
+                                            down ? node : host, down ? pitch : bytes, bytes, rows,
+                                            kind, p_.stream),
+                          down ? "cudaMemcpy2DAsync device to host (staging)"
+                               : "cudaMemcpy2DAsync host to device (staging)");
+    return s.ok() ? Record(slot) : s;
+  }
   // Records events_[which] (0, 1: the slots; 2 is Drain's).
   absl::Status Record(int which) {
     if (events_[which] == nullptr) {
@@ -343,6 +384,7 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     return Cuda(cudaEventRecord(events_[which], p_.stream), "cudaEventRecord");
   }
 
+  static constexpr size_t kMaxPitch = (size_t{1} << 31) - 1;
   Parts p_;
   const std::shared_ptr<PinnedPool> pool_;
   uint8_t* slot_[2] = {nullptr, nullptr};
