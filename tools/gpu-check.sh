@@ -10,7 +10,9 @@
 #      the same run (median of 15), with the targets (>= 80% of the copy);
 #   4. the allreduce benchmark, two trainer processes on one GPU through the
 #      daemon with device buffers (ciuic-bench --device cuda, float32, 8 B to
-#      1 GiB, checked; target: algbw at 1 GiB >= 50% of the copy's bandwidth).
+#      1 GiB, checked; target: algbw at 1 GiB >= 50% of the copy's bandwidth);
+#   5. for information: multi-node allreduce (device vs host, uncompressed
+#      and int8) and alltoall (device vs host) through two daemons.
 #
 # Usage:
 #   tools/gpu-check.sh           run the checks (builds first, see below)
@@ -220,6 +222,14 @@ for run in "cuda none" "cpu none" "cuda int8" "cpu int8"; do
   echo "--device $1 --compression $2"
   timeout 300 "$bench" --op allreduce --nodes 2 --ranks-per-node 1 --device "$1" \
     --compression "$2" --sizes 1M,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
+    --ciuicd "$(find_bin ciuicd)" || status=1
+done
+
+say "multi-node alltoall: 2 daemons x 2 ranks on this GPU, device (staged in segments) vs host"
+for device in cuda cpu; do
+  echo "--device $device"
+  timeout 300 "$bench" --op alltoall --nodes 2 --ranks-per-node 2 --device "$device" \
+    --sizes 64K,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
     --ciuicd "$(find_bin ciuicd)" || status=1
 done
 
