@@ -55,6 +55,22 @@ bool KeepsErrorFeedback(const config::Tuning& tuning, const std::string& name) {
   return tuning.error_feedback && (name.empty() || name[0] != '#');
 }
 
+// An alltoall's elements of each block per segment of a run announced with
+// `segment_bytes` (> 0): every node cuts its blocks so, host buffers or not,
+// as allgather cuts them (a segment holds a piece of every rank's block).
+size_t AlltoallSegmentElements(uint64_t segment_bytes, size_t count, size_t element_bytes,
+                               int world) {
+  return MoveSegmentElements(segment_bytes, true, count, element_bytes, world);
+}
+
+// op's parts in rank order, whatever order they came in.
+std::vector<const ClusterOp::Part*> PartsInRankOrder(const ClusterOp& op) {
+  std::vector<const ClusterOp::Part*> parts;
+  for (const auto& p : op.parts) parts.push_back(&p);
+  std::sort(parts.begin(), parts.end(), [](auto* a, auto* b) { return a->rank < b->rank; });
+  return parts;
+}
+
 // An alltoall(v)'s pairs on this node: each local rank's block for each
 // local rank copied into that rank's block from it (`ranks` as
 // AlltoallPairwise takes them; local[r]: rank r is on this node).
@@ -218,9 +234,7 @@ proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
     const int nodes = *std::max_element(node_of_rank_.begin(), node_of_rank_.end()) + 1;
     std::vector<uint64_t> out(static_cast<size_t>(nodes), kSplitsSeed);
     std::vector<uint64_t> in(static_cast<size_t>(nodes), kSplitsSeed);
-    std::vector<const ClusterOp::Part*> parts;  // in rank order
-    for (const auto& p : op.parts) parts.push_back(&p);
-    std::sort(parts.begin(), parts.end(), [](auto* a, auto* b) { return a->rank < b->rank; });
+    const std::vector<const ClusterOp::Part*> parts = PartsInRankOrder(op);
     for (const ClusterOp::Part* p : parts) {
       for (int b = 0; b < options_.world_size; ++b) {
         uint64_t& h = out[static_cast<size_t>(node_of_rank_[b])];
@@ -229,7 +243,9 @@ proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
     }
     for (int a = 0; a < options_.world_size; ++a) {
       uint64_t& h = in[static_cast<size_t>(node_of_rank_[a])];
-      for (const ClusterOp::Part* p : parts) h = HashSplits(h, p->recv_counts[static_cast<size_t>(a)]);
+      for (const ClusterOp::Part* p : parts) {
+        h = HashSplits(h, p->recv_counts[static_cast<size_t>(a)]);
+      }
     }
     for (int m = 0; m < nodes; ++m) {
       r->add_split_out(out[static_cast<size_t>(m)]);
@@ -982,17 +998,20 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
   const size_t block = op.sig.count * es;
   const bool v_splits = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
   // The node buffer holds the local ranks' send buffers back to back in
-  // rank order (staged_buffer.h); one slot takes them all, the other the
-  // results, likewise.
-  std::vector<const ClusterOp::Part*> parts;
-  for (const auto& p : op.parts) parts.push_back(&p);
-  std::sort(parts.begin(), parts.end(), [](auto* a, auto* b) { return a->rank < b->rank; });
-  std::vector<AlltoallBuffers> ranks(world);
+  // rank order (staged_buffer.h).
+  const std::vector<const ClusterOp::Part*> parts = PartsInRankOrder(op);
   std::vector<bool> local(world, false);
+  for (const ClusterOp::Part* p : parts) local[static_cast<size_t>(p->rank)] = true;
+  if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
+  if (!v_splits && settings.segment_bytes > 0 && block > 0) {
+    return AlltoallStagedInSegments(op, ctx, seq, settings, parts, local);
+  }
+  // Whole: one slot takes the node's send buffers, the other what its ranks
+  // receive, likewise.
+  std::vector<AlltoallBuffers> ranks(world);
   size_t sent = 0, got = 0;  // bytes of the node's ranks
   for (const ClusterOp::Part* p : parts) {
     AlltoallBuffers& b = ranks[static_cast<size_t>(p->rank)];
-    local[static_cast<size_t>(p->rank)] = true;
     if (v_splits) {
       if (p->send_counts.size() != world || p->recv_counts.size() != world) {
         return absl::InternalError(
@@ -1009,11 +1028,7 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
       got += b.recv_bytes[j];
     }
   }
-  if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
-  if (!v_splits && settings.segment_bytes > 0 && block > 0) {
-    return AlltoallStagedInSegments(op, ctx, seq, settings, parts, local);
-  }
-  // Whole. Every node's ranks may still send to or receive from these.
+  // Every node's ranks may still send to or receive from these.
   auto slot_of = [&](int slot, size_t bytes) -> absl::StatusOr<uint8_t*> {
     if (bytes == 0) return nullptr;
     return device.Slot(slot, bytes);
@@ -1061,8 +1076,8 @@ absl::Status ClusterJob::AlltoallStagedInSegments(const ClusterOp& op,
   // buffers cut them. In a slot the node's ranks' pieces lie back to back
   // (rank order, then receiver order): what they send in its first half,
   // what they receive in its second.
-  const size_t per = MoveSegmentElements(settings.segment_bytes, true, count, es,
-                                         options_.world_size);
+  const size_t per =
+      AlltoallSegmentElements(settings.segment_bytes, count, es, options_.world_size);
   const size_t segments = (count + per - 1) / per;
   const size_t half = ranks_here * world * std::min(per, count) * es;
   auto range = [&](size_t k) { return std::make_pair(k * per, std::min(per, count - k * per)); };
@@ -1352,8 +1367,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       // segment k carries elements [k * per, ...) of every block, each
       // rank's pieces one stride (a block) apart. The pairs on this node go
       // whole, while the first segment travels.
-      const size_t per =
-          MoveSegmentElements(settings.segment_bytes, true, op.sig.count, es, world);
+      const size_t per = AlltoallSegmentElements(settings.segment_bytes, op.sig.count, es, world);
       absl::Status s;
       for (size_t k = 0, at = 0; s.ok() && at < op.sig.count; ++k, at += per) {
         const uint64_t piece = std::min(per, op.sig.count - at) * es;

@@ -597,7 +597,8 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     // so do alltoallvs (each node stages its ranks' buffers whole: their
     // pieces differ per pair).
     const auto head_collective = static_cast<wire::Collective>(head.signature.collective());
-    if (head.device_buffers && head_codec.empty() && head_collective != wire::Collective::kBarrier &&
+    if (head.device_buffers && head_codec.empty() &&
+        head_collective != wire::Collective::kBarrier &&
         head_collective != wire::Collective::kAlltoallv) {
       run->set_segment_bytes(tuning.staging_segment_bytes);
     }

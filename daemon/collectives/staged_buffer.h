@@ -62,19 +62,11 @@ class StagedNodeBuffer {
   // (Store) per row; a GPU makes them one 2-D copy.
   virtual absl::Status FetchRows(int slot, size_t slot_offset, size_t offset, size_t bytes,
                                  size_t pitch, size_t rows) {
-    for (size_t r = 0; r < rows; ++r) {
-      absl::Status s = Fetch(slot, slot_offset + r * bytes, offset + r * pitch, bytes);
-      if (!s.ok()) return s;
-    }
-    return absl::OkStatus();
+    return EachRow(&StagedNodeBuffer::Fetch, slot, slot_offset, offset, bytes, pitch, rows);
   }
   virtual absl::Status StoreRows(int slot, size_t slot_offset, size_t offset, size_t bytes,
                                  size_t pitch, size_t rows) {
-    for (size_t r = 0; r < rows; ++r) {
-      absl::Status s = Store(slot, slot_offset + r * bytes, offset + r * pitch, bytes);
-      if (!s.ok()) return s;
-    }
-    return absl::OkStatus();
+    return EachRow(&StagedNodeBuffer::Store, slot, slot_offset, offset, bytes, pitch, rows);
   }
   // Blocks until the slot's last Fetch or Store is complete.
   virtual absl::Status Wait(int slot) = 0;
@@ -99,6 +91,18 @@ class StagedNodeBuffer {
   // Enqueues avg's division of the node buffer by `divisor`, with
   // reduce.h's DivideInPlace semantics.
   virtual absl::Status Divide(int divisor) = 0;
+
+ private:
+  // FetchRows / StoreRows by default: `copy` (Fetch or Store) per row.
+  absl::Status EachRow(absl::Status (StagedNodeBuffer::*copy)(int, size_t, size_t, size_t),
+                       int slot, size_t slot_offset, size_t offset, size_t bytes, size_t pitch,
+                       size_t rows) {
+    for (size_t r = 0; r < rows; ++r) {
+      absl::Status s = (this->*copy)(slot, slot_offset + r * bytes, offset + r * pitch, bytes);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace ciuic::daemon
