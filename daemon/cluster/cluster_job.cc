@@ -22,9 +22,9 @@ namespace {
 // Tags (InterNodeContext::tag_base): bits 24..47 are the run's, the low 24
 // the algorithm's. A whole run: bit 47 clear, its seq's low 23 bits. Segment
 // k of a run announced with segment_bytes: bit 47 set, the seq's low 11 bits
-// (runs in flight at once are consecutive), k's 12. At most kMaxSegments
-// segments: a bigger operation gets bigger segments, on every node alike.
-constexpr size_t kMaxSegments = size_t{1} << 12;
+// (runs in flight at once are consecutive), k's 12: at most kMaxSegments
+// (run_settings.h).
+static_assert(kMaxSegments == uint64_t{1} << 12);
 
 uint64_t RunTagBase(uint64_t seq) { return (seq & 0x7fffff) << 24; }
 
@@ -55,12 +55,67 @@ bool KeepsErrorFeedback(const config::Tuning& tuning, const std::string& name) {
   return tuning.error_feedback && (name.empty() || name[0] != '#');
 }
 
-// An alltoall's elements of each block per segment of a run announced with
-// `segment_bytes` (> 0): every node cuts its blocks so, host buffers or not,
-// as allgather cuts them (a segment holds a piece of every rank's block).
-size_t AlltoallSegmentElements(uint64_t segment_bytes, size_t count, size_t element_bytes,
-                               int world) {
-  return MoveSegmentElements(segment_bytes, true, count, element_bytes, world);
+// One local rank's alltoall(v) pairs, in elements: what it sends to and
+// receives from each rank of the job, and where each block lies in its
+// buffers (back to back in rank order).
+struct RankPairs {
+  std::vector<uint64_t> send, recv;        // per rank of the job
+  std::vector<uint64_t> send_at, recv_at;  // elements before
+  uint64_t sent = 0, got = 0;              // in all
+};
+
+absl::StatusOr<RankPairs> PairsOf(const ClusterOp& op, const ClusterOp::Part& p, size_t world) {
+  const bool v = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
+  if (v && (p.send_counts.size() != world || p.recv_counts.size() != world)) {
+    return absl::InternalError(
+        absl::StrCat("alltoallv of rank ", p.rank, " without counts for every rank"));
+  }
+  RankPairs r;
+  for (size_t j = 0; j < world; ++j) {
+    r.send_at.push_back(r.sent);
+    r.recv_at.push_back(r.got);
+    r.send.push_back(v ? p.send_counts[j] : op.sig.count);
+    r.recv.push_back(v ? p.recv_counts[j] : op.sig.count);
+    r.sent += r.send.back();
+    r.got += r.recv.back();
+  }
+  return r;
+}
+
+// Part k of a rank pair's piece of `count` elements in an alltoall(v) of
+// `segments` segments (Run.segments), [first, second) elements: parts of
+// ceil(count / segments), the last ones shorter or empty. Both ends of the
+// pair know the count, so they cut alike.
+std::pair<uint64_t, uint64_t> PartOfSegment(uint64_t count, uint64_t segments, uint64_t k) {
+  const uint64_t q = count / segments + (count % segments != 0);
+  const uint64_t at = std::min(count, q * k);
+  return {at, at + std::min(q, count - at)};
+}
+
+// Segment k's pieces of a rank with `pairs`, as AlltoallPairwise takes
+// them: bytes of each, at their places in the rank's buffers.
+AlltoallBuffers SegmentPieces(const RankPairs& pairs, uint64_t segments, uint64_t k, size_t es) {
+  AlltoallBuffers b;
+  for (size_t j = 0; j < pairs.send.size(); ++j) {
+    const auto [s0, s1] = PartOfSegment(pairs.send[j], segments, k);
+    const auto [r0, r1] = PartOfSegment(pairs.recv[j], segments, k);
+    b.send_offsets.push_back((pairs.send_at[j] + s0) * es);
+    b.send_bytes.push_back((s1 - s0) * es);
+    b.recv_offsets.push_back((pairs.recv_at[j] + r0) * es);
+    b.recv_bytes.push_back((r1 - r0) * es);
+  }
+  return b;
+}
+
+// The most bytes one of op's ranks on this node sends or receives in an
+// alltoall(v) (Ready.rank_bytes).
+uint64_t AlltoallRankBytes(const ClusterOp& op, size_t world) {
+  uint64_t most = 0;
+  for (const ClusterOp::Part& p : op.parts) {
+    auto pairs = PairsOf(op, p, world);
+    if (pairs.ok()) most = std::max({most, pairs->sent, pairs->got});
+  }
+  return most * op.sig.element_bytes();
 }
 
 // op's parts in rank order, whatever order they came in.
@@ -228,6 +283,10 @@ proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
   r->set_priority(op.priority);
   r->set_device_buffers(op.staged != nullptr);
   r->set_timeout_ms(op.timeout_ms ? op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms);
+  if (op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoall) ||
+      op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
+    r->set_rank_bytes(AlltoallRankBytes(op, static_cast<size_t>(options_.world_size)));
+  }
   if (op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
     // Per node m: this node's ranks' counts for m's ranks, and those they
     // expect from m's, each folded in (sender, receiver) order (coordinator.h).
@@ -420,9 +479,10 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   run.settings.algorithm = static_cast<config::Algorithm>(r.algorithm());
   run.settings.codec = r.codec();
   run.settings.segment_bytes = r.segment_bytes();
+  run.settings.segments = r.segments();
   absl::Status broken;
   if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
-      run.settings.chunks_in_flight > 64 ||
+      run.settings.chunks_in_flight > 64 || run.settings.segments > kMaxSegments ||
       r.algorithm() > static_cast<uint32_t>(config::Algorithm::kHalvingDoubling)) {
     broken = absl::InternalError(
         absl::StrCat("coordinator announced run ", run.seq, " of '", r.name(),
@@ -995,125 +1055,122 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
   StagedNodeBuffer& device = *op.staged;
   const size_t world = static_cast<size_t>(options_.world_size);
   const size_t es = op.sig.element_bytes();
-  const size_t block = op.sig.count * es;
-  const bool v_splits = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
-  // The node buffer holds the local ranks' send buffers back to back in
-  // rank order (staged_buffer.h).
+  // The node buffer (staged_buffer.h): the local ranks' send buffers back
+  // to back in rank order, then (alltoallv) their receive buffers likewise;
+  // an alltoall receives over what it sent, segment by segment, each
+  // segment's pieces fetched before the received ones are stored.
   const std::vector<const ClusterOp::Part*> parts = PartsInRankOrder(op);
   std::vector<bool> local(world, false);
-  for (const ClusterOp::Part* p : parts) local[static_cast<size_t>(p->rank)] = true;
-  if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
-  if (!v_splits && settings.segment_bytes > 0 && block > 0) {
-    return AlltoallStagedInSegments(op, ctx, seq, settings, parts, local);
-  }
-  // Whole: one slot takes the node's send buffers, the other what its ranks
-  // receive, likewise.
-  std::vector<AlltoallBuffers> ranks(world);
-  size_t sent = 0, got = 0;  // bytes of the node's ranks
+  std::vector<RankPairs> pairs;
+  std::vector<uint64_t> send_base, recv_base;  // each rank's, in the node buffer (elements)
+  uint64_t sent = 0, got = 0;
   for (const ClusterOp::Part* p : parts) {
-    AlltoallBuffers& b = ranks[static_cast<size_t>(p->rank)];
-    if (v_splits) {
-      if (p->send_counts.size() != world || p->recv_counts.size() != world) {
-        return absl::InternalError(
-            absl::StrCat("alltoallv of rank ", p->rank, " without counts for every rank"));
-      }
-      for (uint64_t c : p->send_counts) b.send_bytes.push_back(c * es);
-      for (uint64_t c : p->recv_counts) b.recv_bytes.push_back(c * es);
-    } else {
-      b.send_bytes.assign(world, block);
-      b.recv_bytes.assign(world, block);
-    }
+    local[static_cast<size_t>(p->rank)] = true;
+    auto r = PairsOf(op, *p, world);
+    if (!r.ok()) return r.status();
+    send_base.push_back(sent);
+    recv_base.push_back(got);
+    sent += r->sent;
+    got += r->got;
+    pairs.push_back(*std::move(r));
+  }
+  const bool v_splits = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
+  for (uint64_t& at : recv_base) at += v_splits ? sent : 0;
+  if (settings.segment_bytes > 0 && settings.segments == 0) {
+    return absl::InternalError("an alltoall in segments announced without their number");
+  }
+  // Unsegmented (a coordinator that announced none): one segment.
+  const uint64_t segments = settings.segment_bytes > 0 ? settings.segments : 1;
+  // Segment k's pieces: in a slot they lie back to back, rank order then
+  // peer order, what the node's ranks send first, what they receive after
+  // `send_half` bytes (segment 0's are the largest).
+  std::vector<AlltoallBuffers> pieces0;
+  uint64_t send_half = 0, recv_half = 0;
+  for (const RankPairs& r : pairs) {
+    pieces0.push_back(SegmentPieces(r, segments, 0, es));
     for (size_t j = 0; j < world; ++j) {
-      sent += b.send_bytes[j];
-      got += b.recv_bytes[j];
+      send_half += pieces0.back().send_bytes[j];
+      recv_half += pieces0.back().recv_bytes[j];
     }
   }
-  // Every node's ranks may still send to or receive from these.
-  auto slot_of = [&](int slot, size_t bytes) -> absl::StatusOr<uint8_t*> {
-    if (bytes == 0) return nullptr;
-    return device.Slot(slot, bytes);
-  };
-  auto out = slot_of(0, sent);
-  if (!out.ok()) return out.status();
-  auto in = slot_of(1, got);
-  if (!in.ok()) return in.status();
-  for (size_t i = 0, s_at = 0, r_at = 0; i < parts.size(); ++i) {
-    AlltoallBuffers& b = ranks[static_cast<size_t>(parts[i]->rank)];
-    b.send = *out ? *out + s_at : nullptr;
-    b.recv = *in ? *in + r_at : nullptr;
-    for (size_t j = 0; j < world; ++j) {
-      s_at += b.send_bytes[j];
-      r_at += b.recv_bytes[j];
-    }
-  }
-  if (sent > 0) {
-    if (absl::Status s = StagedFetch(device, 0, 0, 0, sent); !s.ok()) return s;
-    if (absl::Status s = device.Wait(0); !s.ok()) return s;
-  }
-  // Pairs on this node, in host memory while the first chunks travel.
-  absl::Status s =
-      AlltoallPairwise(ctx, node_of_rank_, ranks, [&] { CopyLocalPairs(ranks, local); });
-  if (!s.ok()) return s;
-  if (got > 0) {
-    if (s = StagedStore(device, 1, 0, 0, got); !s.ok()) return s;
-  }
-  return device.Finish();
-}
-
-absl::Status ClusterJob::AlltoallStagedInSegments(const ClusterOp& op,
-                                                   const InterNodeContext& ctx, uint64_t seq,
-                                                   const RunSettings& settings,
-                                                   const std::vector<const ClusterOp::Part*>& parts,
-                                                   const std::vector<bool>& local) {
-  StagedNodeBuffer& device = *op.staged;
-  const size_t world = static_cast<size_t>(options_.world_size);
-  const size_t es = op.sig.element_bytes();
-  const size_t count = op.sig.count;
-  const size_t block = count * es;
-  const size_t all = block * world;
-  const size_t ranks_here = parts.size();
-  // Segment k: elements [k * per, ...) of every block, as nodes with host
-  // buffers cut them. In a slot the node's ranks' pieces lie back to back
-  // (rank order, then receiver order): what they send in its first half,
-  // what they receive in its second.
-  const size_t per =
-      AlltoallSegmentElements(settings.segment_bytes, count, es, options_.world_size);
-  const size_t segments = (count + per - 1) / per;
-  const size_t half = ranks_here * world * std::min(per, count) * es;
-  auto range = [&](size_t k) { return std::make_pair(k * per, std::min(per, count - k * per)); };
-  // Copies between the node buffer (rank i's block j at i * all + j * block)
-  // and the slot, for segment k's pieces: per rank, one row per block.
-  auto rows = [&](int sl, size_t k, bool fetch) {
-    const auto [at, n] = range(k);
-    for (size_t i = 0; i < ranks_here; ++i) {
-      const size_t in_slot = (fetch ? 0 : half) + i * world * n * es;
-      const size_t offset = i * all + at * es;
-      staged_bytes_.fetch_add(world * n * es, std::memory_order_relaxed);
-      absl::Status s = fetch ? device.FetchRows(sl, in_slot, offset, n * es, block, world)
-                             : device.StoreRows(sl, in_slot, offset, n * es, block, world);
+  if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
+  // Copies between the node buffer and slot `sl` of segment k's pieces.
+  auto copy = [&](int sl, uint64_t k, bool fetch) {
+    size_t in_slot = fetch ? 0 : send_half;
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      AlltoallBuffers b = k == 0 ? pieces0[i] : SegmentPieces(pairs[i], segments, k, es);
+      const uint64_t base = (fetch ? send_base[i] : recv_base[i]) * es;
+      std::vector<uint64_t>& offsets = fetch ? b.send_offsets : b.recv_offsets;
+      for (uint64_t& o : offsets) o += base;
+      absl::Status s = CopyPieces(device, fetch, sl, in_slot, offsets,
+                                  fetch ? b.send_bytes : b.recv_bytes);
       if (!s.ok()) return s;
+      for (uint64_t bytes : fetch ? b.send_bytes : b.recv_bytes) in_slot += bytes;
     }
     return absl::OkStatus();
   };
-  auto fetch = [&](int sl, size_t k) { return rows(sl, k, true); };
-  auto store = [&](int sl, size_t k) { return rows(sl, k, false); };
-  // The next fetch into a slot overwrites its first half only, after the
-  // exchange has returned.
+  auto fetch = [&](int sl, size_t k) { return copy(sl, k, true); };
+  auto store = [&](int sl, size_t k) { return copy(sl, k, false); };
+  // The exchange reads the slot's first part and fills its second; the
+  // next fetch into the slot comes after it has returned.
   auto carry = [&](uint8_t* slot, size_t k) {
-    const size_t n = range(k).second;
-    std::vector<AlltoallBuffers> pieces(world);
-    for (size_t i = 0; i < ranks_here; ++i) {
-      pieces[static_cast<size_t>(parts[i]->rank)] = AlltoallBuffers{
-          slot + i * world * n * es, slot + half + i * world * n * es,
-          std::vector<uint64_t>(world, n * es), std::vector<uint64_t>(world, n * es)};
+    std::vector<AlltoallBuffers> in_slot(world);
+    uint8_t* send_at = slot;
+    uint8_t* recv_at = slot + send_half;
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      AlltoallBuffers b = k == 0 ? pieces0[i] : SegmentPieces(pairs[i], segments, k, es);
+      b.send_offsets.clear();  // back to back in the slot
+      b.recv_offsets.clear();
+      b.send = send_at;
+      b.recv = recv_at;
+      for (size_t j = 0; j < world; ++j) {
+        send_at += b.send_bytes[j];
+        recv_at += b.recv_bytes[j];
+      }
+      in_slot[static_cast<size_t>(parts[i]->rank)] = std::move(b);
     }
     InterNodeContext segment = ctx;
-    segment.tag_base = SegmentTagBase(seq, k);
-    return AlltoallPairwise(segment, node_of_rank_, pieces,
-                            [&] { CopyLocalPairs(pieces, local); });
+    if (settings.segment_bytes > 0) segment.tag_base = SegmentTagBase(seq, k);
+    return AlltoallPairwise(segment, node_of_rank_, in_slot,
+                            [&] { CopyLocalPairs(in_slot, local); });
   };
-  absl::Status s = PipelineSegments(device, segments, 2 * half, fetch, carry, store);
+  // Nothing to send or receive: no segment (the other nodes' pieces for
+  // and from this one are empty too).
+  const size_t run = send_half + recv_half > 0 ? segments : 0;
+  absl::Status s = PipelineSegments(device, run, send_half + recv_half, fetch, carry, store);
   return s.ok() ? device.Finish() : s;
+}
+
+absl::Status ClusterJob::CopyPieces(StagedNodeBuffer& device, bool fetch, int slot,
+                                    size_t slot_offset, const std::vector<uint64_t>& offsets,
+                                    const std::vector<uint64_t>& bytes) {
+  for (size_t j = 0; j < bytes.size();) {
+    const uint64_t n = bytes[j];
+    if (n == 0) {
+      ++j;
+      continue;
+    }
+    // A run of pieces of one size one pitch apart: one 2-D copy.
+    size_t rows = 1;
+    const uint64_t pitch = j + 1 < bytes.size() ? offsets[j + 1] - offsets[j] : 0;
+    while (j + rows < bytes.size() && bytes[j + rows] == n && offsets[j + 1] > offsets[j] &&
+           pitch >= n && offsets[j + rows] == offsets[j] + rows * pitch) {
+      ++rows;
+    }
+    absl::Status s;
+    if (rows == 1) {
+      s = fetch ? StagedFetch(device, slot, slot_offset, offsets[j], n)
+                : StagedStore(device, slot, slot_offset, offsets[j], n);
+    } else {
+      staged_bytes_.fetch_add(rows * n, std::memory_order_relaxed);
+      s = fetch ? device.FetchRows(slot, slot_offset, offsets[j], n, pitch, rows)
+                : device.StoreRows(slot, slot_offset, offsets[j], n, pitch, rows);
+    }
+    if (!s.ok()) return s;
+    slot_offset += rows * n;
+    j += rows;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx,
@@ -1343,40 +1400,49 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
     case wire::Collective::kAlltoallv: {
       // Pairs on this node are copied here, while the others go straight
       // between the ranks' buffers and the network.
-      const bool v_splits = collective == wire::Collective::kAlltoallv;
       std::vector<AlltoallBuffers> ranks(static_cast<size_t>(world));
+      std::vector<RankPairs> pairs(static_cast<size_t>(world));
+      std::vector<bool> local(static_cast<size_t>(world), false);
       for (const auto& p : op.parts) {
-        AlltoallBuffers& b = ranks[static_cast<size_t>(p.rank)];
+        const size_t r = static_cast<size_t>(p.rank);
+        auto got = PairsOf(op, p, static_cast<size_t>(world));
+        if (!got.ok()) return got.status();
+        pairs[r] = *std::move(got);
+        AlltoallBuffers& b = ranks[r];
         b.send = p.send;
         b.recv = p.recv;
-        if (v_splits) {
-          for (uint64_t c : p.send_counts) b.send_bytes.push_back(c * es);
-          for (uint64_t c : p.recv_counts) b.recv_bytes.push_back(c * es);
-        } else {
-          b.send_bytes.assign(static_cast<size_t>(world), block);
-          b.recv_bytes.assign(static_cast<size_t>(world), block);
+        for (size_t j = 0; j < static_cast<size_t>(world); ++j) {
+          b.send_bytes.push_back(pairs[r].send[j] * es);
+          b.recv_bytes.push_back(pairs[r].recv[j] * es);
         }
+        local[r] = true;
       }
-      std::vector<bool> local(static_cast<size_t>(world), false);
-      for (const auto& p : op.parts) local[static_cast<size_t>(p.rank)] = true;
-      if (v_splits || settings.segment_bytes == 0 || block == 0) {
+      if (settings.segment_bytes == 0) {
         // While the first chunks travel.
         return AlltoallPairwise(ctx, node_of_rank_, ranks, [&] { CopyLocalPairs(ranks, local); });
       }
+      if (settings.segments == 0) {
+        return absl::InternalError("an alltoall in segments announced without their number");
+      }
       // Segments, as a node with GPU buffers runs them (AlltoallStaged):
-      // segment k carries elements [k * per, ...) of every block, each
-      // rank's pieces one stride (a block) apart. The pairs on this node go
-      // whole, while the first segment travels.
-      const size_t per = AlltoallSegmentElements(settings.segment_bytes, op.sig.count, es, world);
+      // segment k carries part k of every rank pair's piece. The pairs on
+      // this node go whole, while the first segment travels.
       absl::Status s;
-      for (size_t k = 0, at = 0; s.ok() && at < op.sig.count; ++k, at += per) {
-        const uint64_t piece = std::min(per, op.sig.count - at) * es;
+      for (uint64_t k = 0; s.ok() && k < settings.segments; ++k) {
         std::vector<AlltoallBuffers> pieces(static_cast<size_t>(world));
+        bool any = false;
         for (const auto& p : op.parts) {
-          pieces[static_cast<size_t>(p.rank)] = AlltoallBuffers{
-              p.send + at * es, p.recv + at * es, std::vector<uint64_t>(world, piece),
-              std::vector<uint64_t>(world, piece), block};
+          const size_t r = static_cast<size_t>(p.rank);
+          pieces[r] = SegmentPieces(pairs[r], settings.segments, k, es);
+          pieces[r].send = p.send;
+          pieces[r].recv = p.recv;
+          for (size_t j = 0; j < static_cast<size_t>(world); ++j) {
+            any = any || pieces[r].send_bytes[j] > 0 || pieces[r].recv_bytes[j] > 0;
+          }
         }
+        // Empty for this node: so are the other nodes' pieces for and from
+        // it (and, in segment 0, its own pairs).
+        if (!any) continue;
         InterNodeContext segment = ctx;
         segment.tag_base = SegmentTagBase(seq, k);
         s = AlltoallPairwise(segment, node_of_rank_, pieces, [&, k] {

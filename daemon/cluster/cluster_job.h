@@ -247,18 +247,20 @@ class ClusterJob {
   // of an allgather carries a piece of every rank's block).
   absl::Status MoveStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
                           const RunSettings& settings);
-  // Alltoall(v): the node's ranks' send buffers fetched whole into one host
-  // slot, exchanged into the other (pairs on this node copied there), and
-  // stored whole. An alltoall announced with segment_bytes goes in segments
-  // instead (every node cuts its blocks alike: a node with host buffers
-  // too), each fetched into a slot while the one before travels.
+  // Alltoall(v): in the run's segments (Run.segments; unannounced: one),
+  // segment k carrying part k of every rank pair's piece, so that nodes
+  // with host buffers cut alike. The node's ranks' pieces of a segment are
+  // fetched into the first part of a host slot, exchanged into its second
+  // (pairs on this node copied there) and stored, while the next segment's
+  // are fetched into the other slot.
   absl::Status AlltoallStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
                               const RunSettings& settings);
-  // `parts`: op's, in rank order; local[r]: rank r is on this node.
-  absl::Status AlltoallStagedInSegments(const ClusterOp& op, const InterNodeContext& ctx,
-                                        uint64_t seq, const RunSettings& settings,
-                                        const std::vector<const ClusterOp::Part*>& parts,
-                                        const std::vector<bool>& local);
+  // Fetches (Stores) of pieces bytes[j] at node buffer offsets[j], back to
+  // back in the slot from slot_offset; consecutive pieces of one size one
+  // pitch apart (an alltoall's) go as one FetchRows (StoreRows). Counted.
+  absl::Status CopyPieces(StagedNodeBuffer& device, bool fetch, int slot, size_t slot_offset,
+                          const std::vector<uint64_t>& offsets,
+                          const std::vector<uint64_t>& bytes);
   // The host's allgather or broadcast on the node buffer, in the run's
   // segments (or whole).
   absl::Status MoveInSegments(const InterNodeContext& ctx, uint64_t seq,

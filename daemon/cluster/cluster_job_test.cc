@@ -570,6 +570,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
       return absl::OutOfRangeError("fetch outside the buffer");
     }
     const bool fail = fail_fetch_at >= 0 && offset == static_cast<size_t>(fail_fetch_at);
+    fetched_bytes += bytes;
     return Enqueue(slot, "F" + std::to_string(offset), [=, this] {
       if (fail) return absl::InternalError("device fault (test)");
       std::memcpy(slots_[slot].data() + slot_offset, Node() + offset, bytes);
@@ -580,6 +581,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     if (offset + bytes > bytes_ || slot_offset + bytes > slots_[slot].size()) {
       return absl::OutOfRangeError("store outside the buffer");
     }
+    stored_bytes += bytes;
     return Enqueue(slot, "S" + std::to_string(offset), [=, this] {
       std::memcpy(Node() + offset, slots_[slot].data() + slot_offset, bytes);
       return absl::OkStatus();
@@ -633,6 +635,10 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     return calls_;
   }
   int fail_fetch_at = -1;  // byte offset of the segment whose fetch fails
+  // Bytes asked to be copied, by the caller (its thread only).
+  size_t fetched_bytes = 0, stored_bytes = 0;
+  // The slots' sizes: the most host memory asked of each.
+  size_t slot_bytes(int slot) const { return slots_[slot].size(); }
   // Set: Coder runs codecs "on the device" (on its thread), keeping error
   // feedback here (shared by the buffers of one name's steps, as a daemon's
   // device residuals are).
@@ -1115,20 +1121,22 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
 
 // Alltoall(v) between nodes whose ranks' buffers are "on the GPU" (staged)
 // and a node whose are not: every rank's block for every rank lands where
-// it belongs, pairs on one node included, with one fetch and one store of
-// the staged node's buffers whole.
+// it belongs, pairs on one node included, in segments (each pair's piece
+// cut alike on every node) that bound the host memory staged at once, every
+// byte fetched and stored once, the next segment fetched while one travels.
 TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
   for (auto [n, per] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{2, 2}, std::pair{3, 2}}) {
     SCOPED_TRACE(std::to_string(n) + " nodes x " + std::to_string(per) + " ranks");
     Nodes nodes(n, per);
-    // 4 KiB segments: an alltoall of 3001-element blocks goes in many (its
-    // pieces 4K / world bytes of each block); an alltoallv goes whole.
+    // 4 KiB segments per rank: 3001-element blocks go in many.
+    constexpr size_t kSegment = 4096;
     ASSERT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
     const int world = n * per;
     struct Case {
       wire::DataType dtype;
       size_t count;  // elements of each block (alltoallv: a scale)
       bool v;
+      bool idle_last = false;  // alltoallv: the last node's ranks send and receive nothing
     };
     std::vector<Case> cases;
     for (size_t c : {size_t{0}, size_t{1}, size_t{7}, size_t{3001}}) {
@@ -1136,13 +1144,18 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
       cases.push_back({wire::DataType::kInt64, c, false});
       cases.push_back({wire::DataType::kBFloat16, c, false});
       cases.push_back({wire::DataType::kFloat32, c, true});
+      cases.push_back({wire::DataType::kBFloat16, c, true});
     }
-    // Elements rank a sends rank b in case o: alltoallv's differ per pair,
+    cases.push_back({wire::DataType::kFloat32, 3001, true, true});
+    // Elements rank a sends rank b in case o: alltoallv's differ per pair
+    // (up to 6x the scale, one rank's row far longer than the others'),
     // zero for some.
     auto pair = [&](size_t o, int a, int b) -> size_t {
       const Case& c = cases[o];
-      return c.v ? static_cast<size_t>((a * 3 + b * 5 + static_cast<int>(o)) % 4) * c.count
-                 : c.count;
+      if (!c.v) return c.count;
+      if (c.idle_last && (a / per == n - 1 || b / per == n - 1)) return 0;
+      const size_t f = static_cast<size_t>((a * 3 + b * 5 + static_cast<int>(o)) % 4);
+      return (a == 1 ? 2 * f : f) * c.count;
     };
     auto sum = [&](size_t o, int r, bool sending) {
       size_t t = 0;
@@ -1151,7 +1164,7 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
     };
     // [rank][case]: what it sends, then a guard byte; what it receives, too.
     std::vector<std::vector<std::vector<uint8_t>>> send(world), recv(world);
-    std::vector<std::shared_ptr<HostStagedBuffer>> staged0(cases.size());
+    std::vector<std::vector<std::shared_ptr<HostStagedBuffer>>> staged(n);
     for (int r = 0; r < world; ++r) {
       for (size_t o = 0; o < cases.size(); ++o) {
         const Case& c = cases[o];
@@ -1165,6 +1178,7 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
     }
     for (int k = 0; k < n; ++k) {
       const bool gpu = k != 1;  // node 1 keeps host buffers
+      staged[k].resize(cases.size());
       for (size_t o = 0; o < cases.size(); ++o) {
         const Case& c = cases[o];
         const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
@@ -1190,6 +1204,10 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
           sent += in_bytes.back();
           got += out_bytes.back();
         }
+        // An alltoallv's node buffer: what its ranks receive after what they send.
+        if (c.v) {
+          for (size_t& at : out_at) at += sent;
+        }
         // The parts come in reverse: the node buffer is in rank order
         // whatever order they come in.
         for (int i = per - 1; i >= 0; --i) {
@@ -1203,11 +1221,11 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
           op.parts.push_back(std::move(part));
         }
         if (gpu) {
-          auto b = std::make_shared<HostStagedBuffer>(c.dtype, std::max(sent, got) / es, inputs,
-                                                      outputs, out_at, 0);
+          auto b = std::make_shared<HostStagedBuffer>(
+              c.dtype, (c.v ? sent + got : std::max(sent, got)) / es, inputs, outputs, out_at, 0);
           b->SetInputPlaces(in_at, 0);
           b->SetSizes(in_bytes, out_bytes);
-          if (k == 0) staged0[o] = b;
+          staged[k][o] = b;
           op.staged = b;
         }
         nodes.job(k).Submit(std::move(op));
@@ -1218,6 +1236,9 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
     for (size_t o = 0; o < cases.size(); ++o) {
       const Case& c = cases[o];
       const size_t es = wire::DataTypeSize(static_cast<uint32_t>(c.dtype));
+      const std::string what = "dtype " + std::to_string(static_cast<int>(c.dtype)) + " count " +
+                               std::to_string(c.count) + (c.v ? " alltoallv" : "") +
+                               (c.idle_last ? " (last node idle)" : "");
       for (int r = 0; r < world; ++r) {
         std::vector<uint8_t> want;  // the plain loop: from every rank, in rank order
         for (int from = 0; from < world; ++from) {
@@ -1227,40 +1248,37 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
           want.insert(want.end(), b, b + pair(o, from, r) * es);
         }
         want.push_back(0xee);  // nothing written past the end
-        EXPECT_EQ(recv[r][o], want) << "rank " << r << " dtype " << static_cast<int>(c.dtype)
-                                    << " count " << c.count << (c.v ? " alltoallv" : "");
+        EXPECT_EQ(recv[r][o], want) << "rank " << r << " " << what;
       }
-      const std::vector<std::string> calls = staged0[o]->calls();
-      if (c.v || c.count == 0) {  // whole: one fetch and one store of what there is
-        size_t sent = 0, got = 0;  // by node 0's ranks
-        for (int r = 0; r < per; ++r) {
-          sent += sum(o, r, true);
-          got += sum(o, r, false);
+      for (int k = 0; k < n; ++k) {
+        if (!staged[k][o]) continue;
+        HostStagedBuffer& b = *staged[k][o];
+        size_t sent = 0, got = 0, busiest = 0;  // bytes of node k's ranks
+        for (int r = k * per; r < (k + 1) * per; ++r) {
+          sent += sum(o, r, true) * es;
+          got += sum(o, r, false) * es;
+          busiest = std::max({busiest, sum(o, r, true) * es, sum(o, r, false) * es});
         }
-        std::vector<std::string> want_calls = {"P"};
-        if (sent > 0) want_calls.push_back("F0");
-        if (got > 0) want_calls.push_back("S0");
-        want_calls.push_back("fan-out");
-        EXPECT_EQ(calls, want_calls) << "count " << c.count;
-      } else {  // in segments: every piece of every rank's block fetched and stored once
-        const size_t piece = std::max<size_t>(1, 4096 / world / es);
-        const size_t segments = (c.count + piece - 1) / piece;
-        size_t fetches = 0, stores = 0;
-        for (const std::string& call : calls) {
-          fetches += call[0] == 'F';
-          stores += call[0] == 'S';
-        }
-        EXPECT_EQ(fetches, segments * per * world) << "count " << c.count;
-        EXPECT_EQ(stores, fetches) << "count " << c.count;
+        EXPECT_EQ(b.fetched_bytes, sent) << "node " << k << " " << what;
+        EXPECT_EQ(b.stored_bytes, got) << "node " << k << " " << what;
+        const std::vector<std::string> calls = b.calls();
+        ASSERT_GE(calls.size(), 2u);
         EXPECT_EQ(calls.front(), "P");
         EXPECT_EQ(calls.back(), "fan-out");
-        if (segments > 2) {  // segment 1's first fetch comes before segment 0's first store
+        // Host memory: a slot holds a segment's pieces, at most a segment
+        // (and an element per pair, parts rounding up) per rank each way.
+        for (int sl = 0; sl < 2; ++sl) {
+          EXPECT_LE(b.slot_bytes(sl), 2 * per * (kSegment + world * es)) << "node " << k << " "
+                                                                           << what;
+        }
+        if (busiest > 2 * kSegment) {
+          // Segments: the second's first fetch comes before the first's store.
+          EXPECT_GT(b.slot_bytes(1), 0u) << what;
           const auto first_store = std::find_if(calls.begin(), calls.end(),
                                                 [](const std::string& x) { return x[0] == 'S'; });
-          EXPECT_GT(std::count_if(calls.begin(), first_store,
-                                  [](const std::string& x) { return x[0] == 'F'; }),
-                    static_cast<long>(per * world))
-              << "count " << c.count;
+          const auto fetches = std::count_if(calls.begin(), first_store,
+                                             [](const std::string& x) { return x[0] == 'F'; });
+          EXPECT_GT(static_cast<size_t>(fetches), c.v ? 1u : size_t(per * world)) << what;
         }
       }
     }
@@ -1665,6 +1683,14 @@ TEST(ClusterJobProtocolTest, ACoordinatorThatBreaksTheProtocolFailsTheJobClearly
        [] {
          auto e = ScriptedNode::Run("p", 0);
          e.mutable_run()->set_algorithm(9);
+         return e;
+       },
+       "without valid settings"},
+      {"too many segments",
+       [] {
+         auto e = ScriptedNode::Run("p", 0);
+         e.mutable_run()->set_segment_bytes(4096);
+         e.mutable_run()->set_segments(4097);
          return e;
        },
        "without valid settings"},

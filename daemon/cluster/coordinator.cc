@@ -409,6 +409,7 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
   }
   run.priority = std::max(run.priority, ready.priority());
   run.device_buffers = run.device_buffers || ready.device_buffers();
+  run.rank_bytes = std::max(run.rank_bytes, ready.rank_bytes());
   auto send_fail = [&](int to, const absl::Status& s) {
     proto::CoordinatorEvent e;
     e.mutable_fail()->set_name(ready.name());
@@ -461,6 +462,7 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
       q.order = job.next_order++;
       q.ready_at = now;
       q.device_buffers = run.device_buffers;
+      q.rank_bytes = run.rank_bytes;
       q.last_node = node;
       q.first_ready = run.first_ready;
       job.backlog.push_back(std::move(q));
@@ -593,14 +595,17 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     // Some node stages GPU buffers through host memory: every node runs the
     // operation in the same segments, so that node overlaps one segment's
     // copies with another's transfers. Compressed ones go whole (their
-    // error feedback is kept per operation element, not per segment), and
-    // so do alltoallvs (each node stages its ranks' buffers whole: their
-    // pieces differ per pair).
+    // error feedback is kept per operation element, not per segment). An
+    // alltoall(v) is cut into as many segments as its busiest rank needs,
+    // every pair's piece alike (Run.segments).
     const auto head_collective = static_cast<wire::Collective>(head.signature.collective());
     if (head.device_buffers && head_codec.empty() &&
-        head_collective != wire::Collective::kBarrier &&
-        head_collective != wire::Collective::kAlltoallv) {
+        head_collective != wire::Collective::kBarrier) {
       run->set_segment_bytes(tuning.staging_segment_bytes);
+      if (head_collective == wire::Collective::kAlltoall ||
+          head_collective == wire::Collective::kAlltoallv) {
+        run->set_segments(AlltoallSegments(head.rank_bytes, tuning.staging_segment_bytes));
+      }
     }
     auto us = [](Clock::duration d) {
       return static_cast<uint64_t>(

@@ -124,6 +124,7 @@ class Coordinator {
     absl::Status failure;  // poisoned: later nodes get it at once
     int32_t priority = 0;  // the highest any node gave
     bool device_buffers = false;  // some node's buffers are in GPU memory
+    uint64_t rank_bytes = 0;      // alltoall(v): the largest Ready.rank_bytes
     // alltoallv: each node's Ready.split_out / split_in, and the first
     // splits_error a node reported.
     std::vector<std::vector<uint64_t>> split_out;
@@ -139,6 +140,7 @@ class Coordinator {
     uint64_t order = 0;   // when it became ready, for ties
     std::chrono::steady_clock::time_point ready_at;
     bool device_buffers = false;  // announced in segments, never fused
+    uint64_t rank_bytes = 0;      // alltoall(v): cut into Run.segments by it
     // For the trace (Run.last_ready_node, ready_spread_us): the node whose
     // Ready came last, and when the first node's came.
     int last_node = -1;

@@ -497,6 +497,57 @@ TEST(CoordinatorTest, GpuOperationsRunAloneInSegments) {
   }
 }
 
+// An alltoall(v) with GPU buffers on some node is announced in as many
+// segments as the busiest rank of any node needs (the largest
+// Ready.rank_bytes over segment_bytes, 1 .. 4096); a host one in none.
+TEST(CoordinatorTest, AlltoallSegmentsFollowTheBusiestRank) {
+  config::TuningRegistry tuning;
+  ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
+  Coordinator c("secret", &tuning);
+  Formed f;
+  Form(c, &f);
+  struct Op {
+    std::string name;
+    wire::Collective collective;
+    uint64_t rank_bytes[2];
+    int gpu_node;
+    uint64_t segments;  // expected; 0: not in segments
+  };
+  const std::vector<Op> ops = {
+      {"a", wire::Collective::kAlltoall, {3 * 65536, 3 * 65536}, 0, 3},
+      {"v", wire::Collective::kAlltoallv, {70000, 200000}, 1, 4},  // node 1's busiest rank
+      {"v0", wire::Collective::kAlltoallv, {0, 0}, 0, 1},          // nothing moves: one
+      {"huge", wire::Collective::kAlltoall, {uint64_t{1} << 40, uint64_t{1} << 40}, 1, 4096},
+      {"host", wire::Collective::kAlltoallv, {200000, 200000}, -1, 0},
+  };
+  for (const Op& op : ops) {
+    for (int n = 0; n < 2; ++n) {
+      proto::NodeEvent e = Ready(op.name, 0, 0, 0, false);
+      auto* r = e.mutable_ready();
+      r->mutable_signature()->set_collective(static_cast<uint32_t>(op.collective));
+      r->mutable_signature()->set_count(op.collective == wire::Collective::kAlltoall ? 8 : 0);
+      r->set_device_buffers(n == op.gpu_node);
+      r->set_rank_bytes(op.rank_bytes[n]);
+      for (int m = 0; m < 2 && op.collective == wire::Collective::kAlltoallv; ++m) {
+        r->add_split_out(7);  // agreeing counts
+        r->add_split_in(7);
+      }
+      c.OnEvent(f.handles[n], e);
+    }
+  }
+  for (uint64_t seq = 0; seq < ops.size(); ++seq) BothDone(c, f, seq);
+  for (auto& s : f.streams) {
+    auto ev = s.WaitFor(ops.size());
+    ASSERT_EQ(ev.size(), ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) {
+      ASSERT_TRUE(ev[i].has_run()) << ops[i].name << ": " << ev[i].DebugString();
+      EXPECT_EQ(ev[i].run().name(), ops[i].name);
+      EXPECT_EQ(ev[i].run().segments(), ops[i].segments) << ops[i].name;
+      EXPECT_EQ(ev[i].run().segment_bytes(), ops[i].segments > 0 ? 65536u : 0u) << ops[i].name;
+    }
+  }
+}
+
 TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());

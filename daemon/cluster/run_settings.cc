@@ -1,5 +1,6 @@
 #include "cluster/run_settings.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -72,6 +73,11 @@ bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorith
   InterNodeAlgorithm algo = InterNodeAlgorithmFor(algorithm);
   if (algo == InterNodeAlgorithm::kAuto) algo = ChooseAllreduceAlgorithm(num_nodes, bytes);
   return OffsetIndependent(num_nodes, algo);
+}
+
+uint64_t AlltoallSegments(uint64_t rank_bytes, uint64_t segment_bytes) {
+  const uint64_t per = std::max<uint64_t>(1, segment_bytes);
+  return std::clamp<uint64_t>(rank_bytes / per + (rank_bytes % per != 0), 1, kMaxSegments);
 }
 
 InterNodeAlgorithm InterNodeAlgorithmFor(config::Algorithm algorithm) {

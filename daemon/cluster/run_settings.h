@@ -30,7 +30,18 @@ struct RunSettings {
   // memory and overlaps the copies of one segment with the transfers of
   // another).
   uint64_t segment_bytes = 0;
+  // An alltoall(v) with segment_bytes: how many segments (AlltoallSegments).
+  uint64_t segments = 0;
 };
+
+// At most this many segments per operation (their number is part of the
+// tags): a bigger operation gets bigger segments, on every node alike.
+inline constexpr uint64_t kMaxSegments = uint64_t{1} << 12;
+
+// The segments of an alltoall(v) whose ranks send or receive at most
+// `rank_bytes` each (the largest over the nodes), in segments of about
+// `segment_bytes` per rank: 1 .. kMaxSegments.
+uint64_t AlltoallSegments(uint64_t rank_bytes, uint64_t segment_bytes);
 
 // What an operation's signature says about compression, for ResolveCodec.
 struct CodecRequest {

@@ -7,8 +7,10 @@
 // result goes from the node buffer to every local rank's output (an
 // allreduce: all of it; a reduce_scatter, whose node buffer holds every
 // rank's block: the rank's block). An allgather or a broadcast places the
-// ranks' inputs in the node buffer instead of reducing them, and moves it
-// through one slot whole.
+// ranks' inputs in the node buffer instead of reducing them. An alltoall's
+// node buffer holds the local ranks' send buffers back to back in rank
+// order, and its received blocks land over them; an alltoallv's holds the
+// send buffers, then room for what the ranks receive, in rank order too.
 //
 // Ordering: every Fetch, Store and the fan-out of Finish are enqueued on one
 // in-order queue (a CUDA stream), after ReduceLocal and after the ranks'

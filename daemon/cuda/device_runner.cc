@@ -731,9 +731,10 @@ class CudaDeviceRunner final : public DeviceRunner {
     const size_t block = sig.count * sig.element_bytes();
     const size_t all = block * static_cast<size_t>(world);
     // An alltoall's node buffer: the local ranks' send buffers back to back
-    // in rank order, then their receive buffers' bytes likewise, copied out
-    // by Finish (alltoall: `all` bytes each; alltoallv: the sums of each
-    // rank's counts).
+    // in rank order (alltoall: `all` bytes each; alltoallv: the sums of each
+    // rank's counts), where an alltoall's received blocks land too, copied
+    // out by Finish; an alltoallv's land after them, in rank order
+    // (staged_buffer.h).
     auto send_size = [v_splits, all](const DeviceRankBuffers& b) {
       return v_splits ? static_cast<size_t>(b.send_bytes) : all;
     };
@@ -745,15 +746,13 @@ class CudaDeviceRunner final : public DeviceRunner {
       for (const DeviceRankBuffers& o : ranks) before += o.rank < b.rank ? size(o) : 0;
       return before;
     };
-    size_t node_bytes = 0;
-    if (a2a) {
-      size_t sent = 0, got = 0;
-      for (const DeviceRankBuffers& b : ranks) {
-        sent += send_size(b);
-        got += recv_size(b);
-      }
-      node_bytes = std::max(sent, got);
+    size_t sent = 0, got = 0;  // an alltoall's, by the node's ranks
+    for (const DeviceRankBuffers& b : ranks) {
+      sent += a2a ? send_size(b) : 0;
+      got += a2a ? recv_size(b) : 0;
     }
+    const size_t node_bytes = v_splits ? sent + got : std::max(sent, got);
+    const size_t recv_base = v_splits ? sent : 0;
     parts.count = a2a                 ? node_bytes / sig.element_bytes()
                   : scatter || gather ? sig.count * static_cast<size_t>(world)
                                       : sig.count;
@@ -785,7 +784,7 @@ class CudaDeviceRunner final : public DeviceRunner {
         output = *recv;
       }
       parts.outputs.push_back(output);
-      parts.output_offsets.push_back(a2a       ? place(b, recv_size)
+      parts.output_offsets.push_back(a2a       ? recv_base + place(b, recv_size)
                                      : scatter ? static_cast<size_t>(b.rank) * block
                                                : 0);
       // In place, without a send buffer: the rank's block of its receive

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "collectives/internode/common.h"
 #include "collectives/internode/internode.h"
@@ -24,6 +26,19 @@ using internode_internal::Mod;
 namespace {
 
 constexpr const char* kName = "AlltoallPairwise";
+
+// Whether any two non-empty blocks [offsets[j], offsets[j] + bytes[j]) overlap.
+bool Overlap(const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& bytes) {
+  std::vector<std::pair<uint64_t, uint64_t>> blocks;
+  for (size_t j = 0; j < offsets.size(); ++j) {
+    if (bytes[j] > 0) blocks.emplace_back(offsets[j], bytes[j]);
+  }
+  std::sort(blocks.begin(), blocks.end());
+  for (size_t j = 1; j < blocks.size(); ++j) {
+    if (blocks[j - 1].first + blocks[j - 1].second > blocks[j].first) return true;
+  }
+  return false;
+}
 
 // AlltoallPairwise's schedule, run with `meanwhile` as its overlapped work
 // (which it may also never run: on an early error, or with one node).
@@ -54,19 +69,25 @@ absl::Status Pairwise(const InterNodeContext& ctx, const std::vector<int>& node_
       return absl::InvalidArgumentError(
           absl::StrCat(kName, ": local rank ", r, " has no byte counts for every rank"));
     }
-    for (size_t j = 0, s = 0, t = 0; j < world; ++j) {
-      send_at[r].push_back(b.stride > 0 ? j * b.stride : s);
-      recv_at[r].push_back(b.stride > 0 ? j * b.stride : t);
-      s += b.send_bytes[j];
-      t += b.recv_bytes[j];
-      if ((s > 0 && b.send == nullptr) || (t > 0 && b.recv == nullptr)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(kName, ": local rank ", r, " has no send or recv buffer"));
-      }
-      if (b.stride > 0 && (b.send_bytes[j] > b.stride || b.recv_bytes[j] > b.stride)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            kName, ": local rank ", r, "'s blocks are longer than their stride"));
-      }
+    if ((!b.send_offsets.empty() && b.send_offsets.size() != world) ||
+        (!b.recv_offsets.empty() && b.recv_offsets.size() != world)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kName, ": local rank ", r, " has no offsets for every rank"));
+    }
+    uint64_t sent = 0, got = 0;
+    for (size_t j = 0; j < world; ++j) {  // SendAt / RecvAt, without summing again
+      send_at[r].push_back(b.send_offsets.empty() ? sent : b.send_offsets[j]);
+      recv_at[r].push_back(b.recv_offsets.empty() ? got : b.recv_offsets[j]);
+      sent += b.send_bytes[j];
+      got += b.recv_bytes[j];
+    }
+    if ((sent > 0 && b.send == nullptr) || (got > 0 && b.recv == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kName, ": local rank ", r, " has no send or recv buffer"));
+    }
+    if (!b.recv_offsets.empty() && Overlap(b.recv_offsets, b.recv_bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kName, ": local rank ", r, "'s blocks to receive overlap"));
     }
   }
   if (n <= 1) return absl::OkStatus();

@@ -187,22 +187,26 @@ absl::Status AllgatherRing(const InterNodeContext& ctx, void* data,
 
 // One rank's buffers for AlltoallPairwise: its blocks for (send) and from
 // (recv) each rank of the job lie back to back in rank order, of the given
-// sizes in bytes (alltoall: all equal), or, with a stride, block j at
-// j * stride (one piece of each block of an alltoall's buffers: a segment).
+// sizes in bytes (alltoall: all equal), or where the offsets say (one piece
+// of each block of an alltoall(v)'s buffers: a segment).
 struct AlltoallBuffers {
   const uint8_t* send = nullptr;
   uint8_t* recv = nullptr;
   std::vector<uint64_t> send_bytes;  // one per rank of the job
   std::vector<uint64_t> recv_bytes;
-  uint64_t stride = 0;  // 0: back to back
+  // Empty: back to back; else one per rank of the job, where its block
+  // starts (the blocks received must not overlap).
+  std::vector<uint64_t> send_offsets;
+  std::vector<uint64_t> recv_offsets;
 
   // Where the block for / from rank j starts.
-  uint64_t SendAt(size_t j) const { return At(send_bytes, j); }
-  uint64_t RecvAt(size_t j) const { return At(recv_bytes, j); }
+  uint64_t SendAt(size_t j) const { return At(send_bytes, send_offsets, j); }
+  uint64_t RecvAt(size_t j) const { return At(recv_bytes, recv_offsets, j); }
 
  private:
-  uint64_t At(const std::vector<uint64_t>& bytes, size_t j) const {
-    if (stride > 0) return j * stride;
+  static uint64_t At(const std::vector<uint64_t>& bytes, const std::vector<uint64_t>& offsets,
+                     size_t j) {
+    if (!offsets.empty()) return offsets[j];
     uint64_t at = 0;
     for (size_t k = 0; k < j; ++k) at += bytes[k];
     return at;

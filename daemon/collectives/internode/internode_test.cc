@@ -1001,7 +1001,7 @@ TEST(FaultTest, KillNodeMidAllgatherAndBroadcast) {
 // Strided pieces (a segment of an alltoall): the blocks' first and second
 // parts moved by two calls with their own tags land where whole blocks would,
 // and nothing between a rank's pieces is touched by the call for the other.
-TEST(AlltoallStrideTest, PiecesOfEveryBlockLandWhereTheBlocksWould) {
+TEST(AlltoallOffsetsTest, PiecesOfEveryBlockLandWhereTheBlocksWould) {
   const int n = 3;
   Cluster cluster(n, 2);
   const size_t block = 5001, first = 2000;  // pieces of 2000 and 3001 bytes
@@ -1016,10 +1016,13 @@ TEST(AlltoallStrideTest, PiecesOfEveryBlockLandWhereTheBlocksWould) {
                     for (int part = 0; part < 2; ++part) {
                       const size_t at = part == 0 ? 0 : first;
                       const uint64_t bytes = part == 0 ? first : block - first;
+                      std::vector<uint64_t> offsets;  // one block apart
+                      for (int j = 0; j < n; ++j) offsets.push_back(j * block);
                       std::vector<AlltoallBuffers> ranks(n);
                       ranks[k] = AlltoallBuffers{send[k].data() + at, recv[k].data() + at,
                                                  std::vector<uint64_t>(n, bytes),
-                                                 std::vector<uint64_t>(n, bytes), block};
+                                                 std::vector<uint64_t>(n, bytes), offsets,
+                                                 offsets};
                       InterNodeContext c = ctx;
                       c.tag_base += static_cast<uint64_t>(part) << 44;  // apart from every op's
                       // One rank per node: its own block for itself is the caller's.
@@ -1041,18 +1044,27 @@ TEST(AlltoallStrideTest, PiecesOfEveryBlockLandWhereTheBlocksWould) {
     }
     EXPECT_EQ(recv[to][n * block], 0xEE) << "rank " << to << " written past its end";
   }
-  // A piece longer than its stride is refused.
-  std::vector<AlltoallBuffers> bad(n);
-  bad[0] = AlltoallBuffers{send[0].data(), recv[0].data(), std::vector<uint64_t>(n, 10),
-                           std::vector<uint64_t>(n, 10), 9};
-  const std::vector<absl::Status> st = cluster.Run(
-      [&](int k, const InterNodeContext& ctx) {
-        if (k != 0) return absl::OkStatus();
-        return AlltoallPairwise(ctx, {0, 1, 2}, bad);
-      },
-      1024, 3);
-  EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument) << st[0];
-  EXPECT_NE(st[0].message().find("longer than their stride"), std::string::npos) << st[0];
+  // Pieces to receive that overlap, and offsets not one per rank, are refused.
+  for (bool overlap : {true, false}) {
+    std::vector<AlltoallBuffers> bad(n);
+    bad[0] = AlltoallBuffers{send[0].data(), recv[0].data(), std::vector<uint64_t>(n, 10),
+                             std::vector<uint64_t>(n, 10), {0, 10, 20}, {0, 10, 20}};
+    if (overlap) {
+      bad[0].recv_offsets = {0, 19, 9};
+    } else {
+      bad[0].send_offsets.pop_back();
+    }
+    const std::vector<absl::Status> st = cluster.Run(
+        [&](int k, const InterNodeContext& ctx) {
+          if (k != 0) return absl::OkStatus();
+          return AlltoallPairwise(ctx, {0, 1, 2}, bad);
+        },
+        1024, 3);
+    EXPECT_EQ(st[0].code(), absl::StatusCode::kInvalidArgument) << st[0];
+    EXPECT_NE(st[0].message().find(overlap ? "blocks to receive overlap" : "offsets for every"),
+              std::string::npos)
+        << st[0];
+  }
 }
 
 TEST(FaultTest, KillNodeMidAlltoall) {
