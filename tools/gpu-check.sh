@@ -12,7 +12,7 @@
 #      daemon with device buffers (ciuic-bench --device cuda, float32, 8 B to
 #      1 GiB, checked; target: algbw at 1 GiB >= 50% of the copy's bandwidth);
 #   5. for information: multi-node allreduce (device vs host, uncompressed
-#      and int8) and alltoall (device vs host) through two daemons.
+#      and int8), alltoall and alltoallv (device vs host) through two daemons.
 #
 # Usage:
 #   tools/gpu-check.sh           run the checks (builds first, see below)
@@ -225,12 +225,15 @@ for run in "cuda none" "cpu none" "cuda int8" "cpu int8"; do
     --ciuicd "$(find_bin ciuicd)" || status=1
 done
 
-say "multi-node alltoall: 2 daemons x 2 ranks on this GPU, device (staged in segments) vs host"
-for device in cuda cpu; do
-  echo "--device $device"
-  timeout 300 "$bench" --op alltoall --nodes 2 --ranks-per-node 2 --device "$device" \
-    --sizes 64K,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
-    --ciuicd "$(find_bin ciuicd)" || status=1
+say "multi-node alltoall(v): 2 daemons x 2 ranks on this GPU, device (staged in segments) vs host"
+# alltoallv: uneven pairs (rank i sends rank j the share 1 + ((j-i) mod n)).
+for op in alltoall alltoallv; do
+  for device in cuda cpu; do
+    echo "--op $op --device $device"
+    timeout 300 "$bench" --op "$op" --nodes 2 --ranks-per-node 2 --device "$device" \
+      --sizes 64K,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
+      --ciuicd "$(find_bin ciuicd)" || status=1
+  done
 done
 
 say "done (status $status)"
