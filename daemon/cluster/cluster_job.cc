@@ -107,6 +107,18 @@ AlltoallBuffers SegmentPieces(const RankPairs& pairs, uint64_t segments, uint64_
   return b;
 }
 
+// An alltoall(v)'s segments under the run's settings: 0 when announced
+// without segments (one whole exchange), else Run.segments.
+absl::StatusOr<uint64_t> AlltoallSegmentsOf(const RunSettings& settings) {
+  if (settings.segment_bytes == 0) return 0;
+  if (settings.segments == 0) {
+    return absl::InternalError(
+        "coordinator announced an alltoall in segments without their number (a daemon of "
+        "another version?)");
+  }
+  return settings.segments;
+}
+
 // The most bytes one of op's ranks on this node sends or receives in an
 // alltoall(v) (Ready.rank_bytes).
 uint64_t AlltoallRankBytes(const ClusterOp& op, size_t world) {
@@ -1076,21 +1088,18 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
   }
   const bool v_splits = op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
   for (uint64_t& at : recv_base) at += v_splits ? sent : 0;
-  if (settings.segment_bytes > 0 && settings.segments == 0) {
-    return absl::InternalError("an alltoall in segments announced without their number");
-  }
-  // Unsegmented (a coordinator that announced none): one segment.
-  const uint64_t segments = settings.segment_bytes > 0 ? settings.segments : 1;
+  auto announced = AlltoallSegmentsOf(settings);
+  if (!announced.ok()) return announced.status();
+  const uint64_t segments = std::max<uint64_t>(*announced, 1);  // none announced: one
   // Segment k's pieces: in a slot they lie back to back, rank order then
   // peer order, what the node's ranks send first, what they receive after
   // `send_half` bytes (segment 0's are the largest).
-  std::vector<AlltoallBuffers> pieces0;
   uint64_t send_half = 0, recv_half = 0;
   for (const RankPairs& r : pairs) {
-    pieces0.push_back(SegmentPieces(r, segments, 0, es));
+    const AlltoallBuffers b = SegmentPieces(r, segments, 0, es);
     for (size_t j = 0; j < world; ++j) {
-      send_half += pieces0.back().send_bytes[j];
-      recv_half += pieces0.back().recv_bytes[j];
+      send_half += b.send_bytes[j];
+      recv_half += b.recv_bytes[j];
     }
   }
   if (absl::Status s = device.PlaceInputs(); !s.ok()) return s;
@@ -1098,7 +1107,7 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
   auto copy = [&](int sl, uint64_t k, bool fetch) {
     size_t in_slot = fetch ? 0 : send_half;
     for (size_t i = 0; i < pairs.size(); ++i) {
-      AlltoallBuffers b = k == 0 ? pieces0[i] : SegmentPieces(pairs[i], segments, k, es);
+      AlltoallBuffers b = SegmentPieces(pairs[i], segments, k, es);
       const uint64_t base = (fetch ? send_base[i] : recv_base[i]) * es;
       std::vector<uint64_t>& offsets = fetch ? b.send_offsets : b.recv_offsets;
       for (uint64_t& o : offsets) o += base;
@@ -1118,7 +1127,7 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
     uint8_t* send_at = slot;
     uint8_t* recv_at = slot + send_half;
     for (size_t i = 0; i < pairs.size(); ++i) {
-      AlltoallBuffers b = k == 0 ? pieces0[i] : SegmentPieces(pairs[i], segments, k, es);
+      AlltoallBuffers b = SegmentPieces(pairs[i], segments, k, es);
       b.send_offsets.clear();  // back to back in the slot
       b.recv_offsets.clear();
       b.send = send_at;
@@ -1130,7 +1139,7 @@ absl::Status ClusterJob::AlltoallStaged(const ClusterOp& op, const InterNodeCont
       in_slot[static_cast<size_t>(parts[i]->rank)] = std::move(b);
     }
     InterNodeContext segment = ctx;
-    if (settings.segment_bytes > 0) segment.tag_base = SegmentTagBase(seq, k);
+    if (*announced > 0) segment.tag_base = SegmentTagBase(seq, k);
     return AlltoallPairwise(segment, node_of_rank_, in_slot,
                             [&] { CopyLocalPairs(in_slot, local); });
   };
@@ -1151,10 +1160,11 @@ absl::Status ClusterJob::CopyPieces(StagedNodeBuffer& device, bool fetch, int sl
       continue;
     }
     // A run of pieces of one size one pitch apart: one 2-D copy.
+    const uint64_t pitch =
+        j + 1 < bytes.size() && offsets[j + 1] > offsets[j] ? offsets[j + 1] - offsets[j] : 0;
     size_t rows = 1;
-    const uint64_t pitch = j + 1 < bytes.size() ? offsets[j + 1] - offsets[j] : 0;
-    while (j + rows < bytes.size() && bytes[j + rows] == n && offsets[j + 1] > offsets[j] &&
-           pitch >= n && offsets[j + rows] == offsets[j] + rows * pitch) {
+    while (pitch >= n && j + rows < bytes.size() && bytes[j + rows] == n &&
+           offsets[j + rows] == offsets[j] + rows * pitch) {
       ++rows;
     }
     absl::Status s;
@@ -1417,23 +1427,22 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
         }
         local[r] = true;
       }
-      if (settings.segment_bytes == 0) {
+      auto segments = AlltoallSegmentsOf(settings);
+      if (!segments.ok()) return segments.status();
+      if (*segments == 0) {
         // While the first chunks travel.
         return AlltoallPairwise(ctx, node_of_rank_, ranks, [&] { CopyLocalPairs(ranks, local); });
-      }
-      if (settings.segments == 0) {
-        return absl::InternalError("an alltoall in segments announced without their number");
       }
       // Segments, as a node with GPU buffers runs them (AlltoallStaged):
       // segment k carries part k of every rank pair's piece. The pairs on
       // this node go whole, while the first segment travels.
       absl::Status s;
-      for (uint64_t k = 0; s.ok() && k < settings.segments; ++k) {
+      for (uint64_t k = 0; s.ok() && k < *segments; ++k) {
         std::vector<AlltoallBuffers> pieces(static_cast<size_t>(world));
         bool any = false;
         for (const auto& p : op.parts) {
           const size_t r = static_cast<size_t>(p.rank);
-          pieces[r] = SegmentPieces(pairs[r], settings.segments, k, es);
+          pieces[r] = SegmentPieces(pairs[r], *segments, k, es);
           pieces[r].send = p.send;
           pieces[r].recv = p.recv;
           for (size_t j = 0; j < static_cast<size_t>(world); ++j) {

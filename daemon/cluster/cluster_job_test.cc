@@ -598,6 +598,17 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     input_sizes_ = std::move(inputs);
     output_sizes_ = std::move(outputs);
   }
+  // As a GPU's one 2-D copy would, with the default per-row copies; counted.
+  absl::Status FetchRows(int slot, size_t slot_offset, size_t offset, size_t bytes, size_t pitch,
+                         size_t rows) override {
+    copies_in_rows += rows;
+    return StagedNodeBuffer::FetchRows(slot, slot_offset, offset, bytes, pitch, rows);
+  }
+  absl::Status StoreRows(int slot, size_t slot_offset, size_t offset, size_t bytes, size_t pitch,
+                         size_t rows) override {
+    copies_in_rows += rows;
+    return StagedNodeBuffer::StoreRows(slot, slot_offset, offset, bytes, pitch, rows);
+  }
   absl::Status Wait(int slot) override { return WaitFor(last_[slot]); }
   absl::Status Finish() override {
     Enqueue(-1, "fan-out", [this] {
@@ -637,6 +648,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   int fail_fetch_at = -1;  // byte offset of the segment whose fetch fails
   // Bytes asked to be copied, by the caller (its thread only).
   size_t fetched_bytes = 0, stored_bytes = 0;
+  size_t copies_in_rows = 0;  // Fetches and Stores made by FetchRows / StoreRows
   // The slots' sizes: the most host memory asked of each.
   size_t slot_bytes(int slot) const { return slots_[slot].size(); }
   // Set: Coder runs codecs "on the device" (on its thread), keeping error
@@ -1265,6 +1277,9 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
         ASSERT_GE(calls.size(), 2u);
         EXPECT_EQ(calls.front(), "P");
         EXPECT_EQ(calls.back(), "fan-out");
+        if (!c.v) {  // an alltoall's pieces, one size one block apart: 2-D copies only
+          EXPECT_EQ(b.copies_in_rows, calls.size() - 2) << "node " << k << " " << what;
+        }
         // Host memory: a slot holds a segment's pieces, at most a segment
         // (and an element per pair, parts rounding up) per rank each way.
         for (int sl = 0; sl < 2; ++sl) {
@@ -1716,6 +1731,31 @@ TEST(ClusterJobProtocolTest, ACoordinatorThatBreaksTheProtocolFailsTheJobClearly
     EXPECT_NE(failure.message().find(c.message), std::string::npos) << failure;
     EXPECT_EQ(node.job().state(), ClusterJob::State::kFailed);
   }
+}
+
+// An alltoall announced in segments without their number (a coordinator of
+// another version) fails that operation, saying so, instead of guessing a
+// cut its peers may not share.
+TEST(ClusterJobProtocolTest, AnAlltoallInSegmentsWithoutTheirNumberFailsClearly) {
+  ScriptedNode node;
+  std::vector<float> in(4, 1), out(4, 0);
+  ClusterOp op;
+  op.key = 1;
+  op.name = "a2a";
+  op.sig.collective = static_cast<uint32_t>(wire::Collective::kAlltoall);
+  op.sig.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
+  op.sig.count = 2;
+  op.parts.push_back(ClusterOp::Part{0, reinterpret_cast<const uint8_t*>(in.data()),
+                                     reinterpret_cast<uint8_t*>(out.data()), {}, {}});
+  node.job().Submit(std::move(op));
+  ASSERT_TRUE(node.stream().WaitForReady("a2a"));
+  auto run = ScriptedNode::Run("a2a", 0);
+  run.mutable_run()->set_segment_bytes(4096);  // and no segments
+  node.stream().Send(run);
+  ASSERT_TRUE(node.ends().WaitFor(1));
+  const absl::Status s = node.EndOf(1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("in segments without their number"), std::string::npos) << s;
 }
 
 }  // namespace
