@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 7 in one run, for a machine with an NVIDIA GPU
-# (sized for about 8 minutes on one H200):
-#   1. build, Release, CIUIC_CUDA=ON, only the targets needed, all cores;
-#   2. the GPU tests (ctest -L gpu: every kernel against its CPU reference,
-#      device buffers through the daemon on one and two nodes), the CPU-side
-#      CUDA tests, and the Python CUDA-tensor tests where torch has CUDA
-#      (with the bundle, the extension is compiled there for its python3);
+# (sized for about 8 minutes on one H200; the figures the issue asks for
+# come first, so that a step that hangs cannot cost them):
+#   1. build, Release, CIUIC_CUDA=ON, only the targets needed, all cores (or
+#      the bundle, checked against the sources here);
+#   2. the CPU references on this CPU (reduce_test, codec_test: every kernel
+#      build it runs, AVX-512 included, which the development machines lack),
+#      so that a CPU fault is not taken for a GPU one;
 #   3. the kernel benchmark: sum-reduce, int8/fp16 encode and int8 decode at
 #      256 MiB beside a device-to-device copy of the same size, measured in
 #      the same run (median of 15), with the targets (>= 80% of the copy);
 #   4. the allreduce benchmark, two trainer processes on one GPU through the
 #      daemon with device buffers (ciuic-bench --device cuda, float32, 8 B to
 #      1 GiB, checked; target: algbw at 1 GiB >= 50% of the copy's bandwidth);
-#   5. for information: multi-node allreduce (device vs host, uncompressed
+#   5. the GPU tests (every kernel against its CPU reference, device buffers
+#      through the daemon on one and two nodes), the CPU-side CUDA tests, and
+#      the Python CUDA-tensor tests where torch has CUDA (with the bundle, the
+#      extension is compiled there for its python3);
+#   6. for information: multi-node allreduce (device vs host, uncompressed
 #      and int8), alltoall and alltoallv (device vs host) through two daemons.
+# Every step runs under a timeout within one deadline for the whole run
+# (CIUIC_GPU_DEADLINE_S, default 510 s): a step that would start too late
+# is skipped, saying so.
 #
 # Usage:
 #   tools/gpu-check.sh           run the checks (builds first, see below)
@@ -47,14 +55,42 @@ bundle=$root/.gpu-bundle
 build=${CIUIC_GPU_BUILD_DIR:-$root/build-gpu}
 jobs=$(nproc)
 targets=(cuda_kernels_test cuda_launch_test gpu_info_test cuda_kernels_bench ciuicd ciuicctl ciuic-bench
-         integration_device_test)
+         integration_device_test reduce_test codec_test)
+deadline=${CIUIC_GPU_DEADLINE_S:-510}
 
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   exec > >(tee "$OUT/gpu-check.log") 2>&1
 fi
 
-say() { printf '\n=== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+say() { printf '\n=== %s (%s, %d s in)\n' "$*" "$(date -u +%H:%M:%S)" "$SECONDS"; }
+
+# step CAP CMD...: CMD under a timeout of CAP seconds, or of what is left
+# before the deadline if that is less (killed 10 s after its TERM); a step
+# that would get under 15 s is not started. Output line-buffered where
+# stdbuf exists, so that a killed step's last lines are in the log.
+step() {
+  local cap=$1 left
+  shift
+  left=$((deadline - SECONDS))
+  [ "$left" -lt "$cap" ] && cap=$left
+  if [ "$cap" -lt 15 ]; then
+    echo "SKIPPED (out of time, $SECONDS s in): $*"
+    return 1
+  fi
+  if command -v stdbuf >/dev/null; then
+    timeout -k 10 "$cap" stdbuf -oL -eL "$@"
+  else
+    timeout -k 10 "$cap" "$@"
+  fi
+}
+# The sources a bundle is built from, and their fingerprint.
+bundle_sources() {
+  (cd "$root" && find CMakeLists.txt cmake daemon proto sdk tools tests -type f \
+     \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.proto' \
+        -o -name 'CMakeLists.txt' -o -name '*.cmake' \) 2>/dev/null | LC_ALL=C sort)
+}
+fingerprint() { (cd "$root" && xargs -d '\n' sha1sum | sha1sum | cut -c1-16); }
 
 configure_and_build() {
   local cuda_arch=${CIUIC_CUDA_ARCHITECTURES:-80;90}
@@ -95,6 +131,15 @@ if [ "${1:-}" = "bundle" ]; then
     echo "gpu-check: UCX modules not found next to $libucp" >&2
   fi
   strip --strip-debug "$bundle"/lib/*.so* "$bundle"/lib/ucx/*.so* 2>/dev/null
+  # pybind11's headers, for the Python extension compiled on the GPU machine
+  # where its python3 has none.
+  [ -d /usr/include/pybind11 ] && mkdir -p "$bundle/include" &&
+    cp -r /usr/include/pybind11 "$bundle/include/"
+  bundle_sources >"$bundle/SOURCES"
+  fingerprint <"$bundle/SOURCES" >"$bundle/FINGERPRINT"
+  (cd "$root" && git rev-parse --short HEAD 2>/dev/null; git -C "$root" status --porcelain \
+     --untracked-files=no 2>/dev/null | grep -q . && echo "(with uncommitted changes)") \
+    >"$bundle/VERSION" || true
   du -sh "$bundle"
   echo "bundle ready: carry .gpu-bundle (and run tools/gpu-check.sh there)"
   exit 0
@@ -110,6 +155,7 @@ fi
 command -v nvcc >/dev/null && nvcc --version | tail -n 2
 uname -srm; ldd --version 2>&1 | head -n 1
 
+status=0
 bin=""
 ctest_dir=""
 say "build (Release, CIUIC_CUDA=ON, -j$jobs)"
@@ -123,7 +169,16 @@ elif [ -x "$bundle/bin/ciuicd" ]; then
     echo "configure here failed (missing build dependencies; see $build/ciuic-configure.log):"
     grep -m 3 -iE 'could not find|error' "$build/ciuic-configure.log" || true
   fi
-  echo "using the prebuilt bundle in $bundle"
+  echo "using the prebuilt bundle in $bundle, built from $(tr '\n' ' ' <"$bundle/VERSION" 2>/dev/null)"
+  if [ -f "$bundle/SOURCES" ] &&
+     [ "$(fingerprint <"$bundle/SOURCES")" = "$(cat "$bundle/FINGERPRINT" 2>/dev/null)" ] &&
+     [ "$(bundle_sources)" = "$(cat "$bundle/SOURCES")" ]; then
+    echo "the bundle was built from the sources here"
+  else
+    echo "gpu-check: WARNING: STALE BUNDLE: it was built from other sources than these"
+    echo "(rebuild it with tools/gpu-check.sh bundle right before carrying it); going on"
+    status=1
+  fi
   bin=$bundle/bin
   export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   [ -d "$bundle/lib/ucx" ] && export UCX_MODULE_DIR=$bundle/lib/ucx
@@ -137,80 +192,23 @@ else
   exit 1
 fi
 find_bin() { find "$bin" -name "$1" -type f -perm -u+x | head -n 1; }
-
-status=0
-say "GPU tests (every kernel against its CPU reference; device buffers through the daemon)"
-# A GPU test without a usable GPU fails here instead of skipping (a skip
-# would count as a pass while testing nothing: an old driver, say).
-export CIUIC_REQUIRE_GPU=1
-if [ -n "$ctest_dir" ]; then
-  (cd "$ctest_dir" && ctest -L gpu --output-on-failure --timeout 300) || status=1
-  (cd "$ctest_dir" && ctest -L unit -R 'GridFor|ItemsFor|CudaStatus|ArgumentTest|NoDevice|GpuInfo' \
-     --output-on-failure --timeout 60) || status=1
-else
-  # The no-CUDA error test skips where there is a GPU: leave it out.
-  timeout 300 "$(find_bin cuda_kernels_test)" --gtest_brief=1 || status=1
-  CIUICD_FOR_TESTS="$(find_bin ciuicd)" timeout 300 "$(find_bin integration_device_test)" \
-    --gtest_brief=1 --gtest_filter=-DeviceBuffersTest.ClearErrorWithoutCuda || status=1
-  timeout 60 "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
-  timeout 60 "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
-fi
-unset CIUIC_REQUIRE_GPU
-
-say "Python: torch CUDA tensors through the daemon (sdk/python/tests/test_cuda.py)"
-# Needs the extension built for this machine's python3 and a torch with CUDA.
-# With the bundle (built for Debian's Python), the extension is compiled here
-# from its one source over the bundle's libciuic: pybind11's headers from
-# pip (python3 -m pybind11) or the system's, Python's own, g++.
-python_from_bundle() {
-  local dir=$1 includes suffix
-  includes=$(python3 -m pybind11 --includes 2>/dev/null) || includes=$(python3-config --includes 2>/dev/null) ||
-    { echo "no pybind11 or Python headers for $(command -v python3)"; return 1; }
-  suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') || return 1
-  mkdir -p "$dir/ciuic"
-  ln -sf "$root"/sdk/python/ciuic/*.py "$dir/ciuic/"
-  # shellcheck disable=SC2086  # the includes are several flags
-  g++ -O2 -std=c++20 -shared -fPIC -fvisibility=hidden $includes -I"$root/sdk/include" \
-    "$root/sdk/python/src/module.cc" "$bundle/lib/libciuic.so.0" -o "$dir/ciuic/_ciuic$suffix"
-}
-if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  echo "NOT RUN: $(command -v python3) has no torch that sees a GPU"
-elif [ -n "$ctest_dir" ]; then
-  if cmake --build "$build" -j "$jobs" --target _ciuic ciuic_python >"$build/python-build.log" 2>&1; then
-    PYTHONPATH="$build/python" CIUICD="$(find_bin ciuicd)" timeout 300 \
-      python3 -m pytest -q -rs "$root/sdk/python/tests/test_cuda.py" || status=1
-  else
-    echo "NOT RUN: the Python extension did not build here:"; tail -n 5 "$build/python-build.log"
-    status=1
-  fi
-elif python_from_bundle "$bundle/python" >"$bundle/python-build.log" 2>&1; then
-  PYTHONPATH="$bundle/python" CIUICD="$(find_bin ciuicd)" timeout 300 \
-    python3 -m pytest -q -rs "$root/sdk/python/tests/test_cuda.py" || status=1
-else
-  echo "NOT RUN: the Python extension did not build here over the bundle's libciuic:"
-  tail -n 5 "$bundle/python-build.log"
-  status=1
-fi
-
-say "daemon status on this machine"
 tmp=$(mktemp -d)
 trap 'kill "${daemon_pid:-}" 2>/dev/null; rm -rf "$tmp"' EXIT
-"$(find_bin ciuicd)" --socket "$tmp/ciuicd.sock" --node-name gpu-check --log-level info \
-  >"$tmp/ciuicd.log" 2>&1 &
-daemon_pid=$!
-for _ in $(seq 50); do [ -S "$tmp/ciuicd.sock" ] && break; sleep 0.1; done
-"$(find_bin ciuicctl)" --socket "$tmp/ciuicd.sock" status | sed -n '1,12p' || status=1
-kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null
+
+say "CPU references on this CPU (every reduction build it runs; the codecs)"
+grep -o -m 1 -E 'avx512[a-z]*' /proc/cpuinfo | head -n 1 | sed 's/^/has /' || true
+step 120 "$(find_bin reduce_test)" --gtest_brief=1 || status=1
+step 60 "$(find_bin codec_test)" --gtest_brief=1 || status=1
 
 say "kernel benchmark (256 MiB, median of 15, interleaved with the copy)"
-"$(find_bin cuda_kernels_bench)" --bytes 256M --reps 15 --inner 10 --json | tee "$tmp/kernels.txt" ||
-  status=1
+step 120 "$(find_bin cuda_kernels_bench)" --bytes 256M --reps 15 --inner 10 --json |
+  tee "$tmp/kernels.txt" || status=1
 # The copy's bandwidth as the kernel benchmark counts it (bytes read + written).
 copy_gbps=$(grep -o '"copy_gbps": [0-9.]*' "$tmp/kernels.txt" | awk '{print $2}')
 
 say "allreduce benchmark: two trainer processes on one GPU through the daemon"
 bench=$(find_bin ciuic-bench)
-timeout 300 "$bench" --op allreduce --nodes 1 --ranks-per-node 2 --device cuda \
+step 150 "$bench" --op allreduce --nodes 1 --ranks-per-node 2 --device cuda \
   --sizes 8,1K,64K,1M,16M,64M,256M,1G --dtype float32 --iters 10 --warmup 3 --check \
   --ciuicd "$(find_bin ciuicd)" | tee "$tmp/allreduce.txt" || status=1
 algbw=$(awk '$1 == 1073741824 {print $7}' "$tmp/allreduce.txt")
@@ -233,6 +231,77 @@ else
   status=1
 fi
 
+say "GPU tests (every kernel against its CPU reference; device buffers through the daemon)"
+# A GPU test without a usable GPU fails here instead of skipping (a skip
+# would count as a pass while testing nothing: an old driver, say).
+export CIUIC_REQUIRE_GPU=1
+if [ -n "$ctest_dir" ]; then
+  (cd "$ctest_dir" && step 240 ctest -L gpu --output-on-failure --timeout 150) || status=1
+  (cd "$ctest_dir" && step 60 ctest -L unit -R 'GridFor|ItemsFor|CudaStatus|ArgumentTest|NoDevice|GpuInfo' \
+     --output-on-failure --timeout 60) || status=1
+else
+  # The no-CUDA error test skips where there is a GPU: leave it out.
+  step 150 "$(find_bin cuda_kernels_test)" --gtest_brief=1 || status=1
+  CIUICD_FOR_TESTS="$(find_bin ciuicd)" step 150 "$(find_bin integration_device_test)" \
+    --gtest_brief=1 --gtest_filter=-DeviceBuffersTest.ClearErrorWithoutCuda || status=1
+  step 30 "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
+  step 30 "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
+fi
+unset CIUIC_REQUIRE_GPU
+
+say "Python: torch CUDA tensors through the daemon (sdk/python/tests/test_cuda.py)"
+# Needs the extension built for this machine's python3 and a torch with CUDA.
+# With the bundle (built for Debian's Python), the extension is compiled here
+# from its one source over the bundle's libciuic: pybind11's headers from
+# pip (python3 -m pybind11), else the bundle's copy of Debian's; Python's
+# own headers; the first C++ compiler found.
+python_from_bundle() {
+  local dir=$1 includes suffix cxx
+  includes=$(python3 -m pybind11 --includes 2>/dev/null) ||
+    includes="-I$bundle/include $(python3-config --includes 2>/dev/null)" ||
+    { echo "no pybind11 or Python headers for $(command -v python3)"; return 1; }
+  suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') || return 1
+  for cxx in ${CXX:-} g++ c++ clang++; do command -v "$cxx" >/dev/null && break; cxx=""; done
+  [ -n "$cxx" ] || { echo "no C++ compiler (g++, c++, clang++) here"; return 1; }
+  mkdir -p "$dir/ciuic"
+  ln -sf "$root"/sdk/python/ciuic/*.py "$dir/ciuic/"
+  # shellcheck disable=SC2086  # the includes are several flags
+  step 150 "$cxx" -O2 -std=c++20 -shared -fPIC -fvisibility=hidden $includes -I"$root/sdk/include" \
+    "$root/sdk/python/src/module.cc" "$bundle/lib/libciuic.so.0" -o "$dir/ciuic/_ciuic$suffix"
+}
+# pytest's own per-test limit where the plugin is there.
+pytest_args=(-q -rs -p no:cacheprovider)
+python3 -c 'import pytest_timeout' 2>/dev/null && pytest_args+=(--timeout=100)
+export PYTHONUNBUFFERED=1
+if ! step 60 python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "NOT RUN: $(command -v python3) has no torch that sees a GPU"
+elif [ -n "$ctest_dir" ]; then
+  if step 200 cmake --build "$build" -j "$jobs" --target _ciuic ciuic_python >"$build/python-build.log" 2>&1; then
+    PYTHONPATH="$build/python" CIUICD="$(find_bin ciuicd)" step 150 \
+      python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" || status=1
+  else
+    echo "NOT RUN: the Python extension did not build here:"; tail -n 5 "$build/python-build.log"
+    status=1
+  fi
+elif python_from_bundle "$bundle/python" >"$bundle/python-build.log" 2>&1; then
+  PYTHONPATH="$bundle/python" CIUICD="$(find_bin ciuicd)" step 150 \
+    python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" || status=1
+else
+  echo "NOT RUN: the Python extension did not build here over the bundle's libciuic:"
+  tail -n 5 "$bundle/python-build.log"
+  status=1
+fi
+
+say "daemon status on this machine"
+"$(find_bin ciuicd)" --socket "$tmp/ciuicd.sock" --node-name gpu-check --log-level info \
+  >"$tmp/ciuicd.log" 2>&1 &
+daemon_pid=$!
+for _ in $(seq 50); do [ -S "$tmp/ciuicd.sock" ] && break; sleep 0.1; done
+step 20 "$(find_bin ciuicctl)" --socket "$tmp/ciuicd.sock" status | sed -n '1,12p' || status=1
+kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null
+
+# The rest is for information, as time allows.
+export UCX_TLS=tcp
 say "multi-node allreduce: 2 daemons x 1 rank on this GPU (UCX tcp on loopback), device vs host"
 # Device buffers: reduced on the GPU and staged through pinned host memory in
 # staging_segment_bytes pieces, overlapped with the network; the host-buffer
@@ -243,7 +312,7 @@ say "multi-node allreduce: 2 daemons x 1 rank on this GPU (UCX tcp on loopback),
 for run in "cuda none" "cpu none" "cuda int8" "cpu int8"; do
   set -- $run
   echo "--device $1 --compression $2"
-  timeout 300 "$bench" --op allreduce --nodes 2 --ranks-per-node 1 --device "$1" \
+  step 60 "$bench" --op allreduce --nodes 2 --ranks-per-node 1 --device "$1" \
     --compression "$2" --sizes 1M,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
     --ciuicd "$(find_bin ciuicd)" || status=1
 done
@@ -253,7 +322,7 @@ say "multi-node alltoall(v): 2 daemons x 2 ranks on this GPU, device (staged in 
 for op in alltoall alltoallv; do
   for device in cuda cpu; do
     echo "--op $op --device $device"
-    timeout 300 "$bench" --op "$op" --nodes 2 --ranks-per-node 2 --device "$device" \
+    step 60 "$bench" --op "$op" --nodes 2 --ranks-per-node 2 --device "$device" \
       --sizes 64K,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
       --ciuicd "$(find_bin ciuicd)" || status=1
   done

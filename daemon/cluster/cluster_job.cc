@@ -477,10 +477,15 @@ void ClusterJob::FailAll(const absl::Status& why) {
     waiting.swap(awaiting_);
     unstarted.swap(announced_);
   }
-  for (auto& [name, op] : waiting) op_done_(op.key, why);
+  for (auto& [name, op] : waiting) Done(op, why);
   for (auto& a : unstarted) {
-    for (auto& op : a.ops) op_done_(op.key, why);
+    for (auto& op : a.ops) Done(op, why);
   }
+}
+
+void ClusterJob::Done(ClusterOp& op, const absl::Status& status) {
+  op.staged.reset();
+  op_done_(op.key, status);
 }
 
 void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
@@ -537,7 +542,7 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
     lanes_cv_.notify_all();
     return;
   }
-  for (auto& op : run.ops) op_done_(op.key, broken);
+  for (auto& op : run.ops) Done(op, broken);
   Push(Event{Event::kRunFailed, {}, {}, broken});
 }
 
@@ -602,7 +607,7 @@ void ClusterJob::LaneLoop(Lane& lane) {
       std::lock_guard<std::mutex> lock(write_mu_);
       ++dones_pending_;
     }
-    for (const auto& op : run.ops) op_done_(op.key, s);
+    for (auto& op : run.ops) Done(op, s);
     {
       proto::NodeEvent done;
       done.mutable_done()->set_seq(run.seq);
@@ -682,7 +687,7 @@ void ClusterJob::Run() {
     }
     absl::Status job_failure;
     if (!formed.ok()) {
-      if (e.kind == Event::kSubmit) op_done_(e.op.key, formed);
+      if (e.kind == Event::kSubmit) Done(e.op, formed);
       if (e.kind == Event::kAbort) break;
       if (!left) {
         left = true;
@@ -720,8 +725,8 @@ void ClusterJob::Run() {
             }
           }
           if (failed) {
-            op_done_(failed->key, absl::Status(static_cast<absl::StatusCode>(c.fail().code()),
-                                               c.fail().message()));
+            Done(*failed, absl::Status(static_cast<absl::StatusCode>(c.fail().code()),
+                                       c.fail().message()));
           }
         } else if (c.has_job_failed()) {
           WaitForAnnouncedRuns();

@@ -299,6 +299,11 @@ class ClusterJob {
   // daemon cannot parse.
   absl::StatusOr<const Codec*> CodecNamed(const std::string& spec);
   void FailAll(const absl::Status& why);
+  // Ends `op` with `status`: its staged buffer goes first (its destructor
+  // waits for the device work it enqueued, and keeps the ranks' memory
+  // open until then), so that a rank that hears of the end may free or
+  // reuse its buffers at once. Never on the engine's loop.
+  void Done(ClusterOp& op, const absl::Status& status);
   // A Run from the coordinator, on the stream's reader thread: its
   // operations go to the lanes; one that breaks the protocol fails them and
   // the job.

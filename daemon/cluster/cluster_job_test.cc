@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -71,6 +73,7 @@ struct Ends {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::pair<uint64_t, absl::Status>> ends;
+  std::function<void(uint64_t key)> on_end;  // set: called first, on the ending thread
   bool WaitFor(size_t n) {
     std::unique_lock<std::mutex> lock(mu);
     return cv.wait_for(lock, std::chrono::seconds(30), [&] { return ends.size() >= n; });
@@ -108,6 +111,7 @@ class Nodes {
       jobs_.push_back(std::make_unique<ClusterJob>(
           std::move(o),
           [ends](uint64_t key, absl::Status s) {
+            if (ends->on_end) ends->on_end(key);
             std::lock_guard<std::mutex> lock(ends->mu);
             ends->ends.emplace_back(key, std::move(s));
             ends->cv.notify_all();
@@ -1355,6 +1359,60 @@ TEST(ClusterJobStagedTest, ADeviceFaultFailsTheOperationEverywhere) {
   EXPECT_FALSE(nodes.ends(1).ends[0].second.ok());
   // Nothing of the failed operation is left running on the "device".
   EXPECT_TRUE(absl::IsInternal(gpu->Drain()));
+}
+
+// However an operation on a staged node ends (run, failed on the device,
+// refused by the coordinator, left unrun when the job is left), its staged
+// buffer is gone before the ranks hear: it keeps their memory open, and a
+// rank may free its buffers and allocate new ones at the same address as
+// soon as it hears (a GPU daemon then could not open them while the old
+// mappings are still held).
+TEST(ClusterJobStagedTest, TheStagedBufferIsGoneBeforeTheRanksHear) {
+  enum Case { kRun, kDeviceFault, kMismatch, kLeft };
+  for (Case c : {kRun, kDeviceFault, kMismatch, kLeft}) {
+    SCOPED_TRACE(c);
+    Nodes nodes(2);
+    ASSERT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
+    ASSERT_TRUE(nodes.SetBoth("op_timeout_ms", "3000").ok());
+    const size_t count = 3000;
+    std::vector<float> send[2], recv[2];
+    std::weak_ptr<HostStagedBuffer> staged;
+    std::atomic<int> ended_alive{0}, ended{0};
+    nodes.ends(0).on_end = [&](uint64_t) {
+      ++ended;
+      if (!staged.expired()) ++ended_alive;
+    };
+    for (int k = 0; k < 2; ++k) {
+      send[k].assign(count, 1.0f);
+      recv[k].assign(count, 0.0f);
+      if (k == 1 && c == kLeft) break;  // node 1 never submits
+      const size_t n = c == kMismatch && k == 1 ? count - 1 : count;
+      ClusterOp op = Allreduce(1, "x", wire::DataType::kFloat32, wire::ReduceOp::kSum, n, k,
+                               send[k].data(), recv[k].data());
+      if (k == 0) {
+        auto b = std::make_shared<HostStagedBuffer>(wire::DataType::kFloat32, count,
+                                                    std::vector<const void*>{send[0].data()},
+                                                    std::vector<void*>{recv[0].data()});
+        if (c == kDeviceFault) b->fail_fetch_at = 4096;
+        staged = b;
+        StageOn(op, std::move(b));
+      }
+      nodes.job(k).Submit(std::move(op));
+    }
+    if (c == kLeft) {
+      // Once the Ready is with the coordinator, the node leaves.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      nodes.job(0).Abort(absl::CancelledError("the trainer left"));
+    }
+    ASSERT_TRUE(nodes.ends(0).WaitFor(1));
+    const absl::Status& s = nodes.ends(0).ends[0].second;
+    EXPECT_EQ(s.ok(), c == kRun) << s;
+    if (c == kMismatch) EXPECT_NE(s.message().find("mismatched"), std::string::npos) << s;
+    if (c == kRun) EXPECT_EQ(recv[0][count - 1], 2.0f);
+    EXPECT_EQ(ended.load(), 1);
+    EXPECT_EQ(ended_alive.load(), 0) << "the ranks heard while the staged buffer was alive";
+    if (c != kLeft) ASSERT_TRUE(nodes.ends(1).WaitFor(1));
+  }
 }
 
 // Compressed allreduces on a staged node run through its coder where the

@@ -929,9 +929,18 @@ class CudaDeviceRunner final : public DeviceRunner {
           who, ": the trainer's device ", d.device, " is this ciuicd's device ", a.device,
           " (give the trainer and ciuicd the same CUDA_VISIBLE_DEVICES)"));
     }
-    if (base == at ? usable != d.allocation_bytes : usable < d.allocation_bytes) {
-      // At the start of a bigger range: the block's start or the
-      // allocation's cannot be told apart; refuse rather than guess.
+    // At the start of a bigger range, the block's start or the allocation's
+    // cannot be told apart: refuse rather than guess. Except where the
+    // range is the allocation rounded up to the driver's 2 MiB pages (the
+    // mapping of a cudaMalloc of 1 GiB + 64 bytes may be 1 GiB + 2 MiB
+    // long): the driver shares blocks between allocations below 2 MiB only,
+    // so one of 2 MiB or more starts its range.
+    constexpr uint64_t kPage = uint64_t{2} << 20;
+    const uint64_t rounded = (d.allocation_bytes + kPage - 1) / kPage * kPage;
+    const bool whole = usable == d.allocation_bytes ||
+                       (d.allocation_bytes >= kPage && usable > d.allocation_bytes &&
+                        usable <= rounded);
+    if (base == at ? !whole : usable < d.allocation_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           who, ": the descriptor says the allocation has ", d.allocation_bytes,
           " bytes, the memory opened has ", usable,

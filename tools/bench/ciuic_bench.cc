@@ -502,6 +502,8 @@ bool AllocateDevice(int local_rank, uint64_t bytes, RankBuffers* b) {
     return false;
   }
   b->device = local_rank % devices;
+  // Whole 2 MiB pages, as PyTorch's caching allocator hands them out.
+  bytes = (bytes + (uint64_t{2} << 20) - 1) / (uint64_t{2} << 20) * (uint64_t{2} << 20);
   cudaStream_t stream = nullptr;
   if ((e = cudaSetDevice(b->device)) != cudaSuccess ||
       (e = cudaMalloc(&b->send_dev, bytes)) != cudaSuccess ||

@@ -195,7 +195,10 @@ class Work:
         return self._handle.name
 
     def wait(self, timeout=None):
-        return self._handle.wait(timeout)
+        done = self._handle.wait(timeout)
+        if done and self._keep is not None:
+            self._comm._device_holds.prune()
+        return done
 
     def is_completed(self):
         return self._handle.is_completed()
@@ -281,6 +284,38 @@ class _Waiter:
                         it for i, it in enumerate(self._queue) if i not in done)
 
 
+class _DeviceHolds:
+    """The torch tensors of a communicator's device operations in flight,
+    kept alive until each operation completes, whether or not the caller
+    keeps its Work or the tensors: ciuicd works on them on streams of its
+    own, so torch's caching allocator, which only orders reuse after the
+    tensor's own stream, would otherwise hand the memory of a dropped
+    tensor to new work while the daemon still reads or writes it. Pruned
+    (completed operations let go) at each device submission and each
+    completed wait; cleared when the communicator closes."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items = []  # (handle, tensors)
+
+    def add(self, handle, keep):
+        with self._lock:
+            self._items = [it for it in self._items if not it[0].is_completed()]
+            self._items.append((handle, keep))
+
+    def prune(self):
+        with self._lock:
+            self._items = [it for it in self._items if not it[0].is_completed()]
+
+    def clear(self):
+        with self._lock:
+            self._items = []
+
+    def __len__(self):
+        with self._lock:
+            return len(self._items)
+
+
 _live_comms = weakref.WeakSet()
 
 
@@ -309,6 +344,7 @@ class Communicator:
         self._impl = impl
         self._waiter_obj = None
         self._lock = threading.Lock()
+        self._device_holds = _DeviceHolds()
         _live_comms.add(self)
 
     # -- identity
@@ -411,6 +447,7 @@ class Communicator:
                                  priority=priority, timeout_ms=_timeout_ms(timeout),
                                  compression=compression or "", send_counts=list(counts[0]),
                                  recv_counts=list(counts[1]))
+        self._device_holds.add(h, (send, recv))
         return Work(h, output, self, keep=(send, recv))
 
     def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None,
@@ -573,6 +610,7 @@ class Communicator:
             waiter, self._waiter_obj = self._waiter_obj, None
         if waiter is not None:
             waiter.stop()
+        self._device_holds.clear()  # every operation has ended
         _live_comms.discard(self)
 
     def __enter__(self):

@@ -713,6 +713,36 @@ class _FakeBucket:
         return self._buffer
 
 
+def cuda_dropped_tensors_live_on(ctx):
+    """A CUDA tensor whose Work and tensor the caller drops stays alive until
+    its operation completes (the daemon works on it on its own streams), and
+    is let go once it has; the result is right."""
+    import gc
+    import weakref
+    import torch
+    dev = _cuda_device(ctx)
+    n = 1 << 20
+    t = torch.full((n,), float(ctx.rank + 1), dtype=torch.float32, device=dev)
+    alive = weakref.ref(t)
+    ctx.comm.allreduce_async(t, name=ctx.name("cuda.dropped"))  # Work dropped at once
+    del t
+    gc.collect()
+    assert alive() is not None, "dropped while its operation may still run"
+    u = torch.zeros(n, dtype=torch.float32, device=dev)
+    ctx.comm.allreduce(u, name=ctx.name("cuda.after"))  # on the daemon's stream after it
+    deadline = time.monotonic() + 10
+    while alive() is not None and time.monotonic() < deadline:
+        ctx.comm._device_holds.prune()
+        gc.collect()
+        time.sleep(0.01)
+    assert alive() is None, "still held after its operation completed"
+    v = torch.ones(3, dtype=torch.float32, device=dev)
+    ctx.comm.allreduce(v, name=ctx.name("cuda.check"))
+    expect_equal(v.cpu(), np.full(3, float(ctx.world), np.float32), "float32", "torch",
+                 "after a dropped operation")
+    return True
+
+
 def cuda_ddp_hook(ctx, steps):
     """ciuic.torch.allreduce_hook on CUDA buckets: the future's value is the
     average over the ranks, on the same device."""

@@ -22,3 +22,7 @@ def test_cuda_collectives(pool, dtype):
 
 def test_cuda_ddp_hook(pool):
     assert pool.run(ranks.cuda_ddp_hook, 3)[0] == 3
+
+
+def test_dropped_cuda_tensors_live_on(pool):
+    assert pool.run(ranks.cuda_dropped_tensors_live_on) == [True, True]
