@@ -254,6 +254,8 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
   absl::StatusOr<uint8_t*> Slot(int slot, size_t bytes) override {
     if (slot < 0 || slot > 1) return absl::InternalError("staging slot out of range");
     if (slot_bytes_[slot] < bytes) {
+      // On a lane's thread: the buffer's device, not a context on GPU 0.
+      if (absl::Status s = Current(); !s.ok()) return s;
       uint8_t* data = nullptr;
       auto memory = pool_->Take(bytes, &data);
       if (!memory.ok()) return memory.status();
@@ -685,7 +687,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     return absl::OkStatus();
   }
 
-  // Checks the ranks and makes rank 0's device current (*device_out); the
+  // Checks the ranks and makes the operation's device (rank 0's) current (*device_out); the
   // event to record at the end is created by Finish.
   absl::Status Begin(const std::vector<DeviceRankBuffers>& ranks, int* device_out) {
     if (ranks.empty() || static_cast<int>(ranks.size()) > gpu::kMaxReduceInputs) {
@@ -699,7 +701,15 @@ class CudaDeviceRunner final : public DeviceRunner {
         CloseSessionOnSubmit(r.session_id);
       }
     }
-    const int device = ranks[0].recv.device;
+    // Rank 0's device; in an alltoallv, whose ranks may send or receive
+    // nothing (no descriptor then), the first buffer's there is.
+    int device = ranks[0].recv.device;
+    for (const DeviceRankBuffers& r : ranks) {
+      if (r.recv_bytes > 0 || r.send_bytes > 0) {
+        device = r.recv_bytes > 0 ? r.recv.device : r.send.device;
+        break;
+      }
+    }
     *device_out = device;
     return Cuda(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
   }
@@ -865,7 +875,7 @@ class CudaDeviceRunner final : public DeviceRunner {
         if (!can) {
           return absl::UnimplementedError(absl::StrCat(
               who, " is on device ", d.device, ", which device ", device,
-              " (rank 0's) cannot reach (no peer access); ranks on such devices are not "
+              " (the operation's) cannot reach (no peer access); ranks on such devices are not "
               "supported yet"));
         }
       }

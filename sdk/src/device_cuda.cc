@@ -2,6 +2,7 @@
 #include <cuda.h>  // driver types only; the functions come from cudaGetDriverEntryPoint*
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -28,18 +29,34 @@ std::string Hex(uintptr_t p) {
   return o.str();
 }
 
-// Restores the calling thread's current device on scope exit.
+using CtxGetCurrentFn = CUresult (*)(CUcontext*);
+
+// Makes `device` the calling thread's current one for the scope, and
+// restores the one before on exit where it differs. A thread that never
+// chose a device (no current context: `ctx_get_current`, when known) reads
+// as device 0, and is left with `device`: setting 0 back would make a
+// context on GPU 0 in a trainer that uses another one.
 class CurrentDeviceGuard {
  public:
-  CurrentDeviceGuard() {
+  cudaError_t Set(int device, CtxGetCurrentFn ctx_get_current) {
     if (cudaGetDevice(&saved_) != cudaSuccess) saved_ = -1;
+    if (saved_ == device) return cudaSuccess;
+    CUcontext current = nullptr;
+    if (ctx_get_current != nullptr && ctx_get_current(&current) == CUDA_SUCCESS &&
+        current == nullptr) {
+      saved_ = -1;
+    }
+    const cudaError_t e = cudaSetDevice(device);
+    changed_ = e == cudaSuccess && saved_ >= 0;
+    return e;
   }
   ~CurrentDeviceGuard() {
-    if (saved_ >= 0) cudaSetDevice(saved_);
+    if (changed_) cudaSetDevice(saved_);
   }
 
  private:
   int saved_ = -1;
+  bool changed_ = false;
 };
 
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -69,6 +86,8 @@ struct DeviceExporter::State {
   Status resolve_status;
   MemGetAddressRangeFn mem_get_address_range = nullptr;
   PointerGetAttributeFn pointer_get_attribute = nullptr;
+  // Read without mu (Record): set once by Resolve.
+  std::atomic<CtxGetCurrentFn> ctx_get_current{nullptr};
   std::map<CUdeviceptr, Allocation> allocations;      // by base; guarded by mu
   std::map<int, std::vector<PooledEvent>> free_events;  // by device; guarded by mu
 
@@ -102,6 +121,9 @@ struct DeviceExporter::State {
     resolve_status = find("cuPointerGetAttribute", &fn);
     if (!resolve_status.ok()) return resolve_status;
     pointer_get_attribute = reinterpret_cast<PointerGetAttributeFn>(fn);
+    fn = nullptr;
+    // Optional: without it, a device is restored whenever it was changed.
+    if (find("cuCtxGetCurrent", &fn).ok()) ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(fn);
     return resolve_status;
   }
 };
@@ -144,7 +166,7 @@ Status DeviceExporter::Describe(const void* ptr, size_t bytes, int device,
                       ", not on device " + std::to_string(device));
   }
   CurrentDeviceGuard guard;
-  e = cudaSetDevice(device);
+  e = guard.Set(device, s.ctx_get_current.load());
   if (e != cudaSuccess) return Status(StatusCode::kInternal, "cudaSetDevice: " + CudaError(e));
   CUdeviceptr base = 0;
   size_t size = 0;
@@ -201,7 +223,7 @@ Status DeviceExporter::RecordEvent(void* stream, int device, uint8_t* handle,
     }
   }
   CurrentDeviceGuard guard;
-  cudaError_t e = cudaSetDevice(device);
+  cudaError_t e = guard.Set(device, st->ctx_get_current.load());
   if (e != cudaSuccess) return Status(StatusCode::kInternal, "cudaSetDevice: " + CudaError(e));
   if (ev.event == nullptr) {
     e = cudaEventCreateWithFlags(&ev.event, cudaEventInterprocess | cudaEventDisableTiming);
