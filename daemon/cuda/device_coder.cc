@@ -23,19 +23,24 @@ DeviceResiduals::Residual::~Residual() {
   cudaGetLastError();
 }
 
-void DeviceResiduals::EraseLocked(std::unordered_map<std::string, Entry>::iterator it) {
+void DeviceResiduals::EraseLocked(std::unordered_map<std::string, Entry>::iterator it,
+                                  Dropped* dropped) {
   bytes_ -= it->second.count * sizeof(float);
   lru_.erase(it->second.lru);
-  entries_.erase(it);  // the memory goes with the last holder
+  // The memory goes with the last holder: if that is this, only after mu_
+  // is let go (cudaFree waits for the device).
+  dropped->push_back(std::move(it->second.residual));
+  entries_.erase(it);
 }
 
 std::shared_ptr<DeviceResiduals::Residual> DeviceResiduals::Find(const std::string& name,
                                                                  size_t count, int device) {
+  Dropped dropped;  // freed after the lock goes
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(name);
   if (it == entries_.end()) return nullptr;
   if (it->second.count != count || it->second.device != device) {
-    EraseLocked(it);  // the operation changed shape
+    EraseLocked(it, &dropped);  // the operation changed shape
     return nullptr;
   }
   lru_.splice(lru_.begin(), lru_, it->second.lru);
@@ -44,10 +49,11 @@ std::shared_ptr<DeviceResiduals::Residual> DeviceResiduals::Find(const std::stri
 
 absl::StatusOr<std::shared_ptr<DeviceResiduals::Residual>> DeviceResiduals::ForUpdate(
     const std::string& name, size_t count, int device, cudaStream_t stream) {
+  Dropped dropped;  // freed after the lock goes
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(name);
   if (it != entries_.end() && (it->second.count != count || it->second.device != device)) {
-    EraseLocked(it);
+    EraseLocked(it, &dropped);
     it = entries_.end();
   }
   if (it != entries_.end()) {
@@ -56,7 +62,9 @@ absl::StatusOr<std::shared_ptr<DeviceResiduals::Residual>> DeviceResiduals::ForU
   }
   const size_t bytes = count * sizeof(float);
   if (bytes > max_bytes_) return nullptr;
-  while (bytes_ + bytes > max_bytes_ && !lru_.empty()) EraseLocked(entries_.find(lru_.back()));
+  while (bytes_ + bytes > max_bytes_ && !lru_.empty()) {
+    EraseLocked(entries_.find(lru_.back()), &dropped);
+  }
   auto residual = std::make_shared<Residual>();
   residual->device = device;
   void* p = nullptr;

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -64,7 +65,8 @@ class DeviceResiduals {
     int device = 0;
     std::list<std::string>::iterator lru;
   };
-  void EraseLocked(std::unordered_map<std::string, Entry>::iterator it);
+  using Dropped = std::vector<std::shared_ptr<Residual>>;
+  void EraseLocked(std::unordered_map<std::string, Entry>::iterator it, Dropped* dropped);
 
   const size_t max_bytes_;
   std::mutex mu_;
