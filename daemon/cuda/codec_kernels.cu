@@ -113,6 +113,8 @@ constexpr size_t kInt8Header = sizeof(float);
 constexpr size_t kInt8PerLane = kInt8Block / 32;
 constexpr double kMinQuantized = 0x1p-100;
 constexpr double kMaxQuantized = 0x1p126;
+// Blocks of the relayout pass (a few per SM of the largest GPUs).
+constexpr unsigned kRelayoutBlocks = 512;
 
 // Round to nearest even as codec_int8.cc does it (exact for |y| <= 2^22).
 __device__ inline float RoundToInt(float y) { return (y + 0x1.8p23f) - 0x1.8p23f; }
@@ -180,10 +182,12 @@ __device__ void WriteQuantized(const BlockPlan<F>& plan, const typename F::Stora
 }
 
 // Pass 1: every block at its all-quantised position b * 260; records each
-// block's encoded size and whether any block must travel raw.
+// block's encoded size (a raw block's is larger), and 0 in the extra last
+// entry, so that the exclusive prefix sum of the sizes ends with the total.
 template <typename F>
 __global__ void Int8QuantizeKernel(const typename F::Storage* x, size_t count, size_t nblocks,
-                                   unsigned char* out, uint64_t* block_bytes, unsigned* any_raw) {
+                                   unsigned char* out, uint64_t* block_bytes) {
+  if (FirstIndex() == 0) block_bytes[nblocks] = 0;
   const unsigned lane = threadIdx.x & 31u;
   const size_t warps = GridStride() / 32;
   for (size_t b = FirstIndex() / 32; b < nblocks; b += warps) {
@@ -193,27 +197,22 @@ __global__ void Int8QuantizeKernel(const typename F::Storage* x, size_t count, s
     const BlockPlan<F> plan = PlanBlock<F>(x + base, n, lane, v);
     if (lane == 0) {
       block_bytes[b] = kInt8Header + (plan.quantized ? n : n * sizeof(typename F::Storage));
-      if (!plan.quantized) atomicOr(any_raw, 1u);
     }
     if (plan.quantized) WriteQuantized<F>(plan, v, n, lane, out + b * (kInt8Header + kInt8Block));
   }
 }
 
-// Before pass 1: the extra last entry of the block sizes (so that their
-// exclusive prefix sum ends with the total) and the raw flag.
-__global__ void Int8InitKernel(uint64_t* last_size, unsigned* any_raw) {
-  *last_size = 0;
-  *any_raw = 0;
-}
-
-// Pass 2: publishes the total size and, only when some block is raw, writes
-// every block again at the offsets of the prefix sum of the block sizes.
+// Pass 2: publishes the total size and, only when some block is raw (the
+// total is then more than the all-quantised 4 * nblocks + count: a raw
+// block takes 2 to 8 bytes an element instead of 1), writes every block
+// again at the offsets of the prefix sum of the block sizes.
 template <typename F>
 __global__ void Int8RelayoutKernel(const typename F::Storage* x, size_t count, size_t nblocks,
                                    unsigned char* out, const uint64_t* offsets,
-                                   const unsigned* any_raw, uint64_t* encoded_bytes) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) *encoded_bytes = offsets[nblocks];
-  if (*any_raw == 0) return;
+                                   uint64_t* encoded_bytes) {
+  const uint64_t total = offsets[nblocks];
+  if (blockIdx.x == 0 && threadIdx.x == 0) *encoded_bytes = total;
+  if (total == nblocks * kInt8Header + count) return;
   using T = typename F::Storage;
   const unsigned lane = threadIdx.x & 31u;
   const size_t warps = GridStride() / 32;
@@ -326,9 +325,9 @@ __global__ void Int8DecodeKernel(const unsigned char* in, size_t count, size_t n
 
 size_t Int8Blocks(size_t count) { return ItemsFor(count, kInt8Block); }
 
-// Encode workspace: [block sizes / offsets, nblocks + 1] [any_raw] [CUB scratch].
+// Encode workspace: [block sizes / offsets, nblocks + 1] [CUB scratch].
 struct Int8EncodeLayout {
-  size_t sizes_bytes, flag_offset, scan_offset, scan_bytes, total;
+  size_t sizes_bytes, scan_offset, scan_bytes, total;
 };
 
 absl::StatusOr<Int8EncodeLayout> Int8Layout(size_t count) {
@@ -340,8 +339,7 @@ absl::StatusOr<Int8EncodeLayout> Int8Layout(size_t count) {
   if (absl::Status s = CudaStatus(e, "int8 workspace sizing"); !s.ok()) return s;
   Int8EncodeLayout l;
   l.sizes_bytes = RoundUp256(items * sizeof(uint64_t));
-  l.flag_offset = l.sizes_bytes;
-  l.scan_offset = l.flag_offset + 256;
+  l.scan_offset = l.sizes_bytes;
   l.scan_bytes = scan_bytes;
   l.total = l.scan_offset + RoundUp256(scan_bytes);
   return l;
@@ -641,14 +639,11 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
     }
     auto* ws = static_cast<unsigned char*>(device_workspace);
     auto* sizes = reinterpret_cast<uint64_t*>(ws);
-    auto* any_raw = reinterpret_cast<unsigned*>(ws + layout->flag_offset);
     const size_t nblocks = Int8Blocks(count);
     const auto* in = static_cast<const T*>(device_in);
     auto* out = static_cast<unsigned char*>(device_out);
-    Int8InitKernel<<<1, 1, 0, s>>>(sizes + nblocks, any_raw);
-    if (absl::Status st = LastLaunch("int8 init launch"); !st.ok()) return st;
     const LaunchShape g = GridFor(nblocks * 32);
-    Int8QuantizeKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, out, sizes, any_raw);
+    Int8QuantizeKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, out, sizes);
     if (absl::Status st = LastLaunch("int8 quantize launch"); !st.ok()) return st;
     size_t scan_bytes = layout->scan_bytes;
     if (absl::Status st = CudaStatus(
@@ -658,7 +653,10 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
         !st.ok()) {
       return st;
     }
-    Int8RelayoutKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, out, sizes, any_raw,
+    // It exits at once unless some block is raw (rare: NaN, Inf, values
+    // out of int8's range): a small grid, which loops over the blocks then.
+    const LaunchShape r = GridFor(nblocks * 32, kThreadsPerBlock, kRelayoutBlocks);
+    Int8RelayoutKernel<F><<<r.blocks, r.threads, 0, s>>>(in, count, nblocks, out, sizes,
                                                          device_encoded_bytes);
     return LastLaunch("int8 relayout launch");
   });
