@@ -19,9 +19,9 @@
 #      extension is compiled there for its python3);
 #   6. for information: multi-node allreduce (device vs host, uncompressed
 #      and int8), alltoall and alltoallv (device vs host) through two daemons.
-# Every step runs under a timeout within one deadline for the whole run
-# (CIUIC_GPU_DEADLINE_S, default 510 s): a step that would start too late
-# is skipped, saying so.
+# Every step after the build runs under a timeout within one deadline for
+# the whole run (CIUIC_GPU_DEADLINE_S, default 510 s): a step that would
+# start too late is skipped, saying so. (With the bundle there is no build.)
 #
 # Usage:
 #   tools/gpu-check.sh           run the checks (builds first, see below)
@@ -58,10 +58,24 @@ targets=(cuda_kernels_test cuda_launch_test gpu_info_test cuda_kernels_bench ciu
          integration_device_test reduce_test codec_test)
 deadline=${CIUIC_GPU_DEADLINE_S:-510}
 
+tee_pid=""
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   exec > >(tee "$OUT/gpu-check.log") 2>&1
+  tee_pid=$!
 fi
+tmp=""
+daemon_pid=""
+# At the end: no daemon left, no temporary files, and the log complete.
+finish() {
+  [ -n "$daemon_pid" ] && kill "$daemon_pid" 2>/dev/null
+  [ -n "$tmp" ] && rm -rf "$tmp"
+  if [ -n "$tee_pid" ]; then
+    exec >&- 2>&-
+    wait "$tee_pid" 2>/dev/null
+  fi
+}
+trap finish EXIT
 
 say() { printf '\n=== %s (%s, %d s in)\n' "$*" "$(date -u +%H:%M:%S)" "$SECONDS"; }
 
@@ -193,7 +207,6 @@ else
 fi
 find_bin() { find "$bin" -name "$1" -type f -perm -u+x | head -n 1; }
 tmp=$(mktemp -d)
-trap 'kill "${daemon_pid:-}" 2>/dev/null; rm -rf "$tmp"' EXIT
 
 say "CPU references on this CPU (every reduction build it runs; the codecs)"
 grep -o -m 1 -E 'avx512[a-z]*' /proc/cpuinfo | head -n 1 | sed 's/^/has /' || true
@@ -258,7 +271,7 @@ say "Python: torch CUDA tensors through the daemon (sdk/python/tests/test_cuda.p
 python_from_bundle() {
   local dir=$1 includes suffix cxx
   includes=$(python3 -m pybind11 --includes 2>/dev/null) ||
-    includes="-I$bundle/include $(python3-config --includes 2>/dev/null)" ||
+    includes="-I$bundle/include -I$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" ||
     { echo "no pybind11 or Python headers for $(command -v python3)"; return 1; }
   suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') || return 1
   for cxx in ${CXX:-} g++ c++ clang++; do command -v "$cxx" >/dev/null && break; cxx=""; done
@@ -298,7 +311,7 @@ say "daemon status on this machine"
 daemon_pid=$!
 for _ in $(seq 50); do [ -S "$tmp/ciuicd.sock" ] && break; sleep 0.1; done
 step 20 "$(find_bin ciuicctl)" --socket "$tmp/ciuicd.sock" status | sed -n '1,12p' || status=1
-kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null
+kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null; daemon_pid=""
 
 # The rest is for information, as time allows.
 export UCX_TLS=tcp

@@ -280,6 +280,19 @@ void ClusterJob::Submit(ClusterOp op) {
   Push(std::move(e));
 }
 
+std::optional<ClusterOp> ClusterJob::TakeBackUnformed(uint64_t key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ != State::kForming) return std::nullopt;
+  for (auto it = events_->begin(); it != events_->end(); ++it) {
+    if (it->kind == Event::kSubmit && it->op.key == key) {
+      std::optional<ClusterOp> op(std::move(it->op));
+      events_->erase(it);
+      return op;
+    }
+  }
+  return std::nullopt;
+}
+
 proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
   proto::NodeEvent ready;
   auto* r = ready.mutable_ready();

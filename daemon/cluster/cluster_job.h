@@ -44,6 +44,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -151,6 +152,11 @@ class ClusterJob {
   ~ClusterJob();  // Abort()s if needed and joins its threads
 
   void Submit(ClusterOp op);
+  // While the job forms, operation `key` waits, submitted but not yet
+  // readied: taken back (it will not run; the caller ends it, letting go of
+  // its staged buffer first). Null once the job has formed or the
+  // operation has gone on (the job then ends it, OpDone).
+  std::optional<ClusterOp> TakeBackUnformed(uint64_t key);
   // Leaves the job (the coordinator tells the other nodes); pending and
   // future operations end with `why`.
   void Abort(const absl::Status& why);

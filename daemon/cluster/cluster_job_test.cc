@@ -13,9 +13,11 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1548,6 +1550,14 @@ class ScriptedStream final : public OrderingStream {
     to_read_.push_back(std::move(e));
     cv_.notify_all();
   }
+  // Whether the node has written a Ready for `name` by now.
+  bool Readied(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& e : written_) {
+      if (e.has_ready() && e.ready().name() == name) return true;
+    }
+    return false;
+  }
   // Waits until the node has written a Ready for `name`.
   bool WaitForReady(const std::string& name) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -1567,13 +1577,15 @@ class ScriptedStream final : public OrderingStream {
   bool closed_ = false;
 };
 
-// Registers at once (node 0 of two, the other node a stand-in that never
-// speaks) and hands the ClusterJob the scripted stream.
+// Registers once `formed` is ready (node 0 of two, the other node a
+// stand-in that never speaks) and hands the ClusterJob the scripted stream.
 class ScriptedClient final : public CoordinatorClient {
  public:
-  explicit ScriptedClient(std::shared_ptr<ScriptedStream> stream) : stream_(std::move(stream)) {}
+  ScriptedClient(std::shared_ptr<ScriptedStream> stream, std::shared_future<void> formed)
+      : stream_(std::move(stream)), formed_(std::move(formed)) {}
   absl::StatusOr<proto::Membership> Register(const proto::RegisterNodeRequest& request,
                                              std::chrono::system_clock::time_point) override {
+    formed_.wait();
     proto::Membership m;
     m.set_instance(1);
     m.set_channels(1);
@@ -1605,12 +1617,16 @@ class ScriptedClient final : public CoordinatorClient {
 
  private:
   std::shared_ptr<ScriptedStream> stream_;
+  std::shared_future<void> formed_;
 };
 
-// One node (rank 0 of 2) ordered by the test.
+// One node (rank 0 of 2) ordered by the test; with `hold`, its job forms
+// only at Form().
 class ScriptedNode {
  public:
-  ScriptedNode() : hub_(2, 1), stream_(std::make_shared<ScriptedStream>()) {
+  explicit ScriptedNode(bool hold = false)
+      : hub_(2, 1), stream_(std::make_shared<ScriptedStream>()), formed_(gate_.get_future()) {
+    if (!hold) Form();
     ClusterJob::Options o;
     o.job_id = "job";
     o.uid = 1;
@@ -1625,7 +1641,7 @@ class ScriptedNode {
       return std::make_unique<HubUnconnected>(&hub_);
     };
     o.coordinator_clients = [this](const std::string&) -> std::unique_ptr<CoordinatorClient> {
-      return std::make_unique<ScriptedClient>(stream_);
+      return std::make_unique<ScriptedClient>(stream_, formed_);
     };
     job_ = std::make_unique<ClusterJob>(
         std::move(o),
@@ -1640,7 +1656,14 @@ class ScriptedNode {
           ends_.cv.notify_all();
         });
   }
-  ~ScriptedNode() { job_.reset(); }
+  ~ScriptedNode() {
+    Form();  // a held registration ends
+    job_.reset();
+  }
+  void Form() {
+    if (!gate_set_) gate_.set_value();
+    gate_set_ = true;
+  }
 
   ClusterJob& job() { return *job_; }
   ScriptedStream& stream() { return *stream_; }
@@ -1687,6 +1710,9 @@ class ScriptedNode {
   config::TuningRegistry tuning_;
   InProcessHub hub_;
   std::shared_ptr<ScriptedStream> stream_;
+  std::promise<void> gate_;
+  std::shared_future<void> formed_;
+  bool gate_set_ = false;
   Ends ends_;
   absl::Status job_failure_;
   std::unique_ptr<ClusterJob> job_;
@@ -1699,6 +1725,30 @@ ClusterOp Barrier(uint64_t key, const std::string& name) {
   c.sig.collective = static_cast<uint32_t>(wire::Collective::kBarrier);
   c.parts.push_back(ClusterOp::Part{0, nullptr, nullptr});
   return c;
+}
+
+// An operation whose deadline passes while the job forms is taken back by
+// the engine (which ends it): it is never readied and never ends here; one
+// not taken back goes on once the job has formed, and can no longer be
+// taken back then.
+TEST(ClusterJobProtocolTest, AnOperationTakenBackWhileTheJobFormsNeverRuns) {
+  ScriptedNode node(/*hold=*/true);
+  node.job().Submit(Barrier(1, "a"));
+  node.job().Submit(Barrier(2, "b"));
+  EXPECT_EQ(node.job().state(), ClusterJob::State::kForming);
+  std::optional<ClusterOp> back = node.job().TakeBackUnformed(1);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->name, "a");
+  EXPECT_FALSE(node.job().TakeBackUnformed(1).has_value()) << "taken back twice";
+  EXPECT_FALSE(node.job().TakeBackUnformed(7).has_value()) << "never submitted";
+  node.Form();
+  ASSERT_TRUE(node.stream().WaitForReady("b"));
+  EXPECT_FALSE(node.job().TakeBackUnformed(2).has_value()) << "taken back after it was readied";
+  node.stream().Send(ScriptedNode::Run("b", 0));
+  ASSERT_TRUE(node.ends().WaitFor(1));
+  EXPECT_TRUE(node.EndOf(2).ok()) << node.EndOf(2);
+  EXPECT_FALSE(node.stream().Readied("a"));
+  EXPECT_EQ(node.EndOf(1).code(), absl::StatusCode::kUnknown) << "ended here too";
 }
 
 // What the coordinator says is done: a Run completes the operation, a Fail

@@ -49,41 +49,48 @@ std::shared_ptr<DeviceResiduals::Residual> DeviceResiduals::Find(const std::stri
 
 absl::StatusOr<std::shared_ptr<DeviceResiduals::Residual>> DeviceResiduals::ForUpdate(
     const std::string& name, size_t count, int device, cudaStream_t stream) {
-  Dropped dropped;  // freed after the lock goes
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(name);
-  if (it != entries_.end() && (it->second.count != count || it->second.device != device)) {
-    EraseLocked(it, &dropped);
-    it = entries_.end();
-  }
-  if (it != entries_.end()) {
-    lru_.splice(lru_.begin(), lru_, it->second.lru);
-    return it->second.residual;
-  }
   const size_t bytes = count * sizeof(float);
-  if (bytes > max_bytes_) return nullptr;
-  while (bytes_ + bytes > max_bytes_ && !lru_.empty()) {
-    EraseLocked(entries_.find(lru_.back()), &dropped);
+  {
+    Dropped dropped;  // freed after the lock goes, before the new allocation
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(name);
+    if (it != entries_.end() && (it->second.count != count || it->second.device != device)) {
+      EraseLocked(it, &dropped);
+      it = entries_.end();
+    }
+    if (it != entries_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second.lru);
+      return it->second.residual;
+    }
+    if (bytes > max_bytes_) return nullptr;
+    while (bytes_ + bytes > max_bytes_ && !lru_.empty()) {
+      EraseLocked(entries_.find(lru_.back()), &dropped);
+    }
+    bytes_ += bytes;  // the room, kept while it is allocated (without the lock)
   }
   auto residual = std::make_shared<Residual>();
   residual->device = device;
   void* p = nullptr;
-  if (absl::Status s = Cuda(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc (residual)");
-      !s.ok()) {
-    return s;
+  absl::Status s = Cuda(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc (residual)");
+  if (s.ok()) {
+    residual->data = static_cast<float*>(p);
+    s = Cuda(cudaMemsetAsync(p, 0, bytes, stream), "cudaMemsetAsync (residual)");
   }
-  residual->data = static_cast<float*>(p);
-  if (absl::Status s = Cuda(cudaMemsetAsync(p, 0, bytes, stream), "cudaMemsetAsync (residual)");
-      !s.ok()) {
-    return s;  // freed with `residual`
+  Dropped dropped;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!s.ok()) {
+    bytes_ -= bytes;
+    return s;  // the memory goes with `residual`
   }
+  // A name runs in one lane at a time, so another residual of it made
+  // meanwhile is unlikely; this one replaces it.
+  if (auto it = entries_.find(name); it != entries_.end()) EraseLocked(it, &dropped);
   Entry e;
   e.residual = residual;
   e.count = count;
   e.device = device;
   lru_.push_front(name);
   e.lru = lru_.begin();
-  bytes_ += bytes;
   entries_.emplace(name, std::move(e));
   return residual;
 }

@@ -823,6 +823,14 @@ void Engine::CheckDeadlinesOnLoop() {
   }
   for (auto& [key, op_key] : expired) {
     Job& job = *jobs_[key];
+    // Only an operation the job has not taken up yet: one it has, it ends
+    // itself. Its staged buffer goes (on the runner's thread: it may wait
+    // for the device) before the ranks hear, so that nothing of it is left
+    // to touch their buffers.
+    std::optional<ClusterOp> back = job.cluster->TakeBackUnformed(op_key);
+    if (!back) continue;
+    if (back->staged && device_runner_) device_runner_->Dispose(std::move(back->staged));
+    back.reset();
     ClusterDoneOnLoop(key, op_key, absl::DeadlineExceededError(absl::StrCat(
         "job '", job.id, "' has not formed: not every node has registered its ranks with the "
         "coordinator ", job.coordinator, " yet")));

@@ -146,8 +146,18 @@ Status DeviceExporter::Describe(const void* ptr, size_t bytes, int device,
   Status resolved = s.Resolve();
   if (!resolved.ok()) return resolved;
   const auto p = reinterpret_cast<uintptr_t>(ptr);
+  if (device < 0 || device >= devices) {
+    return Status(StatusCode::kInvalidArgument,
+                  "device buffer " + Hex(p) + " on device " + std::to_string(device) +
+                      ": this process sees " + std::to_string(devices) + " CUDA device(s)");
+  }
+  // The buffer's device current first: cudaPointerGetAttributes makes a
+  // context on the current device of a thread that has none.
+  CurrentDeviceGuard guard;
+  cudaError_t e = guard.Set(device, s.ctx_get_current.load());
+  if (e != cudaSuccess) return Status(StatusCode::kInternal, "cudaSetDevice: " + CudaError(e));
   cudaPointerAttributes a{};
-  cudaError_t e = cudaPointerGetAttributes(&a, ptr);
+  e = cudaPointerGetAttributes(&a, ptr);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error for the caller's next call
     return Status(e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver
@@ -165,9 +175,6 @@ Status DeviceExporter::Describe(const void* ptr, size_t bytes, int device,
                   "device buffer " + Hex(p) + " is on device " + std::to_string(a.device) +
                       ", not on device " + std::to_string(device));
   }
-  CurrentDeviceGuard guard;
-  e = guard.Set(device, s.ctx_get_current.load());
-  if (e != cudaSuccess) return Status(StatusCode::kInternal, "cudaSetDevice: " + CudaError(e));
   CUdeviceptr base = 0;
   size_t size = 0;
   CUresult r = s.mem_get_address_range(&base, &size, static_cast<CUdeviceptr>(p));

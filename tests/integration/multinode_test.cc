@@ -323,6 +323,37 @@ TEST(MultiNodeFaultsTest, DaemonWithoutTheClusterTokenCannotJoin) {
   (void)!system((std::string("rm -rf ") + tmpl).c_str());
 }
 
+// An operation whose deadline passes while its job is still forming (the
+// job's other node never comes) ends with a clear DEADLINE_EXCEEDED naming
+// the forming job, and never runs later; the daemon goes on (a second one
+// ends the same way).
+TEST(MultiNodeFaultsTest, AnOperationTimesOutClearlyWhileTheJobForms) {
+  auto cluster = Cluster::Start(1);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("forming");
+  auto codes = RunRanks(1, [&](int) {
+    auto comm = cluster->Join(job, 0, 2, 1);  // rank 0 of 2; node 1 never joins
+    CHILD_CHECK(comm != nullptr, "join");
+    for (int i = 0; i < 2; ++i) {
+      std::vector<float> v(8, 1.0f);
+      OpOptions o;
+      o.timeout_ms = 1000;
+      const auto start = Clock::now();
+      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32,
+                                 ReduceOp::kSum, o).Wait();
+      const double waited =
+          std::chrono::duration<double>(Clock::now() - start).count();
+      CHILD_CHECK(s.code() == StatusCode::kDeadlineExceeded && Contains(s.message(), "not formed"),
+                  "%s", s.ToString().c_str());
+      CHILD_CHECK(waited >= 0.9 && waited < 10, "ended after %.2f s", waited);
+      CHILD_CHECK(v == std::vector<float>(8, 1.0f), "the buffer was written");
+    }
+    return 0;
+  }, std::chrono::seconds(60));
+  EXPECT_EQ(codes, (std::vector<int>{0}));
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 TEST(MultiNodeOperabilityTest, PeersShowsNodesLinksAndBytes) {
   auto cluster = Cluster::Start(2, "metrics_listen: \"127.0.0.1:0\"\n");
   ASSERT_NE(cluster, nullptr);

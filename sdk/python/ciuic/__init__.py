@@ -284,6 +284,11 @@ class _Waiter:
                         it for i, it in enumerate(self._queue) if i not in done)
 
 
+# The tensors of device operations still in flight when their communicator
+# closed (_DeviceHolds.close_with).
+_orphaned_device_tensors = []
+
+
 class _DeviceHolds:
     """The torch tensors of a communicator's device operations in flight,
     kept alive until each operation completes, whether or not the caller
@@ -292,24 +297,44 @@ class _DeviceHolds:
     tensor's own stream, would otherwise hand the memory of a dropped
     tensor to new work while the daemon still reads or writes it. Pruned
     (completed operations let go) at each device submission and each
-    completed wait; cleared when the communicator closes."""
+    completed wait; at close, see close_with()."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._items = []  # (handle, tensors)
 
+    # Past this many held, a submission looks at every one, not only at the
+    # oldest (each look at a handle takes the GIL again).
+    _FULL_PRUNE = 64
+
     def add(self, handle, keep):
         with self._lock:
-            self._items = [it for it in self._items if not it[0].is_completed()]
+            # Operations mostly complete in order: the oldest first.
+            done = 0
+            while done < len(self._items) and self._items[done][0].is_completed():
+                done += 1
+            del self._items[:done]
+            if len(self._items) >= self._FULL_PRUNE:
+                self._items = [it for it in self._items if not it[0].is_completed()]
             self._items.append((handle, keep))
 
     def prune(self):
         with self._lock:
             self._items = [it for it in self._items if not it[0].is_completed()]
 
-    def clear(self):
+    def close_with(self, close):
+        """Calls ``close`` (which ends the session: every handle completes,
+        cancelled). The tensors of operations not completed before it stay
+        referenced for the life of the process: the daemon may still be
+        working on them (a session's end does not wait for its device
+        work); the rest go."""
         with self._lock:
+            unfinished = [keep for handle, keep in self._items if not handle.is_completed()]
             self._items = []
+        try:
+            close()
+        finally:
+            _orphaned_device_tensors.extend(unfinished)
 
     def __len__(self):
         with self._lock:
@@ -605,12 +630,11 @@ class Communicator:
 
     def close(self):
         """Ends the session; operations still pending fail with CancelledError."""
-        self._impl.close()
+        self._device_holds.close_with(self._impl.close)
         with self._lock:
             waiter, self._waiter_obj = self._waiter_obj, None
         if waiter is not None:
             waiter.stop()
-        self._device_holds.clear()  # every operation has ended
         _live_comms.discard(self)
 
     def __enter__(self):

@@ -39,7 +39,22 @@ def test_device_tensors_stay_alive_until_their_operation_completes():
     holds.prune()
     assert r1() is not None and r2() is None and len(holds) == 1
     first.completed = True
-    holds.add(_FakeHandle(), ())  # a submission prunes too
+    third = _FakeHandle()
+    t3, t4 = Tensor(), Tensor()
+    r3, r4 = weakref.ref(t3), weakref.ref(t4)
+    holds.add(third, (t3,))  # a submission prunes too
     assert r1() is None and len(holds) == 1
-    holds.clear()
-    assert len(holds) == 0
+    done = _FakeHandle()
+    holds.add(done, (t4,))
+    del t3, t4
+    done.completed = True
+
+    def close():  # as the session's end does: every handle completes
+        third.completed = True
+
+    # At close, what was still in flight stays referenced for good (the
+    # daemon may still be at it), what had completed goes.
+    holds.close_with(close)
+    assert len(holds) == 0 and third.completed
+    assert r3() is not None and r4() is None
+    assert any(keep and keep[0] is r3() for keep in ciuic._orphaned_device_tensors)
