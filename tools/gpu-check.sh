@@ -17,7 +17,9 @@
 #      through the daemon on one and two nodes), the CPU-side CUDA tests, and
 #      the Python CUDA-tensor tests where torch has CUDA (with the bundle, the
 #      extension is compiled there for its python3);
-#   6. for information: multi-node allreduce (device vs host, uncompressed
+#   6. compute-sanitizer's memcheck over the kernel tests, and Nsight
+#      Compute's time and memory throughput of each benchmarked kernel;
+#   7. for information: multi-node allreduce (device vs host, uncompressed
 #      and int8), alltoall and alltoallv (device vs host) through two daemons.
 # Every step after the build runs under a timeout within one deadline for
 # the whole run (CIUIC_GPU_DEADLINE_S, default 510 s): a step that would
@@ -303,6 +305,30 @@ else
   echo "NOT RUN: the Python extension did not build here over the bundle's libciuic:"
   tail -n 5 "$bundle/python-build.log"
   status=1
+fi
+
+say "compute-sanitizer memcheck over the kernel tests (out-of-bounds and misaligned accesses)"
+# The large-count tests are left out: they take minutes under the sanitizer.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -n 1)
+if [ -n "$sanitizer" ]; then
+  step 90 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
+    "$(find_bin cuda_kernels_test)" --gtest_brief=1 '--gtest_filter=-*LargeCounts*' || status=1
+else
+  echo "NOT RUN: no compute-sanitizer here"
+fi
+
+say "Nsight Compute: the benchmark's kernels, one launch each at 256 MiB (time, memory throughput)"
+# For the next step if a target is missed: which kernel, and how far from
+# the memory's speed it runs (cudaMemcpy, the copy, is no kernel: not shown).
+ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+if [ -n "$ncu_bin" ]; then
+  step 90 "$ncu_bin" --clock-control none --section SpeedOfLight --launch-count 20 \
+    --kernel-name 'regex:Reduce|Int8|Cast|Scan' \
+    "$(find_bin cuda_kernels_bench)" --bytes 256M --reps 1 --inner 1 2>&1 |
+    grep -E '^  [A-Za-z].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|==ERR|==WARNING' ||
+    echo "(no ncu figures)"
+else
+  echo "NOT RUN: no ncu here"
 fi
 
 say "daemon status on this machine"
