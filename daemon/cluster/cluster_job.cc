@@ -738,8 +738,8 @@ void ClusterJob::Run() {
             }
           }
           if (failed) {
-            Done(*failed, absl::Status(static_cast<absl::StatusCode>(c.fail().code()),
-                                       c.fail().message()));
+            Done(*failed,
+                 absl::Status(static_cast<absl::StatusCode>(c.fail().code()), c.fail().message()));
           }
         } else if (c.has_job_failed()) {
           WaitForAnnouncedRuns();

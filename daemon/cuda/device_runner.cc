@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device_coder.h"
+#include "cuda/device_plan.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.h"
 #include "cuda/runtime.h"
@@ -585,85 +586,31 @@ class CudaDeviceRunner final : public DeviceRunner {
       if (!waited.ok()) return waited;
     }
 
+    auto plan = PlanSingleNode(sig, ranks, send, recv);
+    if (!plan.ok()) return plan.status();
     const auto dtype = static_cast<wire::DataType>(sig.dtype);
     const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
-    const uint64_t block = sig.count * sig.element_bytes();
-    auto copy = [&](uint8_t* dst, const uint8_t* src) -> absl::Status {
-      if (dst == src) return absl::OkStatus();  // in place
-      return Cuda(cudaMemcpyAsync(dst, src, block, cudaMemcpyDeviceToDevice, *stream),
-                  "cudaMemcpyAsync device to device");
-    };
-    std::vector<const void*> inputs(world);
-    switch (static_cast<wire::Collective>(sig.collective)) {
-      case wire::Collective::kAllreduce: {
-        // One pass: every input read once, every output written once.
-        for (int r = 0; r < world; ++r) inputs[r] = send[r];
-        std::vector<void*> outputs(recv.begin(), recv.end());
-        absl::Status s = gpu::DeviceReduceToAll(dtype, op, inputs.data(), world, outputs.data(),
-                                                world, sig.count, *stream);
-        if (!s.ok()) return s;
-        break;
+    for (const DeviceStep& step : *plan) {
+      absl::Status s;
+      std::vector<const void*> inputs(step.inputs.begin(), step.inputs.end());
+      std::vector<void*> outputs(step.outputs.begin(), step.outputs.end());
+      switch (step.kind) {
+        case DeviceStep::Kind::kReduceToAll:
+          s = gpu::DeviceReduceToAll(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
+                                     outputs.data(), static_cast<int>(outputs.size()), sig.count,
+                                     *stream);
+          break;
+        case DeviceStep::Kind::kReduce:
+          s = gpu::DeviceReduce(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
+                                outputs[0], sig.count, *stream);
+          break;
+        case DeviceStep::Kind::kCopy:
+          s = Cuda(
+              cudaMemcpyAsync(step.to, step.from, step.bytes, cudaMemcpyDeviceToDevice, *stream),
+              "cudaMemcpyAsync device to device");
+          break;
       }
-      case wire::Collective::kReduceScatter:
-        // Block `owner` of every send buffer reduces into owner's output.
-        for (int owner = 0; owner < world; ++owner) {
-          for (int r = 0; r < world; ++r) inputs[r] = send[r] + owner * block;
-          absl::Status s = gpu::DeviceReduce(dtype, op, inputs.data(), world, recv[owner],
-                                             sig.count, *stream);
-          if (!s.ok()) return s;
-        }
-        break;
-      case wire::Collective::kAllgather:
-        for (int owner = 0; owner < world; ++owner) {
-          for (int r = 0; r < world; ++r) {
-            absl::Status s = copy(recv[r] + owner * block, send[owner]);
-            if (!s.ok()) return s;
-          }
-        }
-        break;
-      case wire::Collective::kBroadcast: {
-        const uint8_t* src = send[sig.root];
-        if (src == nullptr) return absl::InternalError("the broadcast root has no send buffer");
-        for (int r = 0; r < world; ++r) {
-          absl::Status s = copy(recv[r], src);
-          if (!s.ok()) return s;
-        }
-        break;
-      }
-      case wire::Collective::kBarrier:
-        return absl::InternalError("a barrier has no device buffers");
-      case wire::Collective::kAlltoall:
-        // Rank `from`'s block for rank `to` into `to`'s block from `from`.
-        for (int from = 0; from < world; ++from) {
-          for (int to = 0; to < world; ++to) {
-            absl::Status s = copy(recv[to] + from * block, send[from] + to * block);
-            if (!s.ok()) return s;
-          }
-        }
-        break;
-      case wire::Collective::kAlltoallv: {
-        // Rank `from`'s piece for `to` into `to`'s piece from `from`, at
-        // the sums of the counts before them (the engine checked that the
-        // pairs agree).
-        const size_t es = sig.element_bytes();
-        for (int from = 0; from < world; ++from) {
-          const DeviceRankBuffers& f = ranks[from];
-          uint64_t at = 0;
-          for (int to = 0; to < world; ++to) {
-            const uint64_t bytes = f.send_counts[to] * es;
-            uint64_t into = 0;
-            for (int k = 0; k < from; ++k) into += ranks[to].recv_counts[k] * es;
-            if (bytes > 0) {
-              absl::Status s = Cuda(cudaMemcpyAsync(recv[to] + into, send[from] + at, bytes,
-                                                    cudaMemcpyDeviceToDevice, *stream),
-                                    "cudaMemcpyAsync device to device");
-              if (!s.ok()) return s;
-            }
-            at += bytes;
-          }
-        }
-        break;
-      }
+      if (!s.ok()) return s;
     }
     return Finish(*stream, event);
   }
@@ -947,9 +894,9 @@ class CudaDeviceRunner final : public DeviceRunner {
     // so one of 2 MiB or more starts its range.
     constexpr uint64_t kPage = uint64_t{2} << 20;
     const uint64_t rounded = (d.allocation_bytes + kPage - 1) / kPage * kPage;
-    const bool whole = usable == d.allocation_bytes ||
-                       (d.allocation_bytes >= kPage && usable > d.allocation_bytes &&
-                        usable <= rounded);
+    const bool whole =
+        usable == d.allocation_bytes ||
+        (d.allocation_bytes >= kPage && usable > d.allocation_bytes && usable <= rounded);
     if (base == at ? !whole : usable < d.allocation_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           who, ": the descriptor says the allocation has ", d.allocation_bytes,
