@@ -26,6 +26,7 @@
 #include "collectives/internode/in_process_transport.h"
 #include "compression/codec.h"
 #include "compression/error_feedback.h"
+#include "cuda/device_plan.h"
 #include "reduce/half.h"
 #include "reduce/reduce.h"
 #include "transport/forwarding_transport.h"
@@ -783,6 +784,51 @@ void StageOn(ClusterOp& op, std::shared_ptr<HostStagedBuffer> b) {
   op.parts[0].recv = nullptr;
 }
 
+// The stand-in for a node's GPU buffers of an operation `sig` of `world`
+// ranks, laid out as the CUDA runner lays its staged buffers out
+// (PlanStaged, device_plan.h): rank i of `ranks` (this node's, in any
+// order) with its send buffer `send[i]` (null: in place) and receive
+// buffer `recv[i]`. The multi-node tests below so check the runner's layout
+// end to end, without a GPU.
+std::shared_ptr<HostStagedBuffer> LaidOutAsOnAGpu(const OpSignature& sig, int world,
+                                                  const std::vector<DeviceRankBuffers>& ranks,
+                                                  const std::vector<const void*>& send,
+                                                  const std::vector<void*>& recv) {
+  absl::StatusOr<StagedLayout> layout = PlanStaged(sig, world, ranks);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  if (!layout.ok()) return nullptr;
+  std::vector<const void*> inputs;
+  std::vector<size_t> in_at, out_at, in_sizes, out_sizes;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const StagedLayout::Rank& r = layout->ranks[i];
+    if (r.has_input) {
+      inputs.push_back(
+          send[i] != nullptr ? send[i] : static_cast<const uint8_t*>(recv[i]) + r.in_place_offset);
+      in_at.push_back(r.input_offset);
+    }
+    out_at.push_back(r.output_offset);
+    in_sizes.push_back(r.input_size);
+    out_sizes.push_back(r.output_size);
+  }
+  auto b =
+      std::make_shared<HostStagedBuffer>(static_cast<wire::DataType>(sig.dtype), layout->count,
+                                         inputs, recv, out_at, layout->ranks.at(0).output_size);
+  if (!layout->reduce) b->SetInputPlaces(in_at, layout->ranks.at(0).input_size);
+  if (sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
+    b->SetSizes(in_sizes, out_sizes);
+  }
+  return b;
+}
+
+// A rank's DeviceRankBuffers as validation sizes them (what PlanStaged reads).
+DeviceRankBuffers RankBytes(int rank, uint64_t send_bytes, uint64_t recv_bytes) {
+  DeviceRankBuffers b;
+  b.rank = rank;
+  b.send_bytes = send_bytes;
+  b.recv_bytes = recv_bytes;
+  return b;
+}
+
 // Small integers, so that every dtype holds every sum, product and order of
 // reduction exactly (unsigned ones non-negative).
 double SmallValue(wire::DataType t, int node, size_t op, size_t i) {
@@ -940,10 +986,8 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
                                send[k][o].data(), recv[k][o].data());
       if (scatter) op.sig.collective = static_cast<uint32_t>(wire::Collective::kReduceScatter);
       if (gpu) {
-        auto b = std::make_shared<HostStagedBuffer>(
-            c.dtype, sent, std::vector<const void*>{send[k][o].data()},
-            std::vector<void*>{recv[k][o].data()},
-            std::vector<size_t>{scatter ? static_cast<size_t>(k) * c.count * es : 0}, c.count * es);
+        auto b = LaidOutAsOnAGpu(op.sig, n, {RankBytes(k, sent * es, c.count * es)},
+                                 {send[k][o].data()}, {recv[k][o].data()});
         if (k == staged.front()) buffers[o] = b;
         StageOn(op, b);
       }
@@ -1090,11 +1134,9 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
         op.sig.root = c.root;
         if (gpu) {
           const bool has_input = c.gather || k == c.root;
-          auto b = std::make_shared<HostStagedBuffer>(
-              c.dtype, out,
-              has_input ? std::vector<const void*>{send[k][o].data()} : std::vector<const void*>{},
-              std::vector<void*>{recv[k][o].data()}, std::vector<size_t>{0}, out * es);
-          b->SetInputPlaces({c.gather ? static_cast<size_t>(k) * c.count * es : 0}, c.count * es);
+          auto b =
+              LaidOutAsOnAGpu(op.sig, n, {RankBytes(k, has_input ? c.count * es : 0, out * es)},
+                              {has_input ? send[k][o].data() : nullptr}, {recv[k][o].data()});
           if (k == 0) node0[o] = b;
           StageOn(op, b);
         }
@@ -1207,25 +1249,6 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
                                                       : wire::Collective::kAlltoall);
         op.sig.dtype = static_cast<uint32_t>(c.dtype);
         op.sig.count = c.v ? 0 : c.count;
-        std::vector<const void*> inputs;
-        std::vector<void*> outputs;
-        std::vector<size_t> in_at, out_at, in_bytes, out_bytes;
-        size_t sent = 0, got = 0;
-        for (int i = 0; i < per; ++i) {  // the node buffer: in rank order
-          const int r = k * per + i;
-          inputs.push_back(send[r][o].data());
-          outputs.push_back(recv[r][o].data());
-          in_at.push_back(sent);
-          out_at.push_back(got);
-          in_bytes.push_back(sum(o, r, true) * es);
-          out_bytes.push_back(sum(o, r, false) * es);
-          sent += in_bytes.back();
-          got += out_bytes.back();
-        }
-        // An alltoallv's node buffer: what its ranks receive after what they send.
-        if (c.v) {
-          for (size_t& at : out_at) at += sent;
-        }
         // The parts come in reverse: the node buffer is in rank order
         // whatever order they come in.
         for (int i = per - 1; i >= 0; --i) {
@@ -1239,10 +1262,17 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
           op.parts.push_back(std::move(part));
         }
         if (gpu) {
-          auto b = std::make_shared<HostStagedBuffer>(
-              c.dtype, (c.v ? sent + got : std::max(sent, got)) / es, inputs, outputs, out_at, 0);
-          b->SetInputPlaces(in_at, 0);
-          b->SetSizes(in_bytes, out_bytes);
+          // The runner gets the ranks in the parts' order, too.
+          std::vector<DeviceRankBuffers> ranks;
+          std::vector<const void*> ins;
+          std::vector<void*> outs;
+          for (int i = per - 1; i >= 0; --i) {
+            const int r = k * per + i;
+            ranks.push_back(RankBytes(r, sum(o, r, true) * es, sum(o, r, false) * es));
+            ins.push_back(send[r][o].data());
+            outs.push_back(recv[r][o].data());
+          }
+          auto b = LaidOutAsOnAGpu(op.sig, world, ranks, ins, outs);
           staged[k][o] = b;
           op.staged = b;
         }

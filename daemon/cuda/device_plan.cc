@@ -1,6 +1,8 @@
 // PlanSingleNode: see device_plan.h.
 #include "cuda/device_plan.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace ciuic::daemon {
@@ -126,6 +128,65 @@ absl::StatusOr<std::vector<DeviceStep>> PlanSingleNode(const OpSignature& sig,
           absl::StrCat("device plan: no device buffers for collective ", sig.collective));
   }
   return steps;
+}
+
+absl::StatusOr<StagedLayout> PlanStaged(const OpSignature& sig, int world,
+                                        const std::vector<DeviceRankBuffers>& ranks) {
+  const auto collective = static_cast<wire::Collective>(sig.collective);
+  if (collective == wire::Collective::kBarrier) {
+    return absl::InternalError("a barrier has no device buffers");
+  }
+  const bool scatter = collective == wire::Collective::kReduceScatter;
+  const bool gather = collective == wire::Collective::kAllgather;
+  const bool broadcast = collective == wire::Collective::kBroadcast;
+  const bool v_splits = collective == wire::Collective::kAlltoallv;
+  const bool a2a = collective == wire::Collective::kAlltoall || v_splits;
+  const size_t es = sig.element_bytes();
+  const size_t block = sig.count * es;
+  const size_t all = block * static_cast<size_t>(world);
+  // An alltoall's node buffer: the local ranks' send buffers back to back in
+  // rank order (alltoall: `all` bytes each; alltoallv: the sums of each
+  // rank's counts), where an alltoall's received blocks land too; an
+  // alltoallv's land after them, in rank order (staged_buffer.h).
+  auto send_size = [&](const DeviceRankBuffers& b) {
+    return v_splits ? static_cast<size_t>(b.send_bytes) : all;
+  };
+  auto recv_size = [&](const DeviceRankBuffers& b) {
+    return v_splits ? static_cast<size_t>(b.recv_bytes) : all;
+  };
+  auto place = [&ranks](const DeviceRankBuffers& b, auto size) {
+    size_t before = 0;
+    for (const DeviceRankBuffers& o : ranks) before += o.rank < b.rank ? size(o) : 0;
+    return before;
+  };
+  size_t sent = 0, got = 0;  // an alltoall's, by the node's ranks
+  for (const DeviceRankBuffers& b : ranks) {
+    sent += a2a ? send_size(b) : 0;
+    got += a2a ? recv_size(b) : 0;
+  }
+  const size_t recv_base = v_splits ? sent : 0;
+  StagedLayout l;
+  l.count = a2a                 ? (v_splits ? sent + got : std::max(sent, got)) / es
+            : scatter || gather ? sig.count * static_cast<size_t>(world)
+                                : sig.count;
+  l.own_node = scatter || a2a;
+  l.reduce = !a2a && !gather && !broadcast;
+  const size_t output_bytes = gather || a2a ? all : block;
+  const size_t input_bytes = a2a ? all : gather || broadcast ? block : 0;
+  for (const DeviceRankBuffers& b : ranks) {
+    StagedLayout::Rank r;
+    r.has_input = !broadcast || b.rank == sig.root;
+    r.input_offset = a2a ? place(b, send_size) : gather ? static_cast<size_t>(b.rank) * block : 0;
+    r.in_place_offset = gather ? static_cast<size_t>(b.rank) * block : 0;
+    r.needs_send = scatter || (a2a && !v_splits);
+    r.output_offset = a2a       ? recv_base + place(b, recv_size)
+                      : scatter ? static_cast<size_t>(b.rank) * block
+                                : 0;
+    r.input_size = v_splits ? send_size(b) : input_bytes;
+    r.output_size = v_splits ? recv_size(b) : output_bytes;
+    l.ranks.push_back(r);
+  }
+  return l;
 }
 
 }  // namespace ciuic::daemon

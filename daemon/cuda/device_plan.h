@@ -39,4 +39,41 @@ absl::StatusOr<std::vector<DeviceStep>> PlanSingleNode(const OpSignature& sig,
                                                        const std::vector<uint8_t*>& send,
                                                        const std::vector<uint8_t*>& recv);
 
+// A multi-node operation's node buffer on the GPU (staged_buffer.h's
+// contract), laid out for this node's ranks: how large it is, whose memory
+// it is, and where each rank's input goes into it and its result comes
+// from. CudaDeviceRunner::Stage builds its staged buffers from it; the
+// ClusterJob tests build their stand-in device from it too, so that the
+// whole multi-node path checks it without a GPU.
+struct StagedLayout {
+  struct Rank {
+    // Contributes an input: reduced into the node buffer (allreduce,
+    // reduce_scatter) or placed at input_offset (the others).
+    bool has_input = false;
+    size_t input_offset = 0;
+    // Without a send buffer (in place): where its input is in its receive
+    // buffer.
+    size_t in_place_offset = 0;
+    // Must have a send buffer (reduce_scatter, alltoall).
+    bool needs_send = false;
+    size_t output_offset = 0;  // its result in the node buffer
+    // Bytes placed from its input and copied to its output (alltoallv: its
+    // own; else the layout's input_bytes and output_bytes).
+    size_t input_size = 0;
+    size_t output_size = 0;
+  };
+  size_t count = 0;  // elements of the node buffer
+  // Device memory of its own (reduce_scatter: every rank's block;
+  // alltoall(v)); else the first rank's receive buffer.
+  bool own_node = false;
+  bool reduce = false;      // the inputs are reduced (else placed)
+  std::vector<Rank> ranks;  // in the order of the `ranks` given
+};
+
+// The layout for `sig` (validated; not a barrier) on this node's `ranks`
+// of a job of `world` ranks (DeviceRankBuffers::rank, send_bytes,
+// recv_bytes; the descriptors are not looked at).
+absl::StatusOr<StagedLayout> PlanStaged(const OpSignature& sig, int world,
+                                        const std::vector<DeviceRankBuffers>& ranks);
+
 }  // namespace ciuic::daemon

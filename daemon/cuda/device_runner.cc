@@ -676,45 +676,15 @@ class CudaDeviceRunner final : public DeviceRunner {
       const std::string& job) {
     CudaStagedBuffer::Parts parts;
     parts.dtype = static_cast<wire::DataType>(sig.dtype);
-    const auto collective = static_cast<wire::Collective>(sig.collective);
-    const bool scatter = collective == wire::Collective::kReduceScatter;
-    const bool gather = collective == wire::Collective::kAllgather;
-    const bool broadcast = collective == wire::Collective::kBroadcast;
-    if (collective == wire::Collective::kBarrier) {
-      return absl::InternalError("a barrier has no device buffers");
+    const bool v_splits = sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
+    auto planned = PlanStaged(sig, world, ranks);
+    if (!planned.ok()) return planned.status();
+    const StagedLayout& layout = *planned;
+    parts.count = layout.count;
+    if (!v_splits && !layout.ranks.empty()) {
+      parts.input_bytes = layout.ranks[0].input_size;
+      parts.output_bytes = layout.ranks[0].output_size;
     }
-    const bool v_splits = collective == wire::Collective::kAlltoallv;
-    const bool a2a = collective == wire::Collective::kAlltoall || v_splits;
-    const size_t block = sig.count * sig.element_bytes();
-    const size_t all = block * static_cast<size_t>(world);
-    // An alltoall's node buffer: the local ranks' send buffers back to back
-    // in rank order (alltoall: `all` bytes each; alltoallv: the sums of each
-    // rank's counts), where an alltoall's received blocks land too, copied
-    // out by Finish; an alltoallv's land after them, in rank order
-    // (staged_buffer.h).
-    auto send_size = [v_splits, all](const DeviceRankBuffers& b) {
-      return v_splits ? static_cast<size_t>(b.send_bytes) : all;
-    };
-    auto recv_size = [v_splits, all](const DeviceRankBuffers& b) {
-      return v_splits ? static_cast<size_t>(b.recv_bytes) : all;
-    };
-    auto place = [&ranks](const DeviceRankBuffers& b, auto size) {
-      size_t before = 0;
-      for (const DeviceRankBuffers& o : ranks) before += o.rank < b.rank ? size(o) : 0;
-      return before;
-    };
-    size_t sent = 0, got = 0;  // an alltoall's, by the node's ranks
-    for (const DeviceRankBuffers& b : ranks) {
-      sent += a2a ? send_size(b) : 0;
-      got += a2a ? recv_size(b) : 0;
-    }
-    const size_t node_bytes = v_splits ? sent + got : std::max(sent, got);
-    const size_t recv_base = v_splits ? sent : 0;
-    parts.count = a2a                 ? node_bytes / sig.element_bytes()
-                  : scatter || gather ? sig.count * static_cast<size_t>(world)
-                                      : sig.count;
-    parts.output_bytes = gather || a2a ? all : block;
-    parts.input_bytes = a2a ? all : gather || broadcast ? block : 0;
     std::shared_ptr<DeviceResiduals>& residuals = residuals_[job];
     if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
     parts.residuals = residuals;
@@ -733,6 +703,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     };
     for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
       const DeviceRankBuffers& b = ranks[r];
+      const StagedLayout::Rank& at = layout.ranks[r];
       uint8_t* output = nullptr;  // alltoallv may receive nothing
       if (b.recv_bytes > 0 || !v_splits) {
         auto recv =
@@ -741,18 +712,15 @@ class CudaDeviceRunner final : public DeviceRunner {
         output = *recv;
       }
       parts.outputs.push_back(output);
-      parts.output_offsets.push_back(a2a       ? recv_base + place(b, recv_size)
-                                     : scatter ? static_cast<size_t>(b.rank) * block
-                                               : 0);
-      // In place, without a send buffer: the rank's block of its receive
-      // buffer (an allgather), or the buffer itself.
-      const uint8_t* input = gather ? output + static_cast<size_t>(b.rank) * block : output;
-      if ((scatter || (a2a && !v_splits)) && b.send_bytes == 0) {
+      parts.output_offsets.push_back(at.output_offset);
+      if (at.needs_send && b.send_bytes == 0) {
         // Validation gives every reduce_scatter and alltoall rank a send
         // buffer of world blocks (alltoall is never in place).
-        return fail(absl::InternalError(absl::StrCat(
-            "rank ", r, "'s ", a2a ? "alltoall" : "reduce_scatter", " has no send buffer")));
+        return fail(absl::InternalError(
+            absl::StrCat("rank ", r, "'s ", sig.ToString(), " has no send buffer")));
       }
+      // In place, without a send buffer: its input is in its receive buffer.
+      const uint8_t* input = output != nullptr ? output + at.in_place_offset : nullptr;
       if (b.send_bytes > 0) {
         auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send",
                                &parts.holds);
@@ -760,31 +728,22 @@ class CudaDeviceRunner final : public DeviceRunner {
         input = *send;
       }
       if (v_splits) {
-        parts.input_sizes.push_back(send_size(b));
-        parts.output_sizes.push_back(recv_size(b));
+        parts.input_sizes.push_back(at.input_size);
+        parts.output_sizes.push_back(at.output_size);
       }
-      if (gather || a2a) {
+      if (at.has_input) {
         parts.inputs.push_back(input);
-        parts.input_offsets.push_back(a2a ? place(b, send_size)
-                                          : static_cast<size_t>(b.rank) * block);
-      } else if (broadcast) {
-        if (b.rank == sig.root) {
-          parts.inputs.push_back(input);
-          parts.input_offsets.push_back(0);
-        }
-      } else {
-        parts.inputs.push_back(input);
+        if (!layout.reduce) parts.input_offsets.push_back(at.input_offset);
       }
       if (s = WaitForRank(b, r, parts.stream); !s.ok()) return fail(s);
       parts.holds.push_back(sessions_[b.session_id]);  // its events
     }
-    if (scatter || a2a) {
+    if (layout.own_node) {
       // Every rank's block, reduced, or the node's ranks' buffers: memory
       // of its own, on the stream.
       void* node = nullptr;
       s = Cuda(cudaMallocAsync(&node, parts.count * sig.element_bytes(), parts.stream),
-               a2a ? "cudaMallocAsync (the node's alltoall buffer)"
-                   : "cudaMallocAsync (the node's reduce_scatter buffer)");
+               "cudaMallocAsync (the node buffer of " + sig.ToString() + ")");
       if (!s.ok()) return fail(s);
       parts.node = static_cast<uint8_t*>(node);
       parts.owns_node = true;
