@@ -68,10 +68,12 @@ if [ -n "${OUT:-}" ]; then
 fi
 tmp=""
 daemon_pid=""
+summary=$(mktemp)
 # At the end: no daemon left, no temporary files, and the log complete.
 finish() {
   [ -n "$daemon_pid" ] && kill "$daemon_pid" 2>/dev/null
   [ -n "$tmp" ] && rm -rf "$tmp"
+  rm -f "$summary"
   if [ -n "$tee_pid" ]; then
     exec >&- 2>&-
     wait "$tee_pid" 2>/dev/null
@@ -85,13 +87,17 @@ say() { printf '\n=== %s (%s, %d s in)\n' "$*" "$(date -u +%H:%M:%S)" "$SECONDS"
 # before the deadline if that is less (killed 10 s after its TERM); a step
 # that would get under 15 s is not started. Output line-buffered where
 # stdbuf exists, so that a killed step's last lines are in the log.
+# Each step's outcome goes to the summary printed at the end, under
+# $STEP (set for the call) or the command's name.
 step() {
-  local cap=$1 left
+  local cap=$1 left name rc
   shift
+  name=${STEP:-$(basename "$1")}
   left=$((deadline - SECONDS))
   [ "$left" -lt "$cap" ] && cap=$left
   if [ "$cap" -lt 15 ]; then
     echo "SKIPPED (out of time, $SECONDS s in): $*"
+    echo "$name: SKIPPED (out of time)" >>"$summary"
     return 1
   fi
   if command -v stdbuf >/dev/null; then
@@ -99,6 +105,13 @@ step() {
   else
     timeout -k 10 "$cap" "$@"
   fi
+  rc=$?
+  case $rc in
+    0) echo "$name: ok" >>"$summary" ;;
+    124|137) echo "$name: TIMED OUT after $cap s" >>"$summary" ;;
+    *) echo "$name: FAILED (exit $rc)" >>"$summary" ;;
+  esac
+  return $rc
 }
 # The sources a bundle is built from, and their fingerprint.
 bundle_sources() {
@@ -212,18 +225,18 @@ tmp=$(mktemp -d)
 
 say "CPU references on this CPU (every reduction build it runs; the codecs)"
 grep -o -m 1 -E 'avx512[a-z]*' /proc/cpuinfo | head -n 1 | sed 's/^/has /' || true
-step 120 "$(find_bin reduce_test)" --gtest_brief=1 || status=1
-step 60 "$(find_bin codec_test)" --gtest_brief=1 || status=1
+STEP="CPU reductions (reduce_test)" step 120 "$(find_bin reduce_test)" --gtest_brief=1 || status=1
+STEP="CPU codecs (codec_test)" step 60 "$(find_bin codec_test)" --gtest_brief=1 || status=1
 
 say "kernel benchmark (256 MiB, median of 15, interleaved with the copy)"
-step 120 "$(find_bin cuda_kernels_bench)" --bytes 256M --reps 15 --inner 10 --json |
+STEP="kernel benchmark" step 120 "$(find_bin cuda_kernels_bench)" --bytes 256M --reps 15 --inner 10 --json |
   tee "$tmp/kernels.txt" || status=1
 # The copy's bandwidth as the kernel benchmark counts it (bytes read + written).
 copy_gbps=$(grep -o '"copy_gbps": [0-9.]*' "$tmp/kernels.txt" | awk '{print $2}')
 
 say "allreduce benchmark: two trainer processes on one GPU through the daemon"
 bench=$(find_bin ciuic-bench)
-step 150 "$bench" --op allreduce --nodes 1 --ranks-per-node 2 --device cuda \
+STEP="allreduce benchmark, 2 ranks on one GPU" step 150 "$bench" --op allreduce --nodes 1 --ranks-per-node 2 --device cuda \
   --sizes 8,1K,64K,1M,16M,64M,256M,1G --dtype float32 --iters 10 --warmup 3 --check \
   --ciuicd "$(find_bin ciuicd)" | tee "$tmp/allreduce.txt" || status=1
 algbw=$(awk '$1 == 1073741824 {print $7}' "$tmp/allreduce.txt")
@@ -240,7 +253,7 @@ if [ -n "$algbw" ] && [ -n "$copy_gbps" ]; then
     printf "algbw / copy (copied): %.0f%%; algbw / copy (read + written): %.0f%%\n", 200 * a / c, 100 * a / c
     printf "target: 1 GiB allreduce algbw >= 50%% of the d2d copy (bytes copied per second): %s\n",
            200 * a / c >= 50 ? "MET" : "NOT MET"
-  }'
+  }' | tee "$tmp/allreduce-target.txt"
 else
   echo "no 1 GiB allreduce figure (or no copy figure): see the output above"
   status=1
@@ -256,8 +269,8 @@ if [ -n "$ctest_dir" ]; then
      --output-on-failure --timeout 60) || status=1
 else
   # The no-CUDA error test skips where there is a GPU: leave it out.
-  step 150 "$(find_bin cuda_kernels_test)" --gtest_brief=1 || status=1
-  CIUICD_FOR_TESTS="$(find_bin ciuicd)" step 150 "$(find_bin integration_device_test)" \
+  STEP="GPU kernel tests" step 150 "$(find_bin cuda_kernels_test)" --gtest_brief=1 || status=1
+  CIUICD_FOR_TESTS="$(find_bin ciuicd)" STEP="device buffers through the daemon (integration_device_test)" step 150 "$(find_bin integration_device_test)" \
     --gtest_brief=1 --gtest_filter=-DeviceBuffersTest.ClearErrorWithoutCuda || status=1
   step 30 "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
   step 30 "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
@@ -281,25 +294,25 @@ python_from_bundle() {
   mkdir -p "$dir/ciuic"
   ln -sf "$root"/sdk/python/ciuic/*.py "$dir/ciuic/"
   # shellcheck disable=SC2086  # the includes are several flags
-  step 150 "$cxx" -O2 -std=c++20 -shared -fPIC -fvisibility=hidden $includes -I"$root/sdk/include" \
+  STEP="Python extension build" step 150 "$cxx" -O2 -std=c++20 -shared -fPIC -fvisibility=hidden $includes -I"$root/sdk/include" \
     "$root/sdk/python/src/module.cc" "$bundle/lib/libciuic.so.0" -o "$dir/ciuic/_ciuic$suffix"
 }
 # pytest's own per-test limit where the plugin is there.
 pytest_args=(-q -rs -p no:cacheprovider)
 python3 -c 'import pytest_timeout' 2>/dev/null && pytest_args+=(--timeout=100)
 export PYTHONUNBUFFERED=1
-if ! step 60 python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if ! STEP="torch sees a GPU" step 60 python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "NOT RUN: $(command -v python3) has no torch that sees a GPU"
 elif [ -n "$ctest_dir" ]; then
-  if step 200 cmake --build "$build" -j "$jobs" --target _ciuic ciuic_python >"$build/python-build.log" 2>&1; then
-    PYTHONPATH="$build/python" CIUICD="$(find_bin ciuicd)" step 150 \
+  if STEP="Python extension build" step 200 cmake --build "$build" -j "$jobs" --target _ciuic ciuic_python >"$build/python-build.log" 2>&1; then
+    PYTHONPATH="$build/python" CIUICD="$(find_bin ciuicd)" STEP="Python test_cuda.py" step 150 \
       python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" || status=1
   else
     echo "NOT RUN: the Python extension did not build here:"; tail -n 5 "$build/python-build.log"
     status=1
   fi
 elif python_from_bundle "$bundle/python" >"$bundle/python-build.log" 2>&1; then
-  PYTHONPATH="$bundle/python" CIUICD="$(find_bin ciuicd)" step 150 \
+  PYTHONPATH="$bundle/python" CIUICD="$(find_bin ciuicd)" STEP="Python test_cuda.py" step 150 \
     python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" || status=1
 else
   echo "NOT RUN: the Python extension did not build here over the bundle's libciuic:"
@@ -311,7 +324,7 @@ say "compute-sanitizer memcheck over the kernel tests (out-of-bounds and misalig
 # The large-count tests are left out: they take minutes under the sanitizer.
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -n 1)
 if [ -n "$sanitizer" ]; then
-  step 90 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
+  STEP="compute-sanitizer memcheck" step 90 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
     "$(find_bin cuda_kernels_test)" --gtest_brief=1 '--gtest_filter=-*LargeCounts*' || status=1
 else
   echo "NOT RUN: no compute-sanitizer here"
@@ -322,7 +335,7 @@ say "Nsight Compute: the benchmark's kernels, one launch each at 256 MiB (time, 
 # the memory's speed it runs (cudaMemcpy, the copy, is no kernel: not shown).
 ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
 if [ -n "$ncu_bin" ]; then
-  step 90 "$ncu_bin" --clock-control none --section SpeedOfLight --launch-count 20 \
+  STEP="Nsight Compute" step 90 "$ncu_bin" --clock-control none --section SpeedOfLight --launch-count 40 \
     --kernel-name 'regex:Reduce|Int8|Cast|Scan' \
     "$(find_bin cuda_kernels_bench)" --bytes 256M --reps 1 --inner 1 2>&1 |
     grep -E '^  [A-Za-z].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|==ERR|==WARNING' ||
@@ -336,7 +349,7 @@ say "daemon status on this machine"
   >"$tmp/ciuicd.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 50); do [ -S "$tmp/ciuicd.sock" ] && break; sleep 0.1; done
-step 20 "$(find_bin ciuicctl)" --socket "$tmp/ciuicd.sock" status | sed -n '1,12p' || status=1
+STEP="ciuicctl status" step 20 "$(find_bin ciuicctl)" --socket "$tmp/ciuicd.sock" status | sed -n '1,12p' || status=1
 kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null; daemon_pid=""
 
 # The rest is for information, as time allows.
@@ -351,7 +364,7 @@ say "multi-node allreduce: 2 daemons x 1 rank on this GPU (UCX tcp on loopback),
 for run in "cuda none" "cpu none" "cuda int8" "cpu int8"; do
   set -- $run
   echo "--device $1 --compression $2"
-  step 60 "$bench" --op allreduce --nodes 2 --ranks-per-node 1 --device "$1" \
+  STEP="multi-node allreduce --device $1 --compression $2" step 60 "$bench" --op allreduce --nodes 2 --ranks-per-node 1 --device "$1" \
     --compression "$2" --sizes 1M,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
     --ciuicd "$(find_bin ciuicd)" || status=1
 done
@@ -361,11 +374,15 @@ say "multi-node alltoall(v): 2 daemons x 2 ranks on this GPU, device (staged in 
 for op in alltoall alltoallv; do
   for device in cuda cpu; do
     echo "--op $op --device $device"
-    step 60 "$bench" --op "$op" --nodes 2 --ranks-per-node 2 --device "$device" \
+    STEP="multi-node $op --device $device" step 60 "$bench" --op "$op" --nodes 2 --ranks-per-node 2 --device "$device" \
       --sizes 64K,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
       --ciuicd "$(find_bin ciuicd)" || status=1
   done
 done
 
+say "summary"
+grep -h '^target' "$tmp/kernels.txt" "$tmp/allreduce-target.txt" 2>/dev/null ||
+  echo "targets: no figures (see the benchmarks above)"
+cat "$summary"
 say "done (status $status)"
 exit $status
