@@ -67,8 +67,12 @@ void Put(wire::DataType t, uint8_t* p, size_t i, double v) {
   }
 }
 
-// Small integers (exact in every dtype here, sums of 3 within int8).
-double Value(int rank, size_t i) { return static_cast<double>((i * 5 + rank * 3) % 5) - 2; }
+// Small integers that differ from element to element and rank to rank
+// (so that a wrong offset shows), exact in every dtype here, sums of 3
+// within int8.
+double Value(int rank, size_t i) {
+  return static_cast<double>((i * 7 + static_cast<size_t>(rank) * 3) % 11) - 5;
+}
 
 void RunOnHost(const std::vector<DeviceStep>& steps, const OpSignature& sig) {
   const auto dtype = static_cast<wire::DataType>(sig.dtype);
@@ -242,16 +246,17 @@ TEST(DevicePlanTest, MovesMatchThePlainLoop) {
             EXPECT_EQ(b.recv[r][block * world], kGuard);
           }
         }
-        // broadcast from the last rank: only it has a send buffer (or works
-        // in place).
+        // broadcast from the last rank: only it has a send buffer (in place:
+        // its receive buffer, as validation gives it).
         for (bool in_place : {false, true}) {
           const int root = world - 1;
-          Buffers b = Make(world, block, block, [&](int r) { return r != root || in_place; });
+          Buffers b = Make(world, block, block, [&](int r) { return r != root; });
           std::vector<uint8_t*> send = b.send_ptr;
-          uint8_t* from = in_place ? b.recv_ptr[root] : b.send_ptr[root];
+          if (in_place) send[root] = b.recv_ptr[root];
+          uint8_t* from = send[root];
           for (size_t i = 0; i < n; ++i) Put(t, from, i, Value(root, i));
           auto ranks = Ranks(world, 0, block);
-          if (!in_place) ranks[root].send_bytes = block;
+          ranks[root].send_bytes = block;
           const OpSignature bc =
               Sig(wire::Collective::kBroadcast, t, wire::ReduceOp::kSum, n, root);
           auto plan = PlanSingleNode(bc, ranks, send, b.recv_ptr);
