@@ -788,8 +788,8 @@ void StageOn(ClusterOp& op, std::shared_ptr<HostStagedBuffer> b) {
 // ranks, laid out as the CUDA runner lays its staged buffers out
 // (PlanStaged, device_plan.h): rank i of `ranks` (this node's, in any
 // order) with its send buffer `send[i]` (null: in place) and receive
-// buffer `recv[i]`. The multi-node tests below so check the runner's layout
-// end to end, without a GPU.
+// buffer `recv[i]`, through the runner's own PointersFor. The multi-node
+// tests below so check the runner's layout end to end, without a GPU.
 std::shared_ptr<HostStagedBuffer> LaidOutAsOnAGpu(const OpSignature& sig, int world,
                                                   const std::vector<DeviceRankBuffers>& ranks,
                                                   const std::vector<const void*>& send,
@@ -797,25 +797,15 @@ std::shared_ptr<HostStagedBuffer> LaidOutAsOnAGpu(const OpSignature& sig, int wo
   absl::StatusOr<StagedLayout> layout = PlanStaged(sig, world, ranks);
   EXPECT_TRUE(layout.ok()) << layout.status();
   if (!layout.ok()) return nullptr;
-  std::vector<const void*> inputs;
-  std::vector<size_t> in_at, out_at, in_sizes, out_sizes;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    const StagedLayout::Rank& r = layout->ranks[i];
-    if (r.has_input) {
-      inputs.push_back(
-          send[i] != nullptr ? send[i] : static_cast<const uint8_t*>(recv[i]) + r.in_place_offset);
-      in_at.push_back(r.input_offset);
-    }
-    out_at.push_back(r.output_offset);
-    in_sizes.push_back(r.input_size);
-    out_sizes.push_back(r.output_size);
-  }
+  absl::StatusOr<StagedPointers> p = PointersFor(sig, *layout, send, recv);
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (!p.ok()) return nullptr;
   auto b =
       std::make_shared<HostStagedBuffer>(static_cast<wire::DataType>(sig.dtype), layout->count,
-                                         inputs, recv, out_at, layout->ranks.at(0).output_size);
-  if (!layout->reduce) b->SetInputPlaces(in_at, layout->ranks.at(0).input_size);
+                                         p->inputs, p->outputs, p->output_offsets, p->output_bytes);
+  if (!layout->reduce) b->SetInputPlaces(p->input_offsets, p->input_bytes);
   if (sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
-    b->SetSizes(in_sizes, out_sizes);
+    b->SetSizes(p->input_sizes, p->output_sizes);
   }
   return b;
 }

@@ -189,4 +189,43 @@ absl::StatusOr<StagedLayout> PlanStaged(const OpSignature& sig, int world,
   return l;
 }
 
+absl::StatusOr<StagedPointers> PointersFor(const OpSignature& sig, const StagedLayout& layout,
+                                           const std::vector<const void*>& send,
+                                           const std::vector<void*>& recv) {
+  const size_t n = layout.ranks.size();
+  if (send.size() != n || recv.size() != n || n == 0) {
+    return absl::InternalError("staged pointers: buffer lists of another size than the ranks'");
+  }
+  const bool v_splits = sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
+  StagedPointers p;
+  if (!v_splits) {
+    p.input_bytes = layout.ranks[0].input_size;
+    p.output_bytes = layout.ranks[0].output_size;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const StagedLayout::Rank& at = layout.ranks[i];
+    if (at.needs_send && send[i] == nullptr) {
+      // Validation gives every reduce_scatter and alltoall rank a send
+      // buffer of world blocks (alltoall is never in place).
+      return absl::InternalError(
+          absl::StrCat("rank ", i, " of the node's ", sig.ToString(), " has no send buffer"));
+    }
+    p.outputs.push_back(recv[i]);
+    p.output_offsets.push_back(at.output_offset);
+    if (v_splits) {
+      p.input_sizes.push_back(at.input_size);
+      p.output_sizes.push_back(at.output_size);
+    }
+    if (!at.has_input) continue;
+    // In place, without a send buffer: its input is in its receive buffer.
+    const void* input = send[i];
+    if (input == nullptr && recv[i] != nullptr) {
+      input = static_cast<const uint8_t*>(recv[i]) + at.in_place_offset;
+    }
+    p.inputs.push_back(input);
+    if (!layout.reduce) p.input_offsets.push_back(at.input_offset);
+  }
+  return p;
+}
+
 }  // namespace ciuic::daemon

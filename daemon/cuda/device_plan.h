@@ -76,4 +76,23 @@ struct StagedLayout {
 absl::StatusOr<StagedLayout> PlanStaged(const OpSignature& sig, int world,
                                         const std::vector<DeviceRankBuffers>& ranks);
 
+// A staged buffer's pieces from its layout and the ranks' opened buffers
+// (rank i of the layout: send[i], null without a send buffer; recv[i], null
+// where an alltoallv rank receives nothing): the inputs (reduced, or placed
+// at input_offsets), the outputs and where their results are, and the bytes
+// each moves (alltoallv: per rank, input_sizes / output_sizes; else
+// input_bytes / output_bytes).
+struct StagedPointers {
+  std::vector<const void*> inputs;
+  std::vector<size_t> input_offsets;  // placing collectives only
+  std::vector<void*> outputs;
+  std::vector<size_t> output_offsets;
+  size_t input_bytes = 0, output_bytes = 0;
+  std::vector<size_t> input_sizes, output_sizes;  // alltoallv
+};
+// INTERNAL naming the rank when one that needs a send buffer has none.
+absl::StatusOr<StagedPointers> PointersFor(const OpSignature& sig, const StagedLayout& layout,
+                                           const std::vector<const void*>& send,
+                                           const std::vector<void*>& recv);
+
 }  // namespace ciuic::daemon

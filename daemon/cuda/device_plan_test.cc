@@ -360,6 +360,44 @@ TEST(DevicePlanTest, AlltoallvMatchesThePlainLoop) {
   }
 }
 
+// A staged buffer's pieces (PointersFor over PlanStaged): in place, a
+// rank's input is its block of its receive buffer (allgather) or the buffer
+// itself; placed inputs go where the layout says; a reduce_scatter rank
+// without a send buffer is refused naming it. (ClusterJobStagedTest runs
+// the whole multi-node path through the same two functions.)
+TEST(DevicePlanTest, StagedPointersFollowTheLayout) {
+  const size_t n = 10, es = 4, block = n * es;
+  std::vector<uint8_t> r1(3 * block), r2(3 * block), s2(block);
+  // Node ranks 1 and 2 of 3, given in reverse; rank 1 in place.
+  std::vector<DeviceRankBuffers> ranks = {Ranks(3, block, 3 * block)[2],
+                                          Ranks(3, block, 3 * block)[1]};
+  const OpSignature ag =
+      Sig(wire::Collective::kAllgather, wire::DataType::kFloat32, wire::ReduceOp::kSum, n);
+  auto layout = PlanStaged(ag, 3, ranks);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->count, 3 * n);
+  EXPECT_FALSE(layout->own_node);
+  auto p = PointersFor(ag, *layout, {s2.data(), nullptr}, {r2.data(), r1.data()});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->inputs, (std::vector<const void*>{s2.data(), r1.data() + block}));
+  EXPECT_EQ(p->input_offsets, (std::vector<size_t>{2 * block, block}));
+  EXPECT_EQ(p->input_bytes, block);
+  EXPECT_EQ(p->output_bytes, 3 * block);
+  EXPECT_EQ(p->output_offsets, (std::vector<size_t>{0, 0}));
+  const OpSignature rs =
+      Sig(wire::Collective::kReduceScatter, wire::DataType::kFloat32, wire::ReduceOp::kSum, n);
+  layout = PlanStaged(rs, 3, ranks);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_TRUE(layout->own_node && layout->reduce);
+  p = PointersFor(rs, *layout, {s2.data(), nullptr}, {r2.data(), r1.data()});
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(p.status().message().find("no send buffer"), std::string::npos) << p.status();
+  p = PointersFor(rs, *layout, {s2.data(), s2.data()}, {r2.data(), r1.data()});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->output_offsets, (std::vector<size_t>{2 * block, block}));
+  EXPECT_TRUE(p->input_offsets.empty()) << "reduced inputs have no places";
+}
+
 TEST(DevicePlanTest, WhatCannotBePlannedFailsClearly) {
   const OpSignature bar =
       Sig(wire::Collective::kBarrier, wire::DataType::kFloat32, wire::ReduceOp::kSum, 4);

@@ -681,10 +681,6 @@ class CudaDeviceRunner final : public DeviceRunner {
     if (!planned.ok()) return planned.status();
     const StagedLayout& layout = *planned;
     parts.count = layout.count;
-    if (!v_splits && !layout.ranks.empty()) {
-      parts.input_bytes = layout.ranks[0].input_size;
-      parts.output_bytes = layout.ranks[0].output_size;
-    }
     std::shared_ptr<DeviceResiduals>& residuals = residuals_[job];
     if (!residuals) residuals = std::make_shared<DeviceResiduals>(kResidualBytesPerJob);
     parts.residuals = residuals;
@@ -701,43 +697,35 @@ class CudaDeviceRunner final : public DeviceRunner {
       cudaGetLastError();
       return why;
     };
+    std::vector<const void*> send(ranks.size(), nullptr);
+    std::vector<void*> recv(ranks.size(), nullptr);  // alltoallv may receive nothing
     for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
       const DeviceRankBuffers& b = ranks[r];
-      const StagedLayout::Rank& at = layout.ranks[r];
-      uint8_t* output = nullptr;  // alltoallv may receive nothing
       if (b.recv_bytes > 0 || !v_splits) {
-        auto recv =
+        auto p =
             OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv", &parts.holds);
-        if (!recv.ok()) return fail(recv.status());
-        output = *recv;
+        if (!p.ok()) return fail(p.status());
+        recv[r] = *p;
       }
-      parts.outputs.push_back(output);
-      parts.output_offsets.push_back(at.output_offset);
-      if (at.needs_send && b.send_bytes == 0) {
-        // Validation gives every reduce_scatter and alltoall rank a send
-        // buffer of world blocks (alltoall is never in place).
-        return fail(absl::InternalError(
-            absl::StrCat("rank ", r, "'s ", sig.ToString(), " has no send buffer")));
-      }
-      // In place, without a send buffer: its input is in its receive buffer.
-      const uint8_t* input = output != nullptr ? output + at.in_place_offset : nullptr;
       if (b.send_bytes > 0) {
-        auto send = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send",
-                               &parts.holds);
-        if (!send.ok()) return fail(send.status());
-        input = *send;
-      }
-      if (v_splits) {
-        parts.input_sizes.push_back(at.input_size);
-        parts.output_sizes.push_back(at.output_size);
-      }
-      if (at.has_input) {
-        parts.inputs.push_back(input);
-        if (!layout.reduce) parts.input_offsets.push_back(at.input_offset);
+        auto p =
+            OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send", &parts.holds);
+        if (!p.ok()) return fail(p.status());
+        send[r] = *p;
       }
       if (s = WaitForRank(b, r, parts.stream); !s.ok()) return fail(s);
       parts.holds.push_back(sessions_[b.session_id]);  // its events
     }
+    auto pointers = PointersFor(sig, layout, send, recv);
+    if (!pointers.ok()) return fail(pointers.status());
+    for (const void* in : pointers->inputs) parts.inputs.push_back(in);
+    for (void* out : pointers->outputs) parts.outputs.push_back(static_cast<uint8_t*>(out));
+    parts.input_offsets = std::move(pointers->input_offsets);
+    parts.output_offsets = std::move(pointers->output_offsets);
+    parts.input_sizes = std::move(pointers->input_sizes);
+    parts.output_sizes = std::move(pointers->output_sizes);
+    parts.input_bytes = pointers->input_bytes;
+    parts.output_bytes = pointers->output_bytes;
     if (layout.own_node) {
       // Every rank's block, reduced, or the node's ranks' buffers: memory
       // of its own, on the stream.
