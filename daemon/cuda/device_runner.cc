@@ -20,6 +20,7 @@
 #include "cuda/device_plan.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.h"
+#include "cuda/ready_gate.h"
 #include "cuda/runtime.h"
 
 namespace ciuic::daemon {
@@ -66,6 +67,19 @@ class Queue {
     *out = std::move(items_.front());
     items_.pop_front();
     return true;
+  }
+  // Waits at most `wait` for an item: false without one (stopped or not).
+  bool PopFor(T* out, std::chrono::microseconds wait) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, wait, [&] { return !items_.empty() || stopped_; });
+    if (items_.empty()) return false;
+    *out = std::move(items_.front());
+    items_.pop_front();
+    return true;
+  }
+  bool stopped() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stopped_;
   }
   void Stop() {
     {
@@ -420,23 +434,26 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks, const std::string& job,
-           std::function<void(absl::Status)> done) override {
-    tasks_.Push([this, sig, ranks = std::move(ranks), job, done = std::move(done)]() mutable {
-      RunOnSubmit(sig, ranks, job, std::move(done));
-    });
+           Clock::time_point deadline, std::function<void(absl::Status)> done) override {
+    tasks_.Push(
+        [this, sig, ranks = std::move(ranks), job, deadline, done = std::move(done)]() mutable {
+          RunOnSubmit(sig, ranks, job, deadline, std::move(done));
+        });
   }
 
   void Stage(const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
-             const std::string& job,
+             const std::string& job, Clock::time_point deadline,
              std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) override {
-    tasks_.Push(
-        [this, sig, world, ranks = std::move(ranks), job, done = std::move(done)]() mutable {
-          done(StageOnSubmit(sig, world, ranks, job));
-        });
+    tasks_.Push([this, sig, world, ranks = std::move(ranks), job, deadline,
+                 done = std::move(done)]() mutable {
+      StageOnSubmit(sig, world, ranks, job, deadline, std::move(done));
+    });
   }
 
   void EndJob(const std::string& job) override {
     tasks_.Push([this, job] {
+      gate_.FailLane(job, absl::AbortedError("its job ended while the operation waited for its "
+                                             "ranks' streams; nothing of it ran"));
       residuals_.erase(job);
       // Its streams go once their queued work is done (cudaStreamDestroy
       // does not wait).
@@ -458,7 +475,12 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   void CloseSession(uint64_t session_id) override {
-    tasks_.Push([this, session_id] { CloseSessionOnSubmit(session_id); });
+    tasks_.Push([this, session_id] {
+      gate_.FailSession(session_id,
+                        absl::AbortedError("a rank's session ended while the operation waited for "
+                                           "its ranks' streams; nothing of it ran"));
+      CloseSessionOnSubmit(session_id);
+    });
   }
 
  private:
@@ -473,9 +495,36 @@ class CudaDeviceRunner final : public DeviceRunner {
     Holds holds;  // let go once the event has completed
   };
 
+  // Runs the tasks in order and, while the gate holds operations, polls it
+  // between them: yielding a while after progress, then waiting for a task
+  // in short steps.
   void SubmitLoop() {
     std::function<void()> task;
-    while (tasks_.Pop(&task)) task();
+    auto progress = std::chrono::steady_clock::now();
+    while (true) {
+      if (gate_.held() == 0) {
+        if (!tasks_.Pop(&task)) break;  // stopped, and nothing queued
+        task();
+        progress = std::chrono::steady_clock::now();
+      }
+      while (tasks_.TryPop(&task)) task();
+      if (gate_.held() == 0) continue;
+      const size_t before = gate_.held();
+      const auto now = std::chrono::steady_clock::now();
+      if (gate_.Poll(now) < before) progress = now;
+      if (gate_.held() == 0) continue;
+      if (tasks_.stopped()) break;
+      if (now - progress < std::chrono::microseconds(200)) {
+        std::this_thread::yield();
+      } else if (tasks_.PopFor(&task, std::chrono::microseconds(50))) {
+        task();
+        progress = std::chrono::steady_clock::now();
+      }
+    }
+    while (tasks_.TryPop(&task)) task();
+    gate_.FailAll(absl::UnavailableError(
+        "ciuicd is shutting down: the operation was still waiting for its ranks' streams; "
+        "nothing of it ran"));
   }
 
   // Polls every pending operation's event, and completes each as soon as
@@ -522,34 +571,108 @@ class CudaDeviceRunner final : public DeviceRunner {
     }
   }
 
+  // A single-node operation, opened and planned, held in the gate until
+  // its ranks' streams have reached it.
+  struct PreparedRun {
+    OpSignature sig;
+    int device = 0;
+    cudaStream_t stream = nullptr;  // null: nothing to do
+    std::vector<DeviceStep> steps;
+    Holds holds;  // the ranks' mappings and sessions (their events)
+  };
+
   void RunOnSubmit(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
-                   const std::string& job, std::function<void(absl::Status)> done) {
-    Completion c;
-    c.done = std::move(done);
-    cudaStream_t stream = nullptr;
-    absl::Status s = Enqueue(sig, ranks, job, &c.event, &c.device, &stream, &c.holds);
+                   const std::string& job, Clock::time_point deadline,
+                   std::function<void(absl::Status)> done) {
+    auto run = std::make_shared<PreparedRun>();
+    run->sig = sig;
+    std::vector<ReadyGate::Wait> waits;
+    absl::Status s = Prepare(ranks, job, run.get(), &waits);
     if (!s.ok()) {
-      // Whatever was enqueued must be over before the ranks hear of the
-      // failure (they may reuse their buffers then): the completion thread
-      // waits for a fresh event behind it, then reports `s`.
-      if (c.event != nullptr) cudaEventDestroy(c.event);
-      c.event = nullptr;
+      // Nothing enqueued: no event to wait for.
+      Completion c;
       c.status = s;
-      if (stream != nullptr && Finish(stream, &c.event).ok()) {
-        // c.event is recorded
-      } else if (stream != nullptr) {
-        if (c.event != nullptr) cudaEventDestroy(c.event);
-        c.event = nullptr;
-        cudaStreamSynchronize(stream);
-        cudaGetLastError();
-      }
+      c.done = std::move(done);
+      c.holds = std::move(run->holds);
+      completions_.Push(std::move(c));
+      return;
     }
-    completions_.Push(std::move(c));
+    ReadyGate::Entry e;
+    e.lane = job;
+    e.waits = std::move(waits);
+    for (const DeviceRankBuffers& b : ranks) e.sessions.push_back(b.session_id);
+    e.deadline = deadline;
+    e.pass = [this, run, done = std::move(done)](absl::Status ready) mutable {
+      Completion c;
+      c.done = std::move(done);
+      if (ready.ok()) {
+        if (run->stream != nullptr) Launch(*run, &c);  // else it moves nothing
+      } else {
+        c.status = ready;
+      }
+      c.holds = std::move(run->holds);
+      completions_.Push(std::move(c));
+    };
+    gate_.Add(std::move(e));
+    gate_.Poll(Clock::now());  // streams already there: at once
   }
 
-  absl::Status Enqueue(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
-                       const std::string& job, cudaEvent_t* event, int* device_out,
-                       cudaStream_t* stream_out, Holds* holds) {
+  // Enqueues `run`'s steps and the event that ends it (c->event). On a
+  // failure, c->status; whatever was enqueued must be over before the ranks
+  // hear of it (they may reuse their buffers then): the completion thread
+  // then waits for a fresh event behind it.
+  void Launch(const PreparedRun& run, Completion* c) {
+    c->device = run.device;
+    absl::Status s =
+        Cuda(cudaSetDevice(run.device), absl::StrCat("cudaSetDevice(", run.device, ")"));
+    if (s.ok()) s = Steps(run);
+    if (s.ok()) s = Finish(run.stream, &c->event);
+    if (s.ok()) return;
+    if (c->event != nullptr) cudaEventDestroy(c->event);
+    c->event = nullptr;
+    c->status = s;
+    if (Finish(run.stream, &c->event).ok()) return;  // c->event is recorded
+    if (c->event != nullptr) cudaEventDestroy(c->event);
+    c->event = nullptr;
+    cudaStreamSynchronize(run.stream);
+    cudaGetLastError();
+  }
+
+  absl::Status Steps(const PreparedRun& run) {
+    const OpSignature& sig = run.sig;
+    const auto dtype = static_cast<wire::DataType>(sig.dtype);
+    const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
+    for (const DeviceStep& step : run.steps) {
+      absl::Status s;
+      std::vector<const void*> inputs(step.inputs.begin(), step.inputs.end());
+      std::vector<void*> outputs(step.outputs.begin(), step.outputs.end());
+      switch (step.kind) {
+        case DeviceStep::Kind::kReduceToAll:
+          s = gpu::DeviceReduceToAll(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
+                                     outputs.data(), static_cast<int>(outputs.size()), sig.count,
+                                     run.stream);
+          break;
+        case DeviceStep::Kind::kReduce:
+          s = gpu::DeviceReduce(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
+                                outputs[0], sig.count, run.stream);
+          break;
+        case DeviceStep::Kind::kCopy:
+          s = Cuda(
+              cudaMemcpyAsync(step.to, step.from, step.bytes, cudaMemcpyDeviceToDevice, run.stream),
+              "cudaMemcpyAsync device to device");
+          break;
+      }
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // Opens the ranks' buffers and events (the waits for their streams) and
+  // plans the operation into *run; enqueues nothing. run->stream stays null
+  // for an operation that moves nothing.
+  absl::Status Prepare(const std::vector<DeviceRankBuffers>& ranks, const std::string& job,
+                       PreparedRun* run, std::vector<ReadyGate::Wait>* waits) {
+    const OpSignature& sig = run->sig;
     const int world = static_cast<int>(ranks.size());
     const bool v_splits = sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
     bool empty = sig.count == 0;
@@ -558,11 +681,10 @@ class CudaDeviceRunner final : public DeviceRunner {
       for (const DeviceRankBuffers& b : ranks) empty = empty && b.send_bytes == 0;
     }
     if (empty) return absl::OkStatus();  // nothing to read or write
-    if (absl::Status s = Begin(ranks, device_out); !s.ok()) return s;
-    auto stream = StreamFor(*device_out, job);
+    if (absl::Status s = Begin(ranks, &run->device); !s.ok()) return s;
+    const int device = run->device;
+    auto stream = StreamFor(device, job);
     if (!stream.ok()) return stream.status();
-    *stream_out = *stream;
-    const int device = *device_out;
 
     std::vector<uint8_t*> send(world, nullptr);
     std::vector<uint8_t*> recv(world, nullptr);
@@ -572,52 +694,31 @@ class CudaDeviceRunner final : public DeviceRunner {
         return absl::InternalError(absl::StrCat("rank ", r, " has no receive buffer"));
       }
       if (b.send_bytes > 0) {
-        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send", holds);
+        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send", &run->holds);
         if (!p.ok()) return p.status();
         send[r] = *p;
       }
       if (b.recv_bytes > 0) {  // alltoallv may receive nothing
-        auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", holds);
+        auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", &run->holds);
         if (!p.ok()) return p.status();
         recv[r] = *p;
       }
-      holds->push_back(sessions_[b.session_id]);  // its events
-      absl::Status waited = WaitForRank(b, r, *stream);
-      if (!waited.ok()) return waited;
+      run->holds.push_back(sessions_[b.session_id]);  // its events
+      if (absl::Status s = WaitsForRank(b, r, device, waits); !s.ok()) return s;
     }
-
     auto plan = PlanSingleNode(sig, ranks, send, recv);
     if (!plan.ok()) return plan.status();
-    const auto dtype = static_cast<wire::DataType>(sig.dtype);
-    const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
-    for (const DeviceStep& step : *plan) {
-      absl::Status s;
-      std::vector<const void*> inputs(step.inputs.begin(), step.inputs.end());
-      std::vector<void*> outputs(step.outputs.begin(), step.outputs.end());
-      switch (step.kind) {
-        case DeviceStep::Kind::kReduceToAll:
-          s = gpu::DeviceReduceToAll(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
-                                     outputs.data(), static_cast<int>(outputs.size()), sig.count,
-                                     *stream);
-          break;
-        case DeviceStep::Kind::kReduce:
-          s = gpu::DeviceReduce(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
-                                outputs[0], sig.count, *stream);
-          break;
-        case DeviceStep::Kind::kCopy:
-          s = Cuda(
-              cudaMemcpyAsync(step.to, step.from, step.bytes, cudaMemcpyDeviceToDevice, *stream),
-              "cudaMemcpyAsync device to device");
-          break;
-      }
-      if (!s.ok()) return s;
-    }
-    return Finish(*stream, event);
+    run->steps = std::move(*plan);
+    run->stream = *stream;
+    return absl::OkStatus();
   }
 
-  // Makes `stream` wait for rank `r`'s event(s): the trainer's stream, up to
-  // its submission, goes first.
-  absl::Status WaitForRank(const DeviceRankBuffers& b, int r, cudaStream_t stream) {
+  // The points rank `r` (rank b.rank of the job) submitted at on its
+  // stream(s), as its IPC event(s), opened on `device` (current): the
+  // gate's waits, asked with cudaEventQuery. The events belong to the
+  // session's handles, which the operation holds.
+  absl::Status WaitsForRank(const DeviceRankBuffers& b, int r, int device,
+                            std::vector<ReadyGate::Wait>* waits) {
     for (const wire::DeviceBufferDescriptor* d : {&b.send, &b.recv}) {
       const uint64_t bytes = d == &b.send ? b.send_bytes : b.recv_bytes;
       if (bytes == 0 || (d->flags & wire::kDeviceDescriptorEventValid) == 0) continue;
@@ -628,10 +729,24 @@ class CudaDeviceRunner final : public DeviceRunner {
       }
       auto ev = OpenEvent(b.session_id, d->event_handle, r);
       if (!ev.ok()) return ev.status();
-      const cudaError_t e = cudaStreamWaitEvent(stream, *ev, 0);
-      if (e != cudaSuccess) return Cuda(e, absl::StrCat("waiting for rank ", r, "'s stream"));
+      const cudaEvent_t event = *ev;
+      waits->push_back(ReadyGate::Wait{absl::StrCat("rank ", b.rank, "'s stream"),
+                                       [event, device] { return Reached(event, device); }});
     }
     return absl::OkStatus();
+  }
+
+  // Whether the trainer's `event` (opened on `device`) has completed; the
+  // error its work failed with.
+  static absl::StatusOr<bool> Reached(cudaEvent_t event, int device) {
+    cudaSetDevice(device);
+    const cudaError_t e = cudaEventQuery(event);
+    if (e == cudaSuccess) return true;
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error (see WaitForEvent)
+      return false;
+    }
+    return Cuda(e, "its work before the submission");
   }
 
   // Checks the ranks and makes the operation's device (rank 0's) current (*device_out); the
@@ -671,9 +786,42 @@ class CudaDeviceRunner final : public DeviceRunner {
     return Cuda(cudaEventRecord(*event, stream), "cudaEventRecord");
   }
 
-  absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> StageOnSubmit(
+  // Builds the staged buffer (Build) and hands it to `done` once the
+  // ranks' streams have reached the submission (the gate).
+  void StageOnSubmit(const OpSignature& sig, int world, const std::vector<DeviceRankBuffers>& ranks,
+                     const std::string& job, Clock::time_point deadline,
+                     std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) {
+    std::vector<ReadyGate::Wait> waits;
+    absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> buffer =
+        Build(sig, world, ranks, job, &waits);
+    // Even without waits through the gate: the job's operations reach the
+    // ClusterJob in the order submitted.
+    if (!buffer.ok()) return done(std::move(buffer));
+    ReadyGate::Entry e;
+    e.lane = job;
+    e.waits = std::move(waits);
+    for (const DeviceRankBuffers& b : ranks) e.sessions.push_back(b.session_id);
+    e.deadline = deadline;
+    e.pass = [buffer = std::move(*buffer), done = std::move(done)](absl::Status ready) mutable {
+      // Failed: the buffer goes first (on the submit thread; its stream
+      // holds nothing of the ranks'), and with it the ranks' mappings,
+      // before they hear (they may free their buffers then).
+      if (!ready.ok()) {
+        buffer.reset();
+        return done(ready);
+      }
+      done(std::move(buffer));
+    };
+    gate_.Add(std::move(e));
+    gate_.Poll(Clock::now());  // streams already there: at once
+  }
+
+  // The staged buffer of an operation, its ranks' buffers opened; the waits
+  // for their streams go to *waits (nothing on the buffer's stream waits
+  // for them).
+  absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> Build(
       const OpSignature& sig, int world, const std::vector<DeviceRankBuffers>& ranks,
-      const std::string& job) {
+      const std::string& job, std::vector<ReadyGate::Wait>* waits) {
     CudaStagedBuffer::Parts parts;
     parts.dtype = static_cast<wire::DataType>(sig.dtype);
     const bool v_splits = sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv);
@@ -690,8 +838,7 @@ class CudaDeviceRunner final : public DeviceRunner {
                           "cudaStreamCreateWithFlags");
     if (!s.ok()) return s;
     // Until the buffer owns it, a failure drops the stream. Nothing on it
-    // reads or writes a rank's memory yet (it only waits for their events):
-    // no need to wait for it (a stuck trainer stream would hold this thread).
+    // reads or writes a rank's memory: no need to wait for it.
     auto fail = [&parts](absl::Status why) {
       cudaStreamDestroy(parts.stream);
       cudaGetLastError();
@@ -713,7 +860,7 @@ class CudaDeviceRunner final : public DeviceRunner {
         if (!p.ok()) return fail(p.status());
         send[r] = *p;
       }
-      if (s = WaitForRank(b, r, parts.stream); !s.ok()) return fail(s);
+      if (s = WaitsForRank(b, r, parts.device, waits); !s.ok()) return fail(s);
       parts.holds.push_back(sessions_[b.session_id]);  // its events
     }
     auto pointers = PointersFor(sig, layout, send, recv);
@@ -900,6 +1047,8 @@ class CudaDeviceRunner final : public DeviceRunner {
   // stream holds up no other job's work.
   std::map<std::pair<std::string, int>, cudaStream_t> streams_;
   std::map<uint64_t, std::shared_ptr<SessionHandles>> sessions_;
+  // Operations waiting for their ranks' streams (per job: in order).
+  ReadyGate gate_;
   // Error feedback kept on the device, per job (EndJob drops the runner's
   // hold; the memory goes with the job's last staged buffer).
   std::map<std::string, std::shared_ptr<DeviceResiduals>> residuals_;

@@ -6,12 +6,19 @@
 // memory and event handles (once per session and handle, kept until
 // CloseSession), picks the device of rank 0's receive buffer and works on
 // a stream of the job's own there (other ranks' memory is reached through
-// peer access; devices without it are an error), makes that stream wait for
-// each rank's IPC event (the trainer's stream up to the submission),
-// enqueues the work
+// peer access; devices without it are an error), and holds the operation
+// in its ReadyGate (ready_gate.h) until each rank's IPC event (the
+// trainer's stream, up to the submission) has completed, asking
+// cudaEventQuery on the host: only then is the work enqueued
 // (DeviceReduceToAll / DeviceReduce from kernels.h and device-to-device
 // copies; the same semantics and the same output layout as
-// collectives/local.h), and records an event. A completion thread polls
+// collectives/local.h), and an event recorded. A trainer stream that does
+// not get there by the operation's deadline fails the operation with
+// DEADLINE_EXCEEDED, nothing of it enqueued, and holds up nothing but its
+// job's later operations meanwhile; a session that ends fails the
+// operations held for it at once. (The daemon's streams never wait for a
+// trainer's on the device: what they hold is the daemon's own work, which
+// ends.) A completion thread polls
 // every pending event and calls each operation's `done` as soon as its own
 // has completed (one job's slow trainer holds up no other job), never on
 // the caller's thread: the engine loop never waits for the GPU.
@@ -21,7 +28,8 @@
 // asynchronous fault (a bad address in a kernel) breaks the CUDA context for
 // good: every later operation fails with it too (restart ciuicd).
 //
-// Multi-node jobs: every operation gets a StagedNodeBuffer (Stage): the
+// Multi-node jobs: every operation gets a StagedNodeBuffer (Stage), once
+// its ranks' streams have reached it (the same gate): the
 // local phase on the GPU into a node buffer in device memory, which the
 // ClusterJob then moves through pinned host slots (reductions segment by
 // segment, overlapping the copies with the network), and the result copied
@@ -35,6 +43,7 @@
 // every handle. Built without CUDA, Create returns FAILED_PRECONDITION.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -67,16 +76,23 @@ class DeviceRunner {
   static absl::StatusOr<std::unique_ptr<DeviceRunner>> Create();
   virtual ~DeviceRunner() = default;
 
+  using Clock = std::chrono::steady_clock;
+
   // Runs `sig` (validated: ValidateSubmission) on ranks[0..W-1], W being the
   // job's world size (single-node job `job`, whose operations go in order on
-  // streams of its own). `done` is called exactly once.
+  // streams of its own). `done` is called exactly once; with
+  // DEADLINE_EXCEEDED, and nothing of the operation run, if a rank's stream
+  // has not reached the submission by `deadline`.
   virtual void Run(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
-                   const std::string& job, std::function<void(absl::Status)> done) = 0;
+                   const std::string& job, Clock::time_point deadline,
+                   std::function<void(absl::Status)> done) = 0;
 
   // A multi-node operation (`sig`, validated, not a barrier) on this node's
-  // ranks of a job of `world` ranks: opens their buffers and calls `done`
+  // ranks of a job of `world` ranks: opens their buffers and, once each
+  // rank's stream has reached the submission (else DEADLINE_EXCEEDED at
+  // `deadline`, as Run), calls `done`
   // with the node's StagedNodeBuffer, whose work goes on a stream of its
-  // own that first waits for each rank's event; the node buffer is the
+  // own; the node buffer is the
   // first rank's receive buffer (allreduce, allgather, broadcast) or device
   // memory of the buffer's own: every rank's block (reduce_scatter), or the
   // node's ranks' whole send buffers back to back in rank order, which the
@@ -87,17 +103,19 @@ class DeviceRunner {
   // for compressed operations) the buffer uses.
   virtual void Stage(
       const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
-      const std::string& job,
+      const std::string& job, Clock::time_point deadline,
       std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) = 0;
-  // The job has ended: its residuals go once its last staged buffer has.
+  // The job has ended: its residuals go once its last staged buffer has;
+  // its operations still held for their ranks' streams fail.
   virtual void EndJob(const std::string& job) = 0;
   // Lets go of `buffer` on the runner's submit thread (a staged buffer's
   // destructor waits for its device work): for callers that must never
   // wait for the GPU, like the engine's loop.
   virtual void Dispose(std::shared_ptr<StagedNodeBuffer> buffer) = 0;
 
-  // The session has ended: once the work queued before this call is done,
-  // its handles are closed.
+  // The session has ended: the operations held for its streams fail (ABORTED)
+  // at once; once the work queued before this call is done, its handles are
+  // closed.
   virtual void CloseSession(uint64_t session_id) = 0;
 };
 

@@ -959,7 +959,7 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   ++running_ops_;
   if (job.cluster) {
     device_runner_->Stage(
-        op->sig, job.world_size, DeviceRanksOf(*op), job.key,
+        op->sig, job.world_size, DeviceRanksOf(*op), job.key, op->deadline,
         [this, op, key = job.key](absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> staged) {
           Post([this, op, key, staged = std::move(staged)]() mutable {
             --running_ops_;
@@ -984,7 +984,7 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
         });
     return;
   }
-  device_runner_->Run(op->sig, DeviceRanksOf(*op), job.key,
+  device_runner_->Run(op->sig, DeviceRanksOf(*op), job.key, op->deadline,
                       [this, op, key = job.key](absl::Status s) {
                         Post([this, op, key, s] {
                           --running_ops_;

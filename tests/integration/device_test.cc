@@ -17,6 +17,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -395,6 +397,141 @@ TEST(DeviceBuffersTest, NewAllocationsAtFreedAddressesAndSmallAllocations) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// Holds the stream it was enqueued on until *arg (a std::atomic<bool>) is
+// set, as a trainer kernel that does not end would; 30 s at most.
+void CUDART_CB HoldStream(void* arg) {
+  auto* release = static_cast<std::atomic<bool>*>(arg);
+  for (int i = 0; i < 30000 && !release->load(); ++i) usleep(1000);
+}
+
+std::vector<float> Download(const uint8_t* p, size_t count) {
+  std::vector<float> v(count);
+  if (cudaMemcpy(v.data(), p, count * 4, cudaMemcpyDeviceToHost) != cudaSuccess) v.clear();
+  return v;
+}
+
+// A trainer whose stream never reaches its submission (here: held by a host
+// function) gets DEADLINE_EXCEEDED at the operation's timeout, naming its
+// stream, and so does the other rank; nothing of the operation ran (the
+// receive buffers keep what they had, also once the stream goes on), and
+// the job's next operation works.
+TEST(DeviceBuffersTest, AStuckTrainerStreamTimesOutClearlyAndNothingRuns) {
+  SKIP_WITHOUT_GPU();
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("stuck");
+  constexpr int kWorld = 2;
+  auto codes = RunRanks(kWorld, [&](int rank) {
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto comm = Join(daemon->socket(), job, rank, kWorld);
+    CHILD_CHECK(comm != nullptr, "join");
+    DeviceMemory mem;
+    if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
+    const size_t count = 1000;
+    std::vector<float> mine(count, static_cast<float>(rank + 1)), sentinel(count, -7.0f);
+    CUDA_CHECK(cudaMemcpy(mem.send, mine.data(), count * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(mem.recv, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
+    std::atomic<bool> release{false};
+    if (rank == 1) CUDA_CHECK(cudaLaunchHostFunc(stream, HoldStream, &release));
+    OpOptions o;
+    o.name = "stuck";
+    o.stream = stream;
+    o.timeout_ms = 500;
+    const auto start = std::chrono::steady_clock::now();
+    Status st = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, count,
+                                DataType::kFloat32, ReduceOp::kSum, o)
+                    .Wait();
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    release = true;
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    CHILD_CHECK(st.code() == StatusCode::kDeadlineExceeded &&
+                    st.message().find("operation 'stuck'") != std::string::npos &&
+                    st.message().find("rank 1's stream") != std::string::npos &&
+                    st.message().find("nothing of the operation ran") != std::string::npos,
+                "rank %d got %s", rank, st.ToString().c_str());
+    CHILD_CHECK(took >= 0.4 && took < 20, "rank %d: failed after %.2f s (timeout 0.5 s)", rank,
+                took);
+    usleep(100 * 1000);  // had anything been enqueued, it would have run by now
+    CHILD_CHECK(Download(mem.recv, count) == sentinel, "rank %d: the timed-out operation wrote",
+                rank);
+    o.name = "after";
+    o.timeout_ms = 0;
+    st = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, count,
+                         DataType::kFloat32, ReduceOp::kSum, o)
+             .Wait();
+    CHILD_CHECK(st.ok(), "rank %d: the next operation: %s", rank, st.ToString().c_str());
+    CHILD_CHECK(Download(mem.recv, count) == std::vector<float>(count, 3.0f),
+                "rank %d: the next operation's result", rank);
+    if (FreeDeviceMemory(&mem) != 0) return 1;
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    return 0;
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// A rank that leaves while its stream has not reached its submission: the
+// other rank's operation fails at once (not at its timeout of a minute),
+// nothing of it ran, and the daemon stops cleanly (it does not wait for the
+// stream).
+TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
+  SKIP_WITHOUT_GPU();
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("stuckleft");
+  constexpr int kWorld = 2;
+  auto codes = RunRanks(kWorld, [&](int rank) {
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto comm = Join(daemon->socket(), job, rank, kWorld);
+    CHILD_CHECK(comm != nullptr, "join");
+    DeviceMemory mem;
+    if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
+    const size_t count = 1000;
+    std::vector<float> sentinel(count, -7.0f);
+    CUDA_CHECK(cudaMemcpy(mem.send, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(mem.recv, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
+    std::atomic<bool> release{false};
+    if (rank == 1) CUDA_CHECK(cudaLaunchHostFunc(stream, HoldStream, &release));
+    OpOptions o;
+    o.name = "left";
+    o.stream = stream;
+    o.timeout_ms = 60000;
+    const auto start = std::chrono::steady_clock::now();
+    Handle h = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, count,
+                               DataType::kFloat32, ReduceOp::kSum, o);
+    if (rank == 1) {
+      usleep(500 * 1000);  // rank 0 is waiting in the daemon by now
+      comm.reset();        // the session ends, the stream still held
+      usleep(200 * 1000);
+      release = true;
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+    } else {
+      Status st = h.Wait();
+      const double took =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      CHILD_CHECK(!st.ok() && took < 15, "rank 0 got %s after %.2f s", st.ToString().c_str(), took);
+      fprintf(stderr, "rank 0: %s after %.2f s\n", st.ToString().c_str(), took);
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      usleep(300 * 1000);  // rank 1's stream has gone on by now
+      CHILD_CHECK(Download(mem.recv, count) == sentinel, "the failed operation wrote");
+    }
+    if (FreeDeviceMemory(&mem) != 0) return 1;
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    return 0;
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 // Multi-node: two daemons ("nodes", UCX over TCP on loopback) with two ranks
 // each, all on the GPU(s) of this machine. Allreduces are reduced on the GPU
 // and staged through pinned host memory in 64 KiB segments (1000003 float32
@@ -554,6 +691,49 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
       });
 }
 
+// Multi-node: a rank whose stream never reaches its submission fails its
+// node's staging at the timeout (DEADLINE_EXCEEDED naming its stream), the
+// other node's ranks fail too (the operation never comes from that node),
+// within bounded time, and both daemons stop cleanly.
+TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) {
+  SKIP_WITHOUT_GPU();
+  RunOnTwoGpuNodes(
+      "", "devstuck", 16 << 20, [](Communicator& comm, int rank, int device, cudaStream_t stream) {
+        DeviceMemory mem;
+        if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
+        const size_t count = 4099;
+        std::vector<float> sentinel(count, -7.0f);
+        CUDA_CHECK(cudaMemcpy(mem.send, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(mem.recv, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
+        std::atomic<bool> release{false};
+        if (rank == 3) CUDA_CHECK(cudaLaunchHostFunc(stream, HoldStream, &release));
+        OpOptions o;
+        o.name = "stuck";
+        o.stream = stream;
+        o.timeout_ms = 1500;
+        const auto start = std::chrono::steady_clock::now();
+        Status st = comm.Allreduce(DeviceBuffer{mem.send, device}, DeviceBuffer{mem.recv, device},
+                                   count, DataType::kFloat32, ReduceOp::kSum, o)
+                        .Wait();
+        const double took =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        release = true;
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        fprintf(stderr, "rank %d: %s after %.2f s\n", rank, st.ToString().c_str(), took);
+        CHILD_CHECK(!st.ok() && took < 25, "rank %d got %s after %.2f s", rank,
+                    st.ToString().c_str(), took);
+        if (rank >= 2) {  // node 1, where the stream is held
+          CHILD_CHECK(st.code() == StatusCode::kDeadlineExceeded &&
+                          st.message().find("rank 3's stream") != std::string::npos,
+                      "rank %d got %s", rank, st.ToString().c_str());
+          usleep(100 * 1000);
+          CHILD_CHECK(Download(mem.recv, count) == sentinel,
+                      "rank %d: the timed-out operation wrote", rank);
+        }
+        return FreeDeviceMemory(&mem);
+      });
+}
+
 #else
 
 TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
@@ -565,6 +745,11 @@ TEST(DeviceBuffersTest, NewAllocationsAtFreedAddressesAndSmallAllocations) {
 }
 TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) { SKIP_WITHOUT_GPU(); }
+TEST(DeviceBuffersTest, AStuckTrainerStreamTimesOutClearlyAndNothingRuns) { SKIP_WITHOUT_GPU(); }
+TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
+  SKIP_WITHOUT_GPU();
+}
+TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) { SKIP_WITHOUT_GPU(); }
 
 #endif
 

@@ -743,6 +743,37 @@ def cuda_dropped_tensors_live_on(ctx):
     return True
 
 
+def cuda_busy_stream_times_out(ctx):
+    """Rank 1's stream is busy (torch.cuda._sleep, about 1.5 s on an H200)
+    past the operation's timeout of 0.5 s: every rank gets
+    DeadlineExceededError naming rank 1's stream, the tensors keep their
+    values (nothing of the operation ran, also once the stream is free), and
+    the next operation works."""
+    import ciuic
+    import torch
+    dev = _cuda_device(ctx)
+    t = torch.full((1000,), float(ctx.rank + 1), dtype=torch.float32, device=dev)
+    torch.cuda.synchronize(dev)
+    if ctx.rank == 1:
+        torch.cuda._sleep(3_000_000_000)  # cycles, on the current stream
+    start = time.monotonic()
+    try:
+        ctx.comm.allreduce(t, name=ctx.name("cuda.busy"), timeout=0.5)
+        raise AssertionError("no timeout")
+    except ciuic.DeadlineExceededError as e:
+        took = time.monotonic() - start
+        assert "rank 1's stream" in str(e) and "nothing of the operation ran" in str(e), str(e)
+        assert 0.4 <= took < 20, took
+    torch.cuda.synchronize(dev)
+    time.sleep(0.1)
+    expect_equal(t.cpu(), np.full(1000, float(ctx.rank + 1), np.float32), "float32", "torch",
+                 "after the timed-out operation")
+    ctx.comm.allreduce(t, name=ctx.name("cuda.after_busy"))
+    expect_equal(t.cpu(), np.full(1000, float(sum(range(1, ctx.world + 1))), np.float32),
+                 "float32", "torch", "the next operation")
+    return True
+
+
 def cuda_ddp_hook(ctx, steps):
     """ciuic.torch.allreduce_hook on CUDA buckets: the future's value is the
     average over the ranks, on the same device."""

@@ -26,3 +26,7 @@ def test_cuda_ddp_hook(pool):
 
 def test_dropped_cuda_tensors_live_on(pool):
     assert pool.run(ranks.cuda_dropped_tensors_live_on) == [True, True]
+
+
+def test_busy_stream_times_out_and_nothing_runs(pool):
+    assert pool.run(ranks.cuda_busy_stream_times_out) == [True, True]
