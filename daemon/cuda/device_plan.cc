@@ -189,6 +189,58 @@ absl::StatusOr<StagedLayout> PlanStaged(const OpSignature& sig, int world,
   return l;
 }
 
+Mirrors Mirror(const std::vector<DeviceRankBuffers>& ranks, int device,
+               const std::vector<bool>& send_far, const std::vector<bool>& recv_far,
+               uint8_t* scratch, std::vector<uint8_t*>* send, std::vector<uint8_t*>* recv) {
+  constexpr size_t kAlign = 256;  // every mirror starts as cudaMalloc'd memory does
+  Mirrors m;
+  auto place = [&](size_t bytes) {
+    const size_t at = m.bytes;
+    m.bytes += (bytes + kAlign - 1) / kAlign * kAlign;
+    return at;
+  };
+  auto copy = [&](std::vector<DeviceStep>* steps, uint8_t* to, int to_device, const uint8_t* from,
+                  int from_device, size_t bytes) {
+    DeviceStep s;
+    s.kind = DeviceStep::Kind::kPeerCopy;
+    s.to = to;
+    s.from = from;
+    s.bytes = bytes;
+    s.to_device = to_device;
+    s.from_device = from_device;
+    steps->push_back(std::move(s));
+  };
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const DeviceRankBuffers& b = ranks[r];
+    uint8_t* const recv_at = (*recv)[r];
+    uint8_t* const send_at = (*send)[r];
+    const bool has_recv = recv_at != nullptr && b.recv_bytes > 0;
+    const bool has_send = send_at != nullptr && b.send_bytes > 0;
+    if (has_recv && recv_far[r]) {
+      const size_t at = place(b.recv_bytes);
+      if (scratch != nullptr) {
+        copy(&m.in, scratch + at, device, recv_at, b.recv.device, b.recv_bytes);
+        copy(&m.out, recv_at, b.recv.device, scratch + at, device, b.recv_bytes);
+        (*recv)[r] = scratch + at;
+      }
+    }
+    if (!has_send || !send_far[r]) continue;
+    const bool inside_recv = has_recv && recv_far[r] && send_at >= recv_at &&
+                             static_cast<size_t>(send_at - recv_at) <= b.recv_bytes &&
+                             b.send_bytes <= b.recv_bytes - static_cast<size_t>(send_at - recv_at);
+    if (inside_recv) {
+      if (scratch != nullptr) (*send)[r] = (*recv)[r] + (send_at - recv_at);
+      continue;
+    }
+    const size_t at = place(b.send_bytes);
+    if (scratch != nullptr) {
+      copy(&m.in, scratch + at, device, send_at, b.send.device, b.send_bytes);
+      (*send)[r] = scratch + at;
+    }
+  }
+  return m;
+}
+
 absl::StatusOr<StagedPointers> PointersFor(const OpSignature& sig, const StagedLayout& layout,
                                            const std::vector<const void*>& send,
                                            const std::vector<void*>& recv) {

@@ -19,6 +19,9 @@ struct DeviceStep {
     kReduceToAll,  // inputs reduced, the result stored to every output (one pass)
     kReduce,       // inputs reduced into outputs[0]
     kCopy,         // bytes from `from` to `to` (never the same place)
+    // As kCopy, between memory of two devices (from_device, to_device),
+    // which need no peer access (cudaMemcpyPeerAsync).
+    kPeerCopy,
   };
   Kind kind = Kind::kCopy;
   std::vector<const uint8_t*> inputs;  // reductions: sig.count elements each
@@ -26,6 +29,7 @@ struct DeviceStep {
   const uint8_t* from = nullptr;
   uint8_t* to = nullptr;
   uint64_t bytes = 0;
+  int from_device = 0, to_device = 0;  // kPeerCopy
 };
 
 // The steps of `sig` (validated: ValidateSubmission; not a barrier) on the
@@ -38,6 +42,28 @@ absl::StatusOr<std::vector<DeviceStep>> PlanSingleNode(const OpSignature& sig,
                                                        const std::vector<DeviceRankBuffers>& ranks,
                                                        const std::vector<uint8_t*>& send,
                                                        const std::vector<uint8_t*>& recv);
+
+// Buffers on devices that the operation's device cannot reach (no peer
+// access between the two: kernels there cannot read them) are mirrored in
+// scratch memory on the operation's device: each copied in (kPeerCopy)
+// before the operation's steps, and each receive buffer copied back after
+// them (all of it: what the operation does not write goes back as it was).
+// The steps, planned on the mirrors, never touch the far memory itself. A
+// send buffer inside its rank's receive buffer (in place) is mirrored as
+// that place in the receive buffer's mirror.
+struct Mirrors {
+  size_t bytes = 0;  // of scratch (0: nothing is far)
+  std::vector<DeviceStep> in, out;
+};
+// `send_far[i]` / `recv_far[i]`: whether rank i's send / receive buffer
+// (ranks[i].send_bytes / recv_bytes at send[i] / recv[i], on the devices
+// its descriptors name; null or 0 bytes: none) is far from `device`. With
+// `scratch` null: only `bytes`. Else `scratch` (that long, on `device`)
+// holds the mirrors, whose places replace the far pointers in *send and
+// *recv.
+Mirrors Mirror(const std::vector<DeviceRankBuffers>& ranks, int device,
+               const std::vector<bool>& send_far, const std::vector<bool>& recv_far,
+               uint8_t* scratch, std::vector<uint8_t*>* send, std::vector<uint8_t*>* recv);
 
 // A multi-node operation's node buffer on the GPU (staged_buffer.h's
 // contract), laid out for this node's ranks: how large it is, whose memory

@@ -97,8 +97,97 @@ void RunOnHost(const std::vector<DeviceStep>& steps, const OpSignature& sig) {
         ASSERT_GT(s.bytes, 0u);
         std::memcpy(s.to, s.from, s.bytes);
         break;
+      case Kind::kPeerCopy:
+        ADD_FAILURE() << "a copy between devices among the operation's own steps";
+        break;
     }
   }
+}
+
+// Which of the ranks' buffers the tests take as far from the operation's
+// device (device 0; far buffers are on device 1): the runner mirrors those.
+enum class Far { kNone, kAllButRank0, kAll };
+Far g_far = Far::kNone;
+
+bool IsFar(int rank) { return g_far == Far::kAll || (g_far == Far::kAllButRank0 && rank != 0); }
+
+// A plan as the runner makes it: the far buffers mirrored in scratch (host
+// memory here), the steps planned on the mirrors.
+struct Planned {
+  std::vector<DeviceStep> steps;
+  Mirrors mirrors;
+  std::vector<uint8_t> scratch;
+  size_t size() const { return steps.size(); }
+};
+
+bool Inside(const uint8_t* p, const uint8_t* base, size_t bytes) {
+  return base != nullptr && p >= base && p < base + bytes;
+}
+
+absl::StatusOr<Planned> Plan(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
+                             std::vector<uint8_t*> send, std::vector<uint8_t*> recv) {
+  const size_t world = ranks.size();
+  std::vector<bool> far(world);
+  for (size_t r = 0; r < world; ++r) {
+    far[r] = IsFar(static_cast<int>(r));
+    ranks[r].send.device = ranks[r].recv.device = far[r] ? 1 : 0;
+  }
+  const std::vector<uint8_t*> original_send = send, original_recv = recv;
+  Planned p;
+  const size_t bytes = Mirror(ranks, 0, far, far, nullptr, &send, &recv).bytes;
+  EXPECT_EQ(send, original_send) << "sizing changed the pointers";
+  p.scratch.assign(bytes, 0x5a);
+  p.mirrors = Mirror(ranks, 0, far, far, p.scratch.data(), &send, &recv);
+  EXPECT_EQ(p.mirrors.bytes, bytes);
+  for (const DeviceStep& s : p.mirrors.in) {
+    EXPECT_EQ(s.kind, Kind::kPeerCopy);
+    EXPECT_EQ(s.from_device, 1);
+    EXPECT_EQ(s.to_device, 0);
+    EXPECT_TRUE(Inside(s.to, p.scratch.data(), bytes));
+    EXPECT_EQ((s.to - p.scratch.data()) % 256, 0) << "a mirror aligned less than cudaMalloc's";
+  }
+  for (const DeviceStep& s : p.mirrors.out) {
+    EXPECT_EQ(s.from_device, 0);
+    EXPECT_EQ(s.to_device, 1);
+    EXPECT_TRUE(Inside(s.from, p.scratch.data(), bytes));
+  }
+  auto steps = PlanSingleNode(sig, ranks, send, recv);
+  if (!steps.ok()) return steps.status();
+  p.steps = std::move(*steps);
+  // The operation's own steps never touch far memory (kernels there could
+  // not read it).
+  auto near = [&](const uint8_t* q) {
+    for (size_t r = 0; r < world; ++r) {
+      if (!far[r]) continue;
+      if (Inside(q, original_send[r], ranks[r].send_bytes) ||
+          Inside(q, original_recv[r], ranks[r].recv_bytes)) {
+        return false;
+      }
+    }
+    return true;
+  };
+  for (const DeviceStep& s : p.steps) {
+    for (const uint8_t* q : s.inputs) EXPECT_TRUE(near(q)) << "a step reads far memory";
+    for (const uint8_t* q : s.outputs) EXPECT_TRUE(near(q)) << "a step writes far memory";
+    if (s.kind == Kind::kCopy) {
+      EXPECT_TRUE(near(s.from) && near(s.to)) << "a far copy";
+    }
+  }
+  return p;
+}
+
+void CopyBetweenDevices(const std::vector<DeviceStep>& steps) {
+  for (const DeviceStep& s : steps) {
+    ASSERT_EQ(s.kind, Kind::kPeerCopy);
+    ASSERT_GT(s.bytes, 0u);
+    std::memcpy(s.to, s.from, s.bytes);
+  }
+}
+
+void RunOnHost(const Planned& p, const OpSignature& sig) {
+  CopyBetweenDevices(p.mirrors.in);
+  RunOnHost(p.steps, sig);
+  CopyBetweenDevices(p.mirrors.out);
 }
 
 // The ranks' buffers: send (null where `no_send(r)`) and recv, each with a
@@ -149,7 +238,22 @@ const wire::DataType kTypes[] = {wire::DataType::kFloat32, wire::DataType::kFloa
                                  wire::DataType::kInt32, wire::DataType::kInt8};
 const size_t kSizes[] = {0, 1, 7, 1000};
 
-TEST(DevicePlanTest, ReductionsMatchThePlainLoop) {
+// Every plan with the ranks' buffers near the operation's device, with
+// every rank's but rank 0's far (mirrored), and with all of them far.
+class DevicePlanFarTest : public testing::TestWithParam<Far> {
+ protected:
+  void SetUp() override { g_far = GetParam(); }
+  void TearDown() override { g_far = Far::kNone; }
+};
+INSTANTIATE_TEST_SUITE_P(Buffers, DevicePlanFarTest,
+                         testing::Values(Far::kNone, Far::kAllButRank0, Far::kAll),
+                         [](const testing::TestParamInfo<Far>& i) {
+                           return i.param == Far::kNone          ? std::string("Near")
+                                  : i.param == Far::kAllButRank0 ? std::string("FarButRank0")
+                                                                 : std::string("AllFar");
+                         });
+
+TEST_P(DevicePlanFarTest, ReductionsMatchThePlainLoop) {
   for (int world : {1, 2, 3}) {
     for (auto t : kTypes) {
       for (auto op : {wire::ReduceOp::kSum, wire::ReduceOp::kMax}) {
@@ -167,7 +271,7 @@ TEST(DevicePlanTest, ReductionsMatchThePlainLoop) {
             }
             std::vector<uint8_t*> send = in_place ? b.recv_ptr : b.send_ptr;
             const OpSignature ar = Sig(wire::Collective::kAllreduce, t, op, n);
-            auto plan = PlanSingleNode(ar, Ranks(world, n * es, n * es), send, b.recv_ptr);
+            auto plan = Plan(ar, Ranks(world, n * es, n * es), send, b.recv_ptr);
             ASSERT_TRUE(plan.ok()) << plan.status();
             EXPECT_EQ(plan->size(), n == 0 ? 0u : 1u);
             RunOnHost(*plan, ar);
@@ -190,7 +294,7 @@ TEST(DevicePlanTest, ReductionsMatchThePlainLoop) {
               for (size_t i = 0; i < n * world; ++i) Put(t, s.send_ptr[r], i, Value(r, i));
             }
             const OpSignature rs = Sig(wire::Collective::kReduceScatter, t, op, n);
-            plan = PlanSingleNode(rs, Ranks(world, n * es * world, n * es), s.send_ptr, s.recv_ptr);
+            plan = Plan(rs, Ranks(world, n * es * world, n * es), s.send_ptr, s.recv_ptr);
             ASSERT_TRUE(plan.ok()) << plan.status();
             RunOnHost(*plan, rs);
             for (int owner = 0; owner < world; ++owner) {
@@ -212,7 +316,7 @@ TEST(DevicePlanTest, ReductionsMatchThePlainLoop) {
   }
 }
 
-TEST(DevicePlanTest, MovesMatchThePlainLoop) {
+TEST_P(DevicePlanFarTest, MovesMatchThePlainLoop) {
   for (int world : {1, 2, 3}) {
     for (auto t : kTypes) {
       for (size_t n : kSizes) {
@@ -229,7 +333,7 @@ TEST(DevicePlanTest, MovesMatchThePlainLoop) {
             for (size_t i = 0; i < n; ++i) Put(t, send[r], i, Value(r, i));
           }
           const OpSignature ag = Sig(wire::Collective::kAllgather, t, wire::ReduceOp::kSum, n);
-          auto plan = PlanSingleNode(ag, Ranks(world, block, block * world), send, b.recv_ptr);
+          auto plan = Plan(ag, Ranks(world, block, block * world), send, b.recv_ptr);
           ASSERT_TRUE(plan.ok()) << plan.status();
           // In place, a rank's own block is not copied.
           EXPECT_EQ(plan->size(),
@@ -259,7 +363,7 @@ TEST(DevicePlanTest, MovesMatchThePlainLoop) {
           ranks[root].send_bytes = block;
           const OpSignature bc =
               Sig(wire::Collective::kBroadcast, t, wire::ReduceOp::kSum, n, root);
-          auto plan = PlanSingleNode(bc, ranks, send, b.recv_ptr);
+          auto plan = Plan(bc, ranks, send, b.recv_ptr);
           ASSERT_TRUE(plan.ok()) << plan.status();
           RunOnHost(*plan, bc);
           for (int r = 0; r < world; ++r) {
@@ -276,8 +380,7 @@ TEST(DevicePlanTest, MovesMatchThePlainLoop) {
             for (size_t i = 0; i < n * world; ++i) Put(t, b.send_ptr[r], i, Value(r, i));
           }
           const OpSignature a2a = Sig(wire::Collective::kAlltoall, t, wire::ReduceOp::kSum, n);
-          auto plan = PlanSingleNode(a2a, Ranks(world, block * world, block * world), b.send_ptr,
-                                     b.recv_ptr);
+          auto plan = Plan(a2a, Ranks(world, block * world, block * world), b.send_ptr, b.recv_ptr);
           ASSERT_TRUE(plan.ok()) << plan.status();
           RunOnHost(*plan, a2a);
           for (int to = 0; to < world; ++to) {
@@ -298,7 +401,7 @@ TEST(DevicePlanTest, MovesMatchThePlainLoop) {
 // Alltoallv: rank i sends rank j counts(i, j) elements, pieces back to back
 // in rank order on both sides; uneven, with empty pieces and ranks that send
 // or receive nothing at all.
-TEST(DevicePlanTest, AlltoallvMatchesThePlainLoop) {
+TEST_P(DevicePlanFarTest, AlltoallvMatchesThePlainLoop) {
   using Counts = std::function<uint64_t(int, int)>;
   const std::vector<std::pair<const char*, Counts>> shapes = {
       {"even", [](int, int) { return uint64_t{3}; }},
@@ -339,7 +442,7 @@ TEST(DevicePlanTest, AlltoallvMatchesThePlainLoop) {
           for (size_t i = 0; i < out; ++i) Put(t, send[r].data(), i, Value(r, i));
         }
         const OpSignature v = Sig(wire::Collective::kAlltoallv, t, wire::ReduceOp::kSum, 0);
-        auto plan = PlanSingleNode(v, ranks, send_ptr, recv_ptr);
+        auto plan = Plan(v, ranks, send_ptr, recv_ptr);
         ASSERT_TRUE(plan.ok()) << plan.status();
         RunOnHost(*plan, v);
         for (int to = 0; to < world; ++to) {

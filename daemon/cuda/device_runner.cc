@@ -224,6 +224,11 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     // are unused).
     std::vector<size_t> input_sizes;
     std::vector<size_t> output_sizes;
+    // Ranks' buffers far from `device` (no peer access): mirrored in
+    // `scratch` (allocated on `stream`), copied in by CopyIn and the
+    // receive buffers back by Finish.
+    Mirrors mirrors;
+    uint8_t* scratch = nullptr;
     Holds holds;  // the ranks' mappings and sessions (their events)
     std::shared_ptr<DeviceResiduals> residuals;  // the job's error feedback
   };
@@ -237,9 +242,18 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (p_.owns_node) cudaFreeAsync(p_.node, p_.stream);
+    if (p_.scratch != nullptr) cudaFreeAsync(p_.scratch, p_.stream);
     cudaStreamDestroy(p_.stream);
     cudaGetLastError();
     // Then the pinned slots go back to the pool and the handles may close.
+  }
+
+  // The far buffers into their mirrors: once the ranks' streams have
+  // reached the submission, before anything else of the operation.
+  absl::Status CopyIn() {
+    if (p_.mirrors.in.empty()) return absl::OkStatus();
+    if (absl::Status s = Current(); !s.ok()) return s;
+    return CopyBetweenDevices(p_.mirrors.in);
   }
 
   absl::Status ReduceLocal(wire::ReduceOp op) override {
@@ -327,6 +341,7 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
                             "cudaMemcpyAsync device to device (result to the ranks)");
       if (!s.ok()) return s;
     }
+    if (absl::Status s = CopyBetweenDevices(p_.mirrors.out); !s.ok()) return s;
     return Drain();
   }
   absl::Status Drain() override {
@@ -353,6 +368,16 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
  private:
   absl::Status Current() {
     return Cuda(cudaSetDevice(p_.device), absl::StrCat("cudaSetDevice(", p_.device, ")"));
+  }
+  absl::Status CopyBetweenDevices(const std::vector<DeviceStep>& copies) {
+    for (const DeviceStep& c : copies) {
+      absl::Status s =
+          Cuda(cudaMemcpyPeerAsync(c.to, c.to_device, c.from, c.from_device, c.bytes, p_.stream),
+               absl::StrCat("cudaMemcpyPeerAsync from device ", c.from_device, " to device ",
+                            c.to_device, " (a buffer mirrored)"));
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
   }
   absl::Status Check(int slot, size_t slot_offset, size_t offset, size_t bytes) {
     const size_t total = p_.count * wire::DataTypeSize(static_cast<uint32_t>(p_.dtype));
@@ -448,6 +473,10 @@ class CudaDeviceRunner final : public DeviceRunner {
                  done = std::move(done)]() mutable {
       StageOnSubmit(sig, world, ranks, job, deadline, std::move(done));
     });
+  }
+
+  void FailJob(const std::string& job, const absl::Status& why) override {
+    tasks_.Push([this, job, why] { gate_.FailLane(job, why); });
   }
 
   void EndJob(const std::string& job) override {
@@ -578,7 +607,19 @@ class CudaDeviceRunner final : public DeviceRunner {
     int device = 0;
     cudaStream_t stream = nullptr;  // null: nothing to do
     std::vector<DeviceStep> steps;
+    // Buffers far from `device` (no peer access): mirrored in `scratch`
+    // (allocated on `stream`, freed there after the work or when the
+    // operation does not run).
+    Mirrors mirrors;
+    uint8_t* scratch = nullptr;
     Holds holds;  // the ranks' mappings and sessions (their events)
+    void FreeScratch() {
+      if (scratch == nullptr) return;
+      cudaSetDevice(device);
+      cudaFreeAsync(scratch, stream);
+      cudaGetLastError();
+      scratch = nullptr;
+    }
   };
 
   void RunOnSubmit(const OpSignature& sig, const std::vector<DeviceRankBuffers>& ranks,
@@ -589,6 +630,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     std::vector<ReadyGate::Wait> waits;
     absl::Status s = Prepare(ranks, job, run.get(), &waits);
     if (!s.ok()) {
+      run->FreeScratch();
       // Nothing enqueued: no event to wait for.
       Completion c;
       c.status = s;
@@ -608,6 +650,7 @@ class CudaDeviceRunner final : public DeviceRunner {
       if (ready.ok()) {
         if (run->stream != nullptr) Launch(*run, &c);  // else it moves nothing
       } else {
+        run->FreeScratch();
         c.status = ready;
       }
       c.holds = std::move(run->holds);
@@ -621,11 +664,14 @@ class CudaDeviceRunner final : public DeviceRunner {
   // failure, c->status; whatever was enqueued must be over before the ranks
   // hear of it (they may reuse their buffers then): the completion thread
   // then waits for a fresh event behind it.
-  void Launch(const PreparedRun& run, Completion* c) {
+  void Launch(PreparedRun& run, Completion* c) {
     c->device = run.device;
     absl::Status s =
         Cuda(cudaSetDevice(run.device), absl::StrCat("cudaSetDevice(", run.device, ")"));
-    if (s.ok()) s = Steps(run);
+    if (s.ok()) s = Steps(run.sig, run.mirrors.in, run.stream);
+    if (s.ok()) s = Steps(run.sig, run.steps, run.stream);
+    if (s.ok()) s = Steps(run.sig, run.mirrors.out, run.stream);
+    run.FreeScratch();  // after the work, on its stream
     if (s.ok()) s = Finish(run.stream, &c->event);
     if (s.ok()) return;
     if (c->event != nullptr) cudaEventDestroy(c->event);
@@ -638,11 +684,12 @@ class CudaDeviceRunner final : public DeviceRunner {
     cudaGetLastError();
   }
 
-  absl::Status Steps(const PreparedRun& run) {
-    const OpSignature& sig = run.sig;
+  // Enqueues `steps` of an operation `sig` on `stream` (current).
+  static absl::Status Steps(const OpSignature& sig, const std::vector<DeviceStep>& steps,
+                            cudaStream_t stream) {
     const auto dtype = static_cast<wire::DataType>(sig.dtype);
     const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
-    for (const DeviceStep& step : run.steps) {
+    for (const DeviceStep& step : steps) {
       absl::Status s;
       std::vector<const void*> inputs(step.inputs.begin(), step.inputs.end());
       std::vector<void*> outputs(step.outputs.begin(), step.outputs.end());
@@ -650,16 +697,22 @@ class CudaDeviceRunner final : public DeviceRunner {
         case DeviceStep::Kind::kReduceToAll:
           s = gpu::DeviceReduceToAll(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
                                      outputs.data(), static_cast<int>(outputs.size()), sig.count,
-                                     run.stream);
+                                     stream);
           break;
         case DeviceStep::Kind::kReduce:
           s = gpu::DeviceReduce(dtype, op, inputs.data(), static_cast<int>(inputs.size()),
-                                outputs[0], sig.count, run.stream);
+                                outputs[0], sig.count, stream);
           break;
         case DeviceStep::Kind::kCopy:
           s = Cuda(
-              cudaMemcpyAsync(step.to, step.from, step.bytes, cudaMemcpyDeviceToDevice, run.stream),
+              cudaMemcpyAsync(step.to, step.from, step.bytes, cudaMemcpyDeviceToDevice, stream),
               "cudaMemcpyAsync device to device");
+          break;
+        case DeviceStep::Kind::kPeerCopy:
+          s = Cuda(cudaMemcpyPeerAsync(step.to, step.to_device, step.from, step.from_device,
+                                       step.bytes, stream),
+                   absl::StrCat("cudaMemcpyPeerAsync from device ", step.from_device, " to device ",
+                                step.to_device, " (a buffer mirrored)"));
           break;
       }
       if (!s.ok()) return s;
@@ -688,28 +741,59 @@ class CudaDeviceRunner final : public DeviceRunner {
 
     std::vector<uint8_t*> send(world, nullptr);
     std::vector<uint8_t*> recv(world, nullptr);
+    std::vector<bool> send_far(world, false), recv_far(world, false);
     for (int r = 0; r < world; ++r) {
       const DeviceRankBuffers& b = ranks[r];
       if (b.recv_bytes == 0 && !v_splits) {
         return absl::InternalError(absl::StrCat("rank ", r, " has no receive buffer"));
       }
+      bool far = false;
       if (b.send_bytes > 0) {
-        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send", &run->holds);
+        auto p =
+            OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send", &run->holds, &far);
         if (!p.ok()) return p.status();
         send[r] = *p;
+        send_far[r] = far;
       }
       if (b.recv_bytes > 0) {  // alltoallv may receive nothing
-        auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", &run->holds);
+        auto p =
+            OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", &run->holds, &far);
         if (!p.ok()) return p.status();
         recv[r] = *p;
+        recv_far[r] = far;
       }
       run->holds.push_back(sessions_[b.session_id]);  // its events
       if (absl::Status s = WaitsForRank(b, r, device, waits); !s.ok()) return s;
     }
+    run->stream = *stream;  // from here on, a failure frees the scratch there
+    if (absl::Status s = MirrorFar(ranks, device, send_far, recv_far, *stream, &run->scratch,
+                                   &run->mirrors, &send, &recv);
+        !s.ok()) {
+      return s;
+    }
     auto plan = PlanSingleNode(sig, ranks, send, recv);
     if (!plan.ok()) return plan.status();
     run->steps = std::move(*plan);
-    run->stream = *stream;
+    return absl::OkStatus();
+  }
+
+  // Where buffers are far from `device` (current): scratch for their
+  // mirrors allocated on `stream` (*scratch) and the pointers replaced
+  // (device_plan.h's Mirror).
+  static absl::Status MirrorFar(const std::vector<DeviceRankBuffers>& ranks, int device,
+                                const std::vector<bool>& send_far,
+                                const std::vector<bool>& recv_far, cudaStream_t stream,
+                                uint8_t** scratch, Mirrors* mirrors, std::vector<uint8_t*>* send,
+                                std::vector<uint8_t*>* recv) {
+    const size_t bytes = Mirror(ranks, device, send_far, recv_far, nullptr, send, recv).bytes;
+    if (bytes == 0) return absl::OkStatus();
+    void* p = nullptr;
+    absl::Status s = Cuda(cudaMallocAsync(&p, bytes, stream),
+                          absl::StrCat("cudaMallocAsync of ", bytes,
+                                       " bytes (mirrors of buffers without peer access)"));
+    if (!s.ok()) return s;
+    *scratch = static_cast<uint8_t*>(p);
+    *mirrors = Mirror(ranks, device, send_far, recv_far, *scratch, send, recv);
     return absl::OkStatus();
   }
 
@@ -792,11 +876,12 @@ class CudaDeviceRunner final : public DeviceRunner {
                      const std::string& job, Clock::time_point deadline,
                      std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) {
     std::vector<ReadyGate::Wait> waits;
-    absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> buffer =
+    absl::StatusOr<std::shared_ptr<CudaStagedBuffer>> buffer =
         Build(sig, world, ranks, job, &waits);
-    // Even without waits through the gate: the job's operations reach the
-    // ClusterJob in the order submitted.
-    if (!buffer.ok()) return done(std::move(buffer));
+    // Even without waits through the gate: the job's staged buffers reach
+    // the ClusterJob in the order submitted. (One that could not be built
+    // fails at once, ahead of the job's held ones: it goes nowhere.)
+    if (!buffer.ok()) return done(buffer.status());
     ReadyGate::Entry e;
     e.lane = job;
     e.waits = std::move(waits);
@@ -806,11 +891,12 @@ class CudaDeviceRunner final : public DeviceRunner {
       // Failed: the buffer goes first (on the submit thread; its stream
       // holds nothing of the ranks'), and with it the ranks' mappings,
       // before they hear (they may free their buffers then).
+      if (ready.ok()) ready = buffer->CopyIn();
       if (!ready.ok()) {
         buffer.reset();
         return done(ready);
       }
-      done(std::move(buffer));
+      done(std::shared_ptr<StagedNodeBuffer>(std::move(buffer)));
     };
     gate_.Add(std::move(e));
     gate_.Poll(Clock::now());  // streams already there: at once
@@ -819,7 +905,7 @@ class CudaDeviceRunner final : public DeviceRunner {
   // The staged buffer of an operation, its ranks' buffers opened; the waits
   // for their streams go to *waits (nothing on the buffer's stream waits
   // for them).
-  absl::StatusOr<std::shared_ptr<StagedNodeBuffer>> Build(
+  absl::StatusOr<std::shared_ptr<CudaStagedBuffer>> Build(
       const OpSignature& sig, int world, const std::vector<DeviceRankBuffers>& ranks,
       const std::string& job, std::vector<ReadyGate::Wait>* waits) {
     CudaStagedBuffer::Parts parts;
@@ -840,30 +926,40 @@ class CudaDeviceRunner final : public DeviceRunner {
     // Until the buffer owns it, a failure drops the stream. Nothing on it
     // reads or writes a rank's memory: no need to wait for it.
     auto fail = [&parts](absl::Status why) {
+      if (parts.scratch != nullptr) cudaFreeAsync(parts.scratch, parts.stream);
       cudaStreamDestroy(parts.stream);
       cudaGetLastError();
       return why;
     };
-    std::vector<const void*> send(ranks.size(), nullptr);
-    std::vector<void*> recv(ranks.size(), nullptr);  // alltoallv may receive nothing
-    for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
+    const size_t n = ranks.size();
+    std::vector<uint8_t*> send(n, nullptr);
+    std::vector<uint8_t*> recv(n, nullptr);  // alltoallv may receive nothing
+    std::vector<bool> send_far(n, false), recv_far(n, false);
+    for (int r = 0; r < static_cast<int>(n); ++r) {
       const DeviceRankBuffers& b = ranks[r];
+      bool far = false;
       if (b.recv_bytes > 0 || !v_splits) {
-        auto p =
-            OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv", &parts.holds);
+        auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv",
+                            &parts.holds, &far);
         if (!p.ok()) return fail(p.status());
         recv[r] = *p;
+        recv_far[r] = far;
       }
       if (b.send_bytes > 0) {
-        auto p =
-            OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send", &parts.holds);
+        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send",
+                            &parts.holds, &far);
         if (!p.ok()) return fail(p.status());
         send[r] = *p;
+        send_far[r] = far;
       }
       if (s = WaitsForRank(b, r, parts.device, waits); !s.ok()) return fail(s);
       parts.holds.push_back(sessions_[b.session_id]);  // its events
     }
-    auto pointers = PointersFor(sig, layout, send, recv);
+    s = MirrorFar(ranks, parts.device, send_far, recv_far, parts.stream, &parts.scratch,
+                  &parts.mirrors, &send, &recv);
+    if (!s.ok()) return fail(s);
+    auto pointers = PointersFor(sig, layout, std::vector<const void*>(send.begin(), send.end()),
+                                std::vector<void*>(recv.begin(), recv.end()));
     if (!pointers.ok()) return fail(pointers.status());
     for (const void* in : pointers->inputs) parts.inputs.push_back(in);
     for (void* out : pointers->outputs) parts.outputs.push_back(static_cast<uint8_t*>(out));
@@ -900,27 +996,34 @@ class CudaDeviceRunner final : public DeviceRunner {
   }
 
   // Rank `rank`'s buffer of `bytes` bytes described by `d` (validated), as a
-  // pointer usable on `device`; its mapping is added to `holds`.
+  // pointer; its mapping is added to `holds`. *far: `device` (current, the
+  // operation's) has no peer access to the buffer's device, whose memory
+  // its kernels then cannot read: the buffer is opened there and reached
+  // by copies only (mirrored, device_plan.h). Else the kernels on `device`
+  // may read it (peer access enabled).
   absl::StatusOr<uint8_t*> OpenBuffer(uint64_t session_id, const wire::DeviceBufferDescriptor& d,
-                                      uint64_t bytes, int device, int rank,
-                                      absl::string_view what, Holds* holds) {
+                                      uint64_t bytes, int device, int rank, absl::string_view what,
+                                      Holds* holds, bool* far) {
     const std::string who = absl::StrCat("rank ", rank, "'s ", what, " buffer");
+    *far = false;
+    if (d.device != device) {
+      auto reach = Reach(device, d.device);
+      if (!reach.ok()) return reach.status();
+      *far = !*reach;
+    }
     auto& cache = Session(session_id).memory;
     const IpcBytes key = BytesOf(d.memory_handle);
     auto it = cache.find(key);
     if (it == cache.end()) {
-      if (d.device != device) {
-        int can = 0;
-        cudaError_t e = cudaDeviceCanAccessPeer(&can, device, d.device);
-        if (e != cudaSuccess) return Cuda(e, "cudaDeviceCanAccessPeer");
-        if (!can) {
-          return absl::UnimplementedError(absl::StrCat(
-              who, " is on device ", d.device, ", which device ", device,
-              " (the operation's) cannot reach (no peer access); ranks on such devices are not "
-              "supported yet"));
-        }
+      // A far buffer is opened on its own device (without peer access
+      // there is no mapping of it on `device`).
+      if (*far) {
+        absl::Status s =
+            Cuda(cudaSetDevice(d.device), absl::StrCat("cudaSetDevice(", d.device, ")"));
+        if (!s.ok()) return s;
       }
       auto m = Open(d, who);
+      if (*far) cudaSetDevice(device);
       if (!m.ok()) return m.status();
       it = cache.emplace(key, std::move(*m)).first;
     }
@@ -1003,6 +1106,28 @@ class CudaDeviceRunner final : public DeviceRunner {
     return m;
   }
 
+  // Whether kernels on `device` (current) may read memory of `peer`: peer
+  // access, enabled the first time (for every mapping, wherever it was
+  // opened). False: copies only.
+  absl::StatusOr<bool> Reach(int device, int peer) {
+    auto known = reach_.find({device, peer});
+    if (known != reach_.end()) return known->second;
+    int can = 0;
+    cudaError_t e = cudaDeviceCanAccessPeer(&can, device, peer);
+    if (e != cudaSuccess) return Cuda(e, "cudaDeviceCanAccessPeer");
+    if (can) {
+      e = cudaDeviceEnablePeerAccess(peer, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else if (e != cudaSuccess) {
+        return Cuda(e, absl::StrCat("cudaDeviceEnablePeerAccess from device ", device,
+                                    " to device ", peer));
+      }
+    }
+    reach_[{device, peer}] = can != 0;
+    return can != 0;
+  }
+
   // Closes every mapping that only a session's cache holds.
   void DropIdleMappings() {
     for (auto& [id, session] : sessions_) {
@@ -1049,6 +1174,8 @@ class CudaDeviceRunner final : public DeviceRunner {
   std::map<uint64_t, std::shared_ptr<SessionHandles>> sessions_;
   // Operations waiting for their ranks' streams (per job: in order).
   ReadyGate gate_;
+  // (operation's device, buffer's device): peer access (enabled), or none.
+  std::map<std::pair<int, int>, bool> reach_;
   // Error feedback kept on the device, per job (EndJob drops the runner's
   // hold; the memory goes with the job's last staged buffer).
   std::map<std::string, std::shared_ptr<DeviceResiduals>> residuals_;

@@ -6,7 +6,8 @@
 // memory and event handles (once per session and handle, kept until
 // CloseSession), picks the device of rank 0's receive buffer and works on
 // a stream of the job's own there (other ranks' memory is reached through
-// peer access; devices without it are an error), and holds the operation
+// peer access; buffers on devices without it are mirrored in memory there,
+// copied in and back with cudaMemcpyPeerAsync), and holds the operation
 // in its ReadyGate (ready_gate.h) until each rank's IPC event (the
 // trainer's stream, up to the submission) has completed, asking
 // cudaEventQuery on the host: only then is the work enqueued
@@ -105,6 +106,9 @@ class DeviceRunner {
       const OpSignature& sig, int world, std::vector<DeviceRankBuffers> ranks,
       const std::string& job, Clock::time_point deadline,
       std::function<void(absl::StatusOr<std::shared_ptr<StagedNodeBuffer>>)> done) = 0;
+  // The job has failed (`why`): its operations still held for their ranks'
+  // streams fail with it at once.
+  virtual void FailJob(const std::string& job, const absl::Status& why) = 0;
   // The job has ended: its residuals go once its last staged buffer has;
   // its operations still held for their ranks' streams fail.
   virtual void EndJob(const std::string& job) = 0;

@@ -45,7 +45,30 @@ size_t ReadyGate::Poll(Clock::time_point now) {
         }
       }
       if (verdict.ok() && !ready) {
-        if (now < h.entry.deadline) break;  // the lane waits for its head
+        if (now < h.entry.deadline) {
+          // The lane waits for its head; those behind it past their own
+          // deadlines fail (nothing of them was enqueued either).
+          for (auto it = std::next(q.begin()); it != q.end();) {
+            if (now < it->entry.deadline) {
+              ++it;
+              continue;
+            }
+            const auto ms =
+                std::chrono::duration_cast<std::chrono::milliseconds>(now - it->entry.added)
+                    .count();
+            decided.emplace_back(
+                std::move(it->entry.pass),
+                absl::DeadlineExceededError(About(
+                    it->entry.what,
+                    absl::StrCat("timed out after ", ms,
+                                 " ms behind an earlier operation of its job that waits for its "
+                                 "ranks' streams to reach its submission; nothing of the "
+                                 "operation ran"))));
+            it = q.erase(it);
+            --held_;
+          }
+          break;
+        }
         std::vector<std::string> late;
         for (size_t i = h.next_wait; i < h.entry.waits.size(); ++i) {
           late.push_back(h.entry.waits[i].who);

@@ -67,8 +67,9 @@ class ReadyGate {
   // Passes or fails what can be decided at `now`: the head of each lane,
   // and the next one when a head is gone. An entry's waits are asked in
   // order, each until reached. Fails an entry past its deadline with
-  // DEADLINE_EXCEEDED naming the streams not reached; one whose wait
-  // reports an error, with that error. Returns how many entries are held.
+  // DEADLINE_EXCEEDED naming the streams not reached (behind a head still
+  // held: saying so); one whose wait reports an error, with that error.
+  // Returns how many entries are held.
   size_t Poll(Clock::time_point now);
 
   // Fails every held entry that names `session`, in lane order, with `why`

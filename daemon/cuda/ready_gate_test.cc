@@ -141,6 +141,33 @@ TEST(ReadyGateTest, AHeadPastItsDeadlineFailsNamingTheStreamsNotReachedAndTheNex
   EXPECT_TRUE(log.told[1].second.ok());
 }
 
+TEST(ReadyGateTest, AnEntryBehindAHeldHeadFailsAtItsOwnDeadline) {
+  ReadyGate gate;
+  Log log;
+  auto head = std::make_shared<Point>(), behind = std::make_shared<Point>();
+  behind->reached = true;
+  gate.Add(EntryOf("job", "head", &log, {WaitOn("rank 0's stream", head)}, kLater));
+  ReadyGate::Entry e =
+      EntryOf("job", "short", &log, {WaitOn("rank 0's stream", behind)}, kT0 + 50ms);
+  e.added = kT0;
+  gate.Add(std::move(e));
+  gate.Add(EntryOf("job", "long", &log, {WaitOn("rank 0's stream", behind)}, kLater));
+  EXPECT_EQ(gate.Poll(kT0 + 49ms), 3u);
+  EXPECT_EQ(gate.Poll(kT0 + 50ms), 2u);
+  ASSERT_EQ(log.told.size(), 1u);
+  EXPECT_EQ(log.told[0].first, "short");
+  EXPECT_EQ(log.told[0].second.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(log.told[0].second.message().find("behind an earlier operation"), std::string::npos)
+      << log.told[0].second;
+  EXPECT_EQ(behind->asked, 0);  // never asked: not at the head
+  head->reached = true;
+  EXPECT_EQ(gate.Poll(kT0 + 60ms), 0u);
+  ASSERT_EQ(log.told.size(), 3u);
+  EXPECT_EQ(log.told[1].first, "head");
+  EXPECT_EQ(log.told[2].first, "long");
+  EXPECT_TRUE(log.told[2].second.ok());
+}
+
 TEST(ReadyGateTest, AnEntryReachedAtItsDeadlinePasses) {
   ReadyGate gate;
   Log log;

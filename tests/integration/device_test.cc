@@ -439,6 +439,9 @@ TEST(DeviceBuffersTest, AStuckTrainerStreamTimesOutClearlyAndNothingRuns) {
     o.name = "stuck";
     o.stream = stream;
     o.timeout_ms = 500;
+    // Both ranks submit at about the same time (the deadline is the first
+    // submission's).
+    CHILD_CHECK(comm->Barrier().Wait().ok(), "barrier");
     const auto start = std::chrono::steady_clock::now();
     Status st = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, count,
                                 DataType::kFloat32, ReduceOp::kSum, o)
@@ -711,6 +714,7 @@ TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) {
         o.name = "stuck";
         o.stream = stream;
         o.timeout_ms = 1500;
+        CHILD_CHECK(comm.Barrier().Wait().ok(), "barrier");
         const auto start = std::chrono::steady_clock::now();
         Status st = comm.Allreduce(DeviceBuffer{mem.send, device}, DeviceBuffer{mem.recv, device},
                                    count, DataType::kFloat32, ReduceOp::kSum, o)

@@ -754,6 +754,7 @@ def cuda_busy_stream_times_out(ctx):
     dev = _cuda_device(ctx)
     t = torch.full((1000,), float(ctx.rank + 1), dtype=torch.float32, device=dev)
     torch.cuda.synchronize(dev)
+    ctx.comm.barrier(name=ctx.name("cuda.busy_barrier"))  # the deadline is the first submission's
     if ctx.rank == 1:
         torch.cuda._sleep(3_000_000_000)  # cycles, on the current stream
     start = time.monotonic()
