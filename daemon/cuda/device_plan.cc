@@ -216,19 +216,23 @@ Mirrors Mirror(const std::vector<DeviceRankBuffers>& ranks, int device,
     uint8_t* const send_at = (*send)[r];
     const bool has_recv = recv_at != nullptr && b.recv_bytes > 0;
     const bool has_send = send_at != nullptr && b.send_bytes > 0;
+    const bool inside_recv = has_send && has_recv && send_at >= recv_at &&
+                             static_cast<size_t>(send_at - recv_at) <= b.recv_bytes &&
+                             b.send_bytes <= b.recv_bytes - static_cast<size_t>(send_at - recv_at);
     if (has_recv && recv_far[r]) {
       const size_t at = place(b.recv_bytes);
       if (scratch != nullptr) {
-        copy(&m.in, scratch + at, device, recv_at, b.recv.device, b.recv_bytes);
+        // Every collective writes the whole receive buffer: its old
+        // contents matter only where the rank's input is in it (in place).
+        if (!has_send || inside_recv) {
+          copy(&m.in, scratch + at, device, recv_at, b.recv.device, b.recv_bytes);
+        }
         copy(&m.out, recv_at, b.recv.device, scratch + at, device, b.recv_bytes);
         (*recv)[r] = scratch + at;
       }
     }
     if (!has_send || !send_far[r]) continue;
-    const bool inside_recv = has_recv && recv_far[r] && send_at >= recv_at &&
-                             static_cast<size_t>(send_at - recv_at) <= b.recv_bytes &&
-                             b.send_bytes <= b.recv_bytes - static_cast<size_t>(send_at - recv_at);
-    if (inside_recv) {
+    if (inside_recv && recv_far[r]) {
       if (scratch != nullptr) (*send)[r] = (*recv)[r] + (send_at - recv_at);
       continue;
     }

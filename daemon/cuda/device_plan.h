@@ -45,9 +45,10 @@ absl::StatusOr<std::vector<DeviceStep>> PlanSingleNode(const OpSignature& sig,
 
 // Buffers on devices that the operation's device cannot reach (no peer
 // access between the two: kernels there cannot read them) are mirrored in
-// scratch memory on the operation's device: each copied in (kPeerCopy)
-// before the operation's steps, and each receive buffer copied back after
-// them (all of it: what the operation does not write goes back as it was).
+// scratch memory on the operation's device: each send buffer copied in
+// (kPeerCopy) before the operation's steps, a receive buffer too where the
+// rank works in place (every collective writes its whole receive buffer),
+// and each receive buffer copied back, whole, after them.
 // The steps, planned on the mirrors, never touch the far memory itself. A
 // send buffer inside its rank's receive buffer (in place) is mirrored as
 // that place in the receive buffer's mirror.

@@ -106,10 +106,26 @@ void RunOnHost(const std::vector<DeviceStep>& steps, const OpSignature& sig) {
 
 // Which of the ranks' buffers the tests take as far from the operation's
 // device (device 0; far buffers are on device 1): the runner mirrors those.
-enum class Far { kNone, kAllButRank0, kAll };
+// (kSendsButRank0 / kRecvsButRank0: only those buffers of every rank but
+// rank 0, as for a rank whose two buffers are on two devices.)
+enum class Far { kNone, kAllButRank0, kAll, kSendsButRank0, kRecvsButRank0 };
 Far g_far = Far::kNone;
 
-bool IsFar(int rank) { return g_far == Far::kAll || (g_far == Far::kAllButRank0 && rank != 0); }
+bool IsFar(int rank, bool send) {
+  switch (g_far) {
+    case Far::kNone:
+      return false;
+    case Far::kAllButRank0:
+      return rank != 0;
+    case Far::kAll:
+      return true;
+    case Far::kSendsButRank0:
+      return send && rank != 0;
+    case Far::kRecvsButRank0:
+      return !send && rank != 0;
+  }
+  return false;
+}
 
 // A plan as the runner makes it: the far buffers mirrored in scratch (host
 // memory here), the steps planned on the mirrors.
@@ -127,17 +143,23 @@ bool Inside(const uint8_t* p, const uint8_t* base, size_t bytes) {
 absl::StatusOr<Planned> Plan(const OpSignature& sig, std::vector<DeviceRankBuffers> ranks,
                              std::vector<uint8_t*> send, std::vector<uint8_t*> recv) {
   const size_t world = ranks.size();
-  std::vector<bool> far(world);
+  std::vector<bool> send_far(world), recv_far(world);
   for (size_t r = 0; r < world; ++r) {
-    far[r] = IsFar(static_cast<int>(r));
-    ranks[r].send.device = ranks[r].recv.device = far[r] ? 1 : 0;
+    recv_far[r] = IsFar(static_cast<int>(r), false);
+    // A send buffer in the receive buffer (in place) is that memory.
+    const bool in_recv = send[r] != nullptr && recv[r] != nullptr && send[r] >= recv[r] &&
+                         send[r] < recv[r] + ranks[r].recv_bytes;
+    send_far[r] = in_recv ? recv_far[r] : IsFar(static_cast<int>(r), true);
+    ranks[r].send.device = send_far[r] ? 1 : 0;
+    ranks[r].recv.device = recv_far[r] ? 1 : 0;
   }
   const std::vector<uint8_t*> original_send = send, original_recv = recv;
   Planned p;
-  const size_t bytes = Mirror(ranks, 0, far, far, nullptr, &send, &recv).bytes;
+  const size_t bytes = Mirror(ranks, 0, send_far, recv_far, nullptr, &send, &recv).bytes;
   EXPECT_EQ(send, original_send) << "sizing changed the pointers";
+  EXPECT_EQ(recv, original_recv) << "sizing changed the pointers";
   p.scratch.assign(bytes, 0x5a);
-  p.mirrors = Mirror(ranks, 0, far, far, p.scratch.data(), &send, &recv);
+  p.mirrors = Mirror(ranks, 0, send_far, recv_far, p.scratch.data(), &send, &recv);
   EXPECT_EQ(p.mirrors.bytes, bytes);
   for (const DeviceStep& s : p.mirrors.in) {
     EXPECT_EQ(s.kind, Kind::kPeerCopy);
@@ -158,14 +180,14 @@ absl::StatusOr<Planned> Plan(const OpSignature& sig, std::vector<DeviceRankBuffe
   // not read it).
   auto near = [&](const uint8_t* q) {
     for (size_t r = 0; r < world; ++r) {
-      if (!far[r]) continue;
-      if (Inside(q, original_send[r], ranks[r].send_bytes) ||
-          Inside(q, original_recv[r], ranks[r].recv_bytes)) {
+      if ((send_far[r] && Inside(q, original_send[r], ranks[r].send_bytes)) ||
+          (recv_far[r] && Inside(q, original_recv[r], ranks[r].recv_bytes))) {
         return false;
       }
     }
     return true;
   };
+
   for (const DeviceStep& s : p.steps) {
     for (const uint8_t* q : s.inputs) EXPECT_TRUE(near(q)) << "a step reads far memory";
     for (const uint8_t* q : s.outputs) EXPECT_TRUE(near(q)) << "a step writes far memory";
@@ -246,11 +268,22 @@ class DevicePlanFarTest : public testing::TestWithParam<Far> {
   void TearDown() override { g_far = Far::kNone; }
 };
 INSTANTIATE_TEST_SUITE_P(Buffers, DevicePlanFarTest,
-                         testing::Values(Far::kNone, Far::kAllButRank0, Far::kAll),
-                         [](const testing::TestParamInfo<Far>& i) {
-                           return i.param == Far::kNone          ? std::string("Near")
-                                  : i.param == Far::kAllButRank0 ? std::string("FarButRank0")
-                                                                 : std::string("AllFar");
+                         testing::Values(Far::kNone, Far::kAllButRank0, Far::kAll,
+                                         Far::kSendsButRank0, Far::kRecvsButRank0),
+                         [](const testing::TestParamInfo<Far>& i) -> std::string {
+                           switch (i.param) {
+                             case Far::kNone:
+                               return "Near";
+                             case Far::kAllButRank0:
+                               return "FarButRank0";
+                             case Far::kAll:
+                               return "AllFar";
+                             case Far::kSendsButRank0:
+                               return "SendsFarButRank0";
+                             case Far::kRecvsButRank0:
+                               return "RecvsFarButRank0";
+                           }
+                           return "?";
                          });
 
 TEST_P(DevicePlanFarTest, ReductionsMatchThePlainLoop) {

@@ -804,7 +804,7 @@ void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
   for (auto& [name, op] : job.pending) FailPendingOnLoop(job, *op, status);
   job.pending.clear();
   // Its device operations still waiting for their ranks' streams.
-  if (device_runner_) device_runner_->FailJob(job.key, status);
+  if (device_runner_) device_runner_->FailJob(job.key, job.failure);
   if (job.fast) job.fast->Abort(job.failure);
   if (job.cluster) job.cluster->Abort(status);  // its operations come back failed
 }

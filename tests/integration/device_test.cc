@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -410,6 +411,61 @@ std::vector<float> Download(const uint8_t* p, size_t count) {
   return v;
 }
 
+// Two ranks of a job on GPU 0 of one daemon, each with a stream of its own
+// and 4 MiB send and receive buffers whose first `count` floats hold
+// `send_value` (rank + 1 where negative) and -7; rank 1's stream is held
+// (HoldStream) until the body sets `release`. The body (0: fine) must set
+// it; each rank's exit code is expected to be 0, the daemon to stop cleanly.
+struct StuckRank {
+  int rank = 0;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<Communicator> comm;
+  DeviceMemory mem;
+  std::atomic<bool> release{false};
+};
+constexpr size_t kStuckCount = 1000;
+
+void RunWithRank1Stuck(const char* job_prefix, float send_value,
+                       const std::function<int(StuckRank&)>& body) {
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId(job_prefix);
+  constexpr int kWorld = 2;
+  auto codes = RunRanks(kWorld, [&](int rank) {
+    StuckRank me;
+    me.rank = rank;
+    CUDA_CHECK(cudaSetDevice(0));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&me.stream, cudaStreamNonBlocking));
+    me.comm = Join(daemon->socket(), job, rank, kWorld);
+    CHILD_CHECK(me.comm != nullptr, "join");
+    if (AllocateDeviceMemory(size_t{4} << 20, &me.mem) != 0) return 1;
+    std::vector<float> mine(kStuckCount, send_value < 0 ? rank + 1.0f : send_value);
+    std::vector<float> sentinel(kStuckCount, -7.0f);
+    CUDA_CHECK(cudaMemcpy(me.mem.send, mine.data(), kStuckCount * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(me.mem.recv, sentinel.data(), kStuckCount * 4, cudaMemcpyHostToDevice));
+    if (rank == 1) CUDA_CHECK(cudaLaunchHostFunc(me.stream, HoldStream, &me.release));
+    const int code = body(me);
+    me.release = true;
+    CUDA_CHECK(cudaStreamSynchronize(me.stream));
+    if (code != 0 || FreeDeviceMemory(&me.mem) != 0) return 1;
+    CUDA_CHECK(cudaStreamDestroy(me.stream));
+    return 0;
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (::testing::Test::HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+Handle AllreduceOn(StuckRank& me, const OpOptions& o) {
+  return me.comm->Allreduce(DeviceBuffer{me.mem.send, 0}, DeviceBuffer{me.mem.recv, 0}, kStuckCount,
+                            DataType::kFloat32, ReduceOp::kSum, o);
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // A trainer whose stream never reaches its submission (here: held by a host
 // function) gets DEADLINE_EXCEEDED at the operation's timeout, naming its
 // stream, and so does the other rank; nothing of the operation ran (the
@@ -417,39 +473,20 @@ std::vector<float> Download(const uint8_t* p, size_t count) {
 // the job's next operation works.
 TEST(DeviceBuffersTest, AStuckTrainerStreamTimesOutClearlyAndNothingRuns) {
   SKIP_WITHOUT_GPU();
-  auto daemon = DaemonProcess::Start();
-  ASSERT_NE(daemon, nullptr);
-  const std::string job = UniqueJobId("stuck");
-  constexpr int kWorld = 2;
-  auto codes = RunRanks(kWorld, [&](int rank) {
-    CUDA_CHECK(cudaSetDevice(0));
-    cudaStream_t stream = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto comm = Join(daemon->socket(), job, rank, kWorld);
-    CHILD_CHECK(comm != nullptr, "join");
-    DeviceMemory mem;
-    if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
-    const size_t count = 1000;
-    std::vector<float> mine(count, static_cast<float>(rank + 1)), sentinel(count, -7.0f);
-    CUDA_CHECK(cudaMemcpy(mem.send, mine.data(), count * 4, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(mem.recv, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
-    std::atomic<bool> release{false};
-    if (rank == 1) CUDA_CHECK(cudaLaunchHostFunc(stream, HoldStream, &release));
+  RunWithRank1Stuck("stuck", -1, [](StuckRank& me) {
+    const int rank = me.rank;
     OpOptions o;
     o.name = "stuck";
-    o.stream = stream;
+    o.stream = me.stream;
     o.timeout_ms = 500;
     // Both ranks submit at about the same time (the deadline is the first
     // submission's).
-    CHILD_CHECK(comm->Barrier().Wait().ok(), "barrier");
+    CHILD_CHECK(me.comm->Barrier().Wait().ok(), "barrier");
     const auto start = std::chrono::steady_clock::now();
-    Status st = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, count,
-                                DataType::kFloat32, ReduceOp::kSum, o)
-                    .Wait();
-    const double took =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    release = true;
-    CUDA_CHECK(cudaStreamSynchronize(stream));
+    Status st = AllreduceOn(me, o).Wait();
+    const double took = SecondsSince(start);
+    me.release = true;
+    CUDA_CHECK(cudaStreamSynchronize(me.stream));
     CHILD_CHECK(st.code() == StatusCode::kDeadlineExceeded &&
                     st.message().find("operation 'stuck'") != std::string::npos &&
                     st.message().find("rank 1's stream") != std::string::npos &&
@@ -458,24 +495,16 @@ TEST(DeviceBuffersTest, AStuckTrainerStreamTimesOutClearlyAndNothingRuns) {
     CHILD_CHECK(took >= 0.4 && took < 20, "rank %d: failed after %.2f s (timeout 0.5 s)", rank,
                 took);
     usleep(100 * 1000);  // had anything been enqueued, it would have run by now
-    CHILD_CHECK(Download(mem.recv, count) == sentinel, "rank %d: the timed-out operation wrote",
-                rank);
+    CHILD_CHECK(Download(me.mem.recv, kStuckCount) == std::vector<float>(kStuckCount, -7.0f),
+                "rank %d: the timed-out operation wrote", rank);
     o.name = "after";
     o.timeout_ms = 0;
-    st = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, count,
-                         DataType::kFloat32, ReduceOp::kSum, o)
-             .Wait();
+    st = AllreduceOn(me, o).Wait();
     CHILD_CHECK(st.ok(), "rank %d: the next operation: %s", rank, st.ToString().c_str());
-    CHILD_CHECK(Download(mem.recv, count) == std::vector<float>(count, 3.0f),
+    CHILD_CHECK(Download(me.mem.recv, kStuckCount) == std::vector<float>(kStuckCount, 3.0f),
                 "rank %d: the next operation's result", rank);
-    if (FreeDeviceMemory(&mem) != 0) return 1;
-    CUDA_CHECK(cudaStreamDestroy(stream));
     return 0;
   });
-  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
-  if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
-  EXPECT_TRUE(daemon->Alive());
-  EXPECT_EQ(daemon->Stop(), 0);
 }
 
 // A rank that leaves while its stream has not reached its submission: the
@@ -484,55 +513,28 @@ TEST(DeviceBuffersTest, AStuckTrainerStreamTimesOutClearlyAndNothingRuns) {
 // stream).
 TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
   SKIP_WITHOUT_GPU();
-  auto daemon = DaemonProcess::Start();
-  ASSERT_NE(daemon, nullptr);
-  const std::string job = UniqueJobId("stuckleft");
-  constexpr int kWorld = 2;
-  auto codes = RunRanks(kWorld, [&](int rank) {
-    CUDA_CHECK(cudaSetDevice(0));
-    cudaStream_t stream = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto comm = Join(daemon->socket(), job, rank, kWorld);
-    CHILD_CHECK(comm != nullptr, "join");
-    DeviceMemory mem;
-    if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
-    const size_t count = 1000;
-    std::vector<float> sentinel(count, -7.0f);
-    CUDA_CHECK(cudaMemcpy(mem.send, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(mem.recv, sentinel.data(), count * 4, cudaMemcpyHostToDevice));
-    std::atomic<bool> release{false};
-    if (rank == 1) CUDA_CHECK(cudaLaunchHostFunc(stream, HoldStream, &release));
+  RunWithRank1Stuck("stuckleft", -7.0f, [](StuckRank& me) {
     OpOptions o;
     o.name = "left";
-    o.stream = stream;
+    o.stream = me.stream;
     o.timeout_ms = 60000;
     const auto start = std::chrono::steady_clock::now();
-    Handle h = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, count,
-                               DataType::kFloat32, ReduceOp::kSum, o);
-    if (rank == 1) {
+    Handle h = AllreduceOn(me, o);
+    if (me.rank == 1) {
       usleep(500 * 1000);  // rank 0 is waiting in the daemon by now
-      comm.reset();        // the session ends, the stream still held
+      me.comm.reset();     // the session ends, the stream still held
       usleep(200 * 1000);
-      release = true;
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-    } else {
-      Status st = h.Wait();
-      const double took =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      CHILD_CHECK(!st.ok() && took < 15, "rank 0 got %s after %.2f s", st.ToString().c_str(), took);
-      fprintf(stderr, "rank 0: %s after %.2f s\n", st.ToString().c_str(), took);
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-      usleep(300 * 1000);  // rank 1's stream has gone on by now
-      CHILD_CHECK(Download(mem.recv, count) == sentinel, "the failed operation wrote");
+      return 0;
     }
-    if (FreeDeviceMemory(&mem) != 0) return 1;
-    CUDA_CHECK(cudaStreamDestroy(stream));
+    Status st = h.Wait();
+    const double took = SecondsSince(start);
+    CHILD_CHECK(!st.ok() && took < 15, "rank 0 got %s after %.2f s", st.ToString().c_str(), took);
+    fprintf(stderr, "rank 0: %s after %.2f s\n", st.ToString().c_str(), took);
+    usleep(1000 * 1000);  // rank 1's stream has gone on by now
+    CHILD_CHECK(Download(me.mem.recv, kStuckCount) == std::vector<float>(kStuckCount, -7.0f),
+                "the failed operation wrote");
     return 0;
   });
-  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
-  if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
-  EXPECT_TRUE(daemon->Alive());
-  EXPECT_EQ(daemon->Stop(), 0);
 }
 
 // Multi-node: two daemons ("nodes", UCX over TCP on loopback) with two ranks
