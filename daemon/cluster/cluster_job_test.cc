@@ -662,39 +662,73 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   // feedback here (shared by the buffers of one name's steps, as a daemon's
   // device residuals are).
   ErrorFeedback* residuals = nullptr;
+  // Encodings begun on its coders, and the most begun and not ended at once.
+  size_t encodings_begun = 0, most_encodings_ahead = 0;
 
  private:
   // The CPU codec and ErrorFeedback run as device work, in queue order, as
-  // a GPU's kernels would on the buffer's stream.
+  // a GPU's kernels would on the buffer's stream: encodings begun are
+  // enqueued and complete on the device's time, woken after. The host
+  // memory passed in and out must be HostMemory's (as a GPU's pinned
+  // memory must be for its copies to be quick).
   class Coding final : public ChunkCoder {
    public:
     Coding(HostStagedBuffer* b, std::unique_ptr<Codec> codec, std::string name)
         : b_(b), codec_(std::move(codec)), name_(std::move(name)) {}
-    absl::StatusOr<uint64_t> Encode(void* data, size_t first, size_t count, bool own_sum,
-                                    void* out) override {
-      uint64_t bytes = 0;
-      absl::Status s = b_->RunOnDevice([&] {
-        auto* f = static_cast<float*>(data);
-        const bool fb = !name_.empty() && b_->dtype_ == wire::DataType::kFloat32;
-        const std::string key = own_sum ? name_ + "#owner" : name_;
-        if (fb) b_->residuals->ApplyRange(key, b_->count_, first, f, count);
-        bytes = codec_->Encode(b_->dtype_, data, count, out);
-        if (!fb && !own_sum) return absl::OkStatus();
-        std::vector<uint8_t> decoded(count * wire::DataTypeSize(static_cast<uint32_t>(b_->dtype_)));
-        absl::Status d = codec_->Decode(b_->dtype_, out, bytes, count, decoded.data());
-        if (!d.ok()) return d;
-        if (fb) {
-          b_->residuals->UpdateRange(key, b_->count_, first, f,
-                                     reinterpret_cast<const float*>(decoded.data()), count);
-        }
-        if (own_sum) std::memcpy(data, decoded.data(), decoded.size());
-        return absl::OkStatus();
-      });
-      if (!s.ok()) return s;
+    ~Coding() override { b_->Drain().IgnoreError(); }  // nothing begun still runs
+    absl::StatusOr<uint8_t*> HostMemory(size_t bytes) override {
+      host_.assign(bytes, 0);
+      return host_.data();
+    }
+    absl::Status BeginEncode(void* data, size_t first, size_t count, bool own_sum, void* out,
+                             std::function<void()> wake) override {
+      if (!InHost(out, codec_->MaxEncodedBytes(b_->dtype_, count))) {
+        return absl::FailedPreconditionError("encoding outside the coder's host memory");
+      }
+      auto e = std::make_shared<Encoding>();
+      e->ticket = b_->EnqueueWork(
+          -1, "",
+          [=, this] {
+            auto* f = static_cast<float*>(data);
+            const bool fb = !name_.empty() && b_->dtype_ == wire::DataType::kFloat32;
+            const std::string key = own_sum ? name_ + "#owner" : name_;
+            if (fb) b_->residuals->ApplyRange(key, b_->count_, first, f, count);
+            e->bytes = codec_->Encode(b_->dtype_, data, count, out);
+            if (!fb && !own_sum) return absl::OkStatus();
+            std::vector<uint8_t> decoded(count *
+                                         wire::DataTypeSize(static_cast<uint32_t>(b_->dtype_)));
+            absl::Status d = codec_->Decode(b_->dtype_, out, e->bytes, count, decoded.data());
+            if (!d.ok()) return d;
+            if (fb) {
+              b_->residuals->UpdateRange(key, b_->count_, first, f,
+                                         reinterpret_cast<const float*>(decoded.data()), count);
+            }
+            if (own_sum) std::memcpy(data, decoded.data(), decoded.size());
+            return absl::OkStatus();
+          },
+          std::move(wake));
+      begun_.push_back(std::move(e));
+      ++b_->encodings_begun;
+      b_->most_encodings_ahead = std::max(b_->most_encodings_ahead, begun_.size());
+      return absl::OkStatus();
+    }
+    absl::StatusOr<bool> EncodeDone() override {
+      if (begun_.empty()) return absl::FailedPreconditionError("no encoding begun");
+      return b_->Done(begun_.front()->ticket);
+    }
+    absl::StatusOr<uint64_t> EndEncode() override {
+      absl::StatusOr<bool> done = EncodeDone();
+      if (!done.ok()) return done.status();
+      if (!*done) return absl::FailedPreconditionError("ended before it was done");
+      const uint64_t bytes = begun_.front()->bytes;
+      begun_.pop_front();
       return bytes;
     }
     absl::Status Decode(const void* in, uint64_t bytes, size_t count, void* data,
                         bool add) override {
+      if (!InHost(in, bytes)) {
+        return absl::FailedPreconditionError("decoding from outside the coder's host memory");
+      }
       return b_->RunOnDevice([&] {
         return add ? codec_->DecodeAdd(b_->dtype_, in, bytes, count, data)
                    : codec_->Decode(b_->dtype_, in, bytes, count, data);
@@ -702,9 +736,20 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     }
 
    private:
+    struct Encoding {
+      uint64_t ticket = 0;
+      uint64_t bytes = 0;  // set on the device thread, read once Done
+    };
+    bool InHost(const void* p, size_t bytes) const {
+      const auto* q = static_cast<const uint8_t*>(p);
+      return q >= host_.data() && bytes <= host_.size() &&
+             static_cast<size_t>(q - host_.data()) <= host_.size() - bytes;
+    }
     HostStagedBuffer* const b_;
     const std::unique_ptr<Codec> codec_;
     const std::string name_;
+    std::vector<uint8_t> host_;
+    std::deque<std::shared_ptr<Encoding>> begun_;
   };
 
   // Runs `work` on the device thread after everything enqueued, and waits.
@@ -720,13 +765,27 @@ class HostStagedBuffer final : public StagedNodeBuffer {
 
   uint8_t* Node() { return node_.data(); }
   absl::Status Enqueue(int slot, std::string call, std::function<absl::Status()> work) {
+    EnqueueWork(slot, std::move(call), std::move(work));
+    return absl::OkStatus();
+  }
+  // Its ticket: done once the device has run it (`then` after, on the
+  // device thread).
+  uint64_t EnqueueWork(int slot, std::string call, std::function<absl::Status()> work,
+                       std::function<void()> then = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!call.empty()) calls_.push_back(std::move(call));
-    queue_.push_back(std::move(work));
+    queue_.push_back({std::move(work), std::move(then)});
     ++enqueued_;
     if (slot >= 0) last_[slot] = enqueued_;
     cv_.notify_all();
-    return absl::OkStatus();
+    return enqueued_;
+  }
+  // Whether the device has run `ticket`; its error (sticky) once it has,
+  // or at once after a fault.
+  absl::StatusOr<bool> Done(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_.ok()) return error_;
+    return done_ >= ticket;
   }
   absl::Status WaitFor(uint64_t ticket) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -741,17 +800,22 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     while (true) {
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;
-      auto work = std::move(queue_.front());
+      Work work = std::move(queue_.front());
       queue_.pop_front();
       // After a fault the device runs nothing more (a broken CUDA context).
       const bool faulted = !error_.ok();
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(200));  // a copy takes time
-      absl::Status s = faulted ? absl::OkStatus() : work();
+      absl::Status s = faulted ? absl::OkStatus() : work.run();
       lock.lock();
       if (!s.ok() && error_.ok()) error_ = s;
       ++done_;
       cv_.notify_all();
+      if (work.then && !faulted) {
+        lock.unlock();
+        work.then();
+        lock.lock();
+      }
     }
   }
   const wire::DataType dtype_;
@@ -768,7 +832,11 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   std::vector<uint8_t> slots_[2];
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<absl::Status()>> queue_;
+  struct Work {
+    std::function<absl::Status()> run;
+    std::function<void()> then;
+  };
+  std::deque<Work> queue_;
   std::vector<std::string> calls_;
   uint64_t enqueued_ = 0, done_ = 0, last_[2] = {0, 0};
   absl::Status error_;
@@ -1466,6 +1534,7 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
       ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "16K").ok());
       ErrorFeedback residuals(64 << 20);
       bool coded = false;
+      size_t ahead = 0;
       for (int step = 0; step < 2; ++step) {
         std::vector<std::vector<uint8_t>> send[2];
         std::vector<std::shared_ptr<HostStagedBuffer>> gpu;
@@ -1504,12 +1573,15 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
         for (auto& b : gpu) {
           for (const std::string& call : b->calls())
             coded = coded || call == "coder " + std::string(codec);
+          ahead = std::max(ahead, b->most_encodings_ahead);
         }
       }
       for (int k = 0; k < 2; ++k) {
         for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
       }
       EXPECT_EQ(coded, mode == kCoder);
+      // The "device" encoded chunks ahead of those being sent.
+      if (mode == kCoder) EXPECT_GE(ahead, 2u);
       // g and h twice; b too where the codec takes bfloat16 (fp16 does not).
       const uint64_t compressed = std::string(codec) == "fp16" ? 4 : 6;
       EXPECT_EQ(nodes.job(0).compression().ops, compressed);

@@ -2,6 +2,10 @@
 #include "cuda/device_coder.h"
 
 #include <algorithm>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "compression/codec.h"
@@ -132,7 +136,7 @@ class DeviceChunkCoder final : public ChunkCoder {
  public:
   DeviceChunkCoder(CodecSpec spec, std::unique_ptr<Codec> cpu, wire::DataType dtype, size_t count,
                    int device, cudaStream_t stream, std::shared_ptr<DeviceResiduals> residuals,
-                   std::string name)
+                   std::string name, PinnedAlloc pinned)
       : spec_(spec),
         cpu_(std::move(cpu)),
         dtype_(dtype),
@@ -143,68 +147,125 @@ class DeviceChunkCoder final : public ChunkCoder {
         residuals_(dtype == wire::DataType::kFloat32 && !name.empty() ? std::move(residuals)
                                                                       : nullptr),
         name_(std::move(name)),
-        encoded_(stream),
+        pinned_(std::move(pinned)),
         received_(stream),
         decoded_(stream),
         workspace_(stream),
         size_(stream) {}
   ~DeviceChunkCoder() override {
     cudaSetDevice(device_);
-    // The buffers go back on the stream, after the work that uses them.
+    // Encodings still begun (the caller failed first) write to host memory,
+    // and a wake may run after its encoding's event completed: both go
+    // with this, so wait for the stream.
+    if (!wakes_.empty()) cudaStreamSynchronize(stream_);
+    for (auto& e : begun_) cudaEventDestroy(e->done);
+    for (auto& e : idle_) cudaEventDestroy(e->done);
+    // The device buffers go back on the stream, after the work that uses
+    // them.
     if (event_ != nullptr) cudaEventDestroy(event_);
+    cudaGetLastError();
   }
 
-  absl::StatusOr<uint64_t> Encode(void* data, size_t first, size_t count, bool own_sum,
-                                  void* out) override {
+  absl::StatusOr<uint8_t*> HostMemory(size_t bytes) override {
     if (absl::Status s = Current(); !s.ok()) return s;
-    const std::string key = own_sum ? name_ + "#owner" : name_;
+    uint8_t* data = nullptr;
+    auto memory = pinned_(std::max<size_t>(bytes, 1), &data);
+    if (!memory.ok()) return memory.status();
+    host_ = std::move(*memory);
+    return data;
+  }
+
+  // An encoding is enqueued whole where its size is known on the host
+  // (fp16, bf16, top-k): the codec's kernels, the copy of the encoding to
+  // `out`, what error feedback and an owner's sum do with its decoded form,
+  // the completion event, the wake. int8's size is the device's: the copy
+  // takes the typical size (no raw block) with the size beside it, and the
+  // rest (blocks that travel raw) and the decoded form's work follow when
+  // the encoding ends.
+  absl::Status BeginEncode(void* data, size_t first, size_t count, bool own_sum, void* out,
+                           std::function<void()> wake) override {
+    if (absl::Status s = Current(); !s.ok()) return s;
+    auto e = Idle();
+    if (!e.ok()) return e.status();
+    Encoding& en = **e;
+    en.data = data;
+    en.first = first;
+    en.count = count;
+    en.own_sum = own_sum;
+    en.out = static_cast<uint8_t*>(out);
+    en.bytes = 0;
+    en.sized_on_device = spec_.kind == CodecKind::kInt8;
     if (residuals_ != nullptr) {
-      if (auto r = residuals_->Find(key, count_, device_); r != nullptr) {
+      if (auto r = residuals_->Find(Key(own_sum), count_, device_); r != nullptr) {
         absl::Status s = gpu::DeviceErrorFeedbackApply(r->data + first, static_cast<float*>(data),
                                                        count, stream_);
-        if (!s.ok()) return s;
+        if (!s.ok()) return Abandon(std::move(*e), s);
       }
     }
-    auto encoded = encoded_.Get(cpu_->MaxEncodedBytes(dtype_, count));
-    if (!encoded.ok()) return encoded.status();
-    auto bytes = EncodeOnDevice(data, count, *encoded);
-    if (!bytes.ok()) return bytes.status();
-    if (absl::Status s =
-            Cuda(cudaMemcpyAsync(out, *encoded, *bytes, cudaMemcpyDeviceToHost, stream_),
+    auto room = en.room.Get(cpu_->MaxEncodedBytes(dtype_, count));
+    if (!room.ok()) return Abandon(std::move(*e), room.status());
+    en.encoded = static_cast<uint8_t*>(*room);
+    auto bytes = EncodeOnDevice(data, count, en.encoded, en.size);
+    if (!bytes.ok()) return Abandon(std::move(*e), bytes.status());
+    // int8: the typical part now, the size beside it.
+    const uint64_t now = !en.sized_on_device ? *bytes
+                                             : std::min(cpu_->TypicalEncodedBytes(dtype_, count),
+                                                        cpu_->MaxEncodedBytes(dtype_, count));
+    absl::Status s = Cuda(cudaMemcpyAsync(out, en.encoded, now, cudaMemcpyDeviceToHost, stream_),
+                          "cudaMemcpyAsync of the encoding to the host");
+    if (s.ok() && !en.sized_on_device) {
+      en.bytes = *bytes;
+      s = Decoded(en);
+    }
+    // The event, then the wake: once it is called the event has completed.
+    if (s.ok()) s = Cuda(cudaEventRecord(en.done, stream_), "cudaEventRecord (encoding)");
+    if (s.ok()) {
+      wakes_.push_back(std::make_unique<std::function<void()>>(std::move(wake)));
+      s = Cuda(cudaLaunchHostFunc(stream_, &Wake, wakes_.back().get()), "cudaLaunchHostFunc");
+    }
+    if (!s.ok()) return Abandon(std::move(*e), s);
+    begun_.push_back(std::move(*e));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> EncodeDone() override {
+    if (begun_.empty()) return absl::FailedPreconditionError("no encoding begun");
+    if (absl::Status s = Current(); !s.ok()) return s;
+    const cudaError_t e = cudaEventQuery(begun_.front()->done);
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    if (absl::Status s = Cuda(e, "encoding a chunk"); !s.ok()) return s;
+    return true;
+  }
+
+  absl::StatusOr<uint64_t> EndEncode() override {
+    auto done = EncodeDone();
+    if (!done.ok()) return done.status();
+    if (!*done) return absl::FailedPreconditionError("encoding ended before it completed");
+    std::unique_ptr<Encoding> e = std::move(begun_.front());
+    begun_.pop_front();
+    absl::Status s;
+    if (e->sized_on_device) {  // int8: its size came with it
+      const uint64_t bytes = *e->size;
+      const uint64_t typical = cpu_->TypicalEncodedBytes(dtype_, e->count);
+      if (bytes > cpu_->MaxEncodedBytes(dtype_, e->count)) {
+        s = absl::InternalError(
+            absl::StrCat("int8 encoded ", e->count, " elements into ", bytes, " bytes"));
+      } else if (bytes > typical) {  // raw blocks: the rest
+        s = Cuda(cudaMemcpyAsync(e->out + typical, e->encoded + typical, bytes - typical,
+                                 cudaMemcpyDeviceToHost, stream_),
                  "cudaMemcpyAsync of the encoding to the host");
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = WaitForStream(stream_, &event_, "encoding a chunk"); !s.ok()) return s;
-    if (residuals_ == nullptr && !own_sum) return *bytes;
-    // What the receivers will see: the residual's other half, and the
-    // owner's own copy of its sum.
-    void* target = data;
-    if (residuals_ != nullptr) {
-      auto d = decoded_.Get(count * es_);
-      if (!d.ok()) return d.status();
-      target = *d;
-    }
-    if (absl::Status s = DecodeOnDevice(*encoded, *bytes, count, target, false); !s.ok()) {
-      return absl::InternalError(absl::StrCat("own encoding does not decode: ", s.message()));
-    }
-    if (residuals_ != nullptr) {
-      auto r = residuals_->ForUpdate(key, count_, device_, stream_);
-      if (!r.ok()) return r.status();
-      if (*r != nullptr) {
-        absl::Status s = gpu::DeviceErrorFeedbackUpdate(static_cast<const float*>(data),
-                                                        static_cast<const float*>(target),
-                                                        (*r)->data + first, count, stream_);
-        if (!s.ok()) return s;
+        if (s.ok()) s = WaitForStream(stream_, &event_, "encoding a chunk");
       }
-      if (own_sum) {
-        absl::Status s =
-            Cuda(cudaMemcpyAsync(data, target, count * es_, cudaMemcpyDeviceToDevice, stream_),
-                 "cudaMemcpyAsync of the decoded sum");
-        if (!s.ok()) return s;
-      }
+      e->bytes = bytes;
+      if (s.ok()) s = Decoded(*e);
     }
-    return *bytes;
+    const uint64_t bytes = e->bytes;
+    idle_.push_back(std::move(e));  // its room reused on the stream, after this
+    if (!s.ok()) return s;
+    return bytes;
   }
 
   absl::Status Decode(const void* in, uint64_t bytes, size_t count, void* data, bool add) override {
@@ -227,11 +288,93 @@ class DeviceChunkCoder final : public ChunkCoder {
   }
 
  private:
+  // One encoding: its room on the device, reused once it has ended.
+  struct Encoding {
+    explicit Encoding(cudaStream_t stream) : room(stream) {}
+    StreamBuffer room;
+    uint8_t* encoded = nullptr;  // room's memory
+    uint64_t* size = nullptr;    // int8's size, copied here (pinned)
+    cudaEvent_t done = nullptr;  // recorded after the encoding's work
+    void* data = nullptr;
+    size_t first = 0, count = 0;
+    bool own_sum = false;
+    uint8_t* out = nullptr;
+    uint64_t bytes = 0;
+    bool sized_on_device = false;  // int8: `bytes` known once it ended
+  };
+
+  // Room for another encoding: an idle one, or a new one.
+  absl::StatusOr<std::unique_ptr<Encoding>> Idle() {
+    if (!idle_.empty()) {
+      std::unique_ptr<Encoding> e = std::move(idle_.back());
+      idle_.pop_back();
+      return e;
+    }
+    auto e = std::make_unique<Encoding>(stream_);
+    if (absl::Status s = Cuda(cudaEventCreateWithFlags(&e->done, cudaEventDisableTiming),
+                              "cudaEventCreateWithFlags (encoding)");
+        !s.ok()) {
+      e->done = nullptr;
+      return s;
+    }
+    if (cells_left_ == 0) {  // int8's size cells, pinned, a block at a time
+      uint8_t* data = nullptr;
+      auto block = pinned_(kCellsPerBlock * sizeof(uint64_t), &data);
+      if (!block.ok()) {
+        cudaEventDestroy(e->done);
+        return block.status();
+      }
+      cell_blocks_.push_back(std::move(*block));
+      cells_ = reinterpret_cast<uint64_t*>(data);
+      cells_left_ = kCellsPerBlock;
+    }
+    e->size = cells_++;
+    --cells_left_;
+    return e;
+  }
+  // An encoding that could not be begun: its room idle again, the error.
+  absl::Status Abandon(std::unique_ptr<Encoding> e, absl::Status why) {
+    idle_.push_back(std::move(e));
+    return why;
+  }
+  // Enqueues what the encoding's decoded form does (its size known): the
+  // residual's other half, the owner's own copy of its sum.
+  absl::Status Decoded(Encoding& e) {
+    if (residuals_ == nullptr && !e.own_sum) return absl::OkStatus();
+    void* target = e.data;
+    if (residuals_ != nullptr) {
+      auto d = decoded_.Get(e.count * es_);
+      if (!d.ok()) return d.status();
+      target = *d;
+    }
+    if (absl::Status s = DecodeOnDevice(e.encoded, e.bytes, e.count, target, false); !s.ok()) {
+      return absl::InternalError(absl::StrCat("own encoding does not decode: ", s.message()));
+    }
+    if (residuals_ == nullptr) return absl::OkStatus();
+    auto r = residuals_->ForUpdate(Key(e.own_sum), count_, device_, stream_);
+    if (!r.ok()) return r.status();
+    if (*r != nullptr) {
+      absl::Status s = gpu::DeviceErrorFeedbackUpdate(static_cast<const float*>(e.data),
+                                                      static_cast<const float*>(target),
+                                                      (*r)->data + e.first, e.count, stream_);
+      if (!s.ok()) return s;
+    }
+    if (!e.own_sum) return absl::OkStatus();
+    return Cuda(cudaMemcpyAsync(e.data, target, e.count * es_, cudaMemcpyDeviceToDevice, stream_),
+                "cudaMemcpyAsync of the decoded sum");
+  }
+  std::string Key(bool own_sum) const { return own_sum ? name_ + "#owner" : name_; }
+  // cudaLaunchHostFunc's: on the driver's thread, no CUDA calls.
+  static void CUDART_CB Wake(void* wake) { (*static_cast<std::function<void()>*>(wake))(); }
+
   absl::Status Current() {
     return Cuda(cudaSetDevice(device_), absl::StrCat("cudaSetDevice(", device_, ")"));
   }
 
-  absl::StatusOr<uint64_t> EncodeOnDevice(const void* data, size_t count, void* out) {
+  // Enqueues the codec's kernels; the encoding's size, but for int8, whose
+  // size is copied to *host_size (pinned) on the stream (0 returned).
+  absl::StatusOr<uint64_t> EncodeOnDevice(const void* data, size_t count, void* out,
+                                          uint64_t* host_size) {
     switch (spec_.kind) {
       case CodecKind::kFp16:
       case CodecKind::kBf16: {
@@ -250,17 +393,11 @@ class DeviceChunkCoder final : public ChunkCoder {
         absl::Status s =
             gpu::DeviceInt8Encode(dtype_, data, count, out, *ws, *ws_bytes, device_size, stream_);
         if (!s.ok()) return s;
-        uint64_t bytes = 0;
-        s = Cuda(
-            cudaMemcpyAsync(&bytes, device_size, sizeof(bytes), cudaMemcpyDeviceToHost, stream_),
-            "cudaMemcpyAsync of the encoded size");
+        s = Cuda(cudaMemcpyAsync(host_size, device_size, sizeof(uint64_t), cudaMemcpyDeviceToHost,
+                                 stream_),
+                 "cudaMemcpyAsync of the encoded size");
         if (!s.ok()) return s;
-        if (s = WaitForStream(stream_, &event_, "int8 encoding"); !s.ok()) return s;
-        if (bytes > cpu_->MaxEncodedBytes(dtype_, count)) {
-          return absl::InternalError(
-              absl::StrCat("int8 encoded ", count, " elements into ", bytes, " bytes"));
-        }
-        return bytes;
+        return uint64_t{0};
       }
       case CodecKind::kTopK: {
         const size_t k = cpu_->MaxEncodedBytes(dtype_, count) / (sizeof(uint32_t) + es_);
@@ -316,7 +453,18 @@ class DeviceChunkCoder final : public ChunkCoder {
   const cudaStream_t stream_;
   const std::shared_ptr<DeviceResiduals> residuals_;  // null: no error feedback
   const std::string name_;
-  StreamBuffer encoded_, received_, decoded_, workspace_, size_;
+  const PinnedAlloc pinned_;
+  std::shared_ptr<void> host_;  // HostMemory's
+  StreamBuffer received_, decoded_, workspace_, size_;
+  std::deque<std::unique_ptr<Encoding>> begun_;  // in order, not ended
+  std::vector<std::unique_ptr<Encoding>> idle_;
+  // The wakes of every encoding begun: each called by the driver at most
+  // once, after the encoding's event; kept until the coder goes.
+  std::vector<std::unique_ptr<std::function<void()>>> wakes_;
+  static constexpr size_t kCellsPerBlock = 512;
+  std::vector<std::shared_ptr<void>> cell_blocks_;
+  uint64_t* cells_ = nullptr;
+  size_t cells_left_ = 0;
   cudaEvent_t event_ = nullptr;
 };
 
@@ -324,14 +472,16 @@ class DeviceChunkCoder final : public ChunkCoder {
 
 absl::StatusOr<std::unique_ptr<ChunkCoder>> MakeDeviceCoder(
     const std::string& spec, wire::DataType dtype, size_t count, int device, cudaStream_t stream,
-    std::shared_ptr<DeviceResiduals> residuals, const std::string& feedback_name) {
+    std::shared_ptr<DeviceResiduals> residuals, const std::string& feedback_name,
+    PinnedAlloc pinned) {
   auto parsed = ParseCodec(spec);
   if (!parsed.ok()) return parsed.status();
   if (parsed->kind == CodecKind::kNone) return nullptr;
   std::unique_ptr<Codec> cpu = MakeCodec(*parsed);
   if (!cpu->Supports(dtype).ok()) return nullptr;
-  return std::unique_ptr<ChunkCoder>(new DeviceChunkCoder(
-      *parsed, std::move(cpu), dtype, count, device, stream, std::move(residuals), feedback_name));
+  return std::unique_ptr<ChunkCoder>(new DeviceChunkCoder(*parsed, std::move(cpu), dtype, count,
+                                                          device, stream, std::move(residuals),
+                                                          feedback_name, std::move(pinned)));
 }
 
 }  // namespace ciuic::daemon

@@ -9,6 +9,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -75,12 +77,19 @@ class DeviceResiduals {
   size_t bytes_ = 0;                                // guarded by mu_
 };
 
+// Pinned host memory of at least `bytes` at *data, held by the result (the
+// runner's pool of staging memory).
+using PinnedAlloc =
+    std::function<absl::StatusOr<std::shared_ptr<void>>(uint64_t bytes, uint8_t** data)>;
+
 // A coder for codec `spec` over `count` elements of `dtype` on `device`,
 // working on `stream`; error feedback (float32 only) under `feedback_name`
-// in `residuals` (empty name or null residuals: none). Null when the codec
-// cannot take the dtype (as the CPU codec would refuse it).
+// in `residuals` (empty name or null residuals: none); its HostMemory from
+// `pinned`. Null when the codec cannot take the dtype (as the CPU codec
+// would refuse it).
 absl::StatusOr<std::unique_ptr<ChunkCoder>> MakeDeviceCoder(
     const std::string& spec, wire::DataType dtype, size_t count, int device, cudaStream_t stream,
-    std::shared_ptr<DeviceResiduals> residuals, const std::string& feedback_name);
+    std::shared_ptr<DeviceResiduals> residuals, const std::string& feedback_name,
+    PinnedAlloc pinned);
 
 }  // namespace ciuic::daemon

@@ -358,8 +358,9 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
                                                     const std::string& feedback_name) override {
     if (p_.stream == nullptr) return nullptr;  // count 0: nothing to encode
     if (absl::Status s = Current(); !s.ok()) return s;
-    return MakeDeviceCoder(spec, p_.dtype, p_.count, p_.device, p_.stream, p_.residuals,
-                           feedback_name);
+    return MakeDeviceCoder(
+        spec, p_.dtype, p_.count, p_.device, p_.stream, p_.residuals, feedback_name,
+        [pool = pool_](uint64_t bytes, uint8_t** data) { return pool->Take(bytes, data); });
   }
   void* data() override { return p_.node; }
   absl::Status Divide(int divisor) override {

@@ -21,7 +21,10 @@
 // chunks in flight spread over the channels. The calling thread encodes a
 // chunk when a send slot frees (the earlier chunks are on the wire
 // meanwhile: the transport's progress threads move them), and decodes or
-// decode-adds each received chunk as it arrives.
+// decode-adds each received chunk as it arrives. With a coder (the data on
+// a device) an encoding is begun when a send slot frees and ended when the
+// device is done: the device encodes the chunks ahead of those being sent,
+// each chunk sent once it and every chunk before it in key order ended.
 //
 // Messages: every chunk is one message of 8 + TypicalEncodedBytes bytes: a
 // little-endian uint64 with the encoded size, then the encoding. When the
@@ -55,6 +58,7 @@
 // each of them completes in turn, since its receives are posted everywhere.
 // A phase-1 chunk goes to the other nodes one at a time while yielding.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -84,12 +88,16 @@ constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 20;
 // Piece of a chunk encoded at a time by splittable codecs: 64 KiB of
 // float32, so that the piece, its encoding and its decoded copy stay in L2.
 constexpr size_t kPieceElems = 16384;
+using Clock = std::chrono::steady_clock;
+// How long the pipeline waits for a coder's wake before it asks anyway.
+constexpr auto kEncodePoll = std::chrono::milliseconds(10);
 
 struct Event {
   bool is_send;
   size_t item;
   int peer;
   absl::Status status;
+  bool wake = false;  // the coder's: an encoding may have completed
 };
 
 using EventMailbox = internode_internal::Mailbox<Event>;
@@ -103,6 +111,7 @@ struct SendItem {
   int slot = -1;
   int pending = 0;   // callbacks still to come
   int dests = 0;     // destinations sent to (phase 0: 1 at most; phase 1: N-1)
+  bool ready = false;  // encoded: `encoded` bytes in the slot
   uint64_t encoded = 0;
 };
 
@@ -169,7 +178,12 @@ class Pipeline {
     return ctx_.yield != nullptr && ctx_.yield->load(std::memory_order_relaxed) > 0;
   }
   bool PostRecvs();
+  // Encodes item `s` (slot taken) into its slot: at once on the CPU, or
+  // begun on the coder (ended by EndEncodings).
+  void Encode(SendItem& s);
   void EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint64_t* encoded);
+  // Ends the coder's encodings that are complete, in order; true if any.
+  bool EndEncodings();
   // Calls fn(piece index, offset in the piece, offset from `first`, length)
   // for each piece overlapping elements [first, first + n) of the buffer.
   template <typename Fn>
@@ -215,6 +229,9 @@ class Pipeline {
   std::vector<SendItem> sends_;
   std::vector<RecvItem> recvs_;
   size_t next_send_ = 0, next_recv_ = 0;
+  // Sends from next_send_ up to next_encode_ have begun encoding, the last
+  // encoding_ of them on the coder and not ended.
+  size_t next_encode_ = 0, encoding_ = 0;
   size_t outstanding_ = 0;  // callbacks to come
   size_t send_msgs_in_flight_ = 0;  // send messages posted and not completed
   std::vector<int> per_peer_outstanding_;
@@ -242,7 +259,16 @@ absl::Status Pipeline::Prepare() {
   const int window = std::max(ctx_.max_inflight, n_ - 1);
   const size_t slots_bytes = slot_bytes_ * static_cast<size_t>(window);
   const size_t fb_bytes = feedback_ != nullptr ? chunk_elems * sizeof(float) : 0;
-  uint8_t* scratch = ctx_.scratch->Get(2 * slots_bytes + fb_bytes);
+  // A coder's slots are the memory its copies are quick to and from.
+  uint8_t* scratch = nullptr;
+  if (coder_ != nullptr) {
+    auto host = coder_->HostMemory(2 * slots_bytes);
+    if (!host.ok()) {
+      return absl::Status(host.status().code(), absl::StrCat(kWhat, ": ", host.status().message()));
+    }
+    scratch = *host;
+  }
+  if (scratch == nullptr) scratch = ctx_.scratch->Get(2 * slots_bytes + fb_bytes);
   if (scratch == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat(
         kWhat, ": cannot map ", 2 * slots_bytes + fb_bytes, " bytes of scratch space"));
@@ -315,17 +341,6 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
   uint8_t* ptr = ChunkPtr(owner, c);
   const size_t m = ChunkLen(owner, c);
   const size_t chunk_first = ChunkFirst(owner, c);
-  if (coder_ != nullptr) {
-    absl::StatusOr<uint64_t> bytes = coder_->Encode(ptr, chunk_first, m, own_sum, slot + kHeader);
-    if (!bytes.ok()) {
-      Fail(absl::Status(bytes.status().code(), absl::StrCat(kWhat, ": encoding chunk ", c, ": ",
-                                                            bytes.status().message())));
-      return;
-    }
-    *encoded = *bytes;
-    std::memcpy(slot, encoded, kHeader);
-    return;
-  }
   // Residual keys, per piece (operation), indexed by element of the piece:
   // the contributions under its name, the owner's sums under name#owner.
   const auto key = [&](size_t i) -> const std::string& {
@@ -372,6 +387,46 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
   std::memcpy(slot, encoded, kHeader);
 }
 
+void Pipeline::Encode(SendItem& s) {
+  if (coder_ == nullptr) {
+    EncodeInto(SendSlot(s.slot), s.owner, s.chunk, s.phase == 1, &s.encoded);
+    s.ready = error_.ok();
+    return;
+  }
+  absl::Status begun = coder_->BeginEncode(
+      ChunkPtr(s.owner, s.chunk), ChunkFirst(s.owner, s.chunk), ChunkLen(s.owner, s.chunk),
+      s.phase == 1, SendSlot(s.slot) + kHeader, [mailbox = mailbox_] {
+        mailbox->Post(Event{false, 0, -1, absl::OkStatus(), true});
+      });
+  if (!begun.ok()) {
+    Fail(absl::Status(begun.code(),
+                      absl::StrCat(kWhat, ": encoding chunk ", s.chunk, ": ", begun.message())));
+    return;
+  }
+  ++encoding_;
+}
+
+bool Pipeline::EndEncodings() {
+  bool any = false;
+  while (encoding_ > 0 && error_.ok()) {
+    SendItem& s = sends_[next_encode_ - encoding_];
+    absl::StatusOr<bool> done = coder_->EncodeDone();
+    if (done.ok() && !*done) break;
+    absl::StatusOr<uint64_t> bytes = done.ok() ? coder_->EndEncode() : done.status();
+    if (!bytes.ok()) {
+      Fail(absl::Status(bytes.status().code(), absl::StrCat(kWhat, ": encoding chunk ", s.chunk,
+                                                            ": ", bytes.status().message())));
+      break;
+    }
+    --encoding_;
+    s.encoded = *bytes;
+    std::memcpy(SendSlot(s.slot), &s.encoded, kHeader);
+    s.ready = true;
+    any = true;
+  }
+  return any;
+}
+
 void Pipeline::SendMessage(size_t item, int peer, int phase, size_t c, int owner,
                            const uint8_t* slot, uint64_t encoded, size_t typical) {
   SendItem& s = sends_[item];
@@ -391,38 +446,44 @@ void Pipeline::SendMessage(size_t item, int peer, int phase, size_t c, int owner
   stats_->wire_bytes += kHeader + std::max<uint64_t>(encoded, typical);
 }
 
-// Sends in key order. An item is encoded into its slot once, then sent to
-// its destinations (phase 1: every other node, in the order me+1, me+2, ...);
-// while yielding, one message is sent only when no other send is in flight,
-// so an item may be sent to its destinations over several calls (next_send_
-// stays on it until the last one is sent).
+// Sends in key order. An item is encoded into its slot once (begun in key
+// order as send slots free, on a coder ahead of the sends), then sent to
+// its destinations (phase 1: every other node, in the order me+1, me+2,
+// ...) once it and every item before it are encoded; while yielding, one
+// message is sent only when no other send is in flight, so an item may be
+// sent to its destinations over several calls (next_send_ stays on it
+// until the last one is sent), and nothing is encoded ahead.
 bool Pipeline::PostSends() {
-  bool posted = false;
-  while (error_.ok() && next_send_ < sends_.size()) {
-    SendItem& s = sends_[next_send_];
-    if (s.slot < 0) {
-      if (free_send_.empty()) break;
-      if (s.phase == 1 && added_[s.chunk] != static_cast<size_t>(n_ - 1)) break;
-      if (send_msgs_in_flight_ > 0 && Yielding()) break;  // before encoding: keep it fresh
-      s.slot = free_send_.back();
-      free_send_.pop_back();
-      EncodeInto(SendSlot(s.slot), s.owner, s.chunk, s.phase == 1, &s.encoded);
-      if (!error_.ok()) break;
+  bool progress = false;
+  while (error_.ok()) {
+    if (coder_ != nullptr && EndEncodings()) progress = true;
+    while (error_.ok() && next_send_ < next_encode_ && sends_[next_send_].ready) {
+      SendItem& s = sends_[next_send_];
+      const int total = s.phase == 0 ? 1 : n_ - 1;
+      const size_t typical = codec_.TypicalEncodedBytes(dtype_, ChunkLen(s.owner, s.chunk));
+      while (s.dests < total) {
+        if (send_msgs_in_flight_ > 0 && Yielding()) break;
+        const int peer = s.phase == 0 ? s.owner : (me_ + 1 + s.dests) % n_;
+        SendMessage(next_send_, peer, s.phase, s.chunk, s.owner, SendSlot(s.slot), s.encoded,
+                    typical);
+        ++s.dests;
+        progress = true;
+      }
+      if (s.dests < total) break;
+      ++next_send_;
     }
-    const int total = s.phase == 0 ? 1 : n_ - 1;
-    const size_t typical = codec_.TypicalEncodedBytes(dtype_, ChunkLen(s.owner, s.chunk));
-    while (s.dests < total) {
-      if (send_msgs_in_flight_ > 0 && Yielding()) break;
-      const int peer = s.phase == 0 ? s.owner : (me_ + 1 + s.dests) % n_;
-      SendMessage(next_send_, peer, s.phase, s.chunk, s.owner, SendSlot(s.slot), s.encoded,
-                  typical);
-      ++s.dests;
-      posted = true;
-    }
-    if (s.dests < total) break;
-    ++next_send_;
+    if (!error_.ok() || next_encode_ == sends_.size() || free_send_.empty()) break;
+    SendItem& s = sends_[next_encode_];
+    if (s.phase == 1 && added_[s.chunk] != static_cast<size_t>(n_ - 1)) break;
+    // Yielding: nothing ahead, and fresh (encoded when it can go).
+    if (Yielding() && (send_msgs_in_flight_ > 0 || next_send_ != next_encode_)) break;
+    s.slot = free_send_.back();
+    free_send_.pop_back();
+    ++next_encode_;
+    Encode(s);
+    progress = true;
   }
-  return posted;
+  return progress;
 }
 
 bool Pipeline::PostRecvs() {
@@ -462,6 +523,7 @@ void Pipeline::Fail(absl::Status s) {
 }
 
 void Pipeline::Apply(Event& e) {
+  if (e.wake) return;  // PostSends asks the coder
   --outstanding_;
   --per_peer_outstanding_[e.peer];
   if (e.is_send) {
@@ -582,7 +644,11 @@ absl::Status Pipeline::Run() {
       while (AddReady() | PostRecvs() | PostSends()) {
       }
     }
-    if (outstanding_ == 0) {
+    if (cancelled_ || !error_.ok()) {
+      // Encodings not ended are the coder's to finish (or abandon).
+      encoding_ = 0;
+    }
+    if (outstanding_ == 0 && encoding_ == 0) {
       if (!error_.ok()) break;
       if (next_send_ == sends_.size() && next_recv_ == recvs_.size()) {
         bool all = true;
@@ -593,8 +659,12 @@ absl::Status Pipeline::Run() {
       break;
     }
     batch.clear();
-    if (!mailbox_->Take(&batch, cancelled_, ctx_.deadline)) {
-      CancelAtDeadline();
+    // Encodings on the coder: asked about again at least every
+    // kEncodePoll, in case a wake never comes (a failed device).
+    const auto until =
+        encoding_ > 0 ? std::min(ctx_.deadline, Clock::now() + kEncodePoll) : ctx_.deadline;
+    if (!mailbox_->Take(&batch, cancelled_, until)) {
+      if (Clock::now() >= ctx_.deadline) CancelAtDeadline();
       continue;
     }
     for (Event& e : batch) Apply(e);

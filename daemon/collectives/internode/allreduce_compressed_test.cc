@@ -6,16 +6,20 @@
 #include <atomic>
 #include <cctype>
 #include <cmath>
-#include <limits>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <limits>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "collectives/internode/in_process_transport.h"
-#include "collectives/internode/sends_in_flight.h"
 #include "collectives/internode/internode.h"
+#include "collectives/internode/sends_in_flight.h"
 #include "reduce/half.h"
 
 namespace ciuic::daemon {
@@ -774,7 +778,8 @@ std::vector<absl::Status> RunYielding(InProcessHub& hub,
                                       std::vector<std::unique_ptr<SendsInFlight>>& wrapped,
                                       const Codec& codec, std::vector<std::vector<uint8_t>>& bufs,
                                       size_t count, const std::vector<YieldMode>& modes,
-                                      uint64_t seq) {
+                                      uint64_t seq,
+                                      std::function<std::unique_ptr<ChunkCoder>(int)> coder = {}) {
   const int n = hub.num_nodes();
   std::vector<absl::Status> status(n);
   std::vector<ScratchBuffer> scratch(n);
@@ -797,6 +802,12 @@ std::vector<absl::Status> RunYielding(InProcessHub& hub,
                            &scratch[k]};
       ctx.yield = &flags[k];
       CompressionStats stats;
+      if (coder) {  // node k's data "on a device"
+        std::unique_ptr<ChunkCoder> c = coder(k);
+        status[k] = AllreduceCompressedWith(ctx, codec, *c, wire::DataType::kFloat32,
+                                            bufs[k].data(), count, &stats);
+        return;
+      }
       status[k] = AllreduceCompressed(ctx, codec, nullptr, "y", wire::DataType::kFloat32,
                                       bufs[k].data(), count, &stats);
     });
@@ -856,6 +867,310 @@ TEST(PipelinedCompressedYieldTest, YieldingKeepsOneSendInFlightAndTheSameBits) {
       }
     }
   }
+}
+
+// A ChunkCoder standing in for a device's: the CPU codec (and ErrorFeedback)
+// runs on a thread of its own, each encoding after a short random delay,
+// so encodings complete while the pipeline goes on and it must wait for
+// them in order. Encodings and decodings must use HostMemory's memory.
+// `fault_at`: the encoding of that index (0-based) fails as a device fault
+// would, 300 ms after it began: never woken, EncodeDone an error from
+// then on, no encoding runs
+// after (decodings still do: the fault is seen through EncodeDone only).
+class ThreadCoder final : public ChunkCoder {
+ public:
+  ThreadCoder(const Codec& codec, ErrorFeedback* fb, std::string name, size_t count, uint32_t seed,
+              int fault_at = -1)
+      : codec_(codec),
+        fb_(fb),
+        name_(std::move(name)),
+        count_(count),
+        rng_(seed),
+        fault_at_(fault_at),
+        thread_([this] { Loop(); }) {}
+  ~ThreadCoder() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  absl::StatusOr<uint8_t*> HostMemory(size_t bytes) override {
+    host_.assign(bytes, 0);
+    return host_.data();
+  }
+  absl::Status BeginEncode(void* data, size_t first, size_t count, bool own_sum, void* out,
+                           std::function<void()> wake) override {
+    if (!InHost(out, codec_.MaxEncodedBytes(wire::DataType::kFloat32, count))) {
+      return absl::FailedPreconditionError("encoding outside the coder's host memory");
+    }
+    auto job = std::make_shared<Job>();
+    job->run = [=, this, job = job.get()] {
+      auto* f = static_cast<float*>(data);
+      const std::string key = own_sum ? name_ + "#owner" : name_;
+      if (fb_ != nullptr) fb_->ApplyRange(key, count_, first, f, count);
+      job->bytes = codec_.Encode(wire::DataType::kFloat32, data, count, out);
+      if (fb_ == nullptr && !own_sum) return;
+      std::vector<float> decoded(count);
+      if (!codec_.Decode(wire::DataType::kFloat32, out, job->bytes, count, decoded.data()).ok()) {
+        job->bytes = ~uint64_t{0};  // EndEncode's caller sees the size refused
+        return;
+      }
+      if (fb_ != nullptr) fb_->UpdateRange(key, count_, first, f, decoded.data(), count);
+      if (own_sum) std::memcpy(data, decoded.data(), count * sizeof(float));
+    };
+    job->wake = std::move(wake);
+    std::lock_guard<std::mutex> lock(mu_);
+    job->fault = begun_count_++ == fault_at_;
+    job->delay = std::chrono::microseconds(std::uniform_int_distribution<int>(0, 300)(rng_));
+    queue_.push_back(job);
+    begun_.push_back(job);
+    most_ahead = std::max(most_ahead, begun_.size());
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> EncodeDone() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (begun_.empty()) return absl::FailedPreconditionError("no encoding begun");
+    if (faulted_) return absl::InternalError("device fault (test)");
+    return begun_.front()->done;
+  }
+  absl::StatusOr<uint64_t> EndEncode() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (begun_.empty() || !begun_.front()->done) {
+      return absl::FailedPreconditionError("ended before it was done");
+    }
+    const uint64_t bytes = begun_.front()->bytes;
+    begun_.pop_front();
+    ++ended;
+    return bytes;
+  }
+  absl::Status Decode(const void* in, uint64_t bytes, size_t count, void* data, bool add) override {
+    if (!InHost(in, bytes)) {
+      return absl::FailedPreconditionError("decoding from outside the coder's host memory");
+    }
+    std::unique_lock<std::mutex> lock(mu_);  // after the encodings begun
+    cv_.wait(lock, [&] { return (queue_.empty() || fault_pending_) && !running_; });
+    return add ? codec_.DecodeAdd(wire::DataType::kFloat32, in, bytes, count, data)
+               : codec_.Decode(wire::DataType::kFloat32, in, bytes, count, data);
+  }
+
+  size_t most_ahead = 0;  // encodings begun and not ended at once, at most
+  size_t ended = 0;
+
+ private:
+  struct Job {
+    std::function<void()> run;
+    std::function<void()> wake;
+    std::chrono::microseconds delay{0};
+    bool fault = false;
+    bool done = false;  // guarded by mu_
+    uint64_t bytes = 0;
+  };
+  bool InHost(const void* p, size_t bytes) const {
+    const auto* q = static_cast<const uint8_t*>(p);
+    return q >= host_.data() && bytes <= host_.size() &&
+           static_cast<size_t>(q - host_.data()) <= host_.size() - bytes;
+  }
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !faulted_); });
+      if (stop_) return;
+      std::shared_ptr<Job> job = queue_.front();
+      queue_.pop_front();
+      if (job->fault) {
+        // Late, after the transfers it could have been seen beside (the
+        // decodings go on meanwhile): only the pipeline asking on its own
+        // finds it.
+        fault_pending_ = true;
+        cv_.notify_all();
+        cv_.wait_for(lock, std::chrono::milliseconds(300), [&] { return stop_; });
+        faulted_ = true;
+        queue_.clear();
+        cv_.notify_all();
+        continue;
+      }
+      running_ = true;
+      lock.unlock();
+      std::this_thread::sleep_for(job->delay);
+      job->run();
+      lock.lock();
+      job->done = true;
+      running_ = false;
+      cv_.notify_all();
+      lock.unlock();
+      job->wake();
+      lock.lock();
+    }
+  }
+
+  const Codec& codec_;
+  ErrorFeedback* const fb_;
+  const std::string name_;
+  const size_t count_;
+  std::mt19937 rng_;
+  const int fault_at_;
+  std::vector<uint8_t> host_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_, begun_;  // guarded by mu_
+  int begun_count_ = 0;
+  bool running_ = false, fault_pending_ = false, faulted_ = false, stop_ = false;
+  std::thread thread_;  // last: started once the rest is there
+};
+
+// One compressed allreduce of bufs[k] (float32) on every node k: through a
+// ThreadCoder each (coders[k], made here) or, with coders null, the CPU
+// codec; error feedback in fb[k] (null: none).
+std::vector<absl::Status> RunCoded(InProcessHub& hub, const Codec& codec,
+                                   std::vector<std::vector<float>>& bufs,
+                                   std::vector<std::unique_ptr<ErrorFeedback>>* fb,
+                                   std::vector<std::unique_ptr<ThreadCoder>>* coders, uint64_t seq,
+                                   std::chrono::milliseconds timeout, int fault_node = -1,
+                                   int fault_at = -1) {
+  const int n = hub.num_nodes();
+  std::vector<absl::Status> status(n);
+  std::vector<ScratchBuffer> scratch(n);
+  if (coders != nullptr) {
+    coders->clear();
+    for (int k = 0; k < n; ++k) {
+      coders->push_back(std::make_unique<ThreadCoder>(codec, fb ? (*fb)[k].get() : nullptr, "c",
+                                                      bufs[k].size(), 100 * seq + k,
+                                                      k == fault_node ? fault_at : -1));
+    }
+  }
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{
+          hub.transport(k), seq << 24, 4096, 4, std::chrono::steady_clock::now() + timeout,
+          &scratch[k]};
+      CompressionStats stats;
+      status[k] = coders != nullptr
+                      ? AllreduceCompressedWith(ctx, codec, *(*coders)[k], wire::DataType::kFloat32,
+                                                bufs[k].data(), bufs[k].size(), &stats)
+                      : AllreduceCompressed(ctx, codec, fb ? (*fb)[k].get() : nullptr, "c",
+                                            wire::DataType::kFloat32, bufs[k].data(),
+                                            bufs[k].size(), &stats);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return status;
+}
+
+// With a coder whose encodings complete later, on their own time, the
+// pipeline encodes ahead (more than one begun at once) and every node ends
+// with the bits of the same operation encoded on the CPU: every codec, 2 to
+// 5 nodes, sizes of 1, odd, one chunk and many chunks (1024 elements each),
+// int8 with blocks that travel raw (NaN, Inf: overflow messages), and two
+// steps with error feedback (the residuals of the first matter).
+TEST(CompressedCoderTest, EncodingAheadGivesTheCpuBits) {
+  for (const char* name : {"fp16", "bf16", "int8", "topk:0.05"}) {
+    auto codec = MakeCodec(*ParseCodec(name));
+    for (int n : {2, 3, 5}) {
+      for (size_t count : {size_t{1}, size_t{1001}, size_t{20011}}) {
+        for (bool feedback : {false, true}) {
+          SCOPED_TRACE(testing::Message() << name << " n=" << n << " count=" << count
+                                          << (feedback ? " feedback" : ""));
+          InProcessHub hub(n, 2);
+          std::vector<std::unique_ptr<ErrorFeedback>> fb[2];
+          for (auto& f : fb) {
+            for (int k = 0; k < n; ++k) f.push_back(std::make_unique<ErrorFeedback>(64 << 20));
+          }
+          size_t most = 0;
+          for (int step = 0; step < 2; ++step) {
+            std::vector<std::vector<float>> in;
+            for (int k = 0; k < n; ++k) in.push_back(Gradient(k, count, 11 + step));
+            if (count > 5000 && std::string(name) == "int8") {
+              in[0][4321] = std::numeric_limits<float>::quiet_NaN();
+              in[n - 1][count - 7] = std::numeric_limits<float>::infinity();
+            }
+            auto cpu = in, coded = in;
+            const uint64_t seq = 2 * step + 1;
+            auto st = RunCoded(hub, *codec, cpu, feedback ? &fb[0] : nullptr, nullptr, seq,
+                               std::chrono::seconds(30));
+            for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+            std::vector<std::unique_ptr<ThreadCoder>> coders;
+            st = RunCoded(hub, *codec, coded, feedback ? &fb[1] : nullptr, &coders, seq + 1,
+                          std::chrono::seconds(30));
+            for (int k = 0; k < n; ++k) {
+              ASSERT_TRUE(st[k].ok()) << "node " << k << ": " << st[k];
+              ASSERT_EQ(0, std::memcmp(cpu[k].data(), coded[k].data(), count * 4))
+                  << "node " << k << ", step " << step;
+              EXPECT_GT(coders[k]->ended, 0u);
+              most = std::max(most, coders[k]->most_ahead);
+            }
+          }
+          if (count > 5000) EXPECT_GE(most, 2u) << "nothing was encoded ahead";
+        }
+      }
+    }
+  }
+}
+
+// Through coders that encode ahead, yielding still keeps one send in
+// flight (nothing is encoded ahead then) and gives the bits of the
+// operation that does not yield, also when nodes disagree about yielding.
+TEST(CompressedCoderTest, YieldingKeepsOneSendInFlightAndTheSameBits) {
+  const size_t count = 20011;
+  for (const char* name : {"fp16", "int8"}) {
+    auto codec = MakeCodec(*ParseCodec(name));
+    const int n = 3;
+    SCOPED_TRACE(name);
+    InProcessHub hub(n, 2);
+    std::vector<std::unique_ptr<SendsInFlight>> wrapped;
+    for (int k = 0; k < n; ++k)
+      wrapped.push_back(std::make_unique<SendsInFlight>(hub.transport(k)));
+    std::vector<std::vector<uint8_t>> inputs;
+    for (int k = 0; k < n; ++k) {
+      inputs.push_back(MakeBuffer(wire::DataType::kFloat32, count, 60 + k).bytes);
+    }
+    auto ref = inputs;
+    auto st =
+        RunYielding(hub, wrapped, *codec, ref, count, std::vector<YieldMode>(n, YieldMode::kNo), 1);
+    for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
+    uint32_t seed = 0;
+    auto coder = [&](int) {
+      return std::make_unique<ThreadCoder>(*codec, nullptr, "y", count, ++seed);
+    };
+    const std::vector<YieldMode> modes[] = {
+        std::vector<YieldMode>(n, YieldMode::kAlways),
+        {YieldMode::kToggling, YieldMode::kAlways, YieldMode::kNo}};
+    for (const auto& mode : modes) {
+      for (auto& w : wrapped) w->Reset();
+      auto coded = inputs;
+      st = RunYielding(hub, wrapped, *codec, coded, count, mode, 2 + seed, coder);
+      for (int k = 0; k < n; ++k) {
+        ASSERT_TRUE(st[k].ok()) << st[k];
+        if (mode[k] == YieldMode::kAlways) EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k;
+        EXPECT_EQ(coded[k], ref[k]) << "node " << k;
+      }
+    }
+  }
+}
+
+// A coder's device that faults mid-way (its encoding never completes, no
+// wake comes) fails that node's operation with the device's error, by the
+// deadline and not later (the pipeline asks the coder again on its own);
+// the other nodes fail too, none hangs.
+TEST(CompressedCoderTest, ADeviceFaultFailsTheOperationNotAHang) {
+  auto codec = MakeCodec(*ParseCodec("int8"));
+  const int n = 3;
+  InProcessHub hub(n, 1);
+  std::vector<std::vector<float>> bufs;
+  for (int k = 0; k < n; ++k) bufs.push_back(Gradient(k, 20011, 5));
+  std::vector<std::unique_ptr<ThreadCoder>> coders;
+  const auto start = std::chrono::steady_clock::now();
+  auto st = RunCoded(hub, *codec, bufs, nullptr, &coders, 1, std::chrono::milliseconds(1500),
+                     /*fault_node=*/1, /*fault_at=*/2);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(st[1].code(), absl::StatusCode::kInternal) << st[1];
+  EXPECT_NE(st[1].message().find("device fault (test)"), std::string::npos) << st[1];
+  EXPECT_NE(st[1].message().find("encoding chunk"), std::string::npos) << st[1];
+  for (int k = 0; k < n; ++k) EXPECT_FALSE(st[k].ok()) << "node " << k;
 }
 
 TEST(CompressedAllreduceFaultTest, KilledNodeGivesAnErrorNotAHang) {
