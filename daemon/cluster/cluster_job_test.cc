@@ -625,7 +625,17 @@ class HostStagedBuffer final : public StagedNodeBuffer {
       }
       return absl::OkStatus();
     }).IgnoreError();
+    Enqueue(-1, "", [this] { return Copy(mirrors_.out); }).IgnoreError();
     return Drain();
+  }
+  // Buffers far from the "device" (mirrored in `scratch`, as the runner's
+  // Build does with device_plan.h's Mirror): their copies in run before
+  // anything else of the operation, as the runner's CopyIn does once the
+  // ranks' streams are there; their copies back after the fan-out.
+  void SetMirrors(Mirrors mirrors, std::shared_ptr<std::vector<uint8_t>> scratch) {
+    mirrors_ = std::move(mirrors);
+    mirror_scratch_ = std::move(scratch);
+    Enqueue(-1, "", [this] { return Copy(mirrors_.in); }).IgnoreError();
   }
   absl::Status Drain() override {
     std::unique_lock<std::mutex> lock(mu_);
@@ -764,6 +774,13 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   }
 
   uint8_t* Node() { return node_.data(); }
+  static absl::Status Copy(const std::vector<DeviceStep>& steps) {
+    for (const DeviceStep& c : steps) {
+      if (c.kind != DeviceStep::Kind::kPeerCopy) return absl::InternalError("not a peer copy");
+      std::memcpy(c.to, c.from, c.bytes);
+    }
+    return absl::OkStatus();
+  }
   absl::Status Enqueue(int slot, std::string call, std::function<absl::Status()> work) {
     EnqueueWork(slot, std::move(call), std::move(work));
     return absl::OkStatus();
@@ -830,6 +847,8 @@ class HostStagedBuffer final : public StagedNodeBuffer {
   size_t input_bytes_ = 0;
   std::vector<size_t> input_sizes_, output_sizes_;
   std::vector<uint8_t> slots_[2];
+  Mirrors mirrors_;
+  std::shared_ptr<std::vector<uint8_t>> mirror_scratch_;
   std::mutex mu_;
   std::condition_variable cv_;
   struct Work {
@@ -858,14 +877,37 @@ void StageOn(ClusterOp& op, std::shared_ptr<HostStagedBuffer> b) {
 // order) with its send buffer `send[i]` (null: in place) and receive
 // buffer `recv[i]`, through the runner's own PointersFor. The multi-node
 // tests below so check the runner's layout end to end, without a GPU.
+// `far`: which buffers are on GPUs that the operation's GPU cannot reach,
+// mirrored as the runner's Build mirrors them (Mirror, then PointersFor
+// on the mirrors): none, all, the send buffers, the receive buffers, or
+// every buffer but the first rank's.
+enum class Far { kNone, kAll, kSends, kRecvs, kAllButFirst };
+// A far mode for case `o` of a test, so that its cases take turns.
+Far FarFor(size_t o) { return static_cast<Far>(o % 5); }
 std::shared_ptr<HostStagedBuffer> LaidOutAsOnAGpu(const OpSignature& sig, int world,
                                                   const std::vector<DeviceRankBuffers>& ranks,
                                                   const std::vector<const void*>& send,
-                                                  const std::vector<void*>& recv) {
+                                                  const std::vector<void*>& recv,
+                                                  Far far = Far::kNone) {
   absl::StatusOr<StagedLayout> layout = PlanStaged(sig, world, ranks);
   EXPECT_TRUE(layout.ok()) << layout.status();
   if (!layout.ok()) return nullptr;
-  absl::StatusOr<StagedPointers> p = PointersFor(sig, *layout, send, recv);
+  const size_t n = ranks.size();
+  std::vector<uint8_t*> s(n), r(n);
+  std::vector<bool> send_far(n), recv_far(n);
+  for (size_t i = 0; i < n; ++i) {
+    s[i] = static_cast<uint8_t*>(const_cast<void*>(send[i]));
+    r[i] = static_cast<uint8_t*>(recv[i]);
+    const bool all = far == Far::kAll || (far == Far::kAllButFirst && i > 0);
+    send_far[i] = all || far == Far::kSends;
+    recv_far[i] = all || far == Far::kRecvs;
+  }
+  Mirrors mirrors = Mirror(ranks, 0, send_far, recv_far, nullptr, &s, &r);
+  auto scratch = std::make_shared<std::vector<uint8_t>>(mirrors.bytes, 0xcd);
+  if (mirrors.bytes > 0) mirrors = Mirror(ranks, 0, send_far, recv_far, scratch->data(), &s, &r);
+  absl::StatusOr<StagedPointers> p =
+      PointersFor(sig, *layout, std::vector<const void*>(s.begin(), s.end()),
+                  std::vector<void*>(r.begin(), r.end()));
   EXPECT_TRUE(p.ok()) << p.status();
   if (!p.ok()) return nullptr;
   auto b =
@@ -875,6 +917,7 @@ std::shared_ptr<HostStagedBuffer> LaidOutAsOnAGpu(const OpSignature& sig, int wo
   if (sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
     b->SetSizes(p->input_sizes, p->output_sizes);
   }
+  if (mirrors.bytes > 0) b->SetMirrors(std::move(mirrors), std::move(scratch));
   return b;
 }
 
@@ -1019,7 +1062,9 @@ struct StagedCase {
 // others in host memory; every node ends with the plain loop's result.
 // Returns the staged buffers' call logs by case.
 // With `scatter`, reduce_scatters: every node sends n blocks of `count`,
-// rank k (node k) receives block k.
+// rank k (node k) receives block k. Staged nodes' buffers take turns at
+// being far from the operation's GPU (FarFor: mirrored) and, every third
+// allreduce, in place.
 std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& staged,
                                                 const std::vector<StagedCase>& cases,
                                                 bool scatter = false,
@@ -1044,8 +1089,13 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
                                send[k][o].data(), recv[k][o].data());
       if (scatter) op.sig.collective = static_cast<uint32_t>(wire::Collective::kReduceScatter);
       if (gpu) {
-        auto b = LaidOutAsOnAGpu(op.sig, n, {RankBytes(k, sent * es, c.count * es)},
-                                 {send[k][o].data()}, {recv[k][o].data()});
+        // Every third allreduce in place: the input in the receive buffer,
+        // no send buffer.
+        const bool in_place = !scatter && o % 3 == 2;
+        if (in_place) std::memcpy(recv[k][o].data(), send[k][o].data(), c.count * es);
+        auto b = LaidOutAsOnAGpu(op.sig, n, {RankBytes(k, in_place ? 0 : sent * es, c.count * es)},
+                                 {in_place ? nullptr : send[k][o].data()}, {recv[k][o].data()},
+                                 FarFor(o + k));
         if (k == staged.front()) buffers[o] = b;
         StageOn(op, b);
       }
@@ -1192,9 +1242,9 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
         op.sig.root = c.root;
         if (gpu) {
           const bool has_input = c.gather || k == c.root;
-          auto b =
-              LaidOutAsOnAGpu(op.sig, n, {RankBytes(k, has_input ? c.count * es : 0, out * es)},
-                              {has_input ? send[k][o].data() : nullptr}, {recv[k][o].data()});
+          auto b = LaidOutAsOnAGpu(
+              op.sig, n, {RankBytes(k, has_input ? c.count * es : 0, out * es)},
+              {has_input ? send[k][o].data() : nullptr}, {recv[k][o].data()}, FarFor(o + k));
           if (k == 0) node0[o] = b;
           StageOn(op, b);
         }
@@ -1330,7 +1380,7 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
             ins.push_back(send[r][o].data());
             outs.push_back(recv[r][o].data());
           }
-          auto b = LaidOutAsOnAGpu(op.sig, world, ranks, ins, outs);
+          auto b = LaidOutAsOnAGpu(op.sig, world, ranks, ins, outs, FarFor(o + k));
           staged[k][o] = b;
           op.staged = b;
         }

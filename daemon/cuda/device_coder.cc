@@ -154,10 +154,11 @@ class DeviceChunkCoder final : public ChunkCoder {
         size_(stream) {}
   ~DeviceChunkCoder() override {
     cudaSetDevice(device_);
-    // Encodings still begun (the caller failed first) write to host memory,
-    // and a wake may run after its encoding's event completed: both go
-    // with this, so wait for the stream.
-    if (!wakes_.empty()) cudaStreamSynchronize(stream_);
+    // Encodings still begun (the caller failed first, or one failed half
+    // enqueued) write to host memory, and a wake may run after its
+    // encoding's event completed: both go with this, so wait for the
+    // stream.
+    if (!begun_.empty() || !idle_.empty()) cudaStreamSynchronize(stream_);
     for (auto& e : begun_) cudaEventDestroy(e->done);
     for (auto& e : idle_) cudaEventDestroy(e->done);
     // The device buffers go back on the stream, after the work that uses
