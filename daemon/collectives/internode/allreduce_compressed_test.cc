@@ -1132,9 +1132,9 @@ TEST(CompressedCoderTest, YieldingKeepsOneSendInFlightAndTheSameBits) {
     auto st =
         RunYielding(hub, wrapped, *codec, ref, count, std::vector<YieldMode>(n, YieldMode::kNo), 1);
     for (int k = 0; k < n; ++k) ASSERT_TRUE(st[k].ok()) << st[k];
-    uint32_t seed = 0;
-    auto coder = [&](int) {
-      return std::make_unique<ThreadCoder>(*codec, nullptr, "y", count, ++seed);
+    uint32_t round = 0;  // the nodes' threads make their coders: seeds by node
+    auto coder = [&](int k) {
+      return std::make_unique<ThreadCoder>(*codec, nullptr, "y", count, 100 * round + k);
     };
     const std::vector<YieldMode> modes[] = {
         std::vector<YieldMode>(n, YieldMode::kAlways),
@@ -1142,7 +1142,8 @@ TEST(CompressedCoderTest, YieldingKeepsOneSendInFlightAndTheSameBits) {
     for (const auto& mode : modes) {
       for (auto& w : wrapped) w->Reset();
       auto coded = inputs;
-      st = RunYielding(hub, wrapped, *codec, coded, count, mode, 2 + seed, coder);
+      ++round;
+      st = RunYielding(hub, wrapped, *codec, coded, count, mode, 1 + round, coder);
       for (int k = 0; k < n; ++k) {
         ASSERT_TRUE(st[k].ok()) << st[k];
         if (mode[k] == YieldMode::kAlways) EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k;
