@@ -1104,7 +1104,9 @@ TEST(CompressedCoderTest, EncodingAheadGivesTheCpuBits) {
               most = std::max(most, coders[k]->most_ahead);
             }
           }
-          if (count > 5000) EXPECT_GE(most, 2u) << "nothing was encoded ahead";
+          if (count > 5000) {
+            EXPECT_GE(most, 2u) << "nothing was encoded ahead";
+          }
         }
       }
     }
@@ -1146,7 +1148,9 @@ TEST(CompressedCoderTest, YieldingKeepsOneSendInFlightAndTheSameBits) {
       st = RunYielding(hub, wrapped, *codec, coded, count, mode, 1 + round, coder);
       for (int k = 0; k < n; ++k) {
         ASSERT_TRUE(st[k].ok()) << st[k];
-        if (mode[k] == YieldMode::kAlways) EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k;
+        if (mode[k] == YieldMode::kAlways) {
+          EXPECT_EQ(wrapped[k]->max_seen(), 1) << "node " << k;
+        }
         EXPECT_EQ(coded[k], ref[k]) << "node " << k;
       }
     }
