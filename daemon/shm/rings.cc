@@ -41,7 +41,9 @@ absl::Status CompletionWriter::Push(uint64_t op_id, int status_code, absl::strin
   e.op_id = op_id;
   e.status_code = status_code;
   const size_t n = std::min(message.size(), wire::kMaxMessage);
-  std::memcpy(e.message, message.data(), n);
+  // An OK status's message is an empty view with no data: memcpy from null
+  // is undefined even for 0 bytes.
+  if (n > 0) std::memcpy(e.message, message.data(), n);
   e.message_len = static_cast<uint32_t>(n);
   ++tail_;
   header_->cq_tail.store(tail_, std::memory_order_seq_cst);

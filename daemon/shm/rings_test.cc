@@ -69,7 +69,9 @@ TEST_F(RingsTest, CompletionsCarryStatusAndTruncatedMessage) {
   ASSERT_TRUE(writer.Push(7, 0, "").ok());
   std::string long_message(1000, 'x');
   ASSERT_TRUE(writer.Push(8, 3, long_message).ok());
-  EXPECT_EQ(h_->cq_tail.load(), 2u);
+  // What the engine passes for a success: an empty view with no data.
+  ASSERT_TRUE(writer.Push(9, 0, absl::OkStatus().message()).ok());
+  EXPECT_EQ(h_->cq_tail.load(), 3u);
   const wire::CompletionEntry& a = mem_->completions()[0];
   const wire::CompletionEntry& b = mem_->completions()[1];
   EXPECT_EQ(a.op_id, 7u);
@@ -78,6 +80,8 @@ TEST_F(RingsTest, CompletionsCarryStatusAndTruncatedMessage) {
   EXPECT_EQ(b.op_id, 8u);
   EXPECT_EQ(b.status_code, 3);
   EXPECT_EQ(b.message_len, wire::kMaxMessage);
+  EXPECT_EQ(mem_->completions()[2].op_id, 9u);
+  EXPECT_EQ(mem_->completions()[2].message_len, 0u);
 }
 
 TEST_F(RingsTest, FullCompletionRingIsAnErrorNotAnOverwrite) {
