@@ -145,7 +145,11 @@ void DecodeAll(const unsigned char* in, size_t k, size_t count, typename F::Stor
   using T = typename F::Storage;
   const unsigned char* const indices = in;
   const unsigned char* const values = in + kIndexBytes * k;
-  if constexpr (!kAdd) std::memset(out, 0, count * sizeof(T));  // +0 in every float format
+  // +0 in every float format. count == 0 may come with out == nullptr, which
+  // memset must not get even for 0 bytes.
+  if constexpr (!kAdd) {
+    if (count > 0) std::memset(out, 0, count * sizeof(T));
+  }
   for (size_t j = 0; j < k; ++j) {
     const uint32_t i = LoadAt<uint32_t>(indices + kIndexBytes * j);
     const T v = LoadAt<T>(values + sizeof(T) * j);
