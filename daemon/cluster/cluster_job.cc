@@ -926,7 +926,11 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   offset = 0;
   for (const ClusterOp& op : ops) {
     const size_t bytes = op.sig.count * es;
-    for (const auto& p : op.parts) std::memcpy(p.recv, node + offset, bytes);
+    // A 0-element operation may have no receive buffer (nullptr), which
+    // memcpy must not get even for 0 bytes.
+    if (bytes > 0) {
+      for (const auto& p : op.parts) std::memcpy(p.recv, node + offset, bytes);
+    }
     offset += bytes;
   }
   fused_ops_.fetch_add(ops.size(), std::memory_order_relaxed);
