@@ -256,7 +256,8 @@ TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
         if (op == wire::ReduceOp::kAvg) want /= 2;
         ASSERT_EQ(recv[0][k][o][i], want) << "fused round, node " << k << " op " << o << " i " << i;
       }
-      ASSERT_EQ(std::memcmp(recv[0][k][o].data(), recv[1][k][o].data(), 4 * send[k][o].size()), 0)
+      ASSERT_TRUE(send[k][o].empty() || std::memcmp(recv[0][k][o].data(), recv[1][k][o].data(),
+                                                    4 * send[k][o].size()) == 0)
           << "node " << k << " op " << o << ": fused and unfused results differ";
     }
   }

@@ -86,7 +86,8 @@ TEST_P(CompressedAllreduceTest, SameBitsEverywhereAndBoundedError) {
   RunOnce(hub, *codec, nullptr, "g", &run, 1);
   for (int k = 0; k < c.nodes; ++k) ASSERT_TRUE(run.status[k].ok()) << run.status[k];
   for (int k = 1; k < c.nodes; ++k) {
-    ASSERT_EQ(0, std::memcmp(run.data[0].data(), run.data[k].data(), c.count * 4))
+    ASSERT_TRUE(c.count == 0 ||
+                std::memcmp(run.data[0].data(), run.data[k].data(), c.count * 4) == 0)
         << "node " << k << " differs from node 0";
   }
   double max_exact = 0, max_err = 0;
