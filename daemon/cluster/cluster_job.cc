@@ -55,6 +55,12 @@ bool KeepsErrorFeedback(const config::Tuning& tuning, const std::string& name) {
   return tuning.error_feedback && (name.empty() || name[0] != '#');
 }
 
+// memcpy for a rank's buffer, which a 0-element operation may leave out
+// (nullptr): memcpy must not get a null pointer even for 0 bytes.
+void CopyBytes(void* to, const void* from, size_t bytes) {
+  if (bytes > 0) std::memcpy(to, from, bytes);
+}
+
 // One local rank's alltoall(v) pairs, in elements: what it sends to and
 // receives from each rank of the job, and where each block lies in its
 // buffers (back to back in rank order).
@@ -926,11 +932,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   offset = 0;
   for (const ClusterOp& op : ops) {
     const size_t bytes = op.sig.count * es;
-    // A 0-element operation may have no receive buffer (nullptr), which
-    // memcpy must not get even for 0 bytes.
-    if (bytes > 0) {
-      for (const auto& p : op.parts) std::memcpy(p.recv, node + offset, bytes);
-    }
+    for (const auto& p : op.parts) CopyBytes(p.recv, node + offset, bytes);
     offset += bytes;
   }
   fused_ops_.fetch_add(ops.size(), std::memory_order_relaxed);
@@ -1335,7 +1337,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
   const ClusterOp::Part& first = op.parts.front();
   auto fan_out = [&](const uint8_t* node_buffer, size_t bytes) {
     for (const auto& p : op.parts) {
-      if (p.recv != node_buffer) std::memcpy(p.recv, node_buffer, bytes);
+      if (p.recv != node_buffer) CopyBytes(p.recv, node_buffer, bytes);
     }
   };
   std::vector<const void*> inputs;
@@ -1379,7 +1381,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
         for (const auto& p : op.parts) {
           uint8_t* mine = node + static_cast<size_t>(p.rank) * block;
           if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, mine, op.sig.count, world);
-          std::memcpy(p.recv, mine, block);
+          CopyBytes(p.recv, mine, block);
         }
         return absl::OkStatus();
       }
@@ -1401,7 +1403,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
         fan_out(node, block);
       } else {
         for (const auto& p : op.parts) {
-          std::memcpy(p.recv, node + static_cast<size_t>(p.rank) * block, block);
+          CopyBytes(p.recv, node + static_cast<size_t>(p.rank) * block, block);
         }
       }
       return absl::OkStatus();
@@ -1411,7 +1413,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       uint8_t* node = first.recv;
       for (const auto& p : op.parts) {
         uint8_t* at = node + p.rank * block;
-        if (p.send != at) std::memcpy(at, p.send, block);
+        if (p.send != at) CopyBytes(at, p.send, block);
       }
       absl::Status s = MoveInSegments(ctx, seq, settings, op, node);
       if (!s.ok()) return s;
@@ -1421,7 +1423,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
     case wire::Collective::kBroadcast: {
       uint8_t* node = first.recv;
       for (const auto& p : op.parts) {
-        if (p.rank == op.sig.root && p.send != node) std::memcpy(node, p.send, block);
+        if (p.rank == op.sig.root && p.send != node) CopyBytes(node, p.send, block);
       }
       absl::Status s = MoveInSegments(ctx, seq, settings, op, node);
       if (!s.ok()) return s;

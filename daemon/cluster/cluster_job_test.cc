@@ -270,6 +270,27 @@ TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
 // nodes; uncompressed ones are exact (had one been packed with compressed
 // ones, it would not be, and the node would refuse the run); both kinds
 // fuse (counted).
+// 0-element operations of every copying collective, with no buffers at all
+// (nullptr, as an empty tensor's data pointer may be): each ends OK without
+// touching memory (under UBSan: no memcpy gets a null pointer).
+TEST(ClusterJobTest, ZeroElementOperationsWithoutBuffersEndOk) {
+  Nodes nodes(2);
+  const wire::Collective collectives[] = {
+      wire::Collective::kAllreduce, wire::Collective::kReduceScatter, wire::Collective::kAllgather,
+      wire::Collective::kBroadcast};
+  for (int k = 0; k < 2; ++k) {
+    uint64_t key = 0;
+    for (const wire::Collective c : collectives) {
+      ClusterOp op = Allreduce(key, "z" + std::to_string(key), wire::DataType::kFloat32,
+                               wire::ReduceOp::kSum, 0, k, nullptr, nullptr);
+      op.sig.collective = static_cast<uint32_t>(c);
+      nodes.job(k).Submit(std::move(op));
+      ++key;
+    }
+  }
+  nodes.ExpectEndsOk(std::size(collectives));
+}
+
 TEST(ClusterJobTest, FusedCompressedRunsWithinTheBoundNeverMixedWithUncompressed) {
   for (const char* codec : {"int8", "fp16"}) {
     SCOPED_TRACE(codec);
