@@ -653,13 +653,14 @@ TEST_P(MultiNodeFusionTest, FusedResultsEqualUnfusedAndTheReference) {
           const std::vector<uint8_t> want = ReferenceCollective(
               Coll::kAllreduce, o.t, o.op, world, rank, 0, o.count,
               [&](int r, void* out, size_t n) { fill(o, r, out, n); });
-          CHILD_CHECK(std::memcmp(got, want.data(), bytes) == 0, "round %d %s rank %d: differs from the reference",
-                      round, o.name.c_str(), rank);
+          CHILD_CHECK(bytes == 0 || std::memcmp(got, want.data(), bytes) == 0,
+                      "round %d %s rank %d: differs from the reference", round, o.name.c_str(),
+                      rank);
         }
         if (round == 0) {
           first_round.emplace_back(got, got + bytes);
         } else {
-          CHILD_CHECK(std::memcmp(got, first_round[i].data(), bytes) == 0,
+          CHILD_CHECK(bytes == 0 || std::memcmp(got, first_round[i].data(), bytes) == 0,
                       "%s rank %d: fused and unfused results differ", o.name.c_str(), rank);
         }
       }
