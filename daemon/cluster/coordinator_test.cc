@@ -99,6 +99,9 @@ std::vector<std::string> Runs(const std::vector<proto::CoordinatorEvent>& events
 }
 
 // Two nodes form a job: ranks {2,3} and {0,1}; the table lists rank 0's node first.
+// Declare it before the Coordinator: the streams must outlive it (its timer
+// thread may still send to them until it is destroyed; the tests do not
+// Detach).
 struct Formed {
   proto::Membership membership;
   RecordingStream streams[2];
@@ -128,8 +131,8 @@ void Form(Coordinator& c, Formed* f) {
 }
 
 TEST(CoordinatorTest, MembershipOrdersNodesByLowestRank) {
-  Coordinator c("secret");
   Formed f;
+  Coordinator c("secret");
   Form(c, &f);
   ASSERT_EQ(f.membership.nodes_size(), 2);
   EXPECT_EQ(f.membership.nodes(0).node_name(), "a");
@@ -158,8 +161,8 @@ TEST(CoordinatorTest, DuplicateRanksAndWorldMismatchAreRefused) {
 }
 
 TEST(CoordinatorTest, RunsWhenEveryNodeIsReadyInOneGlobalOrder) {
-  Coordinator c("secret");
   Formed f;
+  Coordinator c("secret");
   Form(c, &f);
   c.OnEvent(f.handles[0], Ready("x", 10));
   c.OnEvent(f.handles[1], Ready("y", 10));
@@ -177,8 +180,8 @@ TEST(CoordinatorTest, RunsWhenEveryNodeIsReadyInOneGlobalOrder) {
 }
 
 TEST(CoordinatorTest, MismatchFailsOnEveryNodeNamingBoth) {
-  Coordinator c("secret");
   Formed f;
+  Coordinator c("secret");
   Form(c, &f);
   c.OnEvent(f.handles[0], Ready("g", 10));
   c.OnEvent(f.handles[1], Ready("g", 12));
@@ -194,8 +197,8 @@ TEST(CoordinatorTest, MismatchFailsOnEveryNodeNamingBoth) {
 }
 
 TEST(CoordinatorTest, TimeoutFailsTheReadyNodesAndLateComers) {
-  Coordinator c("secret");
   Formed f;
+  Coordinator c("secret");
   Form(c, &f);
   c.OnEvent(f.handles[0], Ready("slow", 1, 200));
   auto ev = f.streams[0].WaitFor(1);
@@ -209,8 +212,8 @@ TEST(CoordinatorTest, TimeoutFailsTheReadyNodesAndLateComers) {
 }
 
 TEST(CoordinatorTest, LostNodeFailsTheJobOnTheOthers) {
-  Coordinator c("secret");
   Formed f;
+  Coordinator c("secret");
   Form(c, &f);
   c.Detach(f.handles[1], absl::UnavailableError("its stream ended"));
   auto ev = f.streams[0].WaitFor(1);
@@ -258,8 +261,8 @@ std::string LogOf(const std::function<void()>& body) {
 TEST(CoordinatorTest, ALeaveAfterTheNodesLastDoneEndsTheJobQuietly) {
   for (bool done_first : {true, false}) {
     SCOPED_TRACE(done_first ? "Done, then Leave" : "Leave before Done");
-    Coordinator c("secret");
     Formed f;
+    Coordinator c("secret");
     Form(c, &f);
     BothReady(c, f, "last", 10);
     ASSERT_EQ(f.streams[1].WaitFor(1).size(), 1u);
@@ -282,8 +285,8 @@ TEST(CoordinatorTest, ALeaveAfterTheNodesLastDoneEndsTheJobQuietly) {
 }
 
 TEST(CoordinatorTest, BacklogRunsHighestPriorityFirstTiesInReadyOrder) {
-  Coordinator c("secret");
   Formed f;
+  Coordinator c("secret");
   Form(c, &f);
   BothReady(c, f, "busy0", 10);
   BothReady(c, f, "busy1", 10);  // both lanes taken
@@ -312,8 +315,8 @@ TEST(CoordinatorTest, BacklogRunsHighestPriorityFirstTiesInReadyOrder) {
 TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "12K").ok());
-  Coordinator c("secret", &tuning);
   Formed f;
+  Coordinator c("secret", &tuning);
   Form(c, &f);
   BothReady(c, f, "busy0", 10, 0, true);
   BothReady(c, f, "busy1", 10, 0, true);
@@ -344,8 +347,8 @@ TEST(CoordinatorTest, TwoNodesFuseUpToTheThresholdWhateverTheAutoRulePicks) {
     SCOPED_TRACE(threshold);
     config::TuningRegistry tuning;  // algorithm auto: the ring from ~43 KiB on 2 nodes
     ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", threshold).ok());
-    Coordinator c("secret", &tuning);
     Formed f;
+    Coordinator c("secret", &tuning);
     Form(c, &f);
     for (const char* name : {"busy0", "busy1", "a", "b", "c"}) {
       BothReady(c, f, name, 96 * 1024, 0, true);  // 384 KiB of float32 each
@@ -366,8 +369,8 @@ TEST(CoordinatorTest, TwoNodesFuseUpToTheThresholdWhateverTheAutoRulePicks) {
 TEST(CoordinatorTest, FusesOnlyWithinOneCodec) {
   config::TuningRegistry tuning;  // 4M threshold, algorithm auto: 1 MiB on 2 nodes
   ASSERT_TRUE(tuning.Set("min_compress_bytes", "0").ok());
-  Coordinator c("secret", &tuning);
   Formed f;
+  Coordinator c("secret", &tuning);
   Form(c, &f);
   constexpr uint32_t kNone = 1, kFp16 = 2, kInt8 = 4;
   auto both = [&](const std::string& name, uint64_t count, uint32_t codec) {
@@ -410,8 +413,8 @@ TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
   ASSERT_TRUE(tuning.Set("compression", "int8").ok());
   ASSERT_TRUE(tuning.Set("min_compress_bytes", "1K").ok());
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());
-  Coordinator c("secret", &tuning);
   Formed f;
+  Coordinator c("secret", &tuning);
   Form(c, &f);
   BothReady(c, f, "big", 4096, 0, true);          // 16 KiB float32: int8
   BothReady(c, f, "small", 16, 0, true);          // 64 bytes: below min_compress_bytes
@@ -456,8 +459,8 @@ TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
 TEST(CoordinatorTest, GpuOperationsRunAloneInSegments) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
-  Coordinator c("secret", &tuning);
   Formed f;
+  Coordinator c("secret", &tuning);
   Form(c, &f);
   auto ready = [&](const std::string& name, uint64_t count, int gpu_node, uint32_t codec = 0,
                    bool allreduce = true) {
@@ -503,8 +506,8 @@ TEST(CoordinatorTest, GpuOperationsRunAloneInSegments) {
 TEST(CoordinatorTest, AlltoallSegmentsFollowTheBusiestRank) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
-  Coordinator c("secret", &tuning);
   Formed f;
+  Coordinator c("secret", &tuning);
   Form(c, &f);
   struct Op {
     std::string name;
@@ -551,8 +554,8 @@ TEST(CoordinatorTest, AlltoallSegmentsFollowTheBusiestRank) {
 TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());
-  Coordinator c("secret", &tuning);
   Formed f;
+  Coordinator c("secret", &tuning);
   Form(c, &f);
   for (const char* name : {"busy0", "busy1", "a", "b"}) BothReady(c, f, name, 8, 0, true);
   BothDone(c, f, 0);
@@ -564,8 +567,8 @@ TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
 TEST(CoordinatorTest, CycleTimeHoldsAnOperationToMeetOthers) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("cycle_time_us", "400000").ok());
-  Coordinator c("secret", &tuning);
   Formed f;
+  Coordinator c("secret", &tuning);
   Form(c, &f);
   const auto start = Clock::now();
   BothReady(c, f, "a", 8, 0, true);
@@ -583,8 +586,8 @@ TEST(CoordinatorTest, CycleTimeHoldsAnOperationToMeetOthers) {
 }
 
 TEST(CoordinatorTest, WithoutCycleTimeAnIsolatedOperationStartsAtOnce) {
-  Coordinator c("secret");  // defaults: cycle_time_us 0
   Formed f;
+  Coordinator c("secret");  // defaults: cycle_time_us 0
   Form(c, &f);
   BothReady(c, f, "alone", 8, 0, true);
   auto ev = f.streams[0].events();  // synchronously, no wait
