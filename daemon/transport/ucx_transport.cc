@@ -244,7 +244,8 @@ class UcxTransport::Channel {
   void Stop() {
     stop_.store(true);
     pending_.fetch_add(1);
-    if (worker_ != nullptr) ucp_worker_signal(worker_);
+    // The thread may see stop_ and destroy the worker before this line.
+    Signal();
   }
 
   void Join() {
@@ -306,7 +307,14 @@ class UcxTransport::Channel {
  private:
   void Wake() {
     pending_.fetch_add(1);  // seq_cst: pairs with sleeping_ below
-    if (sleeping_.load()) ucp_worker_signal(worker_);
+    if (sleeping_.load()) Signal();
+  }
+
+  // ucp_worker_signal from any thread, never on a destroyed worker: the
+  // thread destroys it (Shutdown) under signal_mu_ as soon as it sees stop_.
+  void Signal() {
+    std::lock_guard<std::mutex> lock(signal_mu_);
+    if (worker_ != nullptr) ucp_worker_signal(worker_);
   }
 
   void Run() {
@@ -587,8 +595,12 @@ class UcxTransport::Channel {
                    index_, abandoned.size(), close_requests_.size());
     }
     close_requests_.clear();  // freed with the worker
-    ucp_worker_destroy(worker_);
-    worker_ = nullptr;
+    {
+      // Not mu_: callbacks made during the destruction may Enqueue.
+      std::lock_guard<std::mutex> lock(signal_mu_);
+      ucp_worker_destroy(worker_);
+      worker_ = nullptr;
+    }
     for (Op* op : abandoned) delete op;
     in_flight_.clear();
     // Anything queued after the last drain (a callback of the above).
@@ -634,7 +646,10 @@ class UcxTransport::Channel {
 
   UcxTransport* const owner_;
   const int index_;
+  // Written by the thread only (Shutdown, under signal_mu_); other threads
+  // read it only in Signal.
   ucp_worker_h worker_ = nullptr;
+  std::mutex signal_mu_;
   int efd_ = -1;
   std::string address_;
   std::thread thread_;
