@@ -195,7 +195,6 @@ class DeviceChunkCoder final : public ChunkCoder {
     en.own_sum = own_sum;
     en.out = static_cast<uint8_t*>(out);
     en.bytes = 0;
-    en.sized_on_device = spec_.kind == CodecKind::kInt8;
     if (residuals_ != nullptr) {
       if (auto r = residuals_->Find(Key(own_sum), count_, device_); r != nullptr) {
         absl::Status s = gpu::DeviceErrorFeedbackApply(r->data + first, static_cast<float*>(data),
@@ -209,12 +208,12 @@ class DeviceChunkCoder final : public ChunkCoder {
     auto bytes = EncodeOnDevice(data, count, en.encoded, en.size);
     if (!bytes.ok()) return Abandon(std::move(*e), bytes.status());
     // int8: the typical part now, the size beside it.
-    const uint64_t now = !en.sized_on_device ? *bytes
-                                             : std::min(cpu_->TypicalEncodedBytes(dtype_, count),
-                                                        cpu_->MaxEncodedBytes(dtype_, count));
+    const uint64_t now = !SizedOnDevice() ? *bytes
+                                          : std::min(cpu_->TypicalEncodedBytes(dtype_, count),
+                                                     cpu_->MaxEncodedBytes(dtype_, count));
     absl::Status s = Cuda(cudaMemcpyAsync(out, en.encoded, now, cudaMemcpyDeviceToHost, stream_),
                           "cudaMemcpyAsync of the encoding to the host");
-    if (s.ok() && !en.sized_on_device) {
+    if (s.ok() && !SizedOnDevice()) {
       en.bytes = *bytes;
       s = Decoded(en);
     }
@@ -248,7 +247,7 @@ class DeviceChunkCoder final : public ChunkCoder {
     std::unique_ptr<Encoding> e = std::move(begun_.front());
     begun_.pop_front();
     absl::Status s;
-    if (e->sized_on_device) {  // int8: its size came with it
+    if (SizedOnDevice()) {  // int8: its size came with it
       const uint64_t bytes = *e->size;
       const uint64_t typical = cpu_->TypicalEncodedBytes(dtype_, e->count);
       if (bytes > cpu_->MaxEncodedBytes(dtype_, e->count)) {
@@ -300,9 +299,10 @@ class DeviceChunkCoder final : public ChunkCoder {
     size_t first = 0, count = 0;
     bool own_sum = false;
     uint8_t* out = nullptr;
-    uint64_t bytes = 0;
-    bool sized_on_device = false;  // int8: `bytes` known once it ended
+    uint64_t bytes = 0;  // known when begun, but SizedOnDevice: when ended
   };
+  // int8's size is known on the device only.
+  bool SizedOnDevice() const { return spec_.kind == CodecKind::kInt8; }
 
   // Room for another encoding: an idle one, or a new one.
   absl::StatusOr<std::unique_ptr<Encoding>> Idle() {

@@ -111,7 +111,6 @@ struct SendItem {
   int slot = -1;
   int pending = 0;   // callbacks still to come
   int dests = 0;     // destinations sent to (phase 0: 1 at most; phase 1: N-1)
-  bool ready = false;  // encoded: `encoded` bytes in the slot
   uint64_t encoded = 0;
 };
 
@@ -230,7 +229,7 @@ class Pipeline {
   std::vector<RecvItem> recvs_;
   size_t next_send_ = 0, next_recv_ = 0;
   // Sends from next_send_ up to next_encode_ have begun encoding, the last
-  // encoding_ of them on the coder and not ended.
+  // encoding_ of them on the coder and not ended: those before are encoded.
   size_t next_encode_ = 0, encoding_ = 0;
   size_t outstanding_ = 0;  // callbacks to come
   size_t send_msgs_in_flight_ = 0;  // send messages posted and not completed
@@ -390,7 +389,6 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
 void Pipeline::Encode(SendItem& s) {
   if (coder_ == nullptr) {
     EncodeInto(SendSlot(s.slot), s.owner, s.chunk, s.phase == 1, &s.encoded);
-    s.ready = error_.ok();
     return;
   }
   absl::Status begun = coder_->BeginEncode(
@@ -421,7 +419,6 @@ bool Pipeline::EndEncodings() {
     --encoding_;
     s.encoded = *bytes;
     std::memcpy(SendSlot(s.slot), &s.encoded, kHeader);
-    s.ready = true;
     any = true;
   }
   return any;
@@ -457,7 +454,7 @@ bool Pipeline::PostSends() {
   bool progress = false;
   while (error_.ok()) {
     if (coder_ != nullptr && EndEncodings()) progress = true;
-    while (error_.ok() && next_send_ < next_encode_ && sends_[next_send_].ready) {
+    while (error_.ok() && next_send_ < next_encode_ - encoding_) {
       SendItem& s = sends_[next_send_];
       const int total = s.phase == 0 ? 1 : n_ - 1;
       const size_t typical = codec_.TypicalEncodedBytes(dtype_, ChunkLen(s.owner, s.chunk));
