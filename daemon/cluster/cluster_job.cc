@@ -630,6 +630,8 @@ void ClusterJob::LaneLoop(Lane& lane) {
     {
       proto::NodeEvent done;
       done.mutable_done()->set_seq(run.seq);
+      done.mutable_done()->set_code(static_cast<int>(s.code()));
+      done.mutable_done()->set_message(std::string(s.message()));
       std::lock_guard<std::mutex> lock(write_mu_);
       // A closed stream: the job is ending anyway.
       if (!writes_closed_ && stream_) stream_->Write(done);
@@ -748,7 +750,10 @@ void ClusterJob::Run() {
                  absl::Status(static_cast<absl::StatusCode>(c.fail().code()), c.fail().message()));
           }
         } else if (c.has_job_failed()) {
-          WaitForAnnouncedRuns();
+          // Runs that can still complete (the node that left had done its
+          // part) end first; cut-off ones are failed below, through the
+          // transport, rather than left to their deadline.
+          if (!c.job_failed().runs_cut_off()) WaitForAnnouncedRuns();
           job_failure = absl::Status(static_cast<absl::StatusCode>(c.job_failed().code()),
                                      c.job_failed().message());
         }

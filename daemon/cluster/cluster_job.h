@@ -230,8 +230,10 @@ class ClusterJob {
   // Before a job failure from the coordinator or its stream is acted on:
   // runs announced before it still run to their end, everywhere (a node
   // whose rank finished and left must not cut off its partners' last
-  // transfers); those that cannot end fail on their transfers or deadline.
-  // Abort ends the wait.
+  // transfers). Not when the coordinator says they are cut off (the node
+  // that ended the job had not finished one, or one failed): the job's
+  // failure then fails every peer on the transport, which ends them at
+  // once. Abort ends the wait.
   void WaitForAnnouncedRuns();
   // Writes to the ordering stream (from the main thread and the lanes);
   // false once the stream is closed.

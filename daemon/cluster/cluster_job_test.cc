@@ -685,6 +685,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     return calls_;
   }
   int fail_fetch_at = -1;  // byte offset of the segment whose fetch fails
+  int fail_encode_at = -1;  // index of the encoding (0: the first begun) that faults
   // Bytes asked to be copied, by the caller (its thread only).
   size_t fetched_bytes = 0, stored_bytes = 0;
   size_t copies_in_rows = 0;  // Fetches and Stores made by FetchRows / StoreRows
@@ -718,9 +719,11 @@ class HostStagedBuffer final : public StagedNodeBuffer {
         return absl::FailedPreconditionError("encoding outside the coder's host memory");
       }
       auto e = std::make_shared<Encoding>();
+      const bool fault = static_cast<int64_t>(b_->encodings_begun) == b_->fail_encode_at;
       e->ticket = b_->EnqueueWork(
           -1, "",
           [=, this] {
+            if (fault) return absl::InternalError("device fault (test)");
             auto* f = static_cast<float*>(data);
             const bool fb = !name_.empty() && b_->dtype_ == wire::DataType::kFloat32;
             const std::string key = own_sum ? name_ + "#owner" : name_;
@@ -1521,6 +1524,65 @@ TEST(ClusterJobStagedTest, ADeviceFaultFailsTheOperationEverywhere) {
   EXPECT_FALSE(nodes.ends(1).ends[0].second.ok());
   // Nothing of the failed operation is left running on the "device".
   EXPECT_TRUE(absl::IsInternal(gpu->Drain()));
+}
+
+// A fault on one node's device, with four nodes and the default one-minute
+// deadline: the failing node reports its run failed, the coordinator fails
+// the job saying the run is cut off, and every node ends the run within
+// seconds, naming the fault (before, the other nodes waited for the run's
+// deadline). Uncompressed (the fault in the third segment's copy) and
+// compressed (in the device's third encoding, and in its eighteenth, among
+// the owner's phase-2 chunks).
+TEST(ClusterJobStagedTest, AFaultOnOneNodeEndsTheRunEverywhereLongBeforeItsDeadline) {
+  for (int fault_at : {-1, 2, 17}) {
+    const bool compressed = fault_at >= 0;
+    SCOPED_TRACE(compressed ? "int8 on the device" : "uncompressed");
+    SCOPED_TRACE(fault_at);
+    const int n = 4;
+    Nodes nodes(n);
+    ASSERT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
+    ASSERT_TRUE(nodes.SetBoth("op_timeout_ms", "60000").ok());
+    if (compressed) {
+      ASSERT_TRUE(nodes.SetBoth("compression", "int8").ok());
+      ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "4K").ok());
+    }
+    ErrorFeedback residuals(1 << 20);
+    const size_t count = 20000;
+    std::vector<std::vector<float>> send(n), recv(n);
+    std::shared_ptr<HostStagedBuffer> gpu;
+    const auto start = Clock::now();
+    for (int k = 0; k < n; ++k) {
+      send[k].assign(count, 1.0f + k);
+      recv[k].assign(count, 0.0f);
+      ClusterOp op = Allreduce(1, "f", wire::DataType::kFloat32, wire::ReduceOp::kSum, count, k,
+                               send[k].data(), recv[k].data());
+      if (k == 1) {
+        gpu = std::make_shared<HostStagedBuffer>(wire::DataType::kFloat32, count,
+                                                 std::vector<const void*>{send[k].data()},
+                                                 std::vector<void*>{recv[k].data()});
+        if (compressed) {
+          gpu->residuals = &residuals;
+          gpu->fail_encode_at = fault_at;
+        } else {
+          gpu->fail_fetch_at = 2 * 4096;
+        }
+        StageOn(op, gpu);
+      }
+      nodes.job(k).Submit(std::move(op));
+    }
+    for (int k = 0; k < n; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(1)) << "node " << k;
+    const auto took = Clock::now() - start;
+    EXPECT_LT(took, std::chrono::seconds(10))
+        << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+    if (compressed) EXPECT_GT(gpu->encodings_begun, size_t(fault_at));  // the coder's fault
+    for (int k = 0; k < n; ++k) {
+      const absl::Status& st = nodes.ends(k).ends[0].second;
+      EXPECT_FALSE(st.ok()) << "node " << k;
+      EXPECT_NE(st.message().find("device fault (test)"), std::string::npos)
+          << "node " << k << ": " << st;
+      if (k == 1) EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+    }
+  }
 }
 
 // However an operation on a staged node ends (run, failed on the device,

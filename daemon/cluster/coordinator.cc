@@ -334,26 +334,29 @@ void Coordinator::SendAll(Job& job, const proto::CoordinatorEvent& e) {
   for (auto& [node, stream] : job.streams) stream->Send(e);
 }
 
-void Coordinator::FailJob(Job& job, int code, const std::string& message, int leaving) {
+void Coordinator::FailJob(Job& job, int code, const std::string& message, int node) {
   if (!job.failure.ok()) return;
   job.failure = absl::Status(static_cast<absl::StatusCode>(code), message);
+  bool cut_off = false;
+  for (const auto& [seq, run] : job.running) {
+    cut_off = cut_off || run.failed || (node >= 0 && !run.done[static_cast<size_t>(node)]);
+  }
   // A node that leaves (its ranks finished) with no operation pending or
   // queued, and done with every run it was part of, is how a job ends: not
   // worth a warning (the others finish the last run without it: its part
   // is over). Anything else (a lost stream, operations cut off) is.
-  bool quiet_end = code == static_cast<int>(absl::StatusCode::kAborted) && leaving >= 0 &&
-                   job.pending.empty() && job.backlog.empty();
-  for (const auto& [seq, done] : job.running) {
-    quiet_end = quiet_end && done[static_cast<size_t>(leaving)];
-  }
+  const bool quiet_end = code == static_cast<int>(absl::StatusCode::kAborted) && node >= 0 &&
+                         job.pending.empty() && job.backlog.empty() && !cut_off;
   if (quiet_end) {
     spdlog::info("job '{}' ended: {}", job.id, message);
   } else {
-    spdlog::warn("job '{}' failed: {}", job.id, message);
+    spdlog::warn("job '{}' failed: {}{}", job.id, message,
+                 cut_off ? " (runs in flight cut off)" : "");
   }
   proto::CoordinatorEvent e;
   e.mutable_job_failed()->set_code(code);
   e.mutable_job_failed()->set_message(message);
+  e.mutable_job_failed()->set_runs_cut_off(cut_off);
   SendAll(job, e);
   changed_.notify_all();
 }
@@ -375,10 +378,23 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     return;
   }
   if (event.has_done()) {
-    auto r = job.running.find(event.done().seq());
-    if (r == job.running.end() || r->second[node]) return;
-    r->second[node] = true;
-    if (std::count(r->second.begin(), r->second.end(), true) == nodes) {
+    const auto& done = event.done();
+    auto r = job.running.find(done.seq());
+    if (r == job.running.end() || r->second.done[node]) return;
+    r->second.done[node] = true;
+    if (done.code() != 0) {
+      r->second.failed = true;
+      // A run's own fault on this node (a lost peer, a device fault, its
+      // deadline; not a check every node makes alike) is the job's end:
+      // the others hear why at once, rather than at their runs' deadline.
+      if (done.code() != static_cast<int>(absl::StatusCode::kInvalidArgument)) {
+        FailJob(job, done.code(),
+                absl::StrCat(NodeLabel(job, node), " failed run ", done.seq(), " of job '", job.id,
+                             "': ", done.message()),
+                node);
+      }
+    }
+    if (std::count(r->second.done.begin(), r->second.done.end(), true) == nodes) {
       job.running.erase(r);
       Schedule(job, Clock::now());
       changed_.notify_all();  // the timer recomputes its next decision
@@ -617,7 +633,7 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
       run->add_ready_spread_us(us(q.ready_at - q.first_ready));
       run->add_queued_us(us(now - q.ready_at));
     }
-    job.running.emplace(run->seq(), std::vector<bool>(nodes, false));
+    job.running.emplace(run->seq(), Job::Running{std::vector<bool>(nodes, false)});
     SendAll(job, e);
     for (auto g = group.rbegin(); g != group.rend(); ++g) {
       job.backlog.erase(job.backlog.begin() + static_cast<std::ptrdiff_t>(*g));
@@ -638,9 +654,10 @@ void Coordinator::Detach(uint64_t handle, const absl::Status& why) {
   job.streams.erase(a.node);
   job.handles.erase(a.node);
   if (!why.ok()) {
-    FailJob(job, static_cast<int>(absl::StatusCode::kUnavailable),
-            absl::StrCat("lost ", NodeLabel(job, a.node), " of job '", job.id,
-                         "': ", why.message()));
+    FailJob(
+        job, static_cast<int>(absl::StatusCode::kUnavailable),
+        absl::StrCat("lost ", NodeLabel(job, a.node), " of job '", job.id, "': ", why.message()),
+        a.node);
   }
   if (job.streams.empty()) {
     spdlog::info("job '{}' ended at its coordinator", job.id);

@@ -162,7 +162,11 @@ class Coordinator {
     std::map<std::string, PendingRun> pending;
     std::vector<Queued> backlog;
     uint64_t next_order = 0;
-    std::map<uint64_t, std::vector<bool>> running;  // seq -> Done per node
+    struct Running {
+      std::vector<bool> done;  // a Done from each node
+      bool failed = false;     // some node's Done said it failed
+    };
+    std::map<uint64_t, Running> running;  // by seq
     uint64_t next_seq = 0;
     int attached_ever = 0;
   };
@@ -175,8 +179,10 @@ class Coordinator {
   // Announces what may start now; returns when the next decision is due
   // (time_point::max() if none waits on a clock).
   std::chrono::steady_clock::time_point Schedule(Job& job, std::chrono::steady_clock::time_point now);
-  // `leaving`: the node whose Leave ends the job (-1: none).
-  void FailJob(Job& job, int code, const std::string& message, int leaving = -1);
+  // `node`: the node whose Leave, lost stream or failed run ends the job
+  // (-1: none). The runs in flight are cut off (JobFailed.runs_cut_off) when
+  // that node has not finished one of them, or one failed somewhere.
+  void FailJob(Job& job, int code, const std::string& message, int node = -1);
   void MaybeErase(const std::string& key);
   std::string NodeLabel(const Job& job, int node) const;
   // alltoallv, once every node is ready: INVALID_ARGUMENT when a node

@@ -281,6 +281,76 @@ TEST(CoordinatorTest, ALeaveAfterTheNodesLastDoneEndsTheJobQuietly) {
     auto ev = f.streams[0].WaitFor(2);
     ASSERT_EQ(ev.size(), 2u);
     EXPECT_TRUE(ev[1].has_job_failed());
+    // The other node finishes the run (the leaver's part is over), or ends
+    // it at once (the leaver never did its part).
+    EXPECT_EQ(ev[1].job_failed().runs_cut_off(), !done_first);
+  }
+}
+
+proto::NodeEvent FailedDone(uint64_t seq, absl::StatusCode code, const std::string& why) {
+  proto::NodeEvent e = Done(seq);
+  e.mutable_done()->set_code(static_cast<int>(code));
+  e.mutable_done()->set_message(why);
+  return e;
+}
+
+// A run that cannot complete anywhere is said to be cut off, so that the
+// nodes end it at once rather than at its deadline: its node's stream lost
+// before that node's Done, or a failed Done (which ends the job then and
+// there, naming the node and its reason). A node lost after doing its part
+// of every run cuts nothing off; a run refused alike by every node's checks
+// (INVALID_ARGUMENT) does not end the job.
+TEST(CoordinatorTest, AJobFailureSaysWhetherTheRunsInFlightAreCutOff) {
+  for (bool done_first : {true, false}) {
+    SCOPED_TRACE(done_first ? "Done, then lost" : "lost before Done");
+    Formed f;
+    Coordinator c("secret");
+    Form(c, &f);
+    BothReady(c, f, "r", 10);
+    ASSERT_EQ(f.streams[0].WaitFor(1).size(), 1u);
+    if (done_first) c.OnEvent(f.handles[1], Done(0));
+    c.Detach(f.handles[1], absl::UnavailableError("its stream ended"));
+    auto ev = f.streams[0].WaitFor(2);
+    ASSERT_EQ(ev.size(), 2u);
+    ASSERT_TRUE(ev[1].has_job_failed());
+    EXPECT_NE(ev[1].job_failed().message().find("lost node b"), std::string::npos);
+    EXPECT_EQ(ev[1].job_failed().runs_cut_off(), !done_first);
+  }
+  {
+    SCOPED_TRACE("a failed Done");
+    Formed f;
+    Coordinator c("secret");
+    Form(c, &f);
+    BothReady(c, f, "r", 10);
+    ASSERT_EQ(f.streams[0].WaitFor(1).size(), 1u);
+    c.OnEvent(f.handles[1], FailedDone(0, absl::StatusCode::kInternal, "device fault (test)"));
+    auto ev = f.streams[0].WaitFor(2);
+    ASSERT_EQ(ev.size(), 2u);
+    ASSERT_TRUE(ev[1].has_job_failed());
+    EXPECT_EQ(ev[1].job_failed().code(), static_cast<int>(absl::StatusCode::kInternal));
+    const std::string& m = ev[1].job_failed().message();
+    EXPECT_NE(m.find("node b (ranks 2,3) failed run 0 of job 'job': device fault (test)"),
+              std::string::npos)
+        << m;
+    EXPECT_TRUE(ev[1].job_failed().runs_cut_off());
+    // The failing node hears it too (its own stream may be the way it ends).
+    auto own = f.streams[1].WaitFor(2);
+    ASSERT_EQ(own.size(), 2u);
+    EXPECT_TRUE(own[1].has_job_failed());
+  }
+  {
+    SCOPED_TRACE("refused alike by every node");
+    Formed f;
+    Coordinator c("secret");
+    Form(c, &f);
+    BothReady(c, f, "bad", 10);
+    ASSERT_EQ(f.streams[0].WaitFor(1).size(), 1u);
+    for (int n = 0; n < 2; ++n) {
+      c.OnEvent(f.handles[n], FailedDone(0, absl::StatusCode::kInvalidArgument, "bad buffers"));
+    }
+    BothReady(c, f, "next", 10);
+    auto ev = f.streams[0].WaitFor(2);
+    ASSERT_EQ(Runs(ev), (std::vector<std::string>{"bad", "next"}));
   }
 }
 

@@ -250,6 +250,56 @@ TEST(MultiNodeFaultsTest, KilledDaemonFailsTheJobOnTheOtherNodesNamingIt) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// A daemon killed while a run is on the wire, in a job of five nodes: its
+// ring neighbours see their transfers with it fail, the others would wait
+// for peers that wait for it until the run's one-minute deadline; the
+// coordinator (which sees the node's stream go) says the run is cut off, so
+// every surviving rank hears within seconds, naming the lost node.
+TEST(MultiNodeFaultsTest, DaemonKilledMidRunFailsEveryOtherNodeWithinSeconds) {
+  const int n = 5;
+  auto cluster = Cluster::Start(n);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("killmidrun");
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  std::vector<pid_t> pids = SpawnRanks(n, [&](int rank) {
+    auto comm = cluster->Join(job, rank, n, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(size_t{4} << 20, 1.0f);  // 16 MiB: the kill lands mid-run
+    for (int i = 0; i < 200; ++i) {
+      Status s =
+          comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kMax).Wait();
+      if (!s.ok()) {
+        CHILD_CHECK(i > 0, "the first allreduce failed: %s", s.ToString().c_str());
+        if (rank == 2) return 0;  // its daemon is gone
+        std::printf("rank %d: %s\n", rank, s.ToString().c_str());
+        CHILD_CHECK(Contains(s.message(), "node2") || Contains(s.message(), "node 2"), "%s",
+                    s.ToString().c_str());
+        return 0;
+      }
+      CHILD_CHECK(v[0] == 1.0f && v.back() == 1.0f, "wrong result");
+      if (i == 0) CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+    }
+    CHILD_CHECK(false, "200 allreduces and no failure");
+    return 0;
+  });
+  char c;
+  for (int i = 0; i < n; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto killed = Clock::now();
+  kill(cluster->nodes[2]->pid(), SIGKILL);
+  for (int r : {0, 1, 3, 4}) EXPECT_EQ(WaitChild(pids[r], std::chrono::seconds(90)), 0) << r;
+  const auto took = Clock::now() - killed;
+  EXPECT_LT(took, std::chrono::seconds(10))
+      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+  kill(pids[2], SIGKILL);
+  WaitChild(pids[2], std::chrono::seconds(10));
+  close(ready[0]);
+  close(ready[1]);
+  cluster->nodes[2].reset();
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 // alltoall on device buffers in a multi-node job is checked like any device
 // operation, at once, before its job has even formed: without a GPU (CI) a
 // clear FAILED_PRECONDITION naming the operation; with one, these

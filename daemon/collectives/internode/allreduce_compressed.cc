@@ -202,7 +202,10 @@ class Pipeline {
   }
   void Fail(absl::Status s);
   TransferDone Callback(bool is_send, size_t item, int peer);
-  void CancelAtDeadline();
+  // At the deadline or on a failure: every peer failed on the transport
+  // (sticky: a job-level fault), so every posted transfer ends at once;
+  // error_ names the first node still awaited when nothing failed before.
+  void Cancel();
 
   const InterNodeContext& ctx_;
   Transport* const t_;
@@ -614,19 +617,20 @@ bool Pipeline::AddReady() {
   return any;
 }
 
-void Pipeline::CancelAtDeadline() {
+void Pipeline::Cancel() {
   cancelled_ = true;
-  int first = -1;
-  for (size_t i = 0; i < recvs_.size() && first < 0; ++i) {
-    if (recvs_[i].pending > 0) first = recvs_[i].peer;
+  if (error_.ok()) {
+    int first = -1;
+    for (size_t i = 0; i < recvs_.size() && first < 0; ++i) {
+      if (recvs_[i].pending > 0) first = recvs_[i].peer;
+    }
+    for (int p = 0; p < n_ && first < 0; ++p) {
+      if (per_peer_outstanding_[p] > 0) first = p;
+    }
+    error_ = absl::DeadlineExceededError(
+        first >= 0 ? absl::StrCat(kWhat, ": deadline exceeded waiting for node ", first)
+                   : absl::StrCat(kWhat, ": deadline exceeded"));
   }
-  for (int p = 0; p < n_ && first < 0; ++p) {
-    if (per_peer_outstanding_[p] > 0) first = p;
-  }
-  absl::Status late = absl::DeadlineExceededError(
-      first >= 0 ? absl::StrCat(kWhat, ": deadline exceeded waiting for node ", first)
-                 : absl::StrCat(kWhat, ": deadline exceeded"));
-  if (error_.ok()) error_ = late;
   for (int p = 0; p < n_; ++p) {
     if (p != me_) t_->FailPeer(p, error_);
   }
@@ -645,6 +649,10 @@ absl::Status Pipeline::Run() {
       // Encodings not ended are the coder's to finish (or abandon).
       encoding_ = 0;
     }
+    // Failed (a transfer, a chunk, the device): what is still posted would
+    // wait for peers that wait for this node. Cancelled at once, as at the
+    // deadline.
+    if (!error_.ok() && !cancelled_ && outstanding_ > 0) Cancel();
     if (outstanding_ == 0 && encoding_ == 0) {
       if (!error_.ok()) break;
       if (next_send_ == sends_.size() && next_recv_ == recvs_.size()) {
@@ -661,7 +669,7 @@ absl::Status Pipeline::Run() {
     const auto until =
         encoding_ > 0 ? std::min(ctx_.deadline, Clock::now() + kEncodePoll) : ctx_.deadline;
     if (!mailbox_->Take(&batch, cancelled_, until)) {
-      if (Clock::now() >= ctx_.deadline) CancelAtDeadline();
+      if (Clock::now() >= ctx_.deadline) Cancel();
       continue;
     }
     for (Event& e : batch) Apply(e);

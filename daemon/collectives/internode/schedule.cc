@@ -148,7 +148,12 @@ class Runner {
   bool PostRecvs();
   bool ReduceArrived();
   void Apply(Event& e);
-  void CancelAtDeadline();
+  // At the deadline, or once the schedule has failed (a transfer, a
+  // reduction): fails the peers of the transfers still posted on the
+  // transport (sticky: a job-level fault), so that they end at once rather
+  // than wait for peers that wait for this node. error_ names the first
+  // transfer awaited when nothing failed before.
+  void Cancel();
   bool AllDone() const;
   absl::Status Named(const absl::Status& s, uint32_t step, bool is_send, size_t chunk) const;
   TransferDone Callback(uint32_t step, bool is_send, size_t chunk, int slot);
@@ -177,6 +182,7 @@ class Runner {
   size_t slot_bytes_ = 0;
   std::vector<int> free_slots_;
   absl::Status error_;
+  bool cancelled_ = false;
 };
 
 absl::Status Runner::Prepare() {
@@ -394,7 +400,8 @@ bool Runner::AllDone() const {
          sends_in_flight_ == 0 && recvs_in_flight_ == 0 && arrived_.empty();
 }
 
-void Runner::CancelAtDeadline() {
+void Runner::Cancel() {
+  cancelled_ = true;
   // Name the first transfer still awaited: receives first (a send usually
   // waits on the same peer's progress), in schedule order.
   std::vector<int> peers;
@@ -423,7 +430,7 @@ void Runner::CancelAtDeadline() {
 
 bool Runner::Advance(std::vector<Event>& events, bool deadline_passed) {
   for (Event& e : events) Apply(e);
-  if (deadline_passed) CancelAtDeadline();
+  if (deadline_passed) Cancel();
   if (error_.ok()) {
     // Reduce first: it frees scratch slots and satisfies send dependencies.
     while (ReduceArrived() | PostSends() | PostRecvs()) {
@@ -433,6 +440,7 @@ bool Runner::Advance(std::vector<Event>& events, bool deadline_passed) {
     arrived_.clear();
   }
   const bool idle = sends_in_flight_ == 0 && recvs_in_flight_ == 0;
+  if (!error_.ok() && !cancelled_ && !idle) Cancel();
   if (!idle) return false;
   if (error_.ok() && !AllDone()) {
     // Nothing outstanding and nothing can start: a schedule bug, not a hang.
