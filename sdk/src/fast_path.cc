@@ -491,6 +491,9 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
       if (rank_ == sig.root && block > 0) std::memcpy(ResultArea(slot), send, block);
       break;
     case wire::Collective::kBarrier:
+    // Never on a slot: its counts differ per rank, so it never fits (the
+    // client's FastFits), and its key is daemon-bound on every rank.
+    case wire::Collective::kAlltoallv:
       break;
   }
   if (s.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(world_size_)) {
@@ -606,6 +609,7 @@ bool FastPath::Progress(FastOp& op, bool check_deadline) {
       }
       break;
     case wire::Collective::kBarrier:
+    case wire::Collective::kAlltoallv:  // never on a slot (above)
       break;
   }
   FinishLocked(op, Status::Ok());
