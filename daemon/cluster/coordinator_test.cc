@@ -241,6 +241,18 @@ void BothDone(Coordinator& c, Formed& f, uint64_t seq) {
   for (int n = 0; n < 2; ++n) c.OnEvent(f.handles[n], Done(seq));
 }
 
+// A formed job with run `name` (seq 0) announced to both nodes.
+struct JobWithARun {
+  Formed f;  // before the Coordinator (see Formed)
+  Coordinator c{"secret"};
+  explicit JobWithARun(const std::string& name) {
+    Form(c, &f);
+    BothReady(c, f, name, 10);
+    EXPECT_EQ(f.streams[0].WaitFor(1).size(), 1u);
+    EXPECT_EQ(f.streams[1].WaitFor(1).size(), 1u);
+  }
+};
+
 // What the coordinator logs while `body` runs (the default logger, swapped
 // for one writing to a string).
 std::string LogOf(const std::function<void()>& body) {
@@ -261,11 +273,9 @@ std::string LogOf(const std::function<void()>& body) {
 TEST(CoordinatorTest, ALeaveAfterTheNodesLastDoneEndsTheJobQuietly) {
   for (bool done_first : {true, false}) {
     SCOPED_TRACE(done_first ? "Done, then Leave" : "Leave before Done");
-    Formed f;
-    Coordinator c("secret");
-    Form(c, &f);
-    BothReady(c, f, "last", 10);
-    ASSERT_EQ(f.streams[1].WaitFor(1).size(), 1u);
+    JobWithARun job("last");
+    Formed& f = job.f;
+    Coordinator& c = job.c;
     proto::NodeEvent leave;
     leave.mutable_leave()->set_reason("rank 2 left");
     const std::string log = LogOf([&] {
@@ -303,11 +313,9 @@ proto::NodeEvent FailedDone(uint64_t seq, absl::StatusCode code, const std::stri
 TEST(CoordinatorTest, AJobFailureSaysWhetherTheRunsInFlightAreCutOff) {
   for (bool done_first : {true, false}) {
     SCOPED_TRACE(done_first ? "Done, then lost" : "lost before Done");
-    Formed f;
-    Coordinator c("secret");
-    Form(c, &f);
-    BothReady(c, f, "r", 10);
-    ASSERT_EQ(f.streams[0].WaitFor(1).size(), 1u);
+    JobWithARun job("r");
+    Formed& f = job.f;
+    Coordinator& c = job.c;
     if (done_first) c.OnEvent(f.handles[1], Done(0));
     c.Detach(f.handles[1], absl::UnavailableError("its stream ended"));
     auto ev = f.streams[0].WaitFor(2);
@@ -318,11 +326,9 @@ TEST(CoordinatorTest, AJobFailureSaysWhetherTheRunsInFlightAreCutOff) {
   }
   {
     SCOPED_TRACE("a failed Done");
-    Formed f;
-    Coordinator c("secret");
-    Form(c, &f);
-    BothReady(c, f, "r", 10);
-    ASSERT_EQ(f.streams[0].WaitFor(1).size(), 1u);
+    JobWithARun job("r");
+    Formed& f = job.f;
+    Coordinator& c = job.c;
     c.OnEvent(f.handles[1], FailedDone(0, absl::StatusCode::kInternal, "device fault (test)"));
     auto ev = f.streams[0].WaitFor(2);
     ASSERT_EQ(ev.size(), 2u);
@@ -340,11 +346,9 @@ TEST(CoordinatorTest, AJobFailureSaysWhetherTheRunsInFlightAreCutOff) {
   }
   {
     SCOPED_TRACE("refused alike by every node");
-    Formed f;
-    Coordinator c("secret");
-    Form(c, &f);
-    BothReady(c, f, "bad", 10);
-    ASSERT_EQ(f.streams[0].WaitFor(1).size(), 1u);
+    JobWithARun job("bad");
+    Formed& f = job.f;
+    Coordinator& c = job.c;
     for (int n = 0; n < 2; ++n) {
       c.OnEvent(f.handles[n], FailedDone(0, absl::StatusCode::kInvalidArgument, "bad buffers"));
     }
