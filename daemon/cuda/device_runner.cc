@@ -770,7 +770,7 @@ class CudaDeviceRunner final : public DeviceRunner {
         recv[r] = *p;
         recv_far[r] = far;
       }
-      run->holds.push_back(sessions_[b.session_id]);  // its events
+      run->holds.push_back(SessionHold(b.session_id));  // its events
       if (absl::Status s = WaitsForRank(b, r, device, waits); !s.ok()) return s;
     }
     run->stream = *stream;  // from here on, a failure frees the scratch there
@@ -961,7 +961,7 @@ class CudaDeviceRunner final : public DeviceRunner {
         send_far[r] = far;
       }
       if (s = WaitsForRank(b, r, parts.device, waits); !s.ok()) return fail(s);
-      parts.holds.push_back(sessions_[b.session_id]);  // its events
+      parts.holds.push_back(SessionHold(b.session_id));  // its events
     }
     s = MirrorFar(ranks, parts.device, send_far, recv_far, parts.stream, &parts.scratch,
                   &parts.mirrors, &send, &recv);
@@ -1158,11 +1158,14 @@ class CudaDeviceRunner final : public DeviceRunner {
     return ev;
   }
 
-  SessionHandles& Session(uint64_t session_id) {
+  // A session's handles, made at its first use (also by an operation whose
+  // ranks open nothing, an alltoallv's that move no bytes: never null).
+  const std::shared_ptr<SessionHandles>& SessionHold(uint64_t session_id) {
     std::shared_ptr<SessionHandles>& s = sessions_[session_id];
     if (!s) s = std::make_shared<SessionHandles>();
-    return *s;
+    return s;
   }
+  SessionHandles& Session(uint64_t session_id) { return *SessionHold(session_id); }
 
   // The handles close now, or when the last operation using them (queued,
   // or a staged buffer) has let go: no wait here.

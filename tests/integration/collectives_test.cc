@@ -63,14 +63,14 @@ int RunMatrix(const std::string& socket, const std::string& job, int rank, int w
 }
 
 // alltoallv: every dtype, uneven counts (none, one, odd, empty pairs, a
-// rank sending nothing, large), zero copy and staged; then counts that
+// rank sending nothing, rank 0 moving nothing, large), zero copy and staged; then counts that
 // disagree between two ranks fail on every rank, and the job goes on.
 int RunAlltoallvMatrix(const std::string& socket, const std::string& job, int rank, int world) {
   auto comm = JoinJob(socket, job, rank, world, 64 << 20);
   CHILD_CHECK(comm != nullptr, "join");
   int combo = 0;
   for (DataType t : kAllDataTypes) {
-    for (int pattern = 0; pattern < 4; ++pattern) {
+    for (int pattern = 0; pattern < kUnevenPatterns; ++pattern) {
       const size_t scale = pattern == 3 && t == DataType::kInt8 ? 150001 : 1001;
       const std::string name = std::string("a2av/") + DataTypeName(t) + "/" + std::to_string(pattern);
       auto counts = [&](int i, int j) { return UnevenCounts(i, j, pattern, scale); };

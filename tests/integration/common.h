@@ -302,13 +302,17 @@ int ExpectAlltoallvMismatch(Communicator& comm, Counts counts, int off_from, int
 }
 
 // Uneven alltoallv counts of every kind: none (0), one element, odd sizes,
-// some pairs empty, a rank that sends nothing; `scale` makes them large.
+// some pairs empty, a rank that sends nothing, rank 0 moving nothing at all
+// (no buffer of its own either way); `scale` makes them large.
+constexpr int kUnevenPatterns = 5;
 inline size_t UnevenCounts(int from, int to, int pattern, size_t scale) {
   switch (pattern) {
     case 0: return 0;
     case 1: return 1;
     case 2: return (from * 3 + to) % 4 == 0 ? 0 : (from + 1) * 7 + to * 3;
     case 3: return from == 1 ? 0 : ((to + from) % 3 + 1) * scale + from;
+    case 4:
+      return from == 0 || to == 0 ? 0 : (from + to) * scale / 3 + to;
   }
   return 0;
 }

@@ -256,11 +256,12 @@ int RunOneDeviceAlltoallv(Communicator& comm, int device, cudaStream_t stream,
 }
 
 // Alltoallv on device buffers: a few dtypes, every UnevenCounts pattern
-// (nothing at all, one element, empty pairs, a rank sending nothing).
+// (nothing at all, one element, empty pairs, a rank sending nothing, rank 0
+// moving nothing).
 int RunDeviceAlltoallvs(Communicator& comm, int device, cudaStream_t stream,
                         const DeviceMemory& mem, const std::string& prefix) {
   for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64}) {
-    for (int pattern = 0; pattern < 4; ++pattern) {
+    for (int pattern = 0; pattern < kUnevenPatterns; ++pattern) {
       const std::string name =
           prefix + "a2av/" + DataTypeName(t) + "/" + std::to_string(pattern);
       if (RunOneDeviceAlltoallv(comm, device, stream, mem, t, pattern, 10007, name) != 0) {
@@ -283,6 +284,12 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
   const size_t kCounts[] = {0, 1, 7, 1001, 262147};
   DeviceMemory mem;
   if (AllocateDeviceMemory(262147 * 8 * static_cast<size_t>(world), &mem) != 0) return 1;
+  // First, on sessions that have opened nothing yet: an alltoallv in which
+  // rank 0 moves nothing (no buffer of its to open), then everything else.
+  if (RunOneDeviceAlltoallv(*comm, device, stream, mem, DataType::kFloat32, 4, 1001,
+                            "a2av/first") != 0) {
+    return 1;
+  }
   int combo = 0;
   for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather, Coll::kBroadcast,
                     Coll::kAlltoall}) {

@@ -116,7 +116,7 @@ TEST_P(MultiNodeTest, AlltoallvUnevenBlocksAndMismatchesOverUcxTcp) {
     CHILD_CHECK(comm != nullptr, "join");
     int combo = 0;
     for (DataType t : kAllDataTypes) {
-      for (int pattern = 0; pattern < 4; ++pattern) {
+      for (int pattern = 0; pattern < kUnevenPatterns; ++pattern) {
         const size_t scale = pattern == 3 && t == DataType::kFloat32 ? 70001 : 501;
         const std::string name =
             std::string("a2av/") + DataTypeName(t) + "/" + std::to_string(pattern);
