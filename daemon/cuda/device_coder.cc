@@ -22,7 +22,11 @@ DeviceResiduals::Residual::~Residual() {
   int current = 0;
   const bool known = cudaGetDevice(&current) == cudaSuccess;
   cudaSetDevice(device);
-  cudaFree(data);  // synchronises the device: no kernel still uses it
+  // The last holder may have just enqueued kernels on it (an Apply or an
+  // Update on a coder's stream): wait for the device's work before the
+  // free. cudaFree "may" synchronise (CUDA's API docs), which is no promise.
+  cudaDeviceSynchronize();
+  cudaFree(data);
   if (known) cudaSetDevice(current);
   cudaGetLastError();
 }
@@ -284,7 +288,7 @@ class DeviceChunkCoder final : public ChunkCoder {
     }
     // The caller reuses `in` once this returns.
     if (absl::Status s = WaitForStream(stream_, &event_, "copying a chunk in"); !s.ok()) return s;
-    return DecodeOnDevice(*received, bytes, count, data, add);
+    return DecodeOnDevice(*received, bytes, count, data, add, false);
   }
 
  private:
@@ -348,7 +352,8 @@ class DeviceChunkCoder final : public ChunkCoder {
       if (!d.ok()) return d.status();
       target = *d;
     }
-    if (absl::Status s = DecodeOnDevice(e.encoded, e.bytes, e.count, target, false); !s.ok()) {
+    if (absl::Status s = DecodeOnDevice(e.encoded, e.bytes, e.count, target, false, true);
+        !s.ok()) {
       return absl::InternalError(absl::StrCat("own encoding does not decode: ", s.message()));
     }
     if (residuals_ == nullptr) return absl::OkStatus();
@@ -417,8 +422,10 @@ class DeviceChunkCoder final : public ChunkCoder {
     return absl::InternalError("no device coder for an uncompressed operation");
   }
 
-  // `in` is device memory.
-  absl::Status DecodeOnDevice(const void* in, uint64_t bytes, size_t count, void* data, bool add) {
+  // `in` is device memory; `trusted`: this coder's own encoding (enqueued
+  // unchecked, without waiting for the stream).
+  absl::Status DecodeOnDevice(const void* in, uint64_t bytes, size_t count, void* data, bool add,
+                              bool trusted) {
     switch (spec_.kind) {
       case CodecKind::kFp16:
       case CodecKind::kBf16:
@@ -427,13 +434,15 @@ class DeviceChunkCoder final : public ChunkCoder {
         const size_t ws_bytes = gpu::Int8DecodeWorkspaceBytes(count);
         auto ws = workspace_.Get(ws_bytes);
         if (!ws.ok()) return ws.status();
-        return gpu::DeviceInt8Decode(dtype_, in, bytes, count, data, add, *ws, ws_bytes, stream_);
+        return gpu::DeviceInt8Decode(dtype_, in, bytes, count, data, add, *ws, ws_bytes, stream_,
+                                     trusted);
       }
       case CodecKind::kTopK: {
         const size_t ws_bytes = gpu::TopKDecodeWorkspaceBytes();
         auto ws = workspace_.Get(ws_bytes);
         if (!ws.ok()) return ws.status();
-        return gpu::DeviceTopKDecode(dtype_, in, bytes, count, data, add, *ws, ws_bytes, stream_);
+        return gpu::DeviceTopKDecode(dtype_, in, bytes, count, data, add, *ws, ws_bytes, stream_,
+                                     trusted);
       }
       case CodecKind::kNone:
         break;

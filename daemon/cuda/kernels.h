@@ -107,10 +107,14 @@ absl::Status DeviceInt8Encode(wire::DataType dtype, const void* device_in, size_
 // size says that some block is raw, as in the CPU decoder) and the stream is
 // synchronised to read the verdict; on INVALID_ARGUMENT `device_out` is
 // untouched. The decode itself is enqueued and not waited for.
+// `trusted`: the input is an encoding this process made (a coder's own, to
+// learn its decoded form): nothing is checked on the device and nothing
+// waited for; data with raw blocks still has its headers walked on the
+// device, for their offsets.
 size_t Int8DecodeWorkspaceBytes(size_t count);
 absl::Status DeviceInt8Decode(wire::DataType dtype, const void* device_in, size_t bytes,
                               size_t count, void* device_out, bool add, void* device_workspace,
-                              size_t workspace_bytes, void* stream);
+                              size_t workspace_bytes, void* stream, bool trusted = false);
 
 // top-k: the format of compression/codec_topk.cc (k uint32 indices, strictly
 // increasing, then k values; ties at the k-th magnitude broken by lowest
@@ -126,10 +130,11 @@ absl::Status DeviceTopKEncode(wire::DataType dtype, const void* device_in, size_
 // Validates the indices on the device (synchronising the stream), then
 // decodes: add=false zeroes `device_out` and scatters the values, add=true
 // adds them into it. On INVALID_ARGUMENT `device_out` is untouched.
+// `trusted` (an encoding this process made): no check, no synchronisation.
 size_t TopKDecodeWorkspaceBytes();
 absl::Status DeviceTopKDecode(wire::DataType dtype, const void* device_in, size_t bytes,
                               size_t count, void* device_out, bool add, void* device_workspace,
-                              size_t workspace_bytes, void* stream);
+                              size_t workspace_bytes, void* stream, bool trusted = false);
 
 // Error feedback's arithmetic on device residuals (float32):
 // Apply: data[i] += residual[i].

@@ -321,7 +321,8 @@ class DeviceCodecTest : public GpuTest {
  protected:
   // Decodes `wire` on the GPU (into and added into a random accumulator) and
   // on the CPU, and compares; both must agree on success or failure, and a
-  // failure leaves the GPU buffer untouched.
+  // failure leaves the GPU buffer untouched. Valid input decodes to the same
+  // elements trusted too (a coder's own encodings: unchecked, no wait).
   void CheckDecode(const std::string& spec, DataType t, const std::vector<unsigned char>& wire,
                    size_t count, const std::string& what) {
     std::mt19937_64 rng(count + wire.size());
@@ -355,6 +356,16 @@ class DeviceCodecTest : public GpuTest {
       } else {
         ExpectSameElements(t, want, dout.Download(), w);
       }
+      if (!cs.ok() || spec == "fp16" || spec == "bf16") continue;
+      DeviceBuffer tout(acc0.data(), bytes);
+      gs = spec == "int8"
+               ? DeviceInt8Decode(t, dwire.get(), wire.size(), count, tout.get(), add, ws.get(),
+                                  Int8DecodeWorkspaceBytes(count), stream_, /*trusted=*/true)
+               : DeviceTopKDecode(t, dwire.get(), wire.size(), count, tout.get(), add, ws.get(),
+                                  TopKDecodeWorkspaceBytes(), stream_, /*trusted=*/true);
+      Sync();
+      ASSERT_TRUE(gs.ok()) << w << " (trusted): " << gs;
+      ExpectSameElements(t, want, tout.Download(), w + " (trusted)");
     }
   }
 
