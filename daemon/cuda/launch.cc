@@ -25,8 +25,6 @@ absl::Status CudaStatus(int error, absl::string_view what) {
   switch (code) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
-    case cudaErrorNotSupported:
-    case cudaErrorInvalidDevice:
     case cudaErrorDevicesUnavailable:
     case cudaErrorSystemNotReady:
     case cudaErrorSystemDriverMismatch:
@@ -34,6 +32,11 @@ absl::Status CudaStatus(int error, absl::string_view what) {
     case cudaErrorNoKernelImageForDevice:
       return absl::FailedPreconditionError(
           absl::StrCat("no CUDA device: ", text, " (", name, ", in ", what, ")"));
+    // A device that is there but cannot do what was asked (an ordinal out
+    // of range, a feature it lacks): not "no device".
+    case cudaErrorNotSupported:
+    case cudaErrorInvalidDevice:
+      return absl::FailedPreconditionError(absl::StrCat(what, ": CUDA error ", name, ": ", text));
     default:
       return absl::InternalError(absl::StrCat(what, ": CUDA error ", name, ": ", text));
   }

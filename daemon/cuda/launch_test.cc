@@ -50,6 +50,19 @@ TEST(CudaStatusTest, MapsCodes) {
   EXPECT_NE(std::string(none.message()).find("no CUDA device: "), std::string::npos) << none;
   EXPECT_EQ(CudaStatus(cudaErrorInsufficientDriver, "probe").code(),
             absl::StatusCode::kFailedPrecondition);
+  // A device that cannot do this is not a missing device.
+  const absl::Status unsupported = CudaStatus(cudaErrorNotSupported, "cudaIpcGetMemHandle");
+  EXPECT_EQ(unsupported.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(std::string(unsupported.message()).find("no CUDA device"), std::string::npos)
+      << unsupported;
+  EXPECT_NE(std::string(unsupported.message())
+                .find("cudaIpcGetMemHandle: CUDA error "
+                      "cudaErrorNotSupported"),
+            std::string::npos)
+      << unsupported;
+  EXPECT_EQ(std::string(CudaStatus(cudaErrorInvalidDevice, "cudaSetDevice(7)").message())
+                .find("no CUDA device"),
+            std::string::npos);
   const absl::Status other = CudaStatus(cudaErrorLaunchFailure, "my launch");
   EXPECT_EQ(other.code(), absl::StatusCode::kInternal);
   EXPECT_NE(std::string(other.message()).find("my launch"), std::string::npos) << other;
