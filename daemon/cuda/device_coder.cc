@@ -173,6 +173,12 @@ class DeviceChunkCoder final : public ChunkCoder {
 
   absl::StatusOr<uint8_t*> HostMemory(size_t bytes) override {
     if (absl::Status s = Current(); !s.ok()) return s;
+    // Memory asked for before goes back to the pool once no copy uses it.
+    if (host_ != nullptr) {
+      if (absl::Status s = Cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); !s.ok()) {
+        return s;
+      }
+    }
     uint8_t* data = nullptr;
     auto memory = pinned_(std::max<size_t>(bytes, 1), &data);
     if (!memory.ok()) return memory.status();

@@ -288,6 +288,8 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
     if (slot_bytes_[slot] < bytes) {
       // On a lane's thread: the buffer's device, not a context on GPU 0.
       if (absl::Status s = Current(); !s.ok()) return s;
+      // A smaller slot goes back to the pool only once no copy uses it.
+      if (absl::Status s = Wait(slot); !s.ok()) return s;
       uint8_t* data = nullptr;
       auto memory = pool_->Take(bytes, &data);
       if (!memory.ok()) return memory.status();
