@@ -175,7 +175,7 @@ class DeviceChunkCoder final : public ChunkCoder {
     if (absl::Status s = Current(); !s.ok()) return s;
     // Memory asked for before goes back to the pool once no copy uses it.
     if (host_ != nullptr) {
-      if (absl::Status s = Cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); !s.ok()) {
+      if (absl::Status s = WaitForStream(stream_, &event_, "releasing host memory"); !s.ok()) {
         return s;
       }
     }
@@ -294,7 +294,7 @@ class DeviceChunkCoder final : public ChunkCoder {
     }
     // The caller reuses `in` once this returns.
     if (absl::Status s = WaitForStream(stream_, &event_, "copying a chunk in"); !s.ok()) return s;
-    return DecodeOnDevice(*received, bytes, count, data, add, false);
+    return DecodeOnDevice(*received, bytes, count, data, add, /*trusted=*/false);
   }
 
  private:
@@ -358,7 +358,8 @@ class DeviceChunkCoder final : public ChunkCoder {
       if (!d.ok()) return d.status();
       target = *d;
     }
-    if (absl::Status s = DecodeOnDevice(e.encoded, e.bytes, e.count, target, false, true);
+    if (absl::Status s = DecodeOnDevice(e.encoded, e.bytes, e.count, target, /*add=*/false,
+                                        /*trusted=*/true);
         !s.ok()) {
       return absl::InternalError(absl::StrCat("own encoding does not decode: ", s.message()));
     }

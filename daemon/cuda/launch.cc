@@ -1,6 +1,7 @@
 #include "cuda/launch.h"
 
 #include <algorithm>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -22,6 +23,7 @@ absl::Status CudaStatus(int error, absl::string_view what) {
   const auto code = static_cast<cudaError_t>(error);
   const char* name = cudaGetErrorName(code);
   const char* text = cudaGetErrorString(code);
+  const std::string failed = absl::StrCat(what, ": CUDA error ", name, ": ", text);
   switch (code) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
@@ -36,9 +38,9 @@ absl::Status CudaStatus(int error, absl::string_view what) {
     // of range, a feature it lacks): not "no device".
     case cudaErrorNotSupported:
     case cudaErrorInvalidDevice:
-      return absl::FailedPreconditionError(absl::StrCat(what, ": CUDA error ", name, ": ", text));
+      return absl::FailedPreconditionError(failed);
     default:
-      return absl::InternalError(absl::StrCat(what, ": CUDA error ", name, ": ", text));
+      return absl::InternalError(failed);
   }
 }
 

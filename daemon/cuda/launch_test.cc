@@ -55,11 +55,8 @@ TEST(CudaStatusTest, MapsCodes) {
   EXPECT_EQ(unsupported.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(std::string(unsupported.message()).find("no CUDA device"), std::string::npos)
       << unsupported;
-  EXPECT_NE(std::string(unsupported.message())
-                .find("cudaIpcGetMemHandle: CUDA error "
-                      "cudaErrorNotSupported"),
-            std::string::npos)
-      << unsupported;
+  const std::string says = "cudaIpcGetMemHandle: CUDA error cudaErrorNotSupported";
+  EXPECT_NE(std::string(unsupported.message()).find(says), std::string::npos) << unsupported;
   EXPECT_EQ(std::string(CudaStatus(cudaErrorInvalidDevice, "cudaSetDevice(7)").message())
                 .find("no CUDA device"),
             std::string::npos);

@@ -311,8 +311,7 @@ inline size_t UnevenCounts(int from, int to, int pattern, size_t scale) {
     case 1: return 1;
     case 2: return (from * 3 + to) % 4 == 0 ? 0 : (from + 1) * 7 + to * 3;
     case 3: return from == 1 ? 0 : ((to + from) % 3 + 1) * scale + from;
-    case 4:
-      return from == 0 || to == 0 ? 0 : (from + to) * scale / 3 + to;
+    case 4: return from == 0 || to == 0 ? 0 : (from + to) * scale / 3 + to;
   }
   return 0;
 }

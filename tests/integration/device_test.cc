@@ -285,7 +285,7 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
   DeviceMemory mem;
   if (AllocateDeviceMemory(262147 * 8 * static_cast<size_t>(world), &mem) != 0) return 1;
   // First, on sessions that have opened nothing yet: an alltoallv in which
-  // rank 0 moves nothing (no buffer of its to open), then everything else.
+  // rank 0 moves nothing (no buffer of its own to open), then everything else.
   if (RunOneDeviceAlltoallv(*comm, device, stream, mem, DataType::kFloat32, 4, 1001,
                             "a2av/first") != 0) {
     return 1;
