@@ -726,8 +726,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
             if (fault) return absl::InternalError("device fault (test)");
             auto* f = static_cast<float*>(data);
             const bool fb = !name_.empty() && b_->dtype_ == wire::DataType::kFloat32;
-            const std::string key = own_sum ? name_ + "#owner" : name_;
-            if (fb) b_->residuals->ApplyRange(key, b_->count_, first, f, count);
+            if (fb) b_->residuals->ApplyRange(name_, b_->count_, first, f, count);
             e->bytes = codec_->Encode(b_->dtype_, data, count, out);
             if (!fb && !own_sum) return absl::OkStatus();
             std::vector<uint8_t> decoded(count *
@@ -735,7 +734,7 @@ class HostStagedBuffer final : public StagedNodeBuffer {
             absl::Status d = codec_->Decode(b_->dtype_, out, e->bytes, count, decoded.data());
             if (!d.ok()) return d;
             if (fb) {
-              b_->residuals->UpdateRange(key, b_->count_, first, f,
+              b_->residuals->UpdateRange(name_, b_->count_, first, f,
                                          reinterpret_cast<const float*>(decoded.data()), count);
             }
             if (own_sum) std::memcpy(data, decoded.data(), decoded.size());

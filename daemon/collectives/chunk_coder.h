@@ -41,9 +41,11 @@ class ChunkCoder {
   // `out` (room for the codec's MaxEncodedBytes) and returns at once: the
   // elements and `out` are the coder's until the encoding ends (EndEncode).
   // With error feedback the residual kept for these elements is added to
-  // the data first and replaced after by what the encoding dropped: the
-  // operation's contributions under its name, with `own_sum` (the segment
-  // owner's sums) under "name#owner". With `own_sum` the data is then
+  // the data first and replaced after by what the encoding dropped, in one
+  // residual of the operation's whole count under its name (an element is
+  // either a contribution to another node's segment or, with `own_sum`, the
+  // segment owner's sum, never both in one operation). With `own_sum` the
+  // data is then
   // replaced by its decoded form (the owner ends with what everybody else
   // gets). `wake` is called once the encoding may have completed, from any
   // thread and without calling into the coder; perhaps never if the device

@@ -206,7 +206,7 @@ class DeviceChunkCoder final : public ChunkCoder {
     en.out = static_cast<uint8_t*>(out);
     en.bytes = 0;
     if (residuals_ != nullptr) {
-      if (auto r = residuals_->Find(Key(own_sum), count_, device_); r != nullptr) {
+      if (auto r = residuals_->Find(name_, count_, device_); r != nullptr) {
         absl::Status s = gpu::DeviceErrorFeedbackApply(r->data + first, static_cast<float*>(data),
                                                        count, stream_);
         if (!s.ok()) return Abandon(std::move(*e), s);
@@ -349,7 +349,7 @@ class DeviceChunkCoder final : public ChunkCoder {
     return why;
   }
   // Enqueues what the encoding's decoded form does (its size known): the
-  // residual's other half, the owner's own copy of its sum.
+  // residual's update, the owner's own copy of its sum.
   absl::Status Decoded(Encoding& e) {
     if (residuals_ == nullptr && !e.own_sum) return absl::OkStatus();
     void* target = e.data;
@@ -364,7 +364,7 @@ class DeviceChunkCoder final : public ChunkCoder {
       return absl::InternalError(absl::StrCat("own encoding does not decode: ", s.message()));
     }
     if (residuals_ == nullptr) return absl::OkStatus();
-    auto r = residuals_->ForUpdate(Key(e.own_sum), count_, device_, stream_);
+    auto r = residuals_->ForUpdate(name_, count_, device_, stream_);
     if (!r.ok()) return r.status();
     if (*r != nullptr) {
       absl::Status s = gpu::DeviceErrorFeedbackUpdate(static_cast<const float*>(e.data),
@@ -376,7 +376,6 @@ class DeviceChunkCoder final : public ChunkCoder {
     return Cuda(cudaMemcpyAsync(e.data, target, e.count * es_, cudaMemcpyDeviceToDevice, stream_),
                 "cudaMemcpyAsync of the decoded sum");
   }
-  std::string Key(bool own_sum) const { return own_sum ? name_ + "#owner" : name_; }
   // cudaLaunchHostFunc's: on the driver's thread, no CUDA calls.
   static void CUDART_CB Wake(void* wake) { (*static_cast<std::function<void()>*>(wake))(); }
 

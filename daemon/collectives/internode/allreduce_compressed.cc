@@ -148,9 +148,7 @@ class Pipeline {
         me_(t_->self()),
         channels_(std::max(1, t_->num_channels())),
         es_(wire::DataTypeSize(static_cast<uint32_t>(dtype))),
-        mailbox_(std::make_shared<EventMailbox>()) {
-    for (const FeedbackPiece& p : pieces_) owner_names_.push_back(p.name + "#owner");
-  }
+        mailbox_(std::make_shared<EventMailbox>()) {}
 
   absl::Status Run();
 
@@ -213,7 +211,6 @@ class Pipeline {
   ChunkCoder* const coder_;  // null: host data, the CPU codec
   ErrorFeedback* const feedback_;
   const std::vector<FeedbackPiece>& pieces_;  // sorted, covering [0, count_)
-  std::vector<std::string> owner_names_;      // pieces_[i].name + "#owner"
   const wire::DataType dtype_;
   uint8_t* const base_;
   const size_t count_;
@@ -343,11 +340,9 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
   uint8_t* ptr = ChunkPtr(owner, c);
   const size_t m = ChunkLen(owner, c);
   const size_t chunk_first = ChunkFirst(owner, c);
-  // Residual keys, per piece (operation), indexed by element of the piece:
-  // the contributions under its name, the owner's sums under name#owner.
-  const auto key = [&](size_t i) -> const std::string& {
-    return own_sum ? owner_names_[i] : pieces_[i].name;
-  };
+  // One residual per piece (operation), under its name, indexed by element
+  // of the piece: an element's is what compression dropped of this node's
+  // contribution to it, or (in the node's own segment) of its sum.
   const size_t g = codec_.SplitGranule();
   const size_t piece = g == 0 ? m : std::max(g, kPieceElems / g * g);
   uint64_t total = 0;
@@ -359,7 +354,7 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
     if (feedback_ != nullptr) {
       ForPieces(chunk_first + a, k, [&](size_t i, size_t at, size_t from, size_t len) {
         if (!pieces_[i].name.empty()) {
-          feedback_->ApplyRange(key(i), pieces_[i].count, at, f + from, len);
+          feedback_->ApplyRange(pieces_[i].name, pieces_[i].count, at, f + from, len);
         }
       });
     }
@@ -370,7 +365,8 @@ void Pipeline::EncodeInto(uint8_t* slot, int owner, size_t c, bool own_sum, uint
       if (s.ok()) {
         ForPieces(chunk_first + a, k, [&](size_t i, size_t at, size_t from, size_t len) {
           if (!pieces_[i].name.empty()) {
-            feedback_->UpdateRange(key(i), pieces_[i].count, at, f + from, decoded_ + from, len);
+            feedback_->UpdateRange(pieces_[i].name, pieces_[i].count, at, f + from, decoded_ + from,
+                                   len);
           }
         });
         if (own_sum) std::memcpy(p, decoded_, k * sizeof(float));

@@ -418,6 +418,8 @@ TEST(PipelinedCompressedBoundTest, RelativeErrorDoesNotGrowWithNodeCount) {
 //         the running sums (T * 2^-22 * A_i);
 //   topk:R: ||gap||_2 <= q/(1-q) (sum_k ||x_k||_2 + ||s||_2), q = sqrt(1-R)
 //         (README of compression/), and it must not grow with T.
+// The residual cap holds one residual of the operation and not two: the
+// contributions and the owner's sums share it, and nothing is evicted.
 TEST(PipelinedCompressedFeedbackTest, RunningSumTracksExactSumWhileChunkSizeChanges) {
   const uint64_t chunk_sizes[] = {4096, 1024, 65536, 256, 3000, 1 << 20};
   for (const char* c : {"int8", "fp16", "topk:0.05"}) {
@@ -431,8 +433,9 @@ TEST(PipelinedCompressedFeedbackTest, RunningSumTracksExactSumWhileChunkSizeChan
       std::vector<Buffer> g;
       std::vector<double> exact(count, 0.0), abs_sum(count, 0.0);
       double sum_m = 0, sum_l2 = 0;
+      const size_t cap = count * sizeof(float) * 3 / 2;
       for (int k = 0; k < n; ++k) {
-        fb.push_back(std::make_unique<ErrorFeedback>(64 << 20));
+        fb.push_back(std::make_unique<ErrorFeedback>(cap));
         g.push_back(MakeBuffer(wire::DataType::kFloat32, count, 77 + k));
         double m = 0, l2 = 0;
         for (size_t i = 0; i < count; ++i) {
@@ -485,7 +488,14 @@ TEST(PipelinedCompressedFeedbackTest, RunningSumTracksExactSumWhileChunkSizeChan
           EXPECT_LT(gap_l2, 1.5 * gap_20 + 1e-3) << gap_20 << " -> " << gap_l2;
         }
       }
-      for (int k = 0; k < n; ++k) EXPECT_EQ(fb[k]->GetStats().size_resets, 0u);
+      for (int k = 0; k < n; ++k) {
+        const ErrorFeedback::Stats s = fb[k]->GetStats();
+        EXPECT_EQ(s.size_resets, 0u);
+        EXPECT_EQ(s.evictions, 0u);
+        EXPECT_EQ(s.too_large, 0u);
+        EXPECT_EQ(s.names, 1u);
+        EXPECT_EQ(s.bytes, count * sizeof(float));
+      }
     }
   }
 }
@@ -910,8 +920,7 @@ class ThreadCoder final : public ChunkCoder {
     auto job = std::make_shared<Job>();
     job->run = [=, this, job = job.get()] {
       auto* f = static_cast<float*>(data);
-      const std::string key = own_sum ? name_ + "#owner" : name_;
-      if (fb_ != nullptr) fb_->ApplyRange(key, count_, first, f, count);
+      if (fb_ != nullptr) fb_->ApplyRange(name_, count_, first, f, count);
       job->bytes = codec_.Encode(wire::DataType::kFloat32, data, count, out);
       if (fb_ == nullptr && !own_sum) return;
       std::vector<float> decoded(count);
@@ -919,7 +928,7 @@ class ThreadCoder final : public ChunkCoder {
         job->bytes = ~uint64_t{0};  // EndEncode's caller sees the size refused
         return;
       }
-      if (fb_ != nullptr) fb_->UpdateRange(key, count_, first, f, decoded.data(), count);
+      if (fb_ != nullptr) fb_->UpdateRange(name_, count_, first, f, decoded.data(), count);
       if (own_sum) std::memcpy(data, decoded.data(), count * sizeof(float));
     };
     job->wake = std::move(wake);

@@ -93,9 +93,10 @@ struct CompressionStats {
 // chunks in flight per direction: a chunk is encoded while earlier ones
 // travel and decoded as it arrives; the allgather of a chunk starts as soon
 // as its sum is complete. With `feedback` (float32 only), what each
-// compression dropped is kept under `name` (contributions) and `name#owner`
-// (the owner's sums), both indexed by element of the operation, and added to
-// the next operation of that name. `stats` (may be null) gets raw and wire
+// compression dropped is kept in one residual under `name`, indexed by
+// element of the operation (an element's: what was dropped of this node's
+// contribution to it or, in its own segment, of its sum), and added to the
+// next operation of that name. `stats` (may be null) gets raw and wire
 // bytes sent. Steps, bytes on the wire and error bounds: ../README.md;
 // codecs: daemon/compression/README.md.
 absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec,
@@ -104,8 +105,8 @@ absl::Status AllreduceCompressed(const InterNodeContext& ctx, const Codec& codec
                                  CompressionStats* stats);
 
 // Elements [offset, offset + count) of a fused buffer belong to operation
-// `name`: its error feedback residuals are `name` and `name#owner`, indexed
-// by element of that operation, whatever it is packed with. An empty name:
+// `name`: its error feedback residual is `name`, indexed by element of that
+// operation, whatever it is packed with. An empty name:
 // no error feedback for those elements (an unnamed operation).
 struct FeedbackPiece {
   std::string name;
