@@ -842,6 +842,28 @@ ClusterJob::StagingCounters ClusterJob::staging() const {
   return StagingCounters{staged_ops_.load(), staged_bytes_.load()};
 }
 
+ClusterJob::FeedbackCounters ClusterJob::feedback() const {
+  FeedbackCounters c;
+  c.host = feedback_.GetStats();
+  std::lock_guard<std::mutex> lock(device_feedback_mu_);
+  c.device = device_feedback_;
+  return c;
+}
+
+bool ClusterJob::KeepsFeedback(const ClusterOp& op, size_t count, const config::Tuning& tuning) {
+  if (!KeepsErrorFeedback(tuning, op.name)) return false;
+  const bool float32 = op.sig.dtype == static_cast<uint32_t>(wire::DataType::kFloat32);
+  if (float32 && count > kFeedbackBytes / sizeof(float) && !feedback_cap_warned_.exchange(true)) {
+    spdlog::warn(
+        "job '{}': operation '{}' has {} elements, more than error feedback keeps ({} float32 "
+        "elements, {} MiB per job): it is compressed without error feedback, so what "
+        "compression drops is not carried to its next step (ciuicctl status counts such "
+        "operations as too large; said once per job)",
+        options_.job_id, op.name, count, kFeedbackBytes / sizeof(float), kFeedbackBytes >> 20);
+  }
+  return true;
+}
+
 absl::Status ClusterJob::StagedFetch(StagedNodeBuffer& device, int slot, size_t slot_offset,
                                      size_t offset, size_t bytes) {
   staged_bytes_.fetch_add(bytes, std::memory_order_relaxed);
@@ -1004,7 +1026,12 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
     case wire::Collective::kReduceScatter: {
       auto codec = CodecNamed(settings.codec);
       if (!codec.ok()) return codec.status();
-      const bool feedback = KeepsErrorFeedback(options_.tuning->Snapshot(), op.name);
+      const size_t count =
+          op.sig.count * (op.sig.collective == static_cast<uint32_t>(wire::Collective::kAllreduce)
+                              ? size_t{1}
+                              : static_cast<size_t>(options_.world_size));
+      const bool feedback =
+          *codec != nullptr && KeepsFeedback(op, count, options_.tuning->Snapshot());
       s = ReduceStaged(op, ctx, seq, settings, *codec, feedback);
       break;
     }
@@ -1243,6 +1270,11 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
       absl::Status s =
           AllreduceCompressedWith(ctx, *codec, **coder, dtype, device.data(), count, &stats);
       CountCompressed(1, stats);
+      {
+        const ErrorFeedback::Stats kept = device.FeedbackStats();
+        std::lock_guard<std::mutex> lock(device_feedback_mu_);
+        device_feedback_ = kept;
+      }
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) {
         if (s = device.Divide(options_.world_size); !s.ok()) return s;
@@ -1357,7 +1389,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
       auto codec = CodecNamed(settings.codec);
       if (!codec.ok()) return codec.status();
-      const bool feedback = KeepsErrorFeedback(tuning, op.name);
+      const bool feedback = *codec != nullptr && KeepsFeedback(op, count, tuning);
       uint8_t* node = all ? first.recv : lane.staging.Get(count * es + 1);
       // One local rank, send and receive buffers apart, uncompressed: the
       // inter-node allreduce reads the rank's input where it needs it and

@@ -202,6 +202,17 @@ class ClusterJob {
   };
   StagingCounters staging() const;
 
+  // Error feedback's residuals (compression/error_feedback.h) and what was
+  // dropped of them: in host memory, and on this node's GPUs (as the staged
+  // buffers last reported them, after a compressed operation encoded there).
+  struct FeedbackCounters {
+    ErrorFeedback::Stats host;
+    ErrorFeedback::Stats device;
+  };
+  FeedbackCounters feedback() const;
+  // The residual bytes the host keeps per job (a GPU keeps as many).
+  static constexpr size_t kFeedbackBytes = size_t{256} << 20;
+
  private:
   struct Event;
   class CountingTransport;
@@ -279,6 +290,10 @@ class ClusterJob {
   absl::Status MoveSegment(InterNodeContext ctx, uint64_t seq, int segment, const ClusterOp& op,
                            uint8_t* data, size_t stride, size_t first, size_t bytes);
   void CountCompressed(uint64_t ops, const CompressionStats& stats);
+  // Whether operation `op` (`count` elements reduced across nodes) keeps
+  // error feedback; warns once per job of one over kFeedbackBytes (it then
+  // runs without).
+  bool KeepsFeedback(const ClusterOp& op, size_t count, const config::Tuning& tuning);
   // The staged buffer's copies to and from host memory, counted (staging()).
   absl::Status StagedFetch(StagedNodeBuffer& device, int slot, size_t slot_offset, size_t offset,
                            size_t bytes);
@@ -353,7 +368,10 @@ class ClusterJob {
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::mutex codecs_mu_;
   std::map<std::string, std::unique_ptr<Codec>> codecs_;  // guarded by codecs_mu_
-  ErrorFeedback feedback_{256ull << 20};
+  ErrorFeedback feedback_{kFeedbackBytes};
+  mutable std::mutex device_feedback_mu_;
+  ErrorFeedback::Stats device_feedback_;  // guarded by device_feedback_mu_
+  std::atomic<bool> feedback_cap_warned_{false};
   std::atomic<uint64_t> compressed_ops_{0};
   std::atomic<uint64_t> raw_bytes_{0};
   std::atomic<uint64_t> wire_bytes_{0};

@@ -672,6 +672,9 @@ class HostStagedBuffer final : public StagedNodeBuffer {
     Enqueue(-1, "coder " + spec, [] { return absl::OkStatus(); }).IgnoreError();
     return std::unique_ptr<ChunkCoder>(new Coding(this, MakeCodec(*parsed), feedback_name));
   }
+  ErrorFeedback::Stats FeedbackStats() const override {
+    return residuals != nullptr ? residuals->GetStats() : ErrorFeedback::Stats{};
+  }
   void* data() override { return Node(); }
   absl::Status Divide(int divisor) override {
     return Enqueue(-1, "divide", [this, divisor] {
@@ -1718,6 +1721,20 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
       // g and h twice; b too where the codec takes bfloat16 (fp16 does not).
       const uint64_t compressed = std::string(codec) == "fp16" ? 4 : 6;
       EXPECT_EQ(nodes.job(0).compression().ops, compressed);
+      // For ciuicctl status: g's and h's residuals (bfloat16 keeps none),
+      // on the "device" where it encodes, else in host memory; none dropped.
+      const size_t bytes = (ops[0].count + ops[1].count) * sizeof(float);
+      for (int k = 0; k < 2; ++k) {
+        const ClusterJob::FeedbackCounters f = nodes.job(k).feedback();
+        const bool on_device = k == 0 && mode == kCoder;
+        EXPECT_EQ(f.host.names, on_device ? 0u : 2u) << "node " << k << " mode " << mode;
+        EXPECT_EQ(f.host.bytes, on_device ? 0u : bytes) << "node " << k << " mode " << mode;
+        EXPECT_EQ(f.device.names, on_device ? 2u : 0u) << "node " << k << " mode " << mode;
+        EXPECT_EQ(f.device.bytes, on_device ? bytes : 0u) << "node " << k << " mode " << mode;
+        for (const ErrorFeedback::Stats& s : {f.host, f.device}) {
+          EXPECT_EQ(s.evictions + s.size_resets + s.too_large, 0u) << "node " << k;
+        }
+      }
     }
     for (int step = 0; step < 2; ++step) {
       for (size_t o = 0; o < ops.size(); ++o) {

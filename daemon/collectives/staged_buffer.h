@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "ciuic/shm_layout.h"
 #include "collectives/chunk_coder.h"
+#include "compression/error_feedback.h"
 
 namespace ciuic::daemon {
 
@@ -87,6 +88,10 @@ class StagedNodeBuffer {
   // then stages the buffer and encodes on the CPU.
   virtual absl::StatusOr<std::unique_ptr<ChunkCoder>> Coder(const std::string& spec,
                                                             const std::string& feedback_name) = 0;
+  // The error feedback residuals that this buffer's coders keep where it
+  // lives (its job's, all operations'), for ciuicctl status: held, their
+  // bytes, and those dropped. All zero where there are none.
+  virtual ErrorFeedback::Stats FeedbackStats() const { return {}; }
   // The node buffer in its own memory (for a coder; never dereferenced by
   // the CPU).
   virtual void* data() = 0;

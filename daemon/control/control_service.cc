@@ -116,6 +116,12 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
     out->set_fused_runs(j.fused_runs);
     out->set_ops_staged(j.ops_staged);
     out->set_bytes_staged(j.bytes_staged);
+    out->set_feedback_residuals(j.feedback_residuals);
+    out->set_feedback_host_bytes(j.feedback_host_bytes);
+    out->set_feedback_device_bytes(j.feedback_device_bytes);
+    out->set_feedback_evictions(j.feedback_evictions);
+    out->set_feedback_resets(j.feedback_resets);
+    out->set_feedback_too_large(j.feedback_too_large);
     for (const auto& p : j.pending) {
       auto* po = out->add_pending();
       po->set_name(p.name);

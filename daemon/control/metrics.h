@@ -9,7 +9,9 @@
 //   per job {job, uid}: ciuic_job_ops_completed_total, ..._failed_total,
 //     ciuic_job_bytes_reduced_total, ciuic_job_pending_ops, ciuic_job_world_size,
 //     compression (ops, bytes before/after), fusion (ops, runs), staging
-//     (ops, bytes), and ciuic_job_op_duration_seconds (histogram: first
+//     (ops, bytes), error feedback (ciuic_job_feedback_residuals, _host_bytes,
+//     _device_bytes; _evictions_total, _resets_total, _too_large_total),
+//     and ciuic_job_op_duration_seconds (histogram: first
 //     submission on this node to completion; fast-path operations are not in it)
 //   per peer node {job, node}: ciuic_peer_bytes_sent_total,
 //     ciuic_peer_bytes_received_total, ciuic_peer_connected

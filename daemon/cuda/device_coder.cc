@@ -49,6 +49,7 @@ std::shared_ptr<DeviceResiduals::Residual> DeviceResiduals::Find(const std::stri
   if (it == entries_.end()) return nullptr;
   if (it->second.count != count || it->second.device != device) {
     EraseLocked(it, &dropped);  // the operation changed shape
+    ++stats_.size_resets;
     return nullptr;
   }
   lru_.splice(lru_.begin(), lru_, it->second.lru);
@@ -64,15 +65,20 @@ absl::StatusOr<std::shared_ptr<DeviceResiduals::Residual>> DeviceResiduals::ForU
     auto it = entries_.find(name);
     if (it != entries_.end() && (it->second.count != count || it->second.device != device)) {
       EraseLocked(it, &dropped);
+      ++stats_.size_resets;
       it = entries_.end();
     }
     if (it != entries_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second.lru);
       return it->second.residual;
     }
-    if (bytes > max_bytes_) return nullptr;
+    if (bytes > max_bytes_) {
+      ++stats_.too_large;
+      return nullptr;
+    }
     while (bytes_ + bytes > max_bytes_ && !lru_.empty()) {
       EraseLocked(entries_.find(lru_.back()), &dropped);
+      ++stats_.evictions;
     }
     bytes_ += bytes;  // the room, kept while it is allocated (without the lock)
   }
@@ -101,6 +107,14 @@ absl::StatusOr<std::shared_ptr<DeviceResiduals::Residual>> DeviceResiduals::ForU
   e.lru = lru_.begin();
   entries_.emplace(name, std::move(e));
   return residual;
+}
+
+ErrorFeedback::Stats DeviceResiduals::GetStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ErrorFeedback::Stats s = stats_;
+  s.names = entries_.size();
+  s.bytes = bytes_;
+  return s;
 }
 
 // ------------------------------------------------------------------ coder

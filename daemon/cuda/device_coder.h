@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "ciuic/shm_layout.h"
 #include "collectives/chunk_coder.h"
+#include "compression/error_feedback.h"
 
 namespace ciuic::daemon {
 
@@ -59,6 +60,9 @@ class DeviceResiduals {
   // alone exceeds it (that operation then runs without error feedback).
   absl::StatusOr<std::shared_ptr<Residual>> ForUpdate(const std::string& name, size_t count,
                                                       int device, cudaStream_t stream);
+  // ErrorFeedback's counters, for the residuals here (bytes: those held and
+  // those being allocated).
+  ErrorFeedback::Stats GetStats();
 
  private:
   struct Entry {
@@ -75,6 +79,7 @@ class DeviceResiduals {
   std::unordered_map<std::string, Entry> entries_;  // guarded by mu_
   std::list<std::string> lru_;                      // guarded by mu_: front most recent
   size_t bytes_ = 0;                                // guarded by mu_
+  ErrorFeedback::Stats stats_;                      // guarded by mu_ (names, bytes: above)
 };
 
 // Pinned host memory of at least `bytes` at *data, held by the result (the

@@ -364,6 +364,9 @@ class CudaStagedBuffer final : public StagedNodeBuffer {
         spec, p_.dtype, p_.count, p_.device, p_.stream, p_.residuals, feedback_name,
         [pool = pool_](uint64_t bytes, uint8_t** data) { return pool->Take(bytes, data); });
   }
+  ErrorFeedback::Stats FeedbackStats() const override {
+    return p_.residuals != nullptr ? p_.residuals->GetStats() : ErrorFeedback::Stats{};
+  }
   void* data() override { return p_.node; }
   absl::Status Divide(int divisor) override {
     if (p_.stream == nullptr) return absl::OkStatus();

@@ -1103,6 +1103,13 @@ EngineStatus Engine::StatusOnLoop() {
       const ClusterJob::StagingCounters g = job->cluster->staging();
       row.ops_staged = g.ops;
       row.bytes_staged = g.bytes;
+      const ClusterJob::FeedbackCounters e = job->cluster->feedback();
+      row.feedback_residuals = e.host.names + e.device.names;
+      row.feedback_host_bytes = e.host.bytes;
+      row.feedback_device_bytes = e.device.bytes;
+      row.feedback_evictions = e.host.evictions + e.device.evictions;
+      row.feedback_resets = e.host.size_resets + e.device.size_resets;
+      row.feedback_too_large = e.host.too_large + e.device.too_large;
     }
     row.duration_counts = job->duration_counts;
     row.duration_sum_seconds = job->duration_sum_seconds;

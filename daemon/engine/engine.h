@@ -119,6 +119,14 @@ struct EngineStatus {
     uint64_t fused_runs = 0;  // and the fused allreduces they made
     uint64_t ops_staged = 0;    // multi-node: operations on GPU buffers
     uint64_t bytes_staged = 0;  // and the bytes copied device <-> host for them
+    // Error feedback (host and GPUs together, but the bytes): residuals
+    // held, their bytes, and residuals dropped (control.proto's JobInfo).
+    uint64_t feedback_residuals = 0;
+    uint64_t feedback_host_bytes = 0;
+    uint64_t feedback_device_bytes = 0;
+    uint64_t feedback_evictions = 0;
+    uint64_t feedback_resets = 0;
+    uint64_t feedback_too_large = 0;
     // Completed operations (not those of the fast path) by duration:
     // per bucket of kOpDurationBounds, not cumulative (the last: longer).
     std::array<uint64_t, kOpDurationBuckets> duration_counts{};

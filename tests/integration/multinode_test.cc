@@ -531,7 +531,8 @@ TEST(MultiNodeOperabilityTest, TraceNamesTheLateNodeAndTheLateRank) {
 
 // Compression applies to what crosses the network: float sum/avg results
 // stay within the codec's bound and are the same bits on every rank; other
-// operations go uncompressed.
+// operations go uncompressed. `ciuicctl status` shows each node's error
+// feedback residuals: one per compressed float32 operation, none dropped.
 TEST(MultiNodeCompressionTest, CodecsBoundedSameBitsAndCounted) {
   auto cluster = Cluster::Start(2, "tuning:\n  min_compress_bytes: 1K\n");
   ASSERT_NE(cluster, nullptr);
@@ -580,6 +581,18 @@ TEST(MultiNodeCompressionTest, CodecsBoundedSameBitsAndCounted) {
     s = comm->Allreduce(w.data(), w.data(), w.size(), DataType::kInt32, ReduceOp::kSum, o).Wait();
     CHILD_CHECK(s.code() == StatusCode::kInvalidArgument && Contains(s.message(), "zstd"), "%s",
                 s.ToString().c_str());
+    if (rank % 2 == 0) {  // one rank per node: its node's residuals, every op of it done
+      std::string out;
+      const int code = RunCommand(std::string(CIUICCTL_PATH) + " --socket " +
+                                      cluster->nodes[rank / 2]->socket() + " status",
+                                  &out);
+      const std::string want = "error feedback: job " + job +
+                               ": 3 residuals, 1.1 MiB in host "
+                               "memory, 0 B on GPUs; dropped: 0 evicted, 0 reset (size changed), "
+                               "0 too large";
+      CHILD_CHECK(code == 0 && Contains(out, want), "ciuicctl status, wanted '%s':\n%s",
+                  want.c_str(), out.c_str());
+    }
     return comm->Barrier().Wait().ok() ? 0 : 1;
   }, std::chrono::seconds(120));
   EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0}));

@@ -130,6 +130,16 @@ std::string FormatNetworkSavings(const proto::StatusReply& status) {
                       " operations on GPU buffers, ", HumanBytes(job.bytes_staged()),
                       " copied between the GPU and host memory\n");
     }
+    const uint64_t dropped =
+        job.feedback_evictions() + job.feedback_resets() + job.feedback_too_large();
+    if (job.feedback_residuals() != 0 || dropped != 0) {
+      absl::StrAppend(
+          &out, "error feedback: job ", Sanitize(job.job_id()), ": ", job.feedback_residuals(),
+          " residuals, ", HumanBytes(job.feedback_host_bytes()), " in host memory, ",
+          HumanBytes(job.feedback_device_bytes()), " on GPUs; dropped: ", job.feedback_evictions(),
+          " evicted, ", job.feedback_resets(), " reset (size changed), ", job.feedback_too_large(),
+          " too large (that operation runs without error feedback)\n");
+    }
   }
   return out;
 }

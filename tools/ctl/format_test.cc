@@ -181,6 +181,7 @@ TEST(FormatStatusTest, CompressionAndFusionCountersOfMultiNodeJobs) {
   EXPECT_THAT(FormatStatus(status), Not(HasSubstr("fusion:")));
   EXPECT_THAT(FormatStatus(status), Not(HasSubstr("compression:")));
   EXPECT_THAT(FormatStatus(status), Not(HasSubstr("gpu: job")));
+  EXPECT_THAT(FormatStatus(status), Not(HasSubstr("error feedback:")));
   proto::JobInfo* job = status.mutable_jobs(0);
   job->set_ops_compressed(10);
   job->set_bytes_before_compression(64 << 20);
@@ -189,13 +190,28 @@ TEST(FormatStatusTest, CompressionAndFusionCountersOfMultiNodeJobs) {
   job->set_fused_runs(7);
   job->set_ops_staged(12);
   job->set_bytes_staged(48 << 20);
+  job->set_feedback_residuals(3);
+  job->set_feedback_host_bytes(12 << 20);
+  job->set_feedback_device_bytes(4 << 20);
+  job->set_feedback_evictions(2);
+  job->set_feedback_resets(1);
+  job->set_feedback_too_large(5);
   for (const std::string& text : {FormatStatus(status), FormatJobs(status)}) {
     EXPECT_THAT(text, HasSubstr("compression: job resnet: 10 operations, 64.0 MiB -> 16.0 MiB on "
                                 "the wire\n"));
     EXPECT_THAT(text, HasSubstr("fusion: job resnet: 96 operations fused into 7 allreduces\n"));
     EXPECT_THAT(text, HasSubstr("gpu: job resnet: 12 operations on GPU buffers, 48.0 MiB copied "
                                 "between the GPU and host memory\n"));
+    EXPECT_THAT(text, HasSubstr("error feedback: job resnet: 3 residuals, 12.0 MiB in host "
+                                "memory, 4.0 MiB on GPUs; dropped: 2 evicted, 1 reset (size "
+                                "changed), 5 too large (that operation runs without error "
+                                "feedback)\n"));
   }
+  // Only dropped ones (every residual gone): still shown.
+  job->set_feedback_residuals(0);
+  job->set_feedback_host_bytes(0);
+  job->set_feedback_device_bytes(0);
+  EXPECT_THAT(FormatStatus(status), HasSubstr("error feedback: job resnet: 0 residuals"));
 }
 
 TEST(FormatJobsTest, NoJobsOrNothingPending) {
