@@ -845,6 +845,7 @@ ClusterJob::StagingCounters ClusterJob::staging() const {
 ClusterJob::FeedbackCounters ClusterJob::feedback() const {
   FeedbackCounters c;
   c.host = feedback_.GetStats();
+  c.too_large_ops = feedback_too_large_.load();
   std::lock_guard<std::mutex> lock(device_feedback_mu_);
   c.device = device_feedback_;
   return c;
@@ -853,15 +854,17 @@ ClusterJob::FeedbackCounters ClusterJob::feedback() const {
 bool ClusterJob::KeepsFeedback(const ClusterOp& op, size_t count, const config::Tuning& tuning) {
   if (!KeepsErrorFeedback(tuning, op.name)) return false;
   const bool float32 = op.sig.dtype == static_cast<uint32_t>(wire::DataType::kFloat32);
-  if (float32 && count > kFeedbackBytes / sizeof(float) && !feedback_cap_warned_.exchange(true)) {
+  const size_t cap = options_.feedback_bytes;
+  if (!float32 || count <= cap / sizeof(float)) return true;
+  if (feedback_too_large_.fetch_add(1) == 0) {
     spdlog::warn(
         "job '{}': operation '{}' has {} elements, more than error feedback keeps ({} float32 "
-        "elements, {} MiB per job): it is compressed without error feedback, so what "
+        "elements, {} bytes per job): it is compressed without error feedback, so what "
         "compression drops is not carried to its next step (ciuicctl status counts such "
         "operations as too large; said once per job)",
-        options_.job_id, op.name, count, kFeedbackBytes / sizeof(float), kFeedbackBytes >> 20);
+        options_.job_id, op.name, count, cap / sizeof(float), cap);
   }
-  return true;
+  return false;
 }
 
 absl::Status ClusterJob::StagedFetch(StagedNodeBuffer& device, int slot, size_t slot_offset,

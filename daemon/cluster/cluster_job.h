@@ -129,6 +129,10 @@ struct ClusterOp {
 
 class ClusterJob {
  public:
+  // The residual bytes the host keeps per job by default (a GPU keeps as
+  // many: DeviceRunner's).
+  static constexpr size_t kFeedbackBytes = size_t{256} << 20;
+
   struct Options {
     std::string job_id;
     uint32_t uid = 0;
@@ -144,6 +148,8 @@ class ClusterJob {
     // This daemon's coordinator, if any: when the membership names it (the
     // job's rank 0 is local), the ordering stream is in-process.
     Coordinator* local_coordinator = nullptr;
+    // Error feedback's residual bytes in host memory (tests make it small).
+    size_t feedback_bytes = kFeedbackBytes;
   };
   using OpDone = std::function<void(uint64_t key, absl::Status status)>;
   using JobFailed = std::function<void(absl::Status status)>;
@@ -208,10 +214,9 @@ class ClusterJob {
   struct FeedbackCounters {
     ErrorFeedback::Stats host;
     ErrorFeedback::Stats device;
+    uint64_t too_large_ops = 0;  // compressed without: over kFeedbackBytes alone
   };
   FeedbackCounters feedback() const;
-  // The residual bytes the host keeps per job (a GPU keeps as many).
-  static constexpr size_t kFeedbackBytes = size_t{256} << 20;
 
  private:
   struct Event;
@@ -291,8 +296,8 @@ class ClusterJob {
                            uint8_t* data, size_t stride, size_t first, size_t bytes);
   void CountCompressed(uint64_t ops, const CompressionStats& stats);
   // Whether operation `op` (`count` elements reduced across nodes) keeps
-  // error feedback; warns once per job of one over kFeedbackBytes (it then
-  // runs without).
+  // error feedback: not one whose residual alone would be over
+  // Options::feedback_bytes (counted, and said in the log once per job).
   bool KeepsFeedback(const ClusterOp& op, size_t count, const config::Tuning& tuning);
   // The staged buffer's copies to and from host memory, counted (staging()).
   absl::Status StagedFetch(StagedNodeBuffer& device, int slot, size_t slot_offset, size_t offset,
@@ -368,10 +373,10 @@ class ClusterJob {
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::mutex codecs_mu_;
   std::map<std::string, std::unique_ptr<Codec>> codecs_;  // guarded by codecs_mu_
-  ErrorFeedback feedback_{kFeedbackBytes};
+  ErrorFeedback feedback_{options_.feedback_bytes};
   mutable std::mutex device_feedback_mu_;
   ErrorFeedback::Stats device_feedback_;  // guarded by device_feedback_mu_
-  std::atomic<bool> feedback_cap_warned_{false};
+  std::atomic<uint64_t> feedback_too_large_{0};
   std::atomic<uint64_t> compressed_ops_{0};
   std::atomic<uint64_t> raw_bytes_{0};
   std::atomic<uint64_t> wire_bytes_{0};

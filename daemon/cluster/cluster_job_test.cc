@@ -89,7 +89,7 @@ class Nodes {
  public:
   // Each node has its own daemon tuning; node 0's daemon hosts the
   // coordinator (rank 0), so its tuning decides the runs' settings.
-  explicit Nodes(int n = 2, int per_node = 1)
+  explicit Nodes(int n = 2, int per_node = 1, size_t feedback_bytes = ClusterJob::kFeedbackBytes)
       : tuning_(n), coordinator_("token", &tuning_[0]), hub_(n, 1), ends_(n) {
     for (int k = 0; k < n; ++k) {
       ClusterJob::Options o;
@@ -102,6 +102,7 @@ class Nodes {
       o.cluster_token = "token";
       o.channels = 1;
       o.tuning = &tuning_[k];
+      o.feedback_bytes = feedback_bytes;
       o.transports = [this](int) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
         return std::make_unique<HubUnconnected>(&hub_);
       };
@@ -533,6 +534,61 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) 
   EXPECT_LE(worst, 6.0 / 254 * 1.001);
   EXPECT_GT(worst, 0.0) << "int8 was not applied";
   EXPECT_EQ(0, std::memcmp(large[0].data(), large[1].data(), big * sizeof(float)));
+}
+
+// An operation whose residual alone would be over the job's error feedback
+// cap is compressed without error feedback and counted (once per step);
+// one that fits keeps its residual. Same inputs twice: without a residual
+// the second result is the first one's bits, with one it is not (what the
+// first step dropped is added back), and both stay within int8's bound.
+TEST(ClusterJobTest, AnOperationOverTheFeedbackCapRunsWithoutItAndIsCounted) {
+  const size_t small = 4000, big = 20000;  // 16 000 and 80 000 bytes of residual
+  Nodes nodes(2, 1, 64 << 10);
+  ASSERT_TRUE(nodes.SetBoth("compression", "int8").ok());
+  ASSERT_TRUE(nodes.SetBoth("min_compress_bytes", "1K").ok());
+  const size_t counts[2] = {small, big};
+  std::vector<float> send[2][2], recv[2][2][2];  // [node][op], recv[step][node][op]
+  for (int k = 0; k < 2; ++k) {
+    for (int o = 0; o < 2; ++o) {
+      send[k][o].resize(counts[o]);
+      for (size_t i = 0; i < counts[o]; ++i) send[k][o][i] = Value(k, o, i);
+    }
+  }
+  for (int step = 0; step < 2; ++step) {
+    for (int k = 0; k < 2; ++k) {
+      for (int o = 0; o < 2; ++o) {
+        recv[step][k][o].assign(counts[o], 0.0f);
+        nodes.job(k).Submit(Allreduce(step * 2 + o, o == 0 ? "small" : "big",
+                                      wire::DataType::kFloat32, wire::ReduceOp::kSum, counts[o], k,
+                                      send[k][o].data(), recv[step][k][o].data()));
+      }
+    }
+    for (int k = 0; k < 2; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(2 * (step + 1)));
+  }
+  for (int k = 0; k < 2; ++k) {
+    for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
+    EXPECT_EQ(nodes.job(k).compression().ops, 4u) << "node " << k;
+    const ClusterJob::FeedbackCounters f = nodes.job(k).feedback();
+    EXPECT_EQ(f.too_large_ops, 2u) << "node " << k;
+    EXPECT_EQ(f.host.names, 1u) << "node " << k;
+    EXPECT_EQ(f.host.bytes, small * sizeof(float)) << "node " << k;
+    EXPECT_EQ(f.host.evictions + f.host.size_resets + f.host.too_large, 0u) << "node " << k;
+  }
+  for (int o = 0; o < 2; ++o) {
+    double max_exact = 0;
+    for (size_t i = 0; i < counts[o]; ++i) {
+      max_exact = std::max(max_exact, std::fabs(double{Value(0, o, i)} + Value(1, o, i)));
+    }
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_EQ(recv[step][0][o], recv[step][1][o]) << "op " << o << ": the nodes differ";
+      for (size_t i = 0; i < counts[o]; ++i) {
+        const double exact = double{Value(0, o, i)} + Value(1, o, i);
+        ASSERT_NEAR(recv[step][0][o][i], exact, 3 * max_exact / 254) << "op " << o << " " << i;
+      }
+    }
+  }
+  EXPECT_NE(recv[0][0][0], recv[1][0][0]) << "small: the residual changed nothing";
+  EXPECT_EQ(recv[0][0][1], recv[1][0][1]) << "big: a residual was applied";
 }
 
 // ---------------------------------------------------------------- staged

@@ -118,7 +118,7 @@ class EngineCollectable final : public prometheus::Collectable {
          "Error feedback residuals reset because an operation changed size", MetricType::Counter,
          [](const EngineStatus::JobRow& j) { return double(j.feedback_resets); }},
         {"ciuic_job_feedback_too_large_total",
-         "Error feedback updates not kept: one operation over the cap", MetricType::Counter,
+         "Operations compressed without error feedback: over its cap alone", MetricType::Counter,
          [](const EngineStatus::JobRow& j) { return double(j.feedback_too_large); }},
     };
     for (const JobCounter& c : kJobCounters) {

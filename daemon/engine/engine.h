@@ -120,7 +120,8 @@ struct EngineStatus {
     uint64_t ops_staged = 0;    // multi-node: operations on GPU buffers
     uint64_t bytes_staged = 0;  // and the bytes copied device <-> host for them
     // Error feedback (host and GPUs together, but the bytes): residuals
-    // held, their bytes, and residuals dropped (control.proto's JobInfo).
+    // held, their bytes, residuals dropped, and operations over the cap
+    // (control.proto's JobInfo).
     uint64_t feedback_residuals = 0;
     uint64_t feedback_host_bytes = 0;
     uint64_t feedback_device_bytes = 0;

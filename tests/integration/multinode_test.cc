@@ -588,8 +588,8 @@ TEST(MultiNodeCompressionTest, CodecsBoundedSameBitsAndCounted) {
                                   &out);
       const std::string want = "error feedback: job " + job +
                                ": 3 residuals, 1.1 MiB in host "
-                               "memory, 0 B on GPUs; dropped: 0 evicted, 0 reset (size changed), "
-                               "0 too large";
+                               "memory, 0 B on GPUs; dropped: 0 evicted, 0 reset (size changed); "
+                               "0 operations too large for it";
       CHILD_CHECK(code == 0 && Contains(out, want), "ciuicctl status, wanted '%s':\n%s",
                   want.c_str(), out.c_str());
     }

@@ -137,8 +137,8 @@ std::string FormatNetworkSavings(const proto::StatusReply& status) {
           &out, "error feedback: job ", Sanitize(job.job_id()), ": ", job.feedback_residuals(),
           " residuals, ", HumanBytes(job.feedback_host_bytes()), " in host memory, ",
           HumanBytes(job.feedback_device_bytes()), " on GPUs; dropped: ", job.feedback_evictions(),
-          " evicted, ", job.feedback_resets(), " reset (size changed), ", job.feedback_too_large(),
-          " too large (that operation runs without error feedback)\n");
+          " evicted, ", job.feedback_resets(), " reset (size changed); ", job.feedback_too_large(),
+          " operations too large for it\n");
     }
   }
   return out;

@@ -204,8 +204,7 @@ TEST(FormatStatusTest, CompressionAndFusionCountersOfMultiNodeJobs) {
                                 "between the GPU and host memory\n"));
     EXPECT_THAT(text, HasSubstr("error feedback: job resnet: 3 residuals, 12.0 MiB in host "
                                 "memory, 4.0 MiB on GPUs; dropped: 2 evicted, 1 reset (size "
-                                "changed), 5 too large (that operation runs without error "
-                                "feedback)\n"));
+                                "changed); 5 operations too large for it\n"));
   }
   // Only dropped ones (every residual gone): still shown.
   job->set_feedback_residuals(0);
