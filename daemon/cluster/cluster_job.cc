@@ -935,12 +935,13 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   absl::Status s;
   if (*codec != nullptr) {
     // One compressed allreduce over the packed buffer; each operation keeps
-    // its own error feedback residuals (unnamed ones none, as unfused).
+    // its own error feedback residuals (as unfused: unnamed ones and those
+    // over the cap none).
     std::vector<FeedbackPiece> pieces;
     size_t at = 0;
     for (const ClusterOp& op : ops) {
-      const bool named = !op.name.empty() && op.name[0] != '#';
-      pieces.push_back(FeedbackPiece{named ? op.name : std::string(), at, op.sig.count});
+      const bool keeps = KeepsFeedback(op, op.sig.count, tuning);
+      pieces.push_back(FeedbackPiece{keeps ? op.name : std::string(), at, op.sig.count});
       at += op.sig.count;
     }
     CompressionStats stats;

@@ -538,14 +538,22 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) 
 
 // An operation whose residual alone would be over the job's error feedback
 // cap is compressed without error feedback and counted (once per step);
-// one that fits keeps its residual. Same inputs twice: without a residual
-// the second result is the first one's bits, with one it is not (what the
-// first step dropped is added back), and both stay within int8's bound.
-TEST(ClusterJobTest, AnOperationOverTheFeedbackCapRunsWithoutItAndIsCounted) {
+// one that fits keeps its residual; alone and fused together alike. Same
+// inputs twice: without a residual the second result is the first one's
+// bits (alone: fused, the packing may change), with one it is not (what
+// the first step dropped is added back), and both stay within int8's bound.
+class FeedbackCapTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(FeedbackCapTest, AnOperationOverTheCapRunsWithoutItAndIsCounted) {
+  const bool fused = GetParam();
   const size_t small = 4000, big = 20000;  // 16 000 and 80 000 bytes of residual
   Nodes nodes(2, 1, 64 << 10);
   ASSERT_TRUE(nodes.SetBoth("compression", "int8").ok());
   ASSERT_TRUE(nodes.SetBoth("min_compress_bytes", "1K").ok());
+  // Fused: held long enough to be ordered together.
+  ASSERT_TRUE(
+      nodes.SetBoth(fused ? "cycle_time_us" : "fusion_threshold_bytes", fused ? "50000" : "0")
+          .ok());
   const size_t counts[2] = {small, big};
   std::vector<float> send[2][2], recv[2][2][2];  // [node][op], recv[step][node][op]
   for (int k = 0; k < 2; ++k) {
@@ -568,6 +576,7 @@ TEST(ClusterJobTest, AnOperationOverTheFeedbackCapRunsWithoutItAndIsCounted) {
   for (int k = 0; k < 2; ++k) {
     for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
     EXPECT_EQ(nodes.job(k).compression().ops, 4u) << "node " << k;
+    EXPECT_EQ(nodes.job(k).fusion().ops, fused ? 4u : 0u) << "node " << k;
     const ClusterJob::FeedbackCounters f = nodes.job(k).feedback();
     EXPECT_EQ(f.too_large_ops, 2u) << "node " << k;
     EXPECT_EQ(f.host.names, 1u) << "node " << k;
@@ -587,9 +596,16 @@ TEST(ClusterJobTest, AnOperationOverTheFeedbackCapRunsWithoutItAndIsCounted) {
       }
     }
   }
-  EXPECT_NE(recv[0][0][0], recv[1][0][0]) << "small: the residual changed nothing";
-  EXPECT_EQ(recv[0][0][1], recv[1][0][1]) << "big: a residual was applied";
+  if (!fused) {
+    EXPECT_NE(recv[0][0][0], recv[1][0][0]) << "small: the residual changed nothing";
+    EXPECT_EQ(recv[0][0][1], recv[1][0][1]) << "big: a residual was applied";
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(AloneAndFused, FeedbackCapTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? "Fused" : "Alone";
+                         });
 
 // ---------------------------------------------------------------- staged
 
