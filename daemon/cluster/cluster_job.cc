@@ -856,6 +856,7 @@ bool ClusterJob::KeepsFeedback(const ClusterOp& op, size_t count, const config::
   const bool float32 = op.sig.dtype == static_cast<uint32_t>(wire::DataType::kFloat32);
   const size_t cap = options_.feedback_bytes;
   if (!float32 || count <= cap / sizeof(float)) return true;
+  feedback_.Forget(op.name);  // a residual of when it was smaller, if any
   if (feedback_too_large_.fetch_add(1) == 0) {
     spdlog::warn(
         "job '{}': operation '{}' has {} elements, more than error feedback keeps ({} float32 "
@@ -1275,9 +1276,9 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
           AllreduceCompressedWith(ctx, *codec, **coder, dtype, device.data(), count, &stats);
       CountCompressed(1, stats);
       {
-        const ErrorFeedback::Stats kept = device.FeedbackStats();
+        // Read under the lock: of two lanes, the later reading is kept.
         std::lock_guard<std::mutex> lock(device_feedback_mu_);
-        device_feedback_ = kept;
+        device_feedback_ = device.FeedbackStats();
       }
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) {

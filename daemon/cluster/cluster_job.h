@@ -129,8 +129,10 @@ struct ClusterOp {
 
 class ClusterJob {
  public:
-  // The residual bytes the host keeps per job by default (a GPU keeps as
-  // many: DeviceRunner's).
+  // The residual bytes the host keeps per job by default. A GPU keeps as
+  // many (DeviceRunner's kResidualBytesPerJob, the same 256 MiB), and the
+  // staged path checks operations against feedback_bytes too: the two are
+  // equal but where a test makes feedback_bytes small.
   static constexpr size_t kFeedbackBytes = size_t{256} << 20;
 
   struct Options {
@@ -297,7 +299,8 @@ class ClusterJob {
   void CountCompressed(uint64_t ops, const CompressionStats& stats);
   // Whether operation `op` (`count` elements reduced across nodes) keeps
   // error feedback: not one whose residual alone would be over
-  // Options::feedback_bytes (counted, and said in the log once per job).
+  // Options::feedback_bytes (counted, said in the log once per job, and
+  // its residual of an earlier, smaller size dropped from host memory).
   bool KeepsFeedback(const ClusterOp& op, size_t count, const config::Tuning& tuning);
   // The staged buffer's copies to and from host memory, counted (staging()).
   absl::Status StagedFetch(StagedNodeBuffer& device, int slot, size_t slot_offset, size_t offset,

@@ -538,7 +538,8 @@ TEST(ClusterJobTest, SmallUrgentRunEndsBeforeALargeCompressedOneAnnouncedFirst) 
 
 // An operation whose residual alone would be over the job's error feedback
 // cap is compressed without error feedback and counted (once per step);
-// one that fits keeps its residual; alone and fused together alike. Same
+// one that fits keeps its residual, and one that has grown past it loses
+// the residual it had when smaller; alone and fused together alike. Same
 // inputs twice: without a residual the second result is the first one's
 // bits (alone: fused, the packing may change), with one it is not (what
 // the first step dropped is added back), and both stay within int8's bound.
@@ -562,6 +563,16 @@ TEST_P(FeedbackCapTest, AnOperationOverTheCapRunsWithoutItAndIsCounted) {
       for (size_t i = 0; i < counts[o]; ++i) send[k][o][i] = Value(k, o, i);
     }
   }
+  // "big" small first: its residual, kept then, goes once it has grown.
+  std::vector<float> early[2];
+  for (int k = 0; k < 2; ++k) {
+    early[k].assign(1000, 1.0f);
+    nodes.job(k).Submit(Allreduce(99, "big", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                  early[k].size(), k, early[k].data(), early[k].data()));
+  }
+  for (int k = 0; k < 2; ++k) ASSERT_TRUE(nodes.ends(k).WaitFor(1));
+  EXPECT_EQ(nodes.job(0).feedback().host.names, 1u);
+  for (int k = 0; k < 2; ++k) nodes.ends(k).ends.clear();
   for (int step = 0; step < 2; ++step) {
     for (int k = 0; k < 2; ++k) {
       for (int o = 0; o < 2; ++o) {
@@ -575,7 +586,7 @@ TEST_P(FeedbackCapTest, AnOperationOverTheCapRunsWithoutItAndIsCounted) {
   }
   for (int k = 0; k < 2; ++k) {
     for (auto& [key, st] : nodes.ends(k).ends) EXPECT_TRUE(st.ok()) << key << ": " << st;
-    EXPECT_EQ(nodes.job(k).compression().ops, 4u) << "node " << k;
+    EXPECT_EQ(nodes.job(k).compression().ops, 5u) << "node " << k;
     EXPECT_EQ(nodes.job(k).fusion().ops, fused ? 4u : 0u) << "node " << k;
     const ClusterJob::FeedbackCounters f = nodes.job(k).feedback();
     EXPECT_EQ(f.too_large_ops, 2u) << "node " << k;

@@ -704,9 +704,9 @@ TEST(FusedCompressedTest, PiecesThatDoNotCoverTheBufferAreAnError) {
 // orders (an operation fused in one step runs alone, or fused at another
 // offset, in the next). Each one's running sum of results tracks T times its
 // exact sum within a bound that does not grow with T (the residuals left on
-// the nodes: contributions on every node, and the owner's sums on every node
-// that owned an element at some point), checked at every step, and no
-// residual is ever reset. Without feedback (or with residuals lost when the
+// the nodes, one per element and node: a contribution's on every node but
+// the element's last owner, its sum's there; the unfused bound), checked at
+// every step, and no residual is ever reset. Without feedback (or with residuals lost when the
 // grouping changes) the gap grows with T: fixed inputs round the same way
 // every step.
 TEST(FusedCompressedTest, ErrorFeedbackStaysPerOperationAcrossFusionGroups) {
@@ -740,8 +740,8 @@ TEST(FusedCompressedTest, ErrorFeedbackStaysPerOperationAcrossFusionGroups) {
         for (double e : exact[o]) max_s = std::max(max_s, std::fabs(e));
       }
       for (double m : node_m) sum_m += m;
-      const double bound = std::string(c) == "int8" ? 1.05 * (sum_m + n * max_s) / 254
-                                                    : 1.05 * 0x1p-11 * (sum_m + n * max_s);
+      const double bound = std::string(c) == "int8" ? 1.05 * (sum_m + max_s) / 254
+                                                    : 1.05 * 0x1p-11 * (sum_m + max_s);
       const int steps = 30;
       uint64_t seq = 1;
       for (int step = 1; step <= steps; ++step) {
