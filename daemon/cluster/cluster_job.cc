@@ -49,12 +49,6 @@ size_t MoveSegmentElements(uint64_t segment_bytes, bool gather, size_t count, si
   return SegmentElements(std::max<uint64_t>(piece, element_bytes), count, element_bytes);
 }
 
-// Unnamed operations ("#N": the SDK's reserved prefix) never recur, so a
-// residual would only cost a fresh allocation and evict others'.
-bool KeepsErrorFeedback(const config::Tuning& tuning, const std::string& name) {
-  return tuning.error_feedback && (name.empty() || name[0] != '#');
-}
-
 // memcpy for a rank's buffer, which a 0-element operation may leave out
 // (nullptr): memcpy must not get a null pointer even for 0 bytes.
 void CopyBytes(void* to, const void* from, size_t bytes) {
@@ -852,7 +846,9 @@ ClusterJob::FeedbackCounters ClusterJob::feedback() const {
 }
 
 bool ClusterJob::KeepsFeedback(const ClusterOp& op, size_t count, const config::Tuning& tuning) {
-  if (!KeepsErrorFeedback(tuning, op.name)) return false;
+  // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so a
+  // residual would only cost a fresh allocation and evict others'.
+  if (!tuning.error_feedback || (!op.name.empty() && op.name[0] == '#')) return false;
   const bool float32 = op.sig.dtype == static_cast<uint32_t>(wire::DataType::kFloat32);
   const size_t cap = options_.feedback_bytes;
   if (!float32 || count <= cap / sizeof(float)) return true;
@@ -1031,13 +1027,7 @@ absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeConte
     case wire::Collective::kReduceScatter: {
       auto codec = CodecNamed(settings.codec);
       if (!codec.ok()) return codec.status();
-      const size_t count =
-          op.sig.count * (op.sig.collective == static_cast<uint32_t>(wire::Collective::kAllreduce)
-                              ? size_t{1}
-                              : static_cast<size_t>(options_.world_size));
-      const bool feedback =
-          *codec != nullptr && KeepsFeedback(op, count, options_.tuning->Snapshot());
-      s = ReduceStaged(op, ctx, seq, settings, *codec, feedback);
+      s = ReduceStaged(op, ctx, seq, settings, *codec);
       break;
     }
     case wire::Collective::kAllgather:
@@ -1245,8 +1235,8 @@ absl::Status ClusterJob::CopyPieces(StagedNodeBuffer& device, bool fetch, int sl
 }
 
 absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx,
-                                      uint64_t seq, const RunSettings& settings, const Codec* codec,
-                                      bool feedback) {
+                                      uint64_t seq, const RunSettings& settings,
+                                      const Codec* codec) {
   StagedNodeBuffer& device = *op.staged;
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
@@ -1257,6 +1247,7 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
   const size_t count = op.sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter)
                            ? op.sig.count * static_cast<size_t>(options_.world_size)
                            : op.sig.count;
+  const bool feedback = codec != nullptr && KeepsFeedback(op, count, options_.tuning->Snapshot());
   // Segments: [at, at + n) by element. Unsegmented (compressed, or a
   // coordinator that announced none): the whole buffer as one.
   const bool segmented = settings.segment_bytes > 0;

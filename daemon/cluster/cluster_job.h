@@ -216,7 +216,7 @@ class ClusterJob {
   struct FeedbackCounters {
     ErrorFeedback::Stats host;
     ErrorFeedback::Stats device;
-    uint64_t too_large_ops = 0;  // compressed without: over kFeedbackBytes alone
+    uint64_t too_large_ops = 0;  // compressed without: over Options::feedback_bytes alone
   };
   FeedbackCounters feedback() const;
 
@@ -268,7 +268,7 @@ class ClusterJob {
   // Its reductions: segment by segment through two host slots, or (with a
   // codec the device runs) compressed where the buffer lives.
   absl::Status ReduceStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
-                            const RunSettings& settings, const Codec* codec, bool feedback);
+                            const RunSettings& settings, const Codec* codec);
   // Allgather and broadcast: the same way, without a reduction (a segment
   // of an allgather carries a piece of every rank's block).
   absl::Status MoveStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,
