@@ -77,11 +77,12 @@ size_t ReadyGate::Poll(Clock::time_point now) {
             std::chrono::duration_cast<std::chrono::milliseconds>(now - h.entry.added).count();
         verdict = absl::DeadlineExceededError(About(
             h.entry.what,
+            // What matters first: a trainer hears at most wire::kMaxMessage
+            // bytes of it.
             absl::StrCat("timed out after ", ms, " ms waiting for ", absl::StrJoin(late, ", "),
-                         " to reach the submission (the trainer's work queued before it on that "
-                         "stream has not finished: a kernel that does not end, or a stream "
-                         "waiting for something that never comes?); nothing of the operation "
-                         "ran")));
+                         " to reach the submission; nothing of the operation ran (the work "
+                         "queued before it on that stream has not finished: a kernel that does "
+                         "not end, or a wait for something that never comes?)")));
       }
       decided.emplace_back(std::move(h.entry.pass), std::move(verdict));
       q.pop_front();
