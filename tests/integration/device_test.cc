@@ -590,12 +590,14 @@ int RunOneDeviceMultiNode(Communicator& comm, int device, cudaStream_t stream,
 }
 
 // Two daemons ("nodes") with two ranks each, every rank on GPU
-// local_rank % devices with a stream of its own, running `body` (0: fine);
+// local_rank % devices with a stream of its own, running `body` (0: fine;
+// `node_socket`: the rank's daemon);
 // each rank's exit code is expected to be 0, and the daemons' logs are
 // printed on a failure.
 void RunOnTwoGpuNodes(
     const std::string& config, const std::string& job_prefix, size_t arena_bytes,
-    const std::function<int(Communicator&, int rank, int device, cudaStream_t stream)>& body) {
+    const std::function<int(Communicator&, int rank, int device, cudaStream_t stream,
+                            const std::string& node_socket)>& body) {
   constexpr int kNodes = 2;
   constexpr int kPerNode = 2;
   auto cluster = Cluster::Start(kNodes, config);
@@ -610,7 +612,7 @@ void RunOnTwoGpuNodes(
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     std::unique_ptr<Communicator> comm = cluster->Join(job, rank, kNodes, kPerNode, arena_bytes);
     CHILD_CHECK(comm != nullptr, "rank %d could not join (see stderr)", rank);
-    return body(*comm, rank, device, stream);
+    return body(*comm, rank, device, stream, cluster->nodes[rank / kPerNode]->socket());
   });
   for (int r = 0; r < kNodes * kPerNode; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
   if (::testing::Test::HasFailure()) {
@@ -623,7 +625,7 @@ TEST(DeviceMultiNodeTest, TwoNodesOfTwoRanksMatchTheReference) {
   SKIP_WITHOUT_GPU();
   RunOnTwoGpuNodes(
       "tuning:\n  staging_segment_bytes: 64K\n", "devmn", 16 << 20,
-      [](Communicator& comm, int, int device, cudaStream_t stream) {
+      [](Communicator& comm, int, int device, cudaStream_t stream, const std::string&) {
         DeviceMemory mem;
         if (AllocateDeviceMemory(size_t{1000003} * 4 * 4, &mem) != 0) return 1;
         for (Coll coll : {Coll::kAllreduce, Coll::kReduceScatter, Coll::kAllgather,
@@ -658,7 +660,8 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
   SKIP_WITHOUT_GPU();
   RunOnTwoGpuNodes(
       "tuning:\n  chunk_bytes: 64K\n", "devzip", 64 << 20,
-      [](Communicator& comm, int rank, int device, cudaStream_t stream) {
+      [](Communicator& comm, int rank, int device, cudaStream_t stream,
+         const std::string& node_socket) {
         const size_t count = 300007;  // float32: 1.2 MB, several chunks per segment owner
         DeviceMemory mem;
         if (AllocateDeviceMemory(count * 4, &mem) != 0) return 1;
@@ -708,6 +711,19 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
             }
           }
         }
+        if (rank % 2 == 0) {
+          // Where each node keeps its residuals: one per operation name, of
+          // the whole count of float32 (1200028 bytes), the device names'
+          // on the GPU, the host names' in host memory; none dropped.
+          std::string out;
+          const int code =
+              RunCommand(std::string(CIUICCTL_PATH) + " --socket " + node_socket + " status", &out);
+          const std::string want =
+              ": 12 residuals, 6.9 MiB in host memory, 6.9 MiB on GPUs; dropped: 0 evicted, 0 "
+              "reset (size changed); 0 operations too large for it";
+          CHILD_CHECK(code == 0 && out.find(want) != std::string::npos,
+                      "ciuicctl status, wanted '%s':\n%s", want.c_str(), out.c_str());
+        }
         return FreeDeviceMemory(&mem);
       });
 }
@@ -719,7 +735,8 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
 TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) {
   SKIP_WITHOUT_GPU();
   RunOnTwoGpuNodes(
-      "", "devstuck", 16 << 20, [](Communicator& comm, int rank, int device, cudaStream_t stream) {
+      "", "devstuck", 16 << 20,
+      [](Communicator& comm, int rank, int device, cudaStream_t stream, const std::string&) {
         DeviceMemory mem;
         if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
         const size_t count = 4099;
