@@ -1065,6 +1065,16 @@ class CudaDeviceRunner final : public DeviceRunner {
       DropIdleMappings();
       e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
     }
+    if (e == cudaErrorInvalidValue || e == cudaErrorMapBufferObjectFailed ||
+        e == cudaErrorInvalidResourceHandle) {
+      // The trainer's descriptor, not the daemon: a handle that names no
+      // allocation this process can open.
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "opening ", who, " (cudaIpcOpenMemHandle): ", cudaGetErrorName(e),
+          ": the descriptor's handle is no CUDA IPC handle of a live allocation on this machine "
+          "(freed, corrupted, or not one)"));
+    }
     if (e != cudaSuccess) {
       return Cuda(e, absl::StrCat("opening ", who, " (cudaIpcOpenMemHandle)",
                                   e == cudaErrorAlreadyMapped

@@ -31,6 +31,7 @@
 #include "ciuic/ciuic.h"
 #include "common.h"
 #include "harness.h"
+#include "raw_session.h"
 #include "reference.h"
 
 #if CIUIC_HAVE_CUDA
@@ -773,6 +774,111 @@ TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) {
       });
 }
 
+// A hostile trainer's device descriptors (written straight into its arena,
+// not through the SDK): a handle of random bytes, a real allocation's handle
+// that claims more bytes than the allocation has, and a buffer past the end
+// of the allocation get errors naming the problem; the daemon goes on, and
+// the same session's valid descriptor then gives the right result.
+TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) {
+  SKIP_WITHOUT_GPU();
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("forged");
+  auto codes = RunRanks(1, [&](int) {
+    RawSession raw;
+    CHILD_CHECK(raw.Open(daemon->socket(), 1 << 20), "open");
+    std::string msg;
+    CHILD_CHECK(raw.Join(daemon->socket(), job, 0, 1, &msg) == 0, "join: %s", msg.c_str());
+    CUDA_CHECK(cudaSetDevice(0));
+    constexpr size_t kBytes = size_t{4} << 20;
+    constexpr uint64_t kCount = 1024;
+    void* mem = nullptr;
+    CUDA_CHECK(cudaMalloc(&mem, kBytes));
+    std::vector<float> in(kCount);
+    for (size_t i = 0; i < kCount; ++i) in[i] = 0.5f * static_cast<float>(i);
+    CUDA_CHECK(cudaMemcpy(mem, in.data(), kCount * 4, cudaMemcpyHostToDevice));
+    cudaIpcMemHandle_t handle;
+    CUDA_CHECK(cudaIpcGetMemHandle(&handle, mem));
+    struct Case {
+      const char* what;
+      wire::DeviceBufferDescriptor send, recv;
+      int code;           // 0: OK
+      const char* words;  // in the message
+    };
+    wire::DeviceBufferDescriptor good{};
+    std::memcpy(good.memory_handle, &handle, sizeof(handle));
+    good.allocation_bytes = kBytes;
+    wire::DeviceBufferDescriptor out = good;
+    out.offset = kBytes / 2;  // the result beside the input
+    std::vector<Case> cases;
+    {
+      wire::DeviceBufferDescriptor random = good;
+      uint64_t x = 0x9e3779b97f4a7c15ull;
+      for (uint8_t& b : random.memory_handle) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        b = static_cast<uint8_t>(x);
+      }
+      // INVALID_ARGUMENT where the driver says the handle is invalid, as it
+      // should; whatever it says, an error naming the open.
+      cases.push_back({"a handle of random bytes", random, out, -1, "cudaIpcOpenMemHandle"});
+    }
+    {
+      wire::DeviceBufferDescriptor big = good;
+      big.allocation_bytes = 2 * kBytes;
+      wire::DeviceBufferDescriptor big_out = out;
+      big_out.allocation_bytes = 2 * kBytes;
+      cases.push_back({"an allocation claimed twice its size", big, big_out, 3,
+                       "the descriptor says the allocation has"});
+    }
+    {
+      wire::DeviceBufferDescriptor past = out;
+      past.offset = kBytes - 8;
+      cases.push_back({"a buffer past its allocation's end", good, past, 3, "allocation"});
+    }
+    cases.push_back({"a valid descriptor", good, out, 0, ""});
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      // The records at two arena offsets of their own, 8-byte aligned.
+      const uint64_t at = wire::kDataOffset + 4096 * (1 + 2 * i);
+      std::memcpy(raw.base + at, &c.send, sizeof(c.send));
+      std::memcpy(raw.base + at + 4096, &c.recv, sizeof(c.recv));
+      wire::SubmissionEntry e{};
+      e.op_id = 1 + i;
+      e.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
+      e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
+      e.reduce_op = static_cast<uint32_t>(wire::ReduceOp::kSum);
+      e.count = kCount;
+      e.flags = wire::kSubmitFlagDeviceBuffers;
+      e.send_offset = at;
+      e.recv_offset = at + 4096;
+      const std::string name = "forged" + std::to_string(i);
+      std::memcpy(e.name, name.data(), name.size());
+      e.name_len = static_cast<uint32_t>(name.size());
+      raw.Submit(e);
+      wire::CompletionEntry done;
+      CHILD_CHECK(raw.NextCompletion(&done, 10000), "%s: no completion", c.what);
+      const std::string text(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+      fprintf(stderr, "%s: code %d: %s\n", c.what, done.status_code, text.c_str());
+      CHILD_CHECK(done.op_id == e.op_id, "%s: completion of op %llu", c.what,
+                  static_cast<unsigned long long>(done.op_id));
+      CHILD_CHECK(c.code < 0 ? done.status_code != 0 : done.status_code == c.code,
+                  "%s: code %d: %s", c.what, done.status_code, text.c_str());
+      CHILD_CHECK(text.find(c.words) != std::string::npos, "%s: '%s' not in: %s", c.what, c.words,
+                  text.c_str());
+    }
+    std::vector<float> got(kCount);
+    CUDA_CHECK(cudaMemcpy(got.data(), static_cast<char*>(mem) + kBytes / 2, kCount * 4,
+                          cudaMemcpyDeviceToHost));
+    CHILD_CHECK(got == in, "the valid descriptor's result is wrong");
+    CUDA_CHECK(cudaFree(mem));
+    return 0;
+  });
+  EXPECT_EQ(codes[0], 0);
+  if (::testing::Test::HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 #else
 
 TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
@@ -789,6 +895,7 @@ TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
   SKIP_WITHOUT_GPU();
 }
 TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) { SKIP_WITHOUT_GPU(); }
+TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) { SKIP_WITHOUT_GPU(); }
 
 #endif
 
