@@ -306,14 +306,16 @@ if ! STEP="torch sees a GPU" step 60 python3 -c 'import torch, sys; sys.exit(0 i
 elif [ -n "$ctest_dir" ]; then
   if STEP="Python extension build" step 200 cmake --build "$build" -j "$jobs" --target _ciuic ciuic_python >"$build/python-build.log" 2>&1; then
     PYTHONPATH="$build/python" CIUICD="$(find_bin ciuicd)" STEP="Python test_cuda.py" step 150 \
-      python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" || status=1
+      python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" \
+      "$root/sdk/python/tests/test_cuda_array_interface.py" || status=1
   else
     echo "NOT RUN: the Python extension did not build here:"; tail -n 5 "$build/python-build.log"
     status=1
   fi
 elif python_from_bundle "$bundle/python" >"$bundle/python-build.log" 2>&1; then
   PYTHONPATH="$bundle/python" CIUICD="$(find_bin ciuicd)" STEP="Python test_cuda.py" step 150 \
-    python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" || status=1
+    python3 -m pytest "${pytest_args[@]}" "$root/sdk/python/tests/test_cuda.py" \
+      "$root/sdk/python/tests/test_cuda_array_interface.py" || status=1
 else
   echo "NOT RUN: the Python extension did not build here over the bundle's libciuic:"
   tail -n 5 "$bundle/python-build.log"

@@ -25,6 +25,6 @@ if [ ! -f "$emu/build.ninja" ]; then
     -DPython_EXECUTABLE=/usr/bin/python3 -DCIUIC_CUDA=EMULATED -DCIUIC_WITH_MPI_BASELINE=OFF
 fi
 # Only what the device tests run.
-cmake --build "$emu" -j "${CIUIC_JOBS:-2}" --target integration_device_test cuda_kernels_test ciuic-bench ciuicd ciuicctl
+cmake --build "$emu" -j "${CIUIC_JOBS:-2}" --target integration_device_test cuda_kernels_test ciuic-bench ciuicd ciuicctl ciuic_python
 cd "$emu"
 ctest --output-on-failure --timeout 900 -L gpu

@@ -69,6 +69,31 @@ bool SdkSupportsDeviceBuffers(std::string* why) {
   return true;
 }
 
+Status DeviceOfPointer(const void* ptr, int* device) {
+  int devices = 0;
+  cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    return Status(StatusCode::kFailedPrecondition,
+                  "device (CUDA) buffers: no CUDA device: " +
+                      (e != cudaSuccess ? CudaError(e) : std::string("none found")));
+  }
+  cudaPointerAttributes a{};
+  e = cudaPointerGetAttributes(&a, ptr);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return Status(StatusCode::kInvalidArgument,
+                  "buffer " + Hex(reinterpret_cast<uintptr_t>(ptr)) + ": " + CudaError(e));
+  }
+  if (a.type != cudaMemoryTypeDevice) {
+    return Status(StatusCode::kInvalidArgument,
+                  "buffer " + Hex(reinterpret_cast<uintptr_t>(ptr)) +
+                      " is not CUDA device memory (host, managed or unregistered memory)");
+  }
+  *device = a.device;
+  return Status::Ok();
+}
+
 struct DeviceExporter::State {
   struct Allocation {
     CUdeviceptr base = 0;

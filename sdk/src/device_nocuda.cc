@@ -16,6 +16,10 @@ bool SdkSupportsDeviceBuffers(std::string* why) {
   return false;
 }
 
+Status DeviceOfPointer(const void*, int*) {
+  return Status(StatusCode::kFailedPrecondition, kNoCuda);
+}
+
 DeviceExporter::DeviceExporter() = default;
 DeviceExporter::~DeviceExporter() = default;
 

@@ -121,6 +121,12 @@ struct DeviceBuffer {
 // True if this libciuic was built with CUDA; if not, `why` says so.
 bool SdkSupportsDeviceBuffers(std::string* why = nullptr);
 
+// The device ordinal of the CUDA device memory at `ptr`, for buffers whose
+// owner says only where they are (__cuda_array_interface__ in Python):
+// INVALID_ARGUMENT if it is not device memory (host, managed, unknown),
+// FAILED_PRECONDITION without CUDA or a device.
+Status DeviceOfPointer(const void* ptr, int* device);
+
 // A region of the communicator's shared memory. Move-only; freed when
 // destroyed (it must not outlive its Communicator or an operation using it).
 class Buffer {

@@ -10,9 +10,10 @@
 
 Operations are matched across ranks by ``name``; unnamed ones by their order
 of submission on the communicator (names starting with '#' are reserved).
-Arrays and tensors must be C-contiguous and on the CPU; every SDK dtype is
-supported: float32, float64, float16, bfloat16 (torch only: numpy has none),
-int8, uint8, int32, int64. Errors raise :class:`ciuic.Error` subclasses
+Arrays and tensors must be C-contiguous and on the CPU, or torch CUDA
+tensors, or device arrays with ``__cuda_array_interface__`` (CuPy, Numba);
+every SDK dtype is supported: float32, float64, float16, bfloat16 (torch
+only: numpy and the interface have none), int8, uint8, int32, int64. Errors raise :class:`ciuic.Error` subclasses
 (``InvalidArgumentError``, ``UnavailableError``, ...), see ciuic.errors.
 
 Waits release the GIL and are interruptible by Ctrl-C (KeyboardInterrupt);
@@ -94,13 +95,94 @@ def _as_buffer(obj, what):
     return obj, None  # anything else with the buffer protocol (checked by _ciuic)
 
 
+class _CudaArray:
+    """A device array of another library (CuPy, Numba, JAX, ...), taken
+    through its ``__cuda_array_interface__`` (versions 2 and 3): C-contiguous,
+    of a ciuic dtype (no bfloat16: the interface has no typestr for it), not
+    masked. Its device is the memory's own (cudaPointerGetAttributes); the
+    daemon's work is ordered after its ``stream`` (version 3; absent or
+    None: the data is ready)."""
+
+    _TYPESTRS = {"<f4": "float32", "<f8": "float64", "<f2": "float16", "|i1": "int8",
+                 "<i1": "int8", "|u1": "uint8", "<u1": "uint8", "<i4": "int32", "<i8": "int64"}
+
+    def __init__(self, obj, what):
+        try:
+            cai = obj.__cuda_array_interface__
+            shape = tuple(int(d) for d in cai["shape"])
+            typestr = cai["typestr"]
+            ptr, readonly = cai["data"]
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"{what}: a malformed __cuda_array_interface__ ({e!r})")
+        dtype = self._TYPESTRS.get(typestr)
+        if dtype is None:
+            raise InvalidArgumentError(
+                f"{what}: __cuda_array_interface__ typestr {typestr!r} is not a ciuic dtype "
+                f"({', '.join(d for d in DTYPES if d != 'bfloat16')}; bfloat16 has no typestr)")
+        if cai.get("mask") is not None:
+            raise InvalidArgumentError(f"{what}: masked device arrays are not supported")
+        itemsize = int(typestr[2:])
+        strides = cai.get("strides")
+        if strides is not None:
+            want = itemsize
+            for d, st in zip(reversed(shape), reversed(tuple(strides))):
+                if d > 1 and st != want:
+                    raise InvalidArgumentError(
+                        f"{what}: the device array is not C-contiguous (strides {tuple(strides)})")
+                want *= d
+        stream = cai.get("stream") if int(cai.get("version", 0)) >= 3 else None
+        if stream == 0:
+            raise InvalidArgumentError(
+                f"{what}: __cuda_array_interface__ stream 0 is ambiguous (the interface "
+                "disallows it: 1 is the legacy default stream, 2 the per-thread one)")
+        self.original = obj
+        self.shape = shape
+        self.dtype = dtype
+        self.ptr = int(ptr or 0)
+        self.readonly = bool(readonly)
+        self.stream = int(stream or 0)
+        n = 1
+        for d in shape:
+            n *= d
+        self._numel = n
+        # An empty array moves nothing: its pointer (often 0) is not looked at.
+        self.index = _ciuic.device_of(self.ptr) if n else 0
+        self.device = f"cuda:{self.index}"
+
+    def numel(self):
+        return self._numel
+
+
+def _cuda_array(obj, what):
+    """`obj`, or a _CudaArray for a device array that is not a torch tensor."""
+    if obj is None or _is_tensor(obj) or isinstance(obj, np.ndarray):
+        return obj
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _CudaArray(obj, what)
+    return obj
+
+
+def _original(obj):
+    return obj.original if isinstance(obj, _CudaArray) else obj
+
+
+def _where(obj):
+    if isinstance(obj, _CudaArray) or _is_tensor(obj):
+        return str(obj.device)
+    return "the host"
+
+
 def _is_cuda(obj):
-    """True for a torch tensor on a CUDA device."""
-    return _is_tensor(obj) and obj.device.type == "cuda"
+    """True for a torch tensor on a CUDA device or another library's device
+    array (_CudaArray)."""
+    return isinstance(obj, _CudaArray) or (_is_tensor(obj) and obj.device.type == "cuda")
 
 
 def _device_args(obj, what):
-    """(data_ptr, device index, ciuic dtype name, numel) of a CUDA tensor."""
+    """(data_ptr, device index, ciuic dtype name, numel) of a CUDA tensor or
+    device array."""
+    if isinstance(obj, _CudaArray):
+        return obj.ptr, obj.index, obj.dtype, obj.numel()
     torch = _torch()
     if obj.layout != torch.strided:
         raise InvalidArgumentError(f"{what}: {obj.layout} tensors are not supported")
@@ -114,11 +196,11 @@ def _device_args(obj, what):
 
 
 def _check_same_kind(what, a, b):
-    """Both CUDA tensors, or neither."""
+    """Both CUDA tensors (or device arrays), or neither."""
     if _is_cuda(a) != _is_cuda(b):
         raise InvalidArgumentError(
-            f"{what}: input on {a.device if _is_tensor(a) else 'the host'}, output on "
-            f"{b.device if _is_tensor(b) else 'the host'}: both CUDA tensors or neither")
+            f"{what}: input on {_where(a)}, output on {_where(b)}: both CUDA tensors (or "
+            "device arrays) or neither")
 
 
 _torch_dtypes_cache = None
@@ -466,17 +548,28 @@ class Communicator:
                 f"{collective}: input on cuda:{sdev}, output on cuda:{rdev}: one device")
         if sdtype != rdtype:
             raise InvalidArgumentError(f"{collective}: input and output dtypes differ")
-        stream = _torch().cuda.current_stream(rdev).cuda_stream
+        if isinstance(recv, _CudaArray) and recv.readonly:
+            raise InvalidArgumentError(f"{collective}: the output device array is read-only")
+        if isinstance(recv, _CudaArray) or isinstance(send, _CudaArray):
+            streams = {x.stream for x in (send, recv) if isinstance(x, _CudaArray) and x.stream}
+            if len(streams) > 1:
+                raise InvalidArgumentError(
+                    f"{collective}: input and output are produced on different streams; "
+                    "synchronise one with the other first")
+            stream = streams.pop() if streams else 0
+        else:
+            stream = _torch().cuda.current_stream(rdev).cuda_stream
         h = self._impl.device_op(collective, sp, rp, device=rdev, count=count, dtype=rdtype,
                                  op=op, root=root, stream=stream, name=name or "",
                                  priority=priority, timeout_ms=_timeout_ms(timeout),
                                  compression=compression or "", send_counts=list(counts[0]),
                                  recv_counts=list(counts[1]))
         self._device_holds.add(h, (send, recv))
-        return Work(h, output, self, keep=(send, recv))
+        return Work(h, _original(output), self, keep=(send, recv))
 
     def allreduce_async(self, t, op="sum", name=None, priority=0, timeout=None,
                         compression=None):
+        t = _cuda_array(t, "allreduce")
         if _is_cuda(t):
             return self._device_async("allreduce", t, t, t.numel(), t, op=op, name=name,
                                       priority=priority, timeout=timeout,
@@ -498,6 +591,8 @@ class Communicator:
 
     def reduce_scatter_async(self, output, input, op="sum", name=None, priority=0,
                              timeout=None, compression=None):
+        output = _cuda_array(output, "reduce_scatter output")
+        input = _cuda_array(input, "reduce_scatter input")
         _check_same_kind("reduce_scatter", input, output)
         if _is_cuda(output):
             if input.numel() != output.numel() * self.world_size:
@@ -524,6 +619,8 @@ class Communicator:
         return output
 
     def allgather_async(self, output, input, name=None, priority=0, timeout=None):
+        output = _cuda_array(output, "allgather output")
+        input = _cuda_array(input, "allgather input")
         _check_same_kind("allgather", input, output)
         if _is_cuda(output):
             if output.numel() != input.numel() * self.world_size:
@@ -548,6 +645,8 @@ class Communicator:
 
     def alltoall_async(self, output, input, output_split_sizes=None, input_split_sizes=None,
                        name=None, priority=0, timeout=None):
+        output = _cuda_array(output, "alltoall output")
+        input = _cuda_array(input, "alltoall input")
         _check_same_kind("alltoall", input, output)
         if _is_cuda(output):
             if output_split_sizes is not None or input_split_sizes is not None:
@@ -597,6 +696,7 @@ class Communicator:
         return output
 
     def broadcast_async(self, t, root=0, name=None, priority=0, timeout=None):
+        t = _cuda_array(t, "broadcast")
         if _is_cuda(t):
             return self._device_async("broadcast", t, t, t.numel(), t, root=root, name=name,
                                       priority=priority, timeout=timeout)

@@ -657,6 +657,15 @@ PYBIND11_MODULE(_ciuic, m) {
            py::arg("compression") = "", py::arg("send_counts") = std::vector<size_t>(),
            py::arg("recv_counts") = std::vector<size_t>())
       .def("close", &PyComm::Close);
+  m.def(
+      "device_of",
+      [](uintptr_t ptr) {
+        int device = 0;
+        Status s = DeviceOfPointer(reinterpret_cast<const void*>(ptr), &device);
+        if (!s.ok()) ThrowStatus(s);
+        return device;
+      },
+      py::arg("ptr"), "the CUDA device ordinal of the device memory at ptr");
   m.def("sdk_supports_device_buffers", [] {
     std::string why;
     const bool yes = SdkSupportsDeviceBuffers(&why);

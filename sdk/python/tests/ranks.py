@@ -791,3 +791,182 @@ def cuda_ddp_hook(ctx, steps):
             expect_equal(out.cpu(), reference(inputs, "avg"), "float32", "torch",
                          f"hook step {step} bucket {index}")
     return steps
+
+
+# -- device arrays through __cuda_array_interface__ (test_cuda_array_interface.py)
+
+class CudaRuntime:
+    """The CUDA runtime of this process through ctypes: the CUDA emulation's
+    where libciuic was built against it (tests/cuda_emulation: the library
+    is already loaded then), else a libcudart on the library path. None
+    without either or without a device."""
+
+    _NAMES = ("libciuic_cuda_emulation.so", "libcudart.so", "libcudart.so.13",
+              "libcudart.so.12")
+
+    @classmethod
+    def load(cls):
+        import ctypes
+        for name in cls._NAMES:
+            try:
+                lib = ctypes.CDLL(name)
+            except OSError:
+                continue
+            n = ctypes.c_int(0)
+            if lib.cudaGetDeviceCount(ctypes.byref(n)) == 0 and n.value > 0:
+                return cls(lib, name, n.value)
+        return None
+
+    def __init__(self, lib, name, devices):
+        import ctypes
+        self.lib, self.name, self.devices = lib, name, devices
+        self.ctypes = ctypes
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cudaFree.argtypes = [ctypes.c_void_p]
+        lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                   ctypes.c_int]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_int, ctypes.c_void_p]
+        lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+
+    def check(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what}: CUDA error {rc} ({self.name})")
+
+
+class DeviceArray:
+    """A C-contiguous device array of `dtype` with __cuda_array_interface__
+    version 3, as CuPy and Numba arrays have: device memory of the current
+    device, the data produced on `stream` (0: none given)."""
+
+    H2D, D2H = 1, 2
+
+    def __init__(self, rt, n, dtype, stream=0):
+        self.rt, self.n, self.dtype, self.stream = rt, n, np.dtype(dtype), stream
+        self.nbytes = n * self.dtype.itemsize
+        p = rt.ctypes.c_void_p()
+        rt.check(rt.lib.cudaMalloc(rt.ctypes.byref(p), max(self.nbytes, 1)), "cudaMalloc")
+        self.ptr = p.value or 0
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.n,), "typestr": self.dtype.str, "data": (self.ptr, False),
+                "version": 3, "strides": None, "stream": self.stream or None}
+
+    def upload(self, host):
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        if self.stream:  # written on the stream, then handed over: the daemon waits for it
+            self.rt.check(self.rt.lib.cudaMemcpyAsync(self.ptr, host.ctypes.data, self.nbytes,
+                                                      self.H2D, self.stream), "cudaMemcpyAsync")
+            self._keep = host
+        else:
+            self.rt.check(self.rt.lib.cudaMemcpy(self.ptr, host.ctypes.data, self.nbytes,
+                                                 self.H2D), "cudaMemcpy")
+        return self
+
+    def download(self):
+        out = np.empty(self.n, dtype=self.dtype)
+        self.rt.check(self.rt.lib.cudaMemcpy(out.ctypes.data, self.ptr, self.nbytes, self.D2H),
+                      "cudaMemcpy")
+        return out
+
+    def free(self):
+        self.rt.check(self.rt.lib.cudaFree(self.ptr), "cudaFree")
+
+
+def cai_collectives(ctx, dtype, seed):
+    """Every collective on __cuda_array_interface__ device arrays (the
+    daemon's device path), every op for the reductions, sizes 0, 1, odd and
+    just over 4 MiB, against numpy; half of the inputs written on a stream
+    the arrays name (the daemon must wait for it)."""
+    rt = CudaRuntime.load()
+    rt.check(rt.lib.cudaSetDevice(ctx.rank % rt.devices), "cudaSetDevice")
+    s = rt.ctypes.c_void_p()
+    rt.check(rt.lib.cudaStreamCreateWithFlags(rt.ctypes.byref(s), 1), "cudaStreamCreate")
+    stream = s.value
+    w, r = ctx.world, ctx.rank
+    checks = 0
+    arrays = []
+
+    def dev(vals, n, on_stream=False):
+        a = DeviceArray(rt, n, dtype, stream if on_stream else 0)
+        arrays.append(a)
+        return a.upload(make(vals, dtype, "numpy")) if vals is not None else a
+
+    for n in SMALL_SIZES + (big_size(dtype),):
+        for k, op in enumerate(OPS):
+            inputs = [values(seed + n, q, n, dtype) for q in range(w)]
+            t = dev(inputs[r], n, on_stream=k % 2 == 0)
+            got = ctx.comm.allreduce(t, op=op, name=ctx.name(f"cai.ar.{dtype}.{op}.{n}"))
+            assert got is t
+            expect_equal(t.download(), reference(inputs, op), dtype, "numpy", f"allreduce {op} {n}")
+            blocks = [values(seed + n + 1, q, n * w, dtype) for q in range(w)]
+            inp, out = dev(blocks[r], n * w, on_stream=k % 2 == 1), dev(None, n)
+            ctx.comm.reduce_scatter(out, inp, op=op, name=ctx.name(f"cai.rs.{dtype}.{op}.{n}"))
+            want = reference([b[r * n:(r + 1) * n] for b in blocks], op)
+            expect_equal(out.download(), want, dtype, "numpy", f"reduce_scatter {op} {n}")
+            checks += 2
+        inputs = [values(seed + n + 2, q, n, dtype) for q in range(w)]
+        inp, out = dev(inputs[r], n), dev(None, n * w)
+        ctx.comm.allgather(out, inp, name=ctx.name(f"cai.ag.{dtype}.{n}"))
+        expect_equal(out.download(), np.concatenate(inputs), dtype, "numpy", f"allgather {n}")
+        t = dev(inputs[r], n, on_stream=True)
+        ctx.comm.broadcast(t, root=w - 1, name=ctx.name(f"cai.bc.{dtype}.{n}"))
+        expect_equal(t.download(), inputs[w - 1], dtype, "numpy", f"broadcast {n}")
+        blocks = [values(seed + n + 3, q, n * w, dtype) for q in range(w)]
+        inp, out = dev(blocks[r], n * w), dev(None, n * w)
+        ctx.comm.alltoall(out, inp, name=ctx.name(f"cai.a2a.{dtype}.{n}"))
+        expect_equal(out.download(), alltoall_reference(blocks, r, n), dtype, "numpy",
+                     f"alltoall {n}")
+        checks += 3
+        # alltoallv: rank i sends rank j 1 + (j - i) mod w elements.
+        sizes = [[1 + (j - i) % w for j in range(w)] for i in range(w)]
+        rows = [values(seed + n + 4, q, sum(sizes[q]), dtype) for q in range(w)]
+        inp = dev(rows[r], sum(sizes[r]))
+        out = dev(None, sum(sizes[i][r] for i in range(w)))
+        ctx.comm.alltoall(out, inp, output_split_sizes=[sizes[i][r] for i in range(w)],
+                          input_split_sizes=sizes[r], name=ctx.name(f"cai.a2av.{dtype}.{n}"))
+        want = np.concatenate([rows[i][sum(sizes[i][:r]):sum(sizes[i][:r + 1])]
+                               for i in range(w)])
+        expect_equal(out.download(), want, dtype, "numpy", f"alltoallv {n}")
+        checks += 1
+        for a in arrays:
+            a.free()
+        arrays.clear()
+    return checks
+
+
+def cai_refusals(ctx):
+    """What the device-array path refuses, each with a message naming it."""
+    import ciuic
+    rt = CudaRuntime.load()
+    rt.check(rt.lib.cudaSetDevice(0), "cudaSetDevice")
+    a = DeviceArray(rt, 8, "float32").upload(np.arange(8, dtype=np.float32))
+    said = []
+
+    class Like:
+        def __init__(self, **changes):
+            self.__cuda_array_interface__ = dict(a.__cuda_array_interface__, **changes)
+
+    for arr, words in [
+            (Like(typestr="<c8"), "typestr '<c8' is not a ciuic dtype"),
+            (Like(shape=(4, 2), strides=(4, 16)), "not C-contiguous"),
+            (Like(mask=object()), "masked"),
+            (Like(stream=0), "stream 0 is ambiguous"),
+            (Like(data=(a.ptr, True)), "read-only"),
+            (Like(data=(ctx.comm.empty((8,), np.float32).ctypes.data, False)),
+             "not CUDA device memory")]:
+        try:
+            ctx.comm.allreduce(arr, name=ctx.name("cai.refused"))
+        except ciuic.InvalidArgumentError as e:
+            assert words in str(e), (words, str(e))
+            said.append(words)
+    # Mixed with a host array: refused as a mismatch of kinds.
+    try:
+        ctx.comm.allgather(np.zeros(8 * ctx.world, np.float32), a, name=ctx.name("cai.mixed"))
+    except ciuic.InvalidArgumentError as e:
+        assert "both CUDA tensors (or device arrays) or neither" in str(e), str(e)
+        said.append("mixed")
+    a.free()
+    return len(said)

@@ -222,3 +222,13 @@ def test_device_buffers_without_cuda(solo):
     b = np.arange(5, dtype=np.int32)
     solo.allreduce(b)
     np.testing.assert_array_equal(b, np.arange(5, dtype=np.int32))
+    # A device array of another library (__cuda_array_interface__): its
+    # device cannot be found without CUDA, and the error says why.
+
+    class DeviceArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x10000, False),
+                                    "version": 3, "strides": None, "stream": None}
+
+    with pytest.raises(ciuic.FailedPreconditionError, match=words):
+        solo.allreduce(DeviceArray(), name="dev2")
+    solo.allreduce(b)

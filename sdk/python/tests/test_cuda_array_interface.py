@@ -1,0 +1,27 @@
+"""Device arrays of other libraries (CuPy, Numba, ...) through their
+__cuda_array_interface__: every collective, dtype (bfloat16 has no typestr)
+and op against numpy references, and what is refused. Needs a CUDA runtime
+to allocate device memory from (ctypes): the CUDA emulation's, in the build
+tools/test.sh makes against it (build-emu), or a libcudart on the library
+path with a GPU; skipped otherwise."""
+
+import pytest
+
+import ciuic
+import ranks
+
+_rt = ranks.CudaRuntime.load() if ciuic._ciuic.sdk_supports_device_buffers()[0] else None
+pytestmark = pytest.mark.skipif(
+    _rt is None,
+    reason="no CUDA runtime with a device here (nor the CUDA emulation): "
+           "__cuda_array_interface__ tests not run")
+
+
+@pytest.mark.parametrize("dtype", [d for d in ranks.DTYPES if d != "bfloat16"])
+def test_cai_collectives(pool, dtype):
+    assert pool.run(ranks.cai_collectives, dtype, 31)[0] > 0
+
+
+def test_cai_refusals(pool):
+    said = pool.run(ranks.cai_refusals)
+    assert said == [7] * len(said)
