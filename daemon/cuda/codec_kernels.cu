@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device_formats.cuh"
+#include "cuda/kernel_args.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.h"
 
@@ -17,8 +18,6 @@ namespace {
 
 using namespace cuda_internal;  // NOLINT: the formats
 using wire::DataType;
-
-constexpr const char* kFloatTypes = "float32, float64, float16, bfloat16";
 
 // Calls fn(F{}) with the codec format of a floating dtype; INVALID_ARGUMENT
 // for any other dtype.
@@ -31,26 +30,8 @@ absl::Status VisitFloat(DataType dtype, const char* codec, Fn&& fn) {
     case DataType::kBFloat16: return fn(BF16{});
     default: break;
   }
-  const char* name = wire::DataTypeName(static_cast<uint32_t>(dtype));
-  return absl::InvalidArgumentError(absl::StrCat(
-      "codec ", codec, ": dtype ",
-      name != nullptr ? std::string(name) : absl::StrCat("#", static_cast<uint32_t>(dtype)),
-      " is not supported on the GPU (supported: ", kFloatTypes, ")"));
+  return NotAFloatFormat(codec, dtype);
 }
-
-size_t FloatSize(DataType dtype) {
-  switch (dtype) {
-    case DataType::kFloat32: return 4;
-    case DataType::kFloat64: return 8;
-    case DataType::kFloat16:
-    case DataType::kBFloat16: return 2;
-    default: return 0;
-  }
-}
-
-bool AlignedTo(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-size_t RoundUp256(size_t n) { return (n + 255) / 256 * 256; }
 
 cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
@@ -495,18 +476,6 @@ __global__ void EfUpdateKernel(const float* a, const float* b, float* residual, 
   }
 }
 
-absl::Status CheckWorkspace(const char* codec, const void* workspace, size_t have, size_t need) {
-  if (have < need) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", codec, ": workspace of ", have,
-                                                   " bytes, ", need, " needed"));
-  }
-  if (need != 0 && (workspace == nullptr || !AlignedTo(workspace, 256))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("codec ", codec, ": workspace must be 256-byte aligned device memory"));
-  }
-  return absl::OkStatus();
-}
-
 // Reads a small value back from the device after the stream reaches it.
 template <typename T>
 absl::Status ReadBack(const T* device, T* host, cudaStream_t stream, const char* what) {
@@ -524,19 +493,11 @@ absl::Status ReadBack(const T* device, T* host, cudaStream_t stream, const char*
 
 absl::Status DeviceCastEncode(CastFormat format, DataType dtype, const void* device_in,
                               size_t count, void* device_out, void* stream) {
-  const char* name = format == CastFormat::kFp16 ? "fp16" : "bf16";
-  const DataType narrow = format == CastFormat::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
-  if (dtype != DataType::kFloat32 && dtype != narrow) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", name, ": dtype ",
-                                                   static_cast<uint32_t>(dtype),
-                                                   " is not supported (float32 and its own format)"));
+  if (absl::Status st = CheckCastEncode(format, dtype, device_in, count, device_out); !st.ok()) {
+    return st;
   }
-  if (count > SIZE_MAX / 4) return absl::InvalidArgumentError("codec cast: count too large");
   if (count == 0) return absl::OkStatus();
-  if (!AlignedTo(device_in, dtype == narrow ? 2 : 4) || !AlignedTo(device_out, 2) ||
-      device_in == nullptr || device_out == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", name, ": null or misaligned buffer"));
-  }
+  const DataType narrow = format == CastFormat::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
   const cudaStream_t s = AsStream(stream);
   if (dtype == narrow) {
     return CudaStatus(cudaMemcpyAsync(device_out, device_in, 2 * count, cudaMemcpyDeviceToDevice, s),
@@ -556,22 +517,12 @@ absl::Status DeviceCastEncode(CastFormat format, DataType dtype, const void* dev
 absl::Status DeviceCastDecode(CastFormat format, DataType dtype, const void* device_in,
                               size_t bytes, size_t count, void* device_out, bool add,
                               void* stream) {
-  const char* name = format == CastFormat::kFp16 ? "fp16" : "bf16";
-  const DataType narrow = format == CastFormat::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
-  if (dtype != DataType::kFloat32 && dtype != narrow) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", name, ": dtype ",
-                                                   static_cast<uint32_t>(dtype),
-                                                   " is not supported (float32 and its own format)"));
-  }
-  if (count > SIZE_MAX / 2 || bytes != 2 * count) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", name, ": ", bytes, " bytes for ",
-                                                   count, " elements (expected 2 per element)"));
+  if (absl::Status st = CheckCastDecode(format, dtype, device_in, bytes, count, device_out);
+      !st.ok()) {
+    return st;
   }
   if (count == 0) return absl::OkStatus();
-  if (!AlignedTo(device_in, 2) || !AlignedTo(device_out, dtype == narrow ? 2 : 4) ||
-      device_in == nullptr || device_out == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", name, ": null or misaligned buffer"));
-  }
+  const DataType narrow = format == CastFormat::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
   const cudaStream_t s = AsStream(stream);
   if (dtype == narrow) {
     if (!add) {
@@ -618,18 +569,15 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
   return VisitFloat(dtype, "int8", [&](auto f) -> absl::Status {
     using F = decltype(f);
     using T = typename F::Storage;
-    if (device_encoded_bytes == nullptr || !AlignedTo(device_encoded_bytes, 8)) {
-      return absl::InvalidArgumentError("codec int8: the encoded size needs an 8-byte aligned device word");
+    if (absl::Status st =
+            CheckInt8Encode(dtype, device_in, count, device_out, device_encoded_bytes);
+        !st.ok()) {
+      return st;
     }
     const cudaStream_t s = AsStream(stream);
     if (count == 0) {
       return CudaStatus(cudaMemsetAsync(device_encoded_bytes, 0, sizeof(uint64_t), s),
                         "int8 encode");
-    }
-    if (device_in == nullptr || !AlignedTo(device_in, sizeof(T)) || device_out == nullptr ||
-        !AlignedTo(device_out, 4)) {
-      return absl::InvalidArgumentError("codec int8: null or misaligned buffer (input aligned to its "
-                                        "elements, output to 4 bytes)");
     }
     absl::StatusOr<Int8EncodeLayout> layout = Int8Layout(count);
     if (!layout.ok()) return layout.status();
@@ -672,18 +620,10 @@ absl::Status DeviceInt8Decode(DataType dtype, const void* device_in, size_t byte
   return VisitFloat(dtype, "int8", [&](auto f) -> absl::Status {
     using F = decltype(f);
     using T = typename F::Storage;
-    if (count == 0) {
-      if (bytes != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("codec int8: ", bytes, " trailing bytes after 0 elements"));
-      }
-      return absl::OkStatus();
+    if (absl::Status st = CheckInt8Decode(dtype, device_in, bytes, count, device_out); !st.ok()) {
+      return st;
     }
-    if (device_in == nullptr || !AlignedTo(device_in, 4) || device_out == nullptr ||
-        !AlignedTo(device_out, sizeof(T))) {
-      return absl::InvalidArgumentError("codec int8: null or misaligned buffer (input aligned to 4 "
-                                        "bytes, output to its elements)");
-    }
+    if (count == 0) return absl::OkStatus();
     if (absl::Status st = CheckWorkspace("int8", device_workspace, workspace_bytes,
                                          Int8DecodeWorkspaceBytes(count));
         !st.ok()) {
@@ -769,20 +709,10 @@ absl::Status DeviceTopKEncode(DataType dtype, const void* device_in, size_t coun
   return VisitFloat(dtype, "topk", [&](auto f) -> absl::Status {
     using F = decltype(f);
     using T = typename F::Storage;
-    if (count > std::numeric_limits<uint32_t>::max()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("codec topk: ", count, " elements (limit 2^32 - 1)"));
-    }
-    if (count == 0 ? k != 0 : (k < 1 || k > count)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("codec topk: k = ", k, " for ", count, " elements"));
+    if (absl::Status st = CheckTopKEncode(dtype, device_in, count, k, device_out); !st.ok()) {
+      return st;
     }
     if (count == 0) return absl::OkStatus();
-    if (device_in == nullptr || !AlignedTo(device_in, sizeof(T)) || device_out == nullptr ||
-        !AlignedTo(device_out, 4)) {
-      return absl::InvalidArgumentError("codec topk: null or misaligned buffer (input aligned to "
-                                        "its elements, output to 4 bytes)");
-    }
     const cudaStream_t s = AsStream(stream);
     const auto* in = static_cast<const T*>(device_in);
     auto* out = static_cast<unsigned char*>(device_out);
@@ -841,22 +771,11 @@ absl::Status DeviceTopKDecode(DataType dtype, const void* device_in, size_t byte
   return VisitFloat(dtype, "topk", [&](auto f) -> absl::Status {
     using F = decltype(f);
     using T = typename F::Storage;
-    const size_t pair = kIndexBytes + sizeof(T);
-    if (bytes % pair != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "codec topk: ", bytes, " bytes is not a whole number of ", pair, "-byte entries"));
-    }
-    const size_t k = bytes / pair;
-    if (k > count) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("codec topk: ", k, " entries for ", count, " elements"));
+    if (absl::Status st = CheckTopKDecode(dtype, device_in, bytes, count, device_out); !st.ok()) {
+      return st;
     }
     if (count == 0) return absl::OkStatus();
-    if ((k != 0 && (device_in == nullptr || !AlignedTo(device_in, 4))) || device_out == nullptr ||
-        !AlignedTo(device_out, sizeof(T))) {
-      return absl::InvalidArgumentError("codec topk: null or misaligned buffer (input aligned to 4 "
-                                        "bytes, output to its elements)");
-    }
+    const size_t k = bytes / (kIndexBytes + sizeof(T));
     if (absl::Status st = CheckWorkspace("topk", device_workspace, workspace_bytes,
                                          TopKDecodeWorkspaceBytes());
         !st.ok()) {
@@ -908,9 +827,9 @@ absl::Status DeviceTopKDecode(DataType dtype, const void* device_in, size_t byte
 
 absl::Status DeviceErrorFeedbackApply(const float* device_residual, float* device_data,
                                       size_t count, void* stream) {
-  if (count == 0) return absl::OkStatus();
-  if (device_residual == nullptr || device_data == nullptr) {
-    return absl::InvalidArgumentError("error feedback: null buffer");
+  if (absl::Status st = CheckErrorFeedback(count, device_residual, device_data, device_data);
+      !st.ok() || count == 0) {
+    return st;
   }
   const LaunchShape g = GridFor(count);
   EfApplyKernel<<<g.blocks, g.threads, 0, AsStream(stream)>>>(device_residual, device_data, count);
@@ -920,9 +839,10 @@ absl::Status DeviceErrorFeedbackApply(const float* device_residual, float* devic
 absl::Status DeviceErrorFeedbackUpdate(const float* device_with_residual,
                                        const float* device_decoded, float* device_residual,
                                        size_t count, void* stream) {
-  if (count == 0) return absl::OkStatus();
-  if (device_with_residual == nullptr || device_decoded == nullptr || device_residual == nullptr) {
-    return absl::InvalidArgumentError("error feedback: null buffer");
+  if (absl::Status st =
+          CheckErrorFeedback(count, device_with_residual, device_decoded, device_residual);
+      !st.ok() || count == 0) {
+    return st;
   }
   const LaunchShape g = GridFor(count);
   EfUpdateKernel<<<g.blocks, g.threads, 0, AsStream(stream)>>>(device_with_residual, device_decoded,

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device_formats.cuh"
+#include "cuda/kernel_args.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.h"
 
@@ -118,22 +119,8 @@ absl::Status LaunchDivide(void* data, size_t count, int divisor, cudaStream_t st
 
 absl::Status DeviceDivide(DataType dtype, void* device_data, size_t count, int divisor,
                           void* stream) {
-  const size_t size = wire::DataTypeSize(static_cast<uint32_t>(dtype));
-  if (size == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: unknown data type ",
-                                                   static_cast<uint32_t>(dtype)));
-  }
-  if (divisor < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: divisor ", divisor));
-  }
-  if (count > SIZE_MAX / size) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: count ", count, " too large"));
-  }
-  if (count == 0) return absl::OkStatus();
-  if (device_data == nullptr) return absl::InvalidArgumentError("DeviceDivide: null buffer");
-  if (reinterpret_cast<uintptr_t>(device_data) % size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: buffer not aligned to its ",
-                                                   size, "-byte elements"));
+  if (absl::Status st = CheckDivide(dtype, device_data, count, divisor); !st.ok() || count == 0) {
+    return st;
   }
   auto* s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
@@ -159,55 +146,20 @@ absl::Status DeviceReduce(DataType dtype, ReduceOp op, const void* const* device
 absl::Status DeviceReduceToAll(DataType dtype, ReduceOp op, const void* const* device_inputs,
                                int num_inputs, void* const* device_outputs, int num_outputs,
                                size_t count, void* stream) {
+  if (absl::Status st =
+          CheckReduce(dtype, op, device_inputs, num_inputs, device_outputs, num_outputs, count);
+      !st.ok() || count == 0) {
+    return st;
+  }
   const size_t size = wire::DataTypeSize(static_cast<uint32_t>(dtype));
-  if (size == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: unknown data type ",
-                                                   static_cast<uint32_t>(dtype)));
-  }
-  if (wire::ReduceOpName(static_cast<uint32_t>(op)) == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DeviceReduce: unknown reduce op ", static_cast<uint32_t>(op)));
-  }
-  if (num_inputs < 1 || num_inputs > kMaxReduceInputs) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: ", num_inputs,
-                                                   " inputs (1 to ", kMaxReduceInputs, ")"));
-  }
-  if (num_outputs < 1 || num_outputs > kMaxReduceInputs) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: ", num_outputs,
-                                                   " outputs (1 to ", kMaxReduceInputs, ")"));
-  }
-  if (count > SIZE_MAX / size) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: count ", count, " too large"));
-  }
-  if (count == 0) return absl::OkStatus();
-  if (device_inputs == nullptr || device_outputs == nullptr) {
-    return absl::InvalidArgumentError("DeviceReduce: null buffer");
-  }
   Inputs in{};
   Outputs out{};
   bool aligned = true;
   for (int k = 0; k < num_inputs; ++k) {
-    if (device_inputs[k] == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: input ", k, " is null"));
-    }
-    if (reinterpret_cast<uintptr_t>(device_inputs[k]) % size != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("DeviceReduce: input ", k, " is not aligned to its ", size, "-byte elements"));
-    }
     in.ptr[k] = device_inputs[k];
     aligned = aligned && Aligned16(device_inputs[k]);
   }
   for (int k = 0; k < num_outputs; ++k) {
-    if (device_outputs[k] == nullptr) {
-      return absl::InvalidArgumentError(
-          num_outputs == 1 ? std::string("DeviceReduce: null buffer")
-                           : absl::StrCat("DeviceReduce: output ", k, " is null"));
-    }
-    if (reinterpret_cast<uintptr_t>(device_outputs[k]) % size != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "DeviceReduce: output", num_outputs == 1 ? std::string() : absl::StrCat(" ", k),
-          " is not aligned to its ", size, "-byte elements"));
-    }
     out.ptr[k] = device_outputs[k];
     aligned = aligned && Aligned16(device_outputs[k]);
   }

@@ -69,17 +69,26 @@ bool SdkSupportsDeviceBuffers(std::string* why) {
   return true;
 }
 
+namespace {
+
+// How many devices this process sees; FAILED_PRECONDITION for none.
+Status CountDevices(int* devices) {
+  *devices = 0;
+  const cudaError_t e = cudaGetDeviceCount(devices);
+  if (e == cudaSuccess && *devices > 0) return Status::Ok();
+  cudaGetLastError();
+  return Status(StatusCode::kFailedPrecondition,
+                "device (CUDA) buffers: no CUDA device: " +
+                    (e != cudaSuccess ? CudaError(e) : std::string("none found")));
+}
+
+}  // namespace
+
 Status DeviceOfPointer(const void* ptr, int* device) {
   int devices = 0;
-  cudaError_t e = cudaGetDeviceCount(&devices);
-  if (e != cudaSuccess || devices == 0) {
-    cudaGetLastError();
-    return Status(StatusCode::kFailedPrecondition,
-                  "device (CUDA) buffers: no CUDA device: " +
-                      (e != cudaSuccess ? CudaError(e) : std::string("none found")));
-  }
+  if (Status s = CountDevices(&devices); !s.ok()) return s;
   cudaPointerAttributes a{};
-  e = cudaPointerGetAttributes(&a, ptr);
+  cudaError_t e = cudaPointerGetAttributes(&a, ptr);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return Status(StatusCode::kInvalidArgument,
@@ -161,13 +170,7 @@ Status DeviceExporter::Describe(const void* ptr, size_t bytes, int device,
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mu);
   int devices = 0;
-  cudaError_t counted = cudaGetDeviceCount(&devices);
-  if (counted != cudaSuccess || devices == 0) {
-    cudaGetLastError();
-    return Status(StatusCode::kFailedPrecondition,
-                  "device (CUDA) buffers: no CUDA device: " +
-                      (counted != cudaSuccess ? CudaError(counted) : std::string("none found")));
-  }
+  if (Status counted = CountDevices(&devices); !counted.ok()) return counted;
   Status resolved = s.Resolve();
   if (!resolved.ok()) return resolved;
   const auto p = reinterpret_cast<uintptr_t>(ptr);

@@ -1,5 +1,6 @@
 // daemon/cuda/kernels.h for the CUDA emulation: each function checks its
-// arguments as the device one does, then enqueues its CPU reference on the
+// arguments with the device one's checks (kernel_args.h), then enqueues its
+// CPU reference on the
 // stream (reduce/reduce.h, compression's codecs, error feedback's loops),
 // reading and writing device memory through the emulation's aliases. So
 // results are the CPU's bits, which the real kernels reproduce
@@ -16,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compression/codec.h"
+#include "cuda/kernel_args.h"
 #include "cuda/launch.h"
 #include "emulation.h"
 #include "reduce/reduce.h"
@@ -56,27 +58,6 @@ class Reach {
 
 absl::Status Launched(cudaError_t e, const char* what) { return CudaStatus(e, what); }
 
-bool AlignedTo(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-size_t FloatSize(DataType dtype) {
-  switch (dtype) {
-    case DataType::kFloat32:
-      return 4;
-    case DataType::kFloat64:
-      return 8;
-    case DataType::kFloat16:
-    case DataType::kBFloat16:
-      return 2;
-    default:
-      return 0;
-  }
-}
-
-absl::Status NotFloat(const char* codec, DataType dtype) {
-  return absl::InvalidArgumentError(absl::StrCat(
-      "codec ", codec, ": dtype ", static_cast<uint32_t>(dtype), " is not a float format"));
-}
-
 const Codec& Int8() {
   static const std::unique_ptr<Codec> c = MakeCodec({CodecKind::kInt8, 0});
   return *c;
@@ -92,18 +73,6 @@ const Codec& TopKDecoder() {
 }
 
 size_t Int8Blocks(size_t count) { return ItemsFor(count, 256); }
-
-absl::Status CheckWorkspace(const char* codec, const void* workspace, size_t have, size_t need) {
-  if (have < need) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("codec ", codec, ": workspace of ", have, " bytes, ", need, " needed"));
-  }
-  if (need != 0 && (workspace == nullptr || !AlignedTo(workspace, 256))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("codec ", codec, ": workspace must be 256-byte aligned device memory"));
-  }
-  return absl::OkStatus();
-}
 
 // A decoder of untrusted bytes: runs on the stream and waits for its verdict,
 // as the device decoders do.
@@ -148,45 +117,14 @@ absl::Status DeviceReduce(DataType dtype, ReduceOp op, const void* const* device
 absl::Status DeviceReduceToAll(DataType dtype, ReduceOp op, const void* const* device_inputs,
                                int num_inputs, void* const* device_outputs, int num_outputs,
                                size_t count, void* stream) {
-  const size_t size = wire::DataTypeSize(static_cast<uint32_t>(dtype));
-  if (size == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DeviceReduce: unknown data type ", static_cast<uint32_t>(dtype)));
-  }
-  if (wire::ReduceOpName(static_cast<uint32_t>(op)) == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DeviceReduce: unknown reduce op ", static_cast<uint32_t>(op)));
-  }
-  if (num_inputs < 1 || num_inputs > kMaxReduceInputs || num_outputs < 1 ||
-      num_outputs > kMaxReduceInputs) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: ", num_inputs, " inputs and ",
-                                                   num_outputs, " outputs (1 to ", kMaxReduceInputs,
-                                                   " each)"));
-  }
-  if (count > SIZE_MAX / size) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceReduce: count ", count, " too large"));
-  }
-  if (count == 0) return absl::OkStatus();
-  if (device_inputs == nullptr || device_outputs == nullptr) {
-    return absl::InvalidArgumentError("DeviceReduce: null buffer");
+  if (absl::Status s =
+          CheckReduce(dtype, op, device_inputs, num_inputs, device_outputs, num_outputs, count);
+      !s.ok() || count == 0) {
+    return s;
   }
   std::vector<const void*> in(device_inputs, device_inputs + num_inputs);
   std::vector<void*> out(device_outputs, device_outputs + num_outputs);
-  for (const void* p : in) {
-    if (p == nullptr || !AlignedTo(p, size)) {
-      return absl::InvalidArgumentError(
-          "DeviceReduce: an input is null or not aligned to its "
-          "elements");
-    }
-  }
-  for (void* p : out) {
-    if (p == nullptr || !AlignedTo(p, size)) {
-      return absl::InvalidArgumentError(
-          "DeviceReduce: an output is null or not aligned to its "
-          "elements");
-    }
-  }
-  const size_t bytes = count * size;
+  const size_t bytes = count * wire::DataTypeSize(static_cast<uint32_t>(dtype));
   return Launched(cuda_emulation::Launch(stream,
                                          [=](int device) {
                                            Reach reach(device, "DeviceReduce");
@@ -195,35 +133,28 @@ absl::Status DeviceReduceToAll(DataType dtype, ReduceOp op, const void* const* d
                                            std::vector<void*> hout;
                                            for (void* p : out) hout.push_back(reach(p, bytes));
                                            if (!reach.ok()) return;
-                                           // The first output takes the reduction (in place
-                                           // allowed); the others copy it, as the device kernel
-                                           // stores one value to each.
-                                           std::vector<char> first(bytes);
+                                           // Reduced once (in place allowed), then stored to every
+                                           // output, as the device kernel stores one value to each.
+                                           std::vector<char> result(bytes);
                                            reduce::Reduce(dtype, op, hin.data(),
                                                           static_cast<int>(hin.size()),
-                                                          first.data(), count);
-                                           for (void* o : hout) std::memcpy(o, first.data(), bytes);
+                                                          result.data(), count);
+                                           for (void* o : hout)
+                                             std::memcpy(o, result.data(), bytes);
                                          }),
                   "DeviceReduce launch");
 }
 
 absl::Status DeviceDivide(DataType dtype, void* device_data, size_t count, int divisor,
                           void* stream) {
-  const size_t size = wire::DataTypeSize(static_cast<uint32_t>(dtype));
-  if (size == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DeviceDivide: unknown data type ", static_cast<uint32_t>(dtype)));
+  if (absl::Status s = CheckDivide(dtype, device_data, count, divisor); !s.ok() || count == 0) {
+    return s;
   }
-  if (divisor < 1)
-    return absl::InvalidArgumentError(absl::StrCat("DeviceDivide: divisor ", divisor));
-  if (count == 0) return absl::OkStatus();
-  if (device_data == nullptr || !AlignedTo(device_data, size)) {
-    return absl::InvalidArgumentError("DeviceDivide: null or misaligned buffer");
-  }
+  const size_t bytes = count * wire::DataTypeSize(static_cast<uint32_t>(dtype));
   return Launched(cuda_emulation::Launch(stream,
                                          [=](int device) {
                                            Reach reach(device, "DeviceDivide");
-                                           void* d = reach(device_data, count * size);
+                                           void* d = reach(device_data, bytes);
                                            if (!reach.ok()) return;
                                            reduce::DivideInPlace(dtype, d, count, divisor);
                                          }),
@@ -232,12 +163,9 @@ absl::Status DeviceDivide(DataType dtype, void* device_data, size_t count, int d
 
 absl::Status DeviceCastEncode(CastFormat format, DataType dtype, const void* device_in,
                               size_t count, void* device_out, void* stream) {
-  const char* name = format == CastFormat::kFp16 ? "fp16" : "bf16";
-  const DataType narrow = format == CastFormat::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
-  if (dtype != DataType::kFloat32 && dtype != narrow) return NotFloat(name, dtype);
-  if (count == 0) return absl::OkStatus();
-  if (device_in == nullptr || device_out == nullptr || !AlignedTo(device_out, 2)) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", name, ": null or misaligned buffer"));
+  if (absl::Status s = CheckCastEncode(format, dtype, device_in, count, device_out);
+      !s.ok() || count == 0) {
+    return s;
   }
   const size_t in_bytes = count * wire::DataTypeSize(static_cast<uint32_t>(dtype));
   return Launched(cuda_emulation::Launch(stream,
@@ -254,16 +182,9 @@ absl::Status DeviceCastEncode(CastFormat format, DataType dtype, const void* dev
 absl::Status DeviceCastDecode(CastFormat format, DataType dtype, const void* device_in,
                               size_t bytes, size_t count, void* device_out, bool add,
                               void* stream) {
-  const char* name = format == CastFormat::kFp16 ? "fp16" : "bf16";
-  const DataType narrow = format == CastFormat::kFp16 ? DataType::kFloat16 : DataType::kBFloat16;
-  if (dtype != DataType::kFloat32 && dtype != narrow) return NotFloat(name, dtype);
-  if (bytes != 2 * count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("codec ", name, ": ", bytes, " bytes for ", count, " elements"));
-  }
-  if (count == 0) return absl::OkStatus();
-  if (device_in == nullptr || device_out == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", name, ": null buffer"));
+  if (absl::Status s = CheckCastDecode(format, dtype, device_in, bytes, count, device_out);
+      !s.ok() || count == 0) {
+    return s;
   }
   const size_t out_bytes = count * wire::DataTypeSize(static_cast<uint32_t>(dtype));
   return DecodeTrusted(stream, "cast decode", [=](int device) -> absl::Status {
@@ -286,25 +207,17 @@ absl::StatusOr<size_t> Int8EncodeWorkspaceBytes(size_t count) {
   if (absl::Status s = CudaStatus(cudaGetDeviceCount(&devices), "int8 workspace sizing"); !s.ok()) {
     return s;
   }
-  return 256 + ((Int8Blocks(count) + 1) * sizeof(uint64_t) + 255) / 256 * 256;
+  return 256 + RoundUp256((Int8Blocks(count) + 1) * sizeof(uint64_t));
 }
 
 absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t count, void* device_out,
                               void* device_workspace, size_t workspace_bytes,
                               uint64_t* device_encoded_bytes, void* stream) {
-  const size_t size = FloatSize(dtype);
-  if (size == 0) return NotFloat("int8", dtype);
-  if (device_encoded_bytes == nullptr || !AlignedTo(device_encoded_bytes, 8)) {
-    return absl::InvalidArgumentError(
-        "codec int8: the encoded size needs an 8-byte aligned device word");
+  if (absl::Status s = CheckInt8Encode(dtype, device_in, count, device_out, device_encoded_bytes);
+      !s.ok()) {
+    return s;
   }
   if (count != 0) {
-    if (device_in == nullptr || !AlignedTo(device_in, size) || device_out == nullptr ||
-        !AlignedTo(device_out, 4)) {
-      return absl::InvalidArgumentError(
-          "codec int8: null or misaligned buffer (input aligned to "
-          "its elements, output to 4 bytes)");
-    }
     absl::StatusOr<size_t> need = Int8EncodeWorkspaceBytes(count);
     if (!need.ok()) return need.status();
     if (absl::Status s = CheckWorkspace("int8", device_workspace, workspace_bytes, *need);
@@ -312,6 +225,7 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
       return s;
     }
   }
+  const size_t size = FloatSize(dtype);
   const size_t max_bytes = Int8MaxEncodedBytes(dtype, count);
   return Launched(
       cuda_emulation::Launch(stream,
@@ -327,32 +241,22 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
 }
 
 size_t Int8DecodeWorkspaceBytes(size_t count) {
-  return 256 + (Int8Blocks(count) * sizeof(uint64_t) + 255) / 256 * 256;
+  return 256 + RoundUp256(Int8Blocks(count) * sizeof(uint64_t));
 }
 
 absl::Status DeviceInt8Decode(DataType dtype, const void* device_in, size_t bytes, size_t count,
                               void* device_out, bool add, void* device_workspace,
                               size_t workspace_bytes, void* stream, bool trusted) {
-  const size_t size = FloatSize(dtype);
-  if (size == 0) return NotFloat("int8", dtype);
-  if (count == 0) {
-    if (bytes != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("codec int8: ", bytes, " trailing bytes after 0 elements"));
-    }
-    return absl::OkStatus();
-  }
-  if (device_in == nullptr || !AlignedTo(device_in, 4) || device_out == nullptr ||
-      !AlignedTo(device_out, size)) {
-    return absl::InvalidArgumentError(
-        "codec int8: null or misaligned buffer (input aligned to 4 "
-        "bytes, output to its elements)");
+  if (absl::Status s = CheckInt8Decode(dtype, device_in, bytes, count, device_out);
+      !s.ok() || count == 0) {
+    return s;
   }
   if (absl::Status s = CheckWorkspace("int8", device_workspace, workspace_bytes,
                                       Int8DecodeWorkspaceBytes(count));
       !s.ok()) {
     return s;
   }
+  const size_t size = FloatSize(dtype);
   auto decode = [=](int device) -> absl::Status {
     Reach reach(device, "DeviceInt8Decode");
     const void* in = reach(device_in, bytes);
@@ -370,7 +274,7 @@ absl::StatusOr<size_t> TopKEncodeWorkspaceBytes(size_t count) {
   if (absl::Status s = CudaStatus(cudaGetDeviceCount(&devices), "topk workspace sizing"); !s.ok()) {
     return s;
   }
-  return 512 + (count * sizeof(uint64_t) + 255) / 256 * 256;
+  return 512 + RoundUp256(count * sizeof(uint64_t));
 }
 
 namespace {
@@ -411,22 +315,9 @@ void TopK(const void* in_v, size_t count, size_t k, unsigned char* out) {
 absl::Status DeviceTopKEncode(DataType dtype, const void* device_in, size_t count, size_t k,
                               void* device_out, void* device_workspace, size_t workspace_bytes,
                               void* stream) {
-  const size_t size = FloatSize(dtype);
-  if (size == 0) return NotFloat("topk", dtype);
-  if (count > UINT32_MAX) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("codec topk: ", count, " elements (limit 2^32 - 1)"));
-  }
-  if (count == 0 ? k != 0 : (k < 1 || k > count)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("codec topk: k = ", k, " for ", count, " elements"));
-  }
-  if (count == 0) return absl::OkStatus();
-  if (device_in == nullptr || !AlignedTo(device_in, size) || device_out == nullptr ||
-      !AlignedTo(device_out, 4)) {
-    return absl::InvalidArgumentError(
-        "codec topk: null or misaligned buffer (input aligned to "
-        "its elements, output to 4 bytes)");
+  if (absl::Status s = CheckTopKEncode(dtype, device_in, count, k, device_out);
+      !s.ok() || count == 0) {
+    return s;
   }
   if (k != count) {
     absl::StatusOr<size_t> need = TopKEncodeWorkspaceBytes(count);
@@ -436,6 +327,7 @@ absl::Status DeviceTopKEncode(DataType dtype, const void* device_in, size_t coun
       return s;
     }
   }
+  const size_t size = FloatSize(dtype);
   return Launched(cuda_emulation::Launch(
                       stream,
                       [=](int device) {
@@ -460,29 +352,16 @@ size_t TopKDecodeWorkspaceBytes() { return 256; }
 absl::Status DeviceTopKDecode(DataType dtype, const void* device_in, size_t bytes, size_t count,
                               void* device_out, bool add, void* device_workspace,
                               size_t workspace_bytes, void* stream, bool trusted) {
-  const size_t size = FloatSize(dtype);
-  if (size == 0) return NotFloat("topk", dtype);
-  const size_t pair = 4 + size;
-  if (bytes % pair != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "codec topk: ", bytes, " bytes is not a whole number of ", pair, "-byte entries"));
-  }
-  if (bytes / pair > count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("codec topk: ", bytes / pair, " entries for ", count, " elements"));
-  }
-  if (count == 0) return absl::OkStatus();
-  if ((bytes != 0 && (device_in == nullptr || !AlignedTo(device_in, 4))) || device_out == nullptr ||
-      !AlignedTo(device_out, size)) {
-    return absl::InvalidArgumentError(
-        "codec topk: null or misaligned buffer (input aligned to 4 "
-        "bytes, output to its elements)");
+  if (absl::Status s = CheckTopKDecode(dtype, device_in, bytes, count, device_out);
+      !s.ok() || count == 0) {
+    return s;
   }
   if (absl::Status s =
           CheckWorkspace("topk", device_workspace, workspace_bytes, TopKDecodeWorkspaceBytes());
       !s.ok()) {
     return s;
   }
+  const size_t size = FloatSize(dtype);
   auto decode = [=](int device) -> absl::Status {
     Reach reach(device, "DeviceTopKDecode");
     const void* in = reach(device_in, bytes);
@@ -497,9 +376,9 @@ absl::Status DeviceTopKDecode(DataType dtype, const void* device_in, size_t byte
 
 absl::Status DeviceErrorFeedbackApply(const float* device_residual, float* device_data,
                                       size_t count, void* stream) {
-  if (count == 0) return absl::OkStatus();
-  if (device_residual == nullptr || device_data == nullptr) {
-    return absl::InvalidArgumentError("error feedback: null buffer");
+  if (absl::Status s = CheckErrorFeedback(count, device_residual, device_data, device_data);
+      !s.ok() || count == 0) {
+    return s;
   }
   return Launched(cuda_emulation::Launch(stream,
                                          [=](int device) {
@@ -515,9 +394,10 @@ absl::Status DeviceErrorFeedbackApply(const float* device_residual, float* devic
 absl::Status DeviceErrorFeedbackUpdate(const float* device_with_residual,
                                        const float* device_decoded, float* device_residual,
                                        size_t count, void* stream) {
-  if (count == 0) return absl::OkStatus();
-  if (device_with_residual == nullptr || device_decoded == nullptr || device_residual == nullptr) {
-    return absl::InvalidArgumentError("error feedback: null buffer");
+  if (absl::Status s =
+          CheckErrorFeedback(count, device_with_residual, device_decoded, device_residual);
+      !s.ok() || count == 0) {
+    return s;
   }
   return Launched(cuda_emulation::Launch(stream,
                                          [=](int device) {
