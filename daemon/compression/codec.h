@@ -87,6 +87,14 @@ class Codec {
   // `in` and `out` must not overlap.
   virtual size_t Encode(wire::DataType dtype, const void* in, size_t count, void* out) const = 0;
 
+  // Checks `bytes` bytes at `in` as Decode does before it writes anything:
+  // OK exactly where Decode (and DecodeAdd) would succeed, with the same
+  // error otherwise. For a decoder elsewhere that takes the bytes as
+  // checked (a GPU's: the bytes are in host memory here, and checking them
+  // on the device would wait for it).
+  virtual absl::Status Validate(wire::DataType dtype, const void* in, size_t bytes,
+                                size_t count) const = 0;
+
   // Decodes `bytes` bytes at `in` (from Encode on the sending side, with the
   // same dtype and count) into `count` elements at `out`, overwriting them.
   // On error `out` is untouched.

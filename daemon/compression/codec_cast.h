@@ -42,6 +42,11 @@ class CastCodec final : public Codec {
     return 2 * count;
   }
 
+  absl::Status Validate(wire::DataType dtype, const void*, size_t bytes,
+                        size_t count) const override {
+    return Check(dtype, bytes, count);
+  }
+
   absl::Status Decode(wire::DataType dtype, const void* in, size_t bytes, size_t count,
                       void* out) const override {
     if (absl::Status s = Check(dtype, bytes, count); !s.ok()) return s;

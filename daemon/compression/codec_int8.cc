@@ -116,7 +116,7 @@ size_t EncodeAll(const typename F::Storage* in, size_t count, unsigned char* out
 
 // Walks the block headers of untrusted input without touching the output.
 template <typename F>
-absl::Status Validate(const unsigned char* in, size_t bytes, size_t count) {
+absl::Status ValidateBlocks(const unsigned char* in, size_t bytes, size_t count) {
   size_t pos = 0;
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t n = std::min(kBlock, count - base);
@@ -211,6 +211,14 @@ class Int8Codec final : public Codec {
     return bytes;
   }
 
+  absl::Status Validate(wire::DataType dtype, const void* in, size_t bytes,
+                        size_t count) const override {
+    if (absl::Status s = Supports(dtype); !s.ok()) return s;
+    return VisitFloat(dtype, absl::OkStatus(), [&](auto f) {
+      return ValidateBlocks<decltype(f)>(static_cast<const unsigned char*>(in), bytes, count);
+    });
+  }
+
   absl::Status Decode(wire::DataType dtype, const void* in, size_t bytes, size_t count,
                       void* out) const override {
     return DecodeImpl<false>(dtype, in, bytes, count, out);
@@ -229,7 +237,7 @@ class Int8Codec final : public Codec {
     return VisitFloat(dtype, absl::OkStatus(), [&](auto f) {
       using F = decltype(f);
       const auto* p = static_cast<const unsigned char*>(in);
-      if (absl::Status s = Validate<F>(p, bytes, count); !s.ok()) return s;
+      if (absl::Status s = ValidateBlocks<F>(p, bytes, count); !s.ok()) return s;
       DecodeAll<F, kAdd>(p, count, static_cast<typename F::Storage*>(out));
       return absl::OkStatus();
     });

@@ -30,6 +30,11 @@ class NoneCodec final : public Codec {
     return bytes;
   }
 
+  absl::Status Validate(wire::DataType dtype, const void*, size_t bytes,
+                        size_t count) const override {
+    return Check(dtype, bytes, count);
+  }
+
   absl::Status Decode(wire::DataType dtype, const void* in, size_t bytes, size_t count,
                       void* out) const override {
     if (absl::Status s = Check(dtype, bytes, count); !s.ok()) return s;

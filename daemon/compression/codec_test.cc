@@ -238,6 +238,7 @@ TEST_P(CodecPropertyTest, RoundTripDecodeAddAndMalformedInput) {
   Elements decoded(c.dtype, c.count);
   decoded.FillBytes(0x5a);
   ASSERT_TRUE(codec->Decode(c.dtype, wire.data(), wire.size(), c.count, decoded.data()).ok());
+  EXPECT_TRUE(codec->Validate(c.dtype, wire.data(), wire.size(), c.count).ok());
   std::vector<unsigned char> shifted(wire.size() + 1);
   if (!wire.empty()) std::memcpy(shifted.data() + 1, wire.data(), wire.size());
   Elements decoded2(c.dtype, c.count);
@@ -271,6 +272,7 @@ TEST_P(CodecPropertyTest, RoundTripDecodeAddAndMalformedInput) {
     absl::Status s = codec->Decode(c.dtype, bytes, size, count, out.data());
     EXPECT_FALSE(s.ok()) << what;
     EXPECT_TRUE(out.SameBytes(before)) << what;
+    EXPECT_EQ(codec->Validate(c.dtype, bytes, size, count), s) << what;  // the same verdict
     s = codec->DecodeAdd(c.dtype, bytes, size, count, out.data());
     EXPECT_FALSE(s.ok()) << what;
     EXPECT_TRUE(out.SameBytes(before)) << what;
@@ -303,8 +305,10 @@ TEST_P(CodecPropertyTest, GarbageNeverCrashes) {
     for (auto& b : bytes) b = static_cast<unsigned char>(rng());
     Elements out(c.dtype, c.count);
     out.FillBytes(0x5a);
-    (void)codec->Decode(c.dtype, bytes.data(), bytes.size(), c.count, out.data());
-    (void)codec->DecodeAdd(c.dtype, bytes.data(), bytes.size(), c.count, out.data());
+    const absl::Status s = codec->Decode(c.dtype, bytes.data(), bytes.size(), c.count, out.data());
+    // Validate says what Decode and DecodeAdd do, for any bytes.
+    EXPECT_EQ(codec->Validate(c.dtype, bytes.data(), bytes.size(), c.count), s);
+    EXPECT_EQ(codec->DecodeAdd(c.dtype, bytes.data(), bytes.size(), c.count, out.data()), s);
     EXPECT_TRUE(out.TailIs(0x5a)) << "wrote past the end";
   }
 }
@@ -465,6 +469,7 @@ TEST(Int8CodecTest, InvalidScales) {
           codec->Decode(DataType::kFloat32, broken.data(), bytes, in.size(), out.data());
       EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
       EXPECT_NE(s.message().find("invalid scale"), std::string::npos) << s;
+      EXPECT_EQ(codec->Validate(DataType::kFloat32, broken.data(), bytes, in.size()), s);
       EXPECT_EQ(out, std::vector<float>(in.size(), 7.0f));
     }
   }
@@ -572,6 +577,7 @@ TEST(TopKCodecTest, BadIndices) {
     std::vector<float> out(count, 7.0f);
     absl::Status s = codec->Decode(DataType::kFloat32, broken.data(), bytes, count, out.data());
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << index << " at " << at;
+    EXPECT_EQ(codec->Validate(DataType::kFloat32, broken.data(), bytes, count), s);
     s = codec->DecodeAdd(DataType::kFloat32, broken.data(), bytes, count, out.data());
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << index << " at " << at;
     EXPECT_EQ(out, std::vector<float>(count, 7.0f));

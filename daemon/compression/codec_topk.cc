@@ -191,6 +191,32 @@ class TopKCodec final : public Codec {
     return k * (kIndexBytes + size);
   }
 
+  absl::Status Validate(wire::DataType dtype, const void* in, size_t bytes,
+                        size_t count) const override {
+    const size_t size = ElementSize(dtype);
+    if (size == 0) return Unsupported(Name(), dtype, kSupported);
+    const size_t pair = kIndexBytes + size;
+    if (bytes % pair != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "codec topk: ", bytes, " bytes is not a whole number of ", pair, "-byte entries"));
+    }
+    const size_t k = bytes / pair;
+    if (k > count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("codec topk: ", k, " entries for ", count, " elements"));
+    }
+    const auto* p = static_cast<const unsigned char*>(in);
+    for (size_t j = 0; j < k; ++j) {
+      const uint32_t i = LoadAt<uint32_t>(p + kIndexBytes * j);
+      if (i >= count || (j > 0 && i <= LoadAt<uint32_t>(p + kIndexBytes * (j - 1)))) {
+        return absl::InvalidArgumentError(absl::StrCat("codec topk: entry ", j, " has index ", i,
+                                                       " (indices must increase and be below ",
+                                                       count, ")"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Decode(wire::DataType dtype, const void* in, size_t bytes, size_t count,
                       void* out) const override {
     return DecodeImpl<false>(dtype, in, bytes, count, out);
@@ -219,27 +245,10 @@ class TopKCodec final : public Codec {
   template <bool kAdd>
   absl::Status DecodeImpl(wire::DataType dtype, const void* in, size_t bytes, size_t count,
                           void* out) const {
-    const size_t size = ElementSize(dtype);
-    if (size == 0) return Unsupported(Name(), dtype, kSupported);
-    const size_t pair = kIndexBytes + size;
-    if (bytes % pair != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "codec topk: ", bytes, " bytes is not a whole number of ", pair, "-byte entries"));
-    }
-    const size_t k = bytes / pair;
-    if (k > count) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("codec topk: ", k, " entries for ", count, " elements"));
-    }
+    // Every index before anything is written.
+    if (absl::Status s = Validate(dtype, in, bytes, count); !s.ok()) return s;
     const auto* p = static_cast<const unsigned char*>(in);
-    for (size_t j = 0; j < k; ++j) {  // validate every index before writing anything
-      const uint32_t i = LoadAt<uint32_t>(p + kIndexBytes * j);
-      if (i >= count || (j > 0 && i <= LoadAt<uint32_t>(p + kIndexBytes * (j - 1)))) {
-        return absl::InvalidArgumentError(absl::StrCat("codec topk: entry ", j, " has index ", i,
-                                                       " (indices must increase and be below ",
-                                                       count, ")"));
-      }
-    }
+    const size_t k = bytes / (kIndexBytes + ElementSize(dtype));
     VisitFloat(dtype, 0, [&](auto f) {
       using F = decltype(f);
       DecodeAll<F, kAdd>(p, k, count, static_cast<typename F::Storage*>(out));

@@ -298,6 +298,11 @@ class DeviceChunkCoder final : public ChunkCoder {
       return absl::InvalidArgumentError(
           absl::StrCat("codec ", CodecName(spec_), ": ", bytes, " bytes for ", count, " elements"));
     }
+    // Checked here, where the bytes are (host memory), with the CPU codec's
+    // checks: the device then decodes them as trusted, with no check of its
+    // own to wait for (the device decoders' check synchronises the stream,
+    // which would also wait for the encodings begun ahead).
+    if (absl::Status s = cpu_->Validate(dtype_, in, bytes, count); !s.ok()) return s;
     auto received = received_.Get(bytes);
     if (!received.ok()) return received.status();
     if (absl::Status s =
@@ -308,7 +313,7 @@ class DeviceChunkCoder final : public ChunkCoder {
     }
     // The caller reuses `in` once this returns.
     if (absl::Status s = WaitForStream(stream_, &event_, "copying a chunk in"); !s.ok()) return s;
-    return DecodeOnDevice(*received, bytes, count, data, add, /*trusted=*/false);
+    return DecodeOnDevice(*received, bytes, count, data, add, /*trusted=*/true);
   }
 
  private:
