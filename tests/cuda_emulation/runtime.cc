@@ -55,6 +55,17 @@ int EnvInt(const char* name, int fallback) {
   return std::atoi(v);
 }
 
+// CIUIC_CUDA_EMULATION_JITTER_US=N: every piece of a stream's work starts up
+// to N microseconds late (at random), as a GPU's work does when it is busy,
+// so that work ordered by luck rather than by its streams and events shows.
+void Jitter() {
+  static const int max_us = std::max(0, EnvInt("CIUIC_CUDA_EMULATION_JITTER_US", 0));
+  if (max_us == 0) return;
+  thread_local uint64_t x = 0x9e3779b97f4a7c15ull ^ reinterpret_cast<uintptr_t>(&x);
+  x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+  std::this_thread::sleep_for(std::chrono::microseconds(x % (max_us + 1)));
+}
+
 }  // namespace
 
 // The opaque types of driver_types.h, defined here.
@@ -93,6 +104,7 @@ struct CUstream_st {
       std::function<void()> work = std::move(queue.front());
       queue.pop_front();
       lock.unlock();
+      Jitter();
       work();
       lock.lock();
       ++done;

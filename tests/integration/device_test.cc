@@ -252,7 +252,12 @@ int RunOneDeviceAlltoallv(Communicator& comm, int device, cudaStream_t stream,
                              DeviceBuffer{mem.recv, device}, recv_counts, t, opts).Wait();
   CHILD_CHECK(st.ok(), "%s: %s", name.c_str(), st.ToString().c_str());
   std::vector<uint8_t> got((recv_total + 1) * es);
-  CUDA_CHECK(cudaMemcpy(got.data(), mem.recv, got.size(), cudaMemcpyDeviceToHost));
+  // Read on the stream: an operation that moves nothing records no event,
+  // so only the stream orders the memset above before this read (a
+  // cudaMemcpy on the default stream raced it: the emulated GPU's run
+  // caught the guard element unset).
+  CUDA_CHECK(cudaMemcpyAsync(got.data(), mem.recv, got.size(), cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
   return CheckAlltoallvResult(t, counts, world, rank, got.data(), recv_total, pattern, name);
 }
 
