@@ -39,6 +39,23 @@ absl::Status CudaStatus(int error, absl::string_view what) {
     case cudaErrorNotSupported:
     case cudaErrorInvalidDevice:
       return absl::FailedPreconditionError(failed);
+    // A device fault: the process's CUDA context is broken, every later
+    // call returns the same error, whatever it is about. Said first (a
+    // trainer hears at most wire::kMaxMessage bytes), not blamed on `what`.
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+      return absl::InternalError(
+          absl::StrCat("ciuicd's CUDA context is broken by a device fault; device operations "
+                       "fail until ciuicd restarts (",
+                       name, ": ", text, "; seen in ", what, ")"));
     default:
       return absl::InternalError(failed);
   }

@@ -60,10 +60,21 @@ TEST(CudaStatusTest, MapsCodes) {
   EXPECT_EQ(std::string(CudaStatus(cudaErrorInvalidDevice, "cudaSetDevice(7)").message())
                 .find("no CUDA device"),
             std::string::npos);
-  const absl::Status other = CudaStatus(cudaErrorLaunchFailure, "my launch");
+  const absl::Status other = CudaStatus(cudaErrorMemoryAllocation, "my launch");
   EXPECT_EQ(other.code(), absl::StatusCode::kInternal);
   EXPECT_NE(std::string(other.message()).find("my launch"), std::string::npos) << other;
-  EXPECT_NE(std::string(other.message()).find("cudaErrorLaunchFailure"), std::string::npos) << other;
+  EXPECT_NE(std::string(other.message()).find("cudaErrorMemoryAllocation"), std::string::npos)
+      << other;
+  // A device fault breaks the context: said first, whatever call saw it.
+  for (cudaError_t fault : {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorAssert}) {
+    const std::string m(CudaStatus(fault, "cudaEventQuery").message());
+    EXPECT_EQ(m.find("ciuicd's CUDA context is broken by a device fault; device operations "
+                     "fail until ciuicd restarts ("),
+              0u)
+        << m;
+    EXPECT_NE(m.find(cudaGetErrorName(fault)), std::string::npos) << m;
+    EXPECT_NE(m.find("seen in cudaEventQuery"), std::string::npos) << m;
+  }
 }
 
 // Aligned addresses that are never dereferenced: every case below fails its

@@ -562,6 +562,15 @@ cudaError_t Launch(void* stream, std::function<void(int device)> work) {
     return Ret(e);
   }
   const int device = s->device;
+  // CIUIC_CUDA_EMULATION_FAULT_AFTER_LAUNCHES=N: the process's kernel
+  // launch number N (from 0) faults when it runs, as a kernel touching
+  // memory it must not would.
+  static const int fault_at = EnvInt("CIUIC_CUDA_EMULATION_FAULT_AFTER_LAUNCHES", -1);
+  static std::atomic<int> launches{0};
+  if (fault_at >= 0 && launches.fetch_add(1) == fault_at) {
+    s->Enqueue([] { Fault("an injected fault (CIUIC_CUDA_EMULATION_FAULT_AFTER_LAUNCHES)"); });
+    return cudaSuccess;
+  }
   s->Enqueue([device, work = std::move(work)] {
     if (G().sticky.load() != cudaSuccess) return;  // a broken context runs nothing
     work(device);

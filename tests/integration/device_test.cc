@@ -884,6 +884,84 @@ TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// Empty where this process's CUDA devices are the CUDA emulation's
+// (tests/cuda_emulation), else why not.
+std::string WhyNotEmulated() {
+  auto codes = RunRanks(1, [](int) {
+    cudaDeviceProp p{};
+    return cudaGetDeviceProperties(&p, 0) == cudaSuccess &&
+                   std::string(p.name).find("ciuic CUDA emulation") != std::string::npos
+               ? 0
+               : 1;
+  });
+  return codes[0] == 0 ? "" : "needs the CUDA emulation, which can make a kernel fault";
+}
+
+// A kernel that faults on the daemon's device (the emulation's injected
+// fault: the daemon's fourth kernel launch) fails its operation on every
+// rank with the device's error, within seconds; the daemon's CUDA context is
+// broken then, so later device operations fail too, saying so, while host
+// operations go on and the daemon stops cleanly.
+TEST(DeviceBuffersTest, ADeviceFaultFailsTheOperationClearlyAndTheDaemonLives) {
+  SKIP_WITHOUT_GPU();
+  if (const std::string why = WhyNotEmulated(); !why.empty()) GTEST_SKIP() << why;
+  auto daemon =
+      DaemonProcess::StartWith("", {}, {}, {"CIUIC_CUDA_EMULATION_FAULT_AFTER_LAUNCHES=3"});
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("devfault");
+  constexpr int kWorld = 2;
+  auto codes = RunRanks(kWorld, [&](int rank) {
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto comm = Join(daemon->socket(), job, rank, kWorld);
+    CHILD_CHECK(comm != nullptr, "join");
+    DeviceMemory mem;
+    if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
+    std::vector<float> ones(1000, 1.0f);
+    CUDA_CHECK(cudaMemcpy(mem.send, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    for (int i = 0; i < 6; ++i) {
+      OpOptions o;
+      o.name = "op" + std::to_string(i);
+      o.stream = stream;
+      const auto start = std::chrono::steady_clock::now();
+      Status st = comm->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, ones.size(),
+                                  DataType::kFloat32, ReduceOp::kSum, o)
+                      .Wait();
+      const double took = SecondsSince(start);
+      fprintf(stderr, "rank %d %s: %s\n", rank, o.name.c_str(), st.ToString().c_str());
+      CHILD_CHECK(took < 10, "rank %d %s took %.1f s", rank, o.name.c_str(), took);
+      if (i < 3) {
+        CHILD_CHECK(st.ok(), "rank %d %s: %s", rank, o.name.c_str(), st.ToString().c_str());
+        CHILD_CHECK(Download(mem.recv, ones.size()) == std::vector<float>(ones.size(), 2.0f),
+                    "rank %d %s: wrong result", rank, o.name.c_str());
+      } else {
+        // The faulting operation and the ones after it, whichever call saw
+        // the broken context.
+        CHILD_CHECK(
+            st.code() == StatusCode::kInternal &&
+                st.message().find("ciuicd's CUDA context is broken by a device fault; "
+                                  "device operations fail until ciuicd restarts") !=
+                    std::string::npos &&
+                (i > 3 || st.message().find("cudaErrorIllegalAddress") != std::string::npos),
+            "rank %d %s: %s", rank, o.name.c_str(), st.ToString().c_str());
+      }
+    }
+    // The daemon's device is broken, its host path is not.
+    float x[3] = {1.0f + rank, 2, 3};
+    OpOptions o;
+    o.name = "host";
+    CHILD_CHECK(comm->Allreduce(x, x, 3, DataType::kFloat32, ReduceOp::kSum, o).Wait().ok(),
+                "rank %d: host allreduce", rank);
+    CHILD_CHECK(x[0] == 3.0f && x[1] == 4.0f, "rank %d: host result", rank);
+    return 0;
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (::testing::Test::HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 #else
 
 TEST(DeviceCollectivesTest, EveryCollectiveDtypeOpAndSizeMatchesTheReference) {
@@ -901,6 +979,9 @@ TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
 }
 TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) { SKIP_WITHOUT_GPU(); }
+TEST(DeviceBuffersTest, ADeviceFaultFailsTheOperationClearlyAndTheDaemonLives) {
+  SKIP_WITHOUT_GPU();
+}
 
 #endif
 
