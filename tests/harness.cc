@@ -183,12 +183,21 @@ std::string ReadTrace(const std::string& socket, const std::string& job, proto::
 
 std::string ReadMetrics(const std::string& socket, std::string* text, std::string* address) {
   std::string out;
-  const int code =
-      RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket + " status", &out);
-  if (code != 0) return "ciuicctl status exited " + std::to_string(code) + ": " + out;
   proto::StatusReply status;
-  auto parsed = google::protobuf::util::JsonStringToMessage(out, &status);
-  if (!parsed.ok()) return "cannot parse ciuicctl's JSON (" + parsed.ToString() + "): " + out;
+  // The control socket answers before the daemon has started its metrics
+  // endpoint (DaemonProcess::Start waits for the sockets only): ask again
+  // for a few seconds.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (true) {
+    const int code =
+        RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket + " status", &out);
+    if (code != 0) return "ciuicctl status exited " + std::to_string(code) + ": " + out;
+    status.Clear();
+    auto parsed = google::protobuf::util::JsonStringToMessage(out, &status);
+    if (!parsed.ok()) return "cannot parse ciuicctl's JSON (" + parsed.ToString() + "): " + out;
+    if (!status.metrics_address().empty() || std::chrono::steady_clock::now() > until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   if (status.metrics_address().empty()) return "the daemon serves no /metrics: " + out;
   *address = status.metrics_address();
   const int fetched =
