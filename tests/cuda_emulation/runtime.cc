@@ -512,7 +512,9 @@ int OpenPeerFd(int pid, int fd, const std::string& name) {
   const ssize_t n = readlink(path.c_str(), link, sizeof(link) - 1);
   if (n <= 0) return -1;
   link[n] = '\0';
-  if (std::string(link).rfind("/memfd:" + name, 0) != 0) return -1;
+  // "/memfd:NAME (deleted)": the name exactly (ids are not prefix-free).
+  const std::string want = "/memfd:" + name;
+  if (link != want && link != want + " (deleted)") return -1;
   return open(path.c_str(), O_RDWR | O_CLOEXEC);
 }
 
