@@ -14,9 +14,13 @@ cd "$build"
 ctest --output-on-failure --timeout 900 "$@"
 [ $# -eq 0 ] || exit 0
 
-headers=/usr/local/cuda/include/cuda_runtime_api.h
+headers=${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h
 if [ ! -f "$headers" ]; then
   echo "test.sh: no $headers: the device tests against the CUDA emulation are skipped"
+  exit 0
+fi
+if [ "$(uname -m)" != x86_64 ]; then
+  echo "test.sh: the CUDA emulation's SIMT executor is x86-64 code; on $(uname -m) the device tests against it are skipped"
   exit 0
 fi
 emu=${CIUIC_EMU_BUILD_DIR:-$root/build-emu}
@@ -27,4 +31,4 @@ fi
 # Only what the device tests run.
 cmake --build "$emu" -j "${CIUIC_JOBS:-2}" --target integration_device_test cuda_kernels_test ciuic-bench ciuicd ciuicctl ciuic_python
 cd "$emu"
-ctest --output-on-failure --timeout 900 -L gpu
+ctest --output-on-failure --timeout 900 -j "${CIUIC_JOBS:-2}" -L gpu

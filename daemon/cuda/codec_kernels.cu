@@ -507,9 +507,9 @@ absl::Status DeviceCastEncode(CastFormat format, DataType dtype, const void* dev
   const auto* in = static_cast<const float*>(device_in);
   auto* out = static_cast<uint16_t*>(device_out);
   if (format == CastFormat::kFp16) {
-    CastEncodeKernel<F16><<<g.blocks, g.threads, 0, s>>>(in, count, out);
+    CIUIC_LAUNCH(g.blocks, g.threads, s, CastEncodeKernel<F16>)(in, count, out);
   } else {
-    CastEncodeKernel<BF16><<<g.blocks, g.threads, 0, s>>>(in, count, out);
+    CIUIC_LAUNCH(g.blocks, g.threads, s, CastEncodeKernel<BF16>)(in, count, out);
   }
   return LastLaunch("cast encode launch");
 }
@@ -537,15 +537,15 @@ absl::Status DeviceCastDecode(CastFormat format, DataType dtype, const void* dev
   auto* out = static_cast<float*>(device_out);
   if (format == CastFormat::kFp16) {
     if (add) {
-      CastDecodeKernel<F16, true><<<g.blocks, g.threads, 0, s>>>(in, count, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, CastDecodeKernel<F16, true>)(in, count, out);
     } else {
-      CastDecodeKernel<F16, false><<<g.blocks, g.threads, 0, s>>>(in, count, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, CastDecodeKernel<F16, false>)(in, count, out);
     }
   } else {
     if (add) {
-      CastDecodeKernel<BF16, true><<<g.blocks, g.threads, 0, s>>>(in, count, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, CastDecodeKernel<BF16, true>)(in, count, out);
     } else {
-      CastDecodeKernel<BF16, false><<<g.blocks, g.threads, 0, s>>>(in, count, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, CastDecodeKernel<BF16, false>)(in, count, out);
     }
   }
   return LastLaunch("cast decode launch");
@@ -591,7 +591,7 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
     const auto* in = static_cast<const T*>(device_in);
     auto* out = static_cast<unsigned char*>(device_out);
     const LaunchShape g = GridFor(nblocks * 32);
-    Int8QuantizeKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, out, sizes);
+    CIUIC_LAUNCH(g.blocks, g.threads, s, Int8QuantizeKernel<F>)(in, count, nblocks, out, sizes);
     if (absl::Status st = LastLaunch("int8 quantize launch"); !st.ok()) return st;
     size_t scan_bytes = layout->scan_bytes;
     if (absl::Status st = CudaStatus(
@@ -604,8 +604,8 @@ absl::Status DeviceInt8Encode(DataType dtype, const void* device_in, size_t coun
     // It exits at once unless some block is raw (rare: NaN, Inf, values
     // out of int8's range): a small grid, which loops over the blocks then.
     const LaunchShape r = GridFor(nblocks * 32, kThreadsPerBlock, kRelayoutBlocks);
-    Int8RelayoutKernel<F><<<r.blocks, r.threads, 0, s>>>(in, count, nblocks, out, sizes,
-                                                         device_encoded_bytes);
+    CIUIC_LAUNCH(r.blocks, r.threads, s, Int8RelayoutKernel<F>)
+    (in, count, nblocks, out, sizes, device_encoded_bytes);
     return LastLaunch("int8 relayout launch");
   });
 }
@@ -643,7 +643,7 @@ absl::Status DeviceInt8Decode(DataType dtype, const void* device_in, size_t byte
         return st;
       }
       const LaunchShape g = GridFor(nblocks);
-      Int8CheckFixedKernel<<<g.blocks, g.threads, 0, s>>>(in, nblocks, bad);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, Int8CheckFixedKernel)(in, nblocks, bad);
       if (absl::Status st = LastLaunch("int8 check launch"); !st.ok()) return st;
       unsigned long long bad_block = 0;
       if (absl::Status st = ReadBack(bad, &bad_block, s, "int8 check"); !st.ok()) return st;
@@ -660,7 +660,7 @@ absl::Status DeviceInt8Decode(DataType dtype, const void* device_in, size_t byte
       }
     } else if (!fixed) {
       auto* walk = reinterpret_cast<Int8Walk*>(ws);
-      Int8WalkKernel<T><<<1, 1, 0, s>>>(in, bytes, count, offsets, walk);
+      CIUIC_LAUNCH(1, 1, s, Int8WalkKernel<T>)(in, bytes, count, offsets, walk);
       if (absl::Status st = LastLaunch("int8 walk launch"); !st.ok()) return st;
       if (!trusted) {  // a trusted input needs only the offsets
         Int8Walk w{};
@@ -689,9 +689,11 @@ absl::Status DeviceInt8Decode(DataType dtype, const void* device_in, size_t byte
     const uint64_t* table = fixed ? nullptr : offsets;
     auto* out = static_cast<T*>(device_out);
     if (add) {
-      Int8DecodeKernel<F, true><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, table, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, Int8DecodeKernel<F, true>)
+      (in, count, nblocks, table, out);
     } else {
-      Int8DecodeKernel<F, false><<<g.blocks, g.threads, 0, s>>>(in, count, nblocks, table, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, Int8DecodeKernel<F, false>)
+      (in, count, nblocks, table, out);
     }
     return LastLaunch("int8 decode launch");
   });
@@ -718,7 +720,7 @@ absl::Status DeviceTopKEncode(DataType dtype, const void* device_in, size_t coun
     auto* out = static_cast<unsigned char*>(device_out);
     const LaunchShape g = GridFor(count);
     if (k == count) {
-      IotaKernel<<<g.blocks, g.threads, 0, s>>>(reinterpret_cast<uint32_t*>(out), count);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, IotaKernel)(reinterpret_cast<uint32_t*>(out), count);
       if (absl::Status st = LastLaunch("topk launch"); !st.ok()) return st;
       return CudaStatus(cudaMemcpyAsync(out + kIndexBytes * count, in, count * sizeof(T),
                                         cudaMemcpyDeviceToDevice, s),
@@ -734,7 +736,7 @@ absl::Status DeviceTopKEncode(DataType dtype, const void* device_in, size_t coun
     auto* state = reinterpret_cast<SelectState*>(ws);
     auto* hist = reinterpret_cast<unsigned*>(ws + layout->hist_offset);
     auto* flags = reinterpret_cast<uint64_t*>(ws + layout->flags_offset);
-    SelectInitKernel<<<1, 1, 0, s>>>(state, k);
+    CIUIC_LAUNCH(1, 1, s, SelectInitKernel)(state, k);
     if (absl::Status st = LastLaunch("topk launch"); !st.ok()) return st;
     constexpr unsigned kBits = 8 * sizeof(typename F::AbsBits);
     for (unsigned shift = kBits - 8;; shift -= 8) {
@@ -743,12 +745,12 @@ absl::Status DeviceTopKEncode(DataType dtype, const void* device_in, size_t coun
           !st.ok()) {
         return st;
       }
-      HistogramKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, state, shift, hist);
-      SelectDigitKernel<<<1, 1, 0, s>>>(hist, shift, state);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, HistogramKernel<F>)(in, count, state, shift, hist);
+      CIUIC_LAUNCH(1, 1, s, SelectDigitKernel)(hist, shift, state);
       if (absl::Status st = LastLaunch("topk select launch"); !st.ok()) return st;
       if (shift == 0) break;
     }
-    TopKFlagKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, state, flags);
+    CIUIC_LAUNCH(g.blocks, g.threads, s, TopKFlagKernel<F>)(in, count, state, flags);
     if (absl::Status st = LastLaunch("topk flag launch"); !st.ok()) return st;
     size_t scan_bytes = layout->scan_bytes;
     if (absl::Status st = CudaStatus(
@@ -758,7 +760,7 @@ absl::Status DeviceTopKEncode(DataType dtype, const void* device_in, size_t coun
         !st.ok()) {
       return st;
     }
-    TopKCompactKernel<F><<<g.blocks, g.threads, 0, s>>>(in, count, k, state, flags, out);
+    CIUIC_LAUNCH(g.blocks, g.threads, s, TopKCompactKernel<F>)(in, count, k, state, flags, out);
     return LastLaunch("topk compact launch");
   });
 }
@@ -790,7 +792,7 @@ absl::Status DeviceTopKDecode(DataType dtype, const void* device_in, size_t byte
         return st;
       }
       const LaunchShape g = GridFor(k);
-      TopKCheckKernel<<<g.blocks, g.threads, 0, s>>>(in, k, count, bad);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, TopKCheckKernel)(in, k, count, bad);
       if (absl::Status st = LastLaunch("topk check launch"); !st.ok()) return st;
       unsigned long long bad_entry = 0;
       if (absl::Status st = ReadBack(bad, &bad_entry, s, "topk check"); !st.ok()) return st;
@@ -817,9 +819,9 @@ absl::Status DeviceTopKDecode(DataType dtype, const void* device_in, size_t byte
     if (k == 0) return absl::OkStatus();
     const LaunchShape g = GridFor(k);
     if (add) {
-      TopKScatterKernel<F, true><<<g.blocks, g.threads, 0, s>>>(in, k, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, TopKScatterKernel<F, true>)(in, k, out);
     } else {
-      TopKScatterKernel<F, false><<<g.blocks, g.threads, 0, s>>>(in, k, out);
+      CIUIC_LAUNCH(g.blocks, g.threads, s, TopKScatterKernel<F, false>)(in, k, out);
     }
     return LastLaunch("topk scatter launch");
   });
@@ -832,7 +834,8 @@ absl::Status DeviceErrorFeedbackApply(const float* device_residual, float* devic
     return st;
   }
   const LaunchShape g = GridFor(count);
-  EfApplyKernel<<<g.blocks, g.threads, 0, AsStream(stream)>>>(device_residual, device_data, count);
+  CIUIC_LAUNCH(g.blocks, g.threads, AsStream(stream), EfApplyKernel)
+  (device_residual, device_data, count);
   return LastLaunch("error feedback apply launch");
 }
 
@@ -845,8 +848,8 @@ absl::Status DeviceErrorFeedbackUpdate(const float* device_with_residual,
     return st;
   }
   const LaunchShape g = GridFor(count);
-  EfUpdateKernel<<<g.blocks, g.threads, 0, AsStream(stream)>>>(device_with_residual, device_decoded,
-                                                               device_residual, count);
+  CIUIC_LAUNCH(g.blocks, g.threads, AsStream(stream), EfUpdateKernel)
+  (device_with_residual, device_decoded, device_residual, count);
   return LastLaunch("error feedback update launch");
 }
 

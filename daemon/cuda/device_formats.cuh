@@ -18,6 +18,14 @@
 #include "ciuic/shm_layout.h"
 #include "reduce/half.h"
 
+// A kernel launch: CIUIC_LAUNCH(grid, block, stream, kernel)(arguments...),
+// kernel<<<grid, block, 0, stream>>>(arguments...) under nvcc. The CUDA
+// emulation's SIMT executor (tests/cuda_emulation/simt.h) defines it first,
+// to run the same kernel source on the host.
+#ifndef CIUIC_LAUNCH
+#define CIUIC_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<(grid), (block), 0, (stream)>>>
+#endif
+
 namespace ciuic::daemon::cuda_internal {
 
 template <typename T>

@@ -123,19 +123,35 @@ void ExpectSameElements(DataType t, const std::vector<unsigned char>& want,
   EXPECT_EQ(mismatches, 0u) << what;
 }
 
-// Random elements of `t`: floats mostly normal-sized with a sprinkling of
-// zeros of both signs, subnormals, Inf and NaN (when `specials`); integers
-// over their whole range.
+// Random elements: integers are random bits; floats are about normal with
+// standard deviation `scale` (a sum of four uniforms, cheaper than
+// std::normal_distribution: the large counts make millions), and with
+// `specials`, one in 200 is NaN, Inf, -0, a float subnormal or a binary16
+// subnormal.
 std::vector<unsigned char> RandomElements(DataType t, size_t count, std::mt19937_64& rng,
                                           bool specials = true, double scale = 10) {
   std::vector<unsigned char> out(count * SizeOf(t));
-  std::normal_distribution<double> normal(0, scale);
-  std::uniform_int_distribution<int> pick(0, 999);
+  uint64_t state = rng();
+  auto next = [&state] {  // splitmix64
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  const bool floating = t == DataType::kFloat32 || t == DataType::kFloat64 ||
+                        t == DataType::kFloat16 || t == DataType::kBFloat16;
   for (size_t i = 0; i < count; ++i) {
     unsigned char* p = &out[i * SizeOf(t)];
-    double v = normal(rng);
+    const uint64_t bits = next();
+    if (!floating) {
+      std::memcpy(p, &bits, SizeOf(t));
+      continue;
+    }
+    double sum = 0;
+    for (int j = 0; j < 4; ++j) sum += static_cast<double>((bits >> (16 * j)) & 0xffff) / 65536.0;
+    double v = (sum - 2.0) * 1.7320508075688772 * scale;  // variance 4/12, times 3
     if (specials) {
-      const int r = pick(rng);
+      const uint64_t r = next() % 1000;
       if (r == 0) v = std::numeric_limits<double>::quiet_NaN();
       else if (r == 1) v = std::numeric_limits<double>::infinity();
       else if (r == 2) v = -0.0;
@@ -145,11 +161,15 @@ std::vector<unsigned char> RandomElements(DataType t, size_t count, std::mt19937
     switch (t) {
       case DataType::kFloat32: { const float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
       case DataType::kFloat64: std::memcpy(p, &v, 8); break;
-      case DataType::kFloat16: { const uint16_t h = FloatToHalf(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
-      case DataType::kBFloat16: { const uint16_t h = FloatToBFloat16(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+      case DataType::kFloat16: {
+        const uint16_t h = FloatToHalf(static_cast<float>(v));
+        std::memcpy(p, &h, 2);
+        break;
+      }
       default: {
-        const uint64_t bits = rng();
-        std::memcpy(p, &bits, SizeOf(t));
+        const uint16_t h = FloatToBFloat16(static_cast<float>(v));
+        std::memcpy(p, &h, 2);
+        break;
       }
     }
   }

@@ -84,8 +84,8 @@ absl::Status Launch(const Inputs& in, int n, const Outputs& out, int m, size_t c
                     bool aligned, cudaStream_t stream, int divisor = 0) {
   using T = typename F::Storage;
   const LaunchShape shape = GridFor(ItemsFor(count, Vec<T>::kN));
-  ReduceKernel<F, Op><<<shape.blocks, shape.threads, 0, stream>>>(in, n, out, m, count, aligned,
-                                                                  divisor > 0 ? divisor : n);
+  CIUIC_LAUNCH(shape.blocks, shape.threads, stream, ReduceKernel<F, Op>)
+  (in, n, out, m, count, aligned, divisor > 0 ? divisor : n);
   return CudaStatus(cudaGetLastError(), "DeviceReduce launch");
 }
 

@@ -30,4 +30,19 @@ void* Access(const void* device_ptr, size_t bytes, int device);
 // cudaErrorIllegalAddress. The emulation says `what` on stderr.
 void Fault(const std::string& what);
 
+namespace simt {
+
+// The host address at which device `device`'s kernel reaches the pointer
+// argument `p` (simt.h): `*known` is false for an address no emulated
+// memory holds (then `p` itself is returned); nullptr with *known true
+// means the memory is there but out of the device's reach. A buffer may
+// start where its allocation ends.
+void* TranslateArgument(const void* p, int device, bool* known);
+
+// Whether CUDA refuses a launch of `grid` blocks of `block` threads; then
+// the thread's last error is cudaErrorInvalidConfiguration.
+bool BadShape(unsigned grid, unsigned block);
+
+}  // namespace simt
+
 }  // namespace ciuic::cuda_emulation

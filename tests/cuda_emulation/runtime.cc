@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -256,6 +257,14 @@ bool Find(const void* p, Range* out) {
 }
 
 bool IsDeviceRange(const Range& r) { return r.kind != Kind::kPinned; }
+
+// Under G().mu: whether `device`'s kernels reach device memory `r`: their
+// own, an IPC mapping opened on them, a peer's with peer access enabled.
+bool ReachesLocked(const Range& r, int device) {
+  return r.device == device || (r.kind == Kind::kOpened && r.opened_on == device) ||
+         (device >= 0 && device < G().devices && r.device >= 0 && r.device < G().devices &&
+          G().peer_enabled[device][r.device]);
+}
 
 CUstream_st* NewStream(int device, bool is_default) {
   auto* s = new CUstream_st;
@@ -589,12 +598,35 @@ void* Access(const void* p, size_t bytes, int device) {
   const auto a = reinterpret_cast<uintptr_t>(p);
   if (a + bytes > r->base + r->bytes) return nullptr;
   if (r->kind == Kind::kPinned) return const_cast<void*>(p);
-  const bool reach = r->device == device || (r->kind == Kind::kOpened && r->opened_on == device) ||
-                     (device >= 0 && device < G().devices && r->device >= 0 &&
-                      r->device < G().devices && G().peer_enabled[device][r->device]);
-  if (!reach) return nullptr;
+  if (!ReachesLocked(*r, device)) return nullptr;
   return r->alias + (a - r->base);
 }
+
+namespace simt {
+
+void* TranslateArgument(const void* p, int device, bool* known) {
+  *known = false;
+  std::lock_guard<std::mutex> lock(G().mu);
+  auto& ranges = G().ranges;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = ranges.upper_bound(a);
+  if (it == ranges.begin()) return const_cast<void*>(p);
+  const Range& r = std::prev(it)->second;
+  // A buffer may start where its allocation ends (an empty one).
+  if (a > r.base + r.bytes) return const_cast<void*>(p);
+  *known = true;
+  if (r.kind == Kind::kPinned) return const_cast<void*>(p);
+  if (!ReachesLocked(r, device)) return nullptr;
+  return r.alias + (a - r.base);
+}
+
+bool BadShape(unsigned grid, unsigned block) {
+  if (grid != 0 && grid <= 0x7fffffffu && block != 0 && block <= 1024) return false;
+  Ret(cudaErrorInvalidConfiguration);
+  return true;
+}
+
+}  // namespace simt
 
 void Fault(const std::string& what) {
   std::fprintf(stderr, "ciuic CUDA emulation: device fault: %s; the context is broken\n",
@@ -1152,6 +1184,13 @@ cudaError_t CUDARTAPI cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle,
   }
   const int fd = OpenPeerFd(h.pid, h.fd, "ciuic-cuda-mem-" + std::to_string(h.id));
   if (fd < 0) return Ret(cudaErrorInvalidValue);
+  // The allocation's size is the memory's, not what a (forged) handle says:
+  // mapping past the memfd's end would be SIGBUS where a GPU refuses.
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || h.bytes == 0 || h.bytes > static_cast<uint64_t>(st.st_size)) {
+    close(fd);
+    return Ret(cudaErrorInvalidValue);
+  }
   Range r;
   r.bytes = h.bytes;
   r.mapped = PageRound(h.bytes);
