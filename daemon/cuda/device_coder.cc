@@ -311,7 +311,10 @@ class DeviceChunkCoder final : public ChunkCoder {
         !s.ok()) {
       return s;
     }
-    // The caller reuses `in` once this returns.
+    // The caller reuses `in` once this returns, so the host waits for the
+    // copy, and with it for the work queued before on the stream (the
+    // encodings begun ahead): owed, a copy stream of its own with two
+    // receive rooms (daemon/cuda/README.md), once a GPU shows the cost.
     if (absl::Status s = WaitForStream(stream_, &event_, "copying a chunk in"); !s.ok()) return s;
     return DecodeOnDevice(*received, bytes, count, data, add, /*trusted=*/true);
   }
@@ -447,8 +450,9 @@ class DeviceChunkCoder final : public ChunkCoder {
     return absl::InternalError("no device coder for an uncompressed operation");
   }
 
-  // `in` is device memory; `trusted`: this coder's own encoding (enqueued
-  // unchecked, without waiting for the stream).
+  // `in` is device memory; `trusted`: this coder's own encoding, or a
+  // received one already validated on the host (Decode): enqueued
+  // unchecked, without waiting for the stream.
   absl::Status DecodeOnDevice(const void* in, uint64_t bytes, size_t count, void* data, bool add,
                               bool trusted) {
     switch (spec_.kind) {
@@ -480,7 +484,7 @@ class DeviceChunkCoder final : public ChunkCoder {
   }
 
   const CodecSpec spec_;
-  const std::unique_ptr<Codec> cpu_;  // sizes only
+  const std::unique_ptr<Codec> cpu_;  // sizes, and Validate for received chunks
   const wire::DataType dtype_;
   const size_t es_;
   const size_t count_;  // the operation's, for the residuals

@@ -1073,7 +1073,7 @@ class CudaDeviceRunner final : public DeviceRunner {
       return absl::InvalidArgumentError(absl::StrCat(
           "opening ", who, " (cudaIpcOpenMemHandle): ", cudaGetErrorName(e),
           ": the descriptor's handle is no CUDA IPC handle of a live allocation on this machine "
-          "(freed, corrupted, or not one)"));
+          "(freed, corrupted, or not one), or ciuicd could not map it"));
     }
     if (e != cudaSuccess) {
       return Cuda(e, absl::StrCat("opening ", who, " (cudaIpcOpenMemHandle)",

@@ -1,7 +1,10 @@
 // ReadyGate: see ready_gate.h.
 #include "cuda/ready_gate.h"
 
+#include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -12,6 +15,22 @@ namespace {
 // `message` after `what` (when there is one).
 std::string About(const std::string& what, absl::string_view message) {
   return what.empty() ? std::string(message) : absl::StrCat(what, ": ", message);
+}
+
+// The waits from `first` on, each named once (a rank's send and receive
+// events are two waits), the first few only: "rank 1's stream, rank 2's
+// stream and 5 more".
+std::string Late(const std::vector<ReadyGate::Wait>& waits, size_t first) {
+  constexpr size_t kNamed = 3;
+  std::vector<std::string> names;
+  for (size_t i = first; i < waits.size(); ++i) {
+    if (std::find(names.begin(), names.end(), waits[i].who) == names.end()) {
+      names.push_back(waits[i].who);
+    }
+  }
+  if (names.size() <= kNamed) return absl::StrJoin(names, ", ");
+  return absl::StrCat(absl::StrJoin(names.begin(), names.begin() + kNamed, ", "), " and ",
+                      names.size() - kNamed, " more");
 }
 
 }  // namespace
@@ -60,18 +79,13 @@ size_t ReadyGate::Poll(Clock::time_point now) {
                 std::move(it->entry.pass),
                 absl::DeadlineExceededError(About(
                     it->entry.what,
-                    absl::StrCat("timed out after ", ms,
+                    absl::StrCat("nothing of the operation ran: timed out after ", ms,
                                  " ms behind an earlier operation of its job that waits for its "
-                                 "ranks' streams to reach its submission; nothing of the "
-                                 "operation ran"))));
+                                 "ranks' streams to reach its submission"))));
             it = q.erase(it);
             --held_;
           }
           break;
-        }
-        std::vector<std::string> late;
-        for (size_t i = h.next_wait; i < h.entry.waits.size(); ++i) {
-          late.push_back(h.entry.waits[i].who);
         }
         const auto ms =
             std::chrono::duration_cast<std::chrono::milliseconds>(now - h.entry.added).count();
@@ -79,10 +93,11 @@ size_t ReadyGate::Poll(Clock::time_point now) {
             h.entry.what,
             // What matters first: a trainer hears at most wire::kMaxMessage
             // bytes of it.
-            absl::StrCat("timed out after ", ms, " ms waiting for ", absl::StrJoin(late, ", "),
-                         " to reach the submission; nothing of the operation ran (the work "
-                         "queued before it on that stream has not finished: a kernel that does "
-                         "not end, or a wait for something that never comes?)")));
+            absl::StrCat("nothing of the operation ran: timed out after ", ms, " ms waiting for ",
+                         Late(h.entry.waits, h.next_wait),
+                         " to reach the submission (the work queued before it on that stream "
+                         "has not finished: a kernel that does not end, or a wait for something "
+                         "that never comes?)")));
       }
       decided.emplace_back(std::move(h.entry.pass), std::move(verdict));
       q.pop_front();

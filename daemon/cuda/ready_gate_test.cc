@@ -147,6 +147,51 @@ TEST(ReadyGateTest, AHeadPastItsDeadlineFailsNamingTheStreamsNotReachedAndTheNex
   EXPECT_TRUE(log.told[1].second.ok());
 }
 
+// Eight ranks not reached (a node's GPUs), each with a send and a receive
+// event, under the longest name a trainer may give (kMaxOpName): the verdict still comes
+// within what the trainer hears, after the engine's "operation '<name>': ".
+TEST(ReadyGateTest, TheTimeoutVerdictFitsWithManyStreamsAndALongName) {
+  ReadyGate gate;
+  Log log;
+  std::vector<ReadyGate::Wait> waits;
+  for (int rank = 16; rank < 24; ++rank) {
+    for (int event = 0; event < 2; ++event) {
+      waits.push_back(
+          WaitOn("rank " + std::to_string(rank) + "'s stream", std::make_shared<Point>()));
+    }
+  }
+  // The device runner names nothing: the engine puts the operation's name
+  // in front.
+  ReadyGate::Entry a = EntryOf("job", "a", &log, std::move(waits), kT0 + 30s);
+  a.what.clear();
+  a.added = kT0;
+  gate.Add(std::move(a));
+  ReadyGate::Entry b =
+      EntryOf("job", "b", &log, {WaitOn("rank 16's stream", std::make_shared<Point>())}, kT0 + 1s);
+  b.what.clear();
+  b.added = kT0;
+  gate.Add(std::move(b));
+  EXPECT_EQ(gate.Poll(kT0 + 1s), 1u);  // b, behind a
+  EXPECT_EQ(gate.Poll(kT0 + 30s), 0u);
+  ASSERT_EQ(log.told.size(), 2u);
+  EXPECT_EQ(log.told[0].first, "b");
+  EXPECT_EQ(log.told[1].first, "a");
+  const std::string prefix = "operation '" + std::string(wire::kMaxOpName, 'n') + "': ";
+  for (const auto& [name, status] : log.told) {
+    const std::string m = prefix + std::string(status.message());
+    const std::string verdict = "nothing of the operation ran";
+    ASSERT_NE(m.find(verdict), std::string::npos) << m;
+    EXPECT_LE(m.find(verdict) + verdict.size(), wire::kMaxMessage) << m;
+  }
+  EXPECT_NE(log.told[0].second.message().find("behind an earlier operation"), std::string::npos)
+      << log.told[0].second;
+  const std::string head(log.told[1].second.message());
+  EXPECT_NE(head.find("30000 ms waiting for rank 16's stream, rank 17's stream, rank 18's stream "
+                      "and 5 more to reach"),
+            std::string::npos)
+      << head;
+}
+
 TEST(ReadyGateTest, AnEntryBehindAHeldHeadFailsAtItsOwnDeadline) {
   ReadyGate gate;
   Log log;

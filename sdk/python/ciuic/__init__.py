@@ -100,8 +100,10 @@ class _CudaArray:
     through its ``__cuda_array_interface__`` (versions 2 and 3): C-contiguous,
     of a ciuic dtype (no bfloat16: the interface has no typestr for it), not
     masked. Its device is the memory's own (cudaPointerGetAttributes); the
-    daemon's work is ordered after its ``stream`` (version 3; absent or
-    None: the data is ready)."""
+    daemon's work is ordered after its ``stream`` (version 3). Absent or
+    None (the data is ready), the work is ordered after the legacy default
+    stream, the SDK's default: correct, though that also waits for work
+    queued on other blocking streams of the device."""
 
     _TYPESTRS = {"<f4": "float32", "<f8": "float64", "<f2": "float16", "|i1": "int8",
                  "<i1": "int8", "|u1": "uint8", "<u1": "uint8", "<i4": "int32", "<i8": "int64"}
@@ -123,7 +125,14 @@ class _CudaArray:
             raise InvalidArgumentError(f"{what}: masked device arrays are not supported")
         itemsize = int(typestr[2:])
         strides = cai.get("strides")
-        if strides is not None:
+        n = 1
+        for d in shape:
+            n *= d
+        if strides is not None and len(tuple(strides)) != len(shape):
+            raise InvalidArgumentError(
+                f"{what}: __cuda_array_interface__ strides {tuple(strides)} do not match "
+                f"shape {shape}")
+        if strides is not None and n:  # an empty array moves nothing: any strides do
             want = itemsize
             for d, st in zip(reversed(shape), reversed(tuple(strides))):
                 if d > 1 and st != want:
@@ -140,14 +149,12 @@ class _CudaArray:
         self.dtype = dtype
         self.ptr = int(ptr or 0)
         self.readonly = bool(readonly)
-        self.stream = int(stream or 0)
-        n = 1
-        for d in shape:
-            n *= d
+        self.stream = int(stream or 0)  # 0: none given
         self._numel = n
-        # An empty array moves nothing: its pointer (often 0) is not looked at.
-        self.index = _ciuic.device_of(self.ptr) if n else 0
-        self.device = f"cuda:{self.index}"
+        # An empty array moves nothing: its pointer (often 0) is not looked
+        # at, and its device (None) is the other argument's.
+        self.index = _ciuic.device_of(self.ptr) if n else None
+        self.device = f"cuda:{self.index}" if n else "cuda (empty)"
 
     def numel(self):
         return self._numel
@@ -541,25 +548,34 @@ class Communicator:
                       name=None, priority=0, timeout=None, compression=None, counts=((), ())):
         """A collective on CUDA tensors: the SDK's device path, ordered after
         the work enqueued so far on torch's current stream of their device."""
-        sp, sdev, sdtype, _ = _device_args(send, f"{collective} input")
-        rp, rdev, rdtype, _ = _device_args(recv, f"{collective} output")
-        if sdev != rdev:
+        sp, sdev, sdtype, sn = _device_args(send, f"{collective} input")
+        rp, rdev, rdtype, rn = _device_args(recv, f"{collective} output")
+        # An empty side moves nothing: the device is the other side's.
+        if sn and rn and sdev != rdev:
             raise InvalidArgumentError(
                 f"{collective}: input on cuda:{sdev}, output on cuda:{rdev}: one device")
+        device = rdev if rn and rdev is not None else sdev
+        if device is None:  # two empty device arrays
+            device = rdev if rdev is not None else 0
         if sdtype != rdtype:
             raise InvalidArgumentError(f"{collective}: input and output dtypes differ")
         if isinstance(recv, _CudaArray) and recv.readonly:
             raise InvalidArgumentError(f"{collective}: the output device array is read-only")
-        if isinstance(recv, _CudaArray) or isinstance(send, _CudaArray):
-            streams = {x.stream for x in (send, recv) if isinstance(x, _CudaArray) and x.stream}
-            if len(streams) > 1:
-                raise InvalidArgumentError(
-                    f"{collective}: input and output are produced on different streams; "
-                    "synchronise one with the other first")
-            stream = streams.pop() if streams else 0
-        else:
-            stream = _torch().cuda.current_stream(rdev).cuda_stream
-        h = self._impl.device_op(collective, sp, rp, device=rdev, count=count, dtype=rdtype,
+        # The streams the arguments are produced on: a device array's own
+        # (none given: no constraint), torch's current one for a tensor.
+        streams = set()
+        for x in (send, recv):
+            if isinstance(x, _CudaArray):
+                if x.stream:
+                    streams.add(0 if x.stream == 1 else x.stream)  # 1: legacy default
+            else:
+                streams.add(_torch().cuda.current_stream(device).cuda_stream)
+        if len(streams) > 1:
+            raise InvalidArgumentError(
+                f"{collective}: input and output are produced on different streams; "
+                "synchronise one with the other first")
+        stream = streams.pop() if streams else 0
+        h = self._impl.device_op(collective, sp, rp, device=device, count=count, dtype=rdtype,
                                  op=op, root=root, stream=stream, name=name or "",
                                  priority=priority, timeout_ms=_timeout_ms(timeout),
                                  compression=compression or "", send_counts=list(counts[0]),
