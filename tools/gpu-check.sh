@@ -50,13 +50,16 @@
 #
 # Environment: CIUIC_GPU_BUILD_DIR (default build-gpu), CIUIC_GPU_BUILD_TYPE
 # (default Release), CIUIC_CUDA_ARCHITECTURES (default "80;90"),
-# CIUIC_GPU_USE_BUNDLE=1 (skip the build and use .gpu-bundle/).
+# CIUIC_GPU_USE_BUNDLE=1 (skip the build and use .gpu-bundle/),
+# CIUIC_GPU_PREBUILT=DIR (skip the build and use the build in DIR as it is:
+# for a dry run of this script on a machine without a GPU against the CUDA
+# emulation's build, build-emu/, whose figures mean nothing).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bundle=$root/.gpu-bundle
 build=${CIUIC_GPU_BUILD_DIR:-$root/build-gpu}
 jobs=$(nproc)
-targets=(cuda_kernels_test cuda_launch_test gpu_info_test cuda_kernels_bench ciuicd ciuicctl ciuic-bench
+targets=(cuda_kernels_test cuda_launch_test gpu_info_test cuda_runtime_test cuda_kernels_bench ciuicd ciuicctl ciuic-bench
          integration_device_test reduce_test codec_test)
 deadline=${CIUIC_GPU_DEADLINE_S:-510}
 
@@ -185,11 +188,21 @@ command -v nvcc >/dev/null && nvcc --version | tail -n 2
 uname -srm; ldd --version 2>&1 | head -n 1
 
 status=0
+dry_run=0
 bin=""
 ctest_dir=""
 say "build (Release, CIUIC_CUDA=ON, -j$jobs)"
 start=$SECONDS
-if [ "${CIUIC_GPU_USE_BUNDLE:-0}" != 1 ] && configure_and_build; then
+if [ -n "${CIUIC_GPU_PREBUILT:-}" ]; then
+  build=$(cd "$CIUIC_GPU_PREBUILT" && pwd) || exit 1
+  bin=$build
+  ctest_dir=$build
+  echo "using the build in $build as it is (CIUIC_GPU_PREBUILT)"
+  if grep -q 'CIUIC_CUDA:STRING=EMULATED' "$build/CMakeCache.txt" 2>/dev/null; then
+    echo "gpu-check: a DRY RUN against the CUDA emulation, at small sizes: no figure below means anything"
+    dry_run=1
+  fi
+elif [ "${CIUIC_GPU_USE_BUNDLE:-0}" != 1 ] && configure_and_build; then
   bin=$build
   ctest_dir=$build
   echo "built in $((SECONDS - start)) s"
@@ -222,6 +235,22 @@ else
 fi
 find_bin() { find "$bin" -name "$1" -type f -perm -u+x | head -n 1; }
 tmp=$(mktemp -d)
+# The sizes: the issue's, or a dry run's (the emulation runs every GPU
+# thread on the CPU).
+kernel_args=(--bytes 256M --reps 15 --inner 10)
+ar_sizes=8,1K,64K,1M,16M,64M,256M,1G
+ar_big=1073741824
+ar_big_name="1 GiB"
+multi_sizes=1M,16M,256M
+a2a_sizes=64K,16M,256M
+if [ "$dry_run" = 1 ]; then
+  kernel_args=(--bytes 4M --reps 3 --inner 1)
+  ar_sizes=8,1K,64K,1M,4M
+  ar_big=4194304
+  ar_big_name="4 MiB"
+  multi_sizes=1M,4M
+  a2a_sizes=64K,1M
+fi
 
 say "CPU references on this CPU (every reduction build it runs; the codecs)"
 grep -o -m 1 -E 'avx512[a-z]*' /proc/cpuinfo | head -n 1 | sed 's/^/has /' || true
@@ -229,7 +258,7 @@ STEP="CPU reductions (reduce_test)" step 120 "$(find_bin reduce_test)" --gtest_b
 STEP="CPU codecs (codec_test)" step 60 "$(find_bin codec_test)" --gtest_brief=1 || status=1
 
 say "kernel benchmark (256 MiB, median of 15, interleaved with the copy)"
-STEP="kernel benchmark" step 120 "$(find_bin cuda_kernels_bench)" --bytes 256M --reps 15 --inner 10 --json |
+STEP="kernel benchmark" step 120 "$(find_bin cuda_kernels_bench)" "${kernel_args[@]}" --json |
   tee "$tmp/kernels.txt" || status=1
 # The copy's bandwidth as the kernel benchmark counts it (bytes read + written).
 copy_gbps=$(grep -o '"copy_gbps": [0-9.]*' "$tmp/kernels.txt" | awk '{print $2}')
@@ -237,9 +266,9 @@ copy_gbps=$(grep -o '"copy_gbps": [0-9.]*' "$tmp/kernels.txt" | awk '{print $2}'
 say "allreduce benchmark: two trainer processes on one GPU through the daemon"
 bench=$(find_bin ciuic-bench)
 STEP="allreduce benchmark, 2 ranks on one GPU" step 150 "$bench" --op allreduce --nodes 1 --ranks-per-node 2 --device cuda \
-  --sizes 8,1K,64K,1M,16M,64M,256M,1G --dtype float32 --iters 10 --warmup 3 --check \
+  --sizes "$ar_sizes" --dtype float32 --iters 10 --warmup 3 --check \
   --ciuicd "$(find_bin ciuicd)" | tee "$tmp/allreduce.txt" || status=1
-algbw=$(awk '$1 == 1073741824 {print $7}' "$tmp/allreduce.txt")
+algbw=$(awk -v big="$ar_big" '$1 == big {print $7}' "$tmp/allreduce.txt")
 if [ -n "$algbw" ] && [ -n "$copy_gbps" ]; then
   # Two definitions of the copy's bandwidth, both printed: bytes read +
   # written (the kernel benchmark's, and bandwidthTest's), and bytes copied
@@ -247,15 +276,15 @@ if [ -n "$algbw" ] && [ -n "$copy_gbps" ]; then
   # writes 2 S at least, so its algbw can reach half the bytes-copied rate:
   # the 50% target, taken against the bytes-copied rate, means running at
   # the copy's memory bandwidth (against read + written it could not exceed 25%).
-  awk -v a="$algbw" -v c="$copy_gbps" 'BEGIN {
-    printf "1 GiB allreduce algbw %.1f GB/s\n", a
+  awk -v a="$algbw" -v c="$copy_gbps" -v size="$ar_big_name" 'BEGIN {
+    printf "%s allreduce algbw %.1f GB/s\n", size, a
     printf "d2d copy: %.1f GB/s read + written = %.1f GB/s copied\n", c, c / 2
     printf "algbw / copy (copied): %.0f%%; algbw / copy (read + written): %.0f%%\n", 200 * a / c, 100 * a / c
-    printf "target: 1 GiB allreduce algbw >= 50%% of the d2d copy (bytes copied per second): %s\n",
+    printf "target: %s allreduce algbw >= 50%% of the d2d copy (bytes copied per second): %s\n", size,
            200 * a / c >= 50 ? "MET" : "NOT MET"
   }' | tee "$tmp/allreduce-target.txt"
 else
-  echo "no 1 GiB allreduce figure (or no copy figure): see the output above"
+  echo "no $ar_big_name allreduce figure (or no copy figure): see the output above"
   status=1
 fi
 
@@ -273,6 +302,7 @@ else
   CIUICD_FOR_TESTS="$(find_bin ciuicd)" STEP="device buffers through the daemon (integration_device_test)" step 150 "$(find_bin integration_device_test)" \
     --gtest_brief=1 --gtest_filter=-DeviceBuffersTest.ClearErrorWithoutCuda || status=1
   step 30 "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
+  step 30 "$(find_bin cuda_runtime_test)" --gtest_brief=1 || status=1
   step 30 "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
 fi
 unset CIUIC_REQUIRE_GPU
@@ -339,7 +369,7 @@ ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/
 if [ -n "$ncu_bin" ]; then
   STEP="Nsight Compute" step 90 "$ncu_bin" --clock-control none --section SpeedOfLight --launch-count 40 \
     --kernel-name 'regex:Reduce|Int8|Cast|Scan' \
-    "$(find_bin cuda_kernels_bench)" --bytes 256M --reps 1 --inner 1 2>&1 |
+    "$(find_bin cuda_kernels_bench)" "${kernel_args[0]}" "${kernel_args[1]}" --reps 1 --inner 1 2>&1 |
     grep -E '^  [A-Za-z].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|==ERR|==WARNING' ||
     echo "(no ncu figures)"
 else
@@ -367,7 +397,7 @@ for run in "cuda none" "cpu none" "cuda int8" "cpu int8"; do
   set -- $run
   echo "--device $1 --compression $2"
   STEP="multi-node allreduce --device $1 --compression $2" step 60 "$bench" --op allreduce --nodes 2 --ranks-per-node 1 --device "$1" \
-    --compression "$2" --sizes 1M,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
+    --compression "$2" --sizes "$multi_sizes" --dtype float32 --iters 5 --warmup 2 --check \
     --ciuicd "$(find_bin ciuicd)" || status=1
 done
 
@@ -377,7 +407,7 @@ for op in alltoall alltoallv; do
   for device in cuda cpu; do
     echo "--op $op --device $device"
     STEP="multi-node $op --device $device" step 60 "$bench" --op "$op" --nodes 2 --ranks-per-node 2 --device "$device" \
-      --sizes 64K,16M,256M --dtype float32 --iters 5 --warmup 2 --check \
+      --sizes "$a2a_sizes" --dtype float32 --iters 5 --warmup 2 --check \
       --ciuicd "$(find_bin ciuicd)" || status=1
   done
 done

@@ -12,9 +12,28 @@ absl::Status Cuda(cudaError_t e, absl::string_view what) {
   return gpu::CudaStatus(static_cast<int>(e), what);
 }
 
-absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what) {
+bool WakeWhenReached(const std::shared_ptr<DeviceWaker>& waker, cudaStream_t stream) {
+  auto* hold = new std::shared_ptr<DeviceWaker>(waker);
+  const cudaError_t e = cudaLaunchHostFunc(
+      stream,
+      [](void* data) {
+        // On CUDA's host-function thread: no CUDA call here.
+        auto* w = static_cast<std::shared_ptr<DeviceWaker>*>(data);
+        (*w)->Wake();
+        delete w;
+      },
+      hold);
+  if (e == cudaSuccess) return true;
+  // (A stream whose context broke never runs it: that hold stays.)
+  delete hold;
+  cudaGetLastError();
+  return false;
+}
+
+absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what, DeviceWaker* waker) {
   const auto start = std::chrono::steady_clock::now();
   while (true) {
+    const uint64_t seen = waker != nullptr ? waker->generation() : 0;
     const cudaError_t e = cudaEventQuery(event);
     if (e == cudaSuccess) return absl::OkStatus();
     if (e != cudaErrorNotReady) return Cuda(e, what);
@@ -23,6 +42,8 @@ absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what) {
     cudaGetLastError();
     if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) {
       std::this_thread::yield();
+    } else if (waker != nullptr) {
+      waker->WaitFor(seen, std::chrono::milliseconds(1));
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -38,7 +59,11 @@ absl::Status WaitForStream(cudaStream_t stream, cudaEvent_t* event, absl::string
     }
   }
   if (absl::Status s = Cuda(cudaEventRecord(*event, stream), "cudaEventRecord"); !s.ok()) return s;
-  return WaitForEvent(*event, what);
+  // One waker a thread: a wake left from an earlier wait only makes this
+  // one look again.
+  thread_local const std::shared_ptr<DeviceWaker> waker = std::make_shared<DeviceWaker>();
+  const bool woken = WakeWhenReached(waker, stream);
+  return WaitForEvent(*event, what, woken ? waker.get() : nullptr);
 }
 
 }  // namespace ciuic::daemon

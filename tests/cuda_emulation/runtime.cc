@@ -118,6 +118,7 @@ struct EventState {
   struct Counters {
     std::atomic<uint64_t> recorded{0};
     std::atomic<uint64_t> completed{0};
+    std::atomic<int64_t> completed_ns{0};  // steady clock, at the last completion (timing)
   };
   Counters* counters = nullptr;
   int fd = -1;  // interprocess: the memfd holding the counters
@@ -1087,8 +1088,28 @@ cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   const uint64_t seq = st->counters->recorded.fetch_add(1) + 1;
   s->Enqueue([st, seq] {
     if (G().sticky.load() != cudaSuccess) return;  // never completes in a broken context
+    st->counters->completed_ns.store(std::chrono::steady_clock::now().time_since_epoch() /
+                                     std::chrono::nanoseconds(1));
     st->Complete(seq);
   });
+  return cudaSuccess;
+}
+
+// The milliseconds between the completions of two timing events' latest
+// records (host time on the stream threads: nothing to read as GPU speed).
+cudaError_t CUDARTAPI cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (cudaError_t e = Check(); e != cudaSuccess) return e;
+  if (ms == nullptr) return Ret(cudaErrorInvalidValue);
+  if (!LiveEvent(start) || !LiveEvent(end)) return Ret(cudaErrorInvalidResourceHandle);
+  if ((start->flags | end->flags) & cudaEventDisableTiming) {
+    return Ret(cudaErrorInvalidResourceHandle);  // as on a GPU
+  }
+  const auto& a = *start->state->counters;
+  const auto& b = *end->state->counters;
+  if (a.recorded.load() == 0 || b.recorded.load() == 0) return Ret(cudaErrorInvalidResourceHandle);
+  if (!start->state->Done() || !end->state->Done()) return cudaErrorNotReady;
+  *ms =
+      static_cast<float>(static_cast<double>(b.completed_ns.load() - a.completed_ns.load()) / 1e6);
   return cudaSuccess;
 }
 
