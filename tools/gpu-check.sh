@@ -98,6 +98,11 @@ step() {
   name=${STEP:-$(basename "$1")}
   left=$((deadline - SECONDS))
   [ "$left" -lt "$cap" ] && cap=$left
+  if [ -z "$1" ]; then
+    echo "NOT BUILT: $name (no such binary in $bin)"
+    echo "$name: FAILED (not built)" >>"$summary"
+    return 1
+  fi
   if [ "$cap" -lt 15 ]; then
     echo "SKIPPED (out of time, $SECONDS s in): $*"
     echo "$name: SKIPPED (out of time)" >>"$summary"
@@ -281,7 +286,7 @@ if [ -n "$algbw" ] && [ -n "$copy_gbps" ]; then
     printf "d2d copy: %.1f GB/s read + written = %.1f GB/s copied\n", c, c / 2
     printf "algbw / copy (copied): %.0f%%; algbw / copy (read + written): %.0f%%\n", 200 * a / c, 100 * a / c
     printf "target: %s allreduce algbw >= 50%% of the d2d copy (bytes copied per second): %s\n", size,
-           200 * a / c >= 50 ? "MET" : "NOT MET"
+           (200 * a / c >= 50 ? "MET" : "NOT MET")  # in parentheses: a bare > is a redirection
   }' | tee "$tmp/allreduce-target.txt"
 else
   echo "no $ar_big_name allreduce figure (or no copy figure): see the output above"
@@ -331,8 +336,9 @@ python_from_bundle() {
 pytest_args=(-q -rs -p no:cacheprovider)
 python3 -c 'import pytest_timeout' 2>/dev/null && pytest_args+=(--timeout=100)
 export PYTHONUNBUFFERED=1
-if ! STEP="torch sees a GPU" step 60 python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if ! timeout -k 10 60 python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "NOT RUN: $(command -v python3) has no torch that sees a GPU"
+  echo "Python CUDA tests: NOT RUN (no torch that sees a GPU)" >>"$summary"
 elif [ -n "$ctest_dir" ]; then
   if STEP="Python extension build" step 200 cmake --build "$build" -j "$jobs" --target _ciuic ciuic_python >"$build/python-build.log" 2>&1; then
     PYTHONPATH="$build/python" CIUICD="$(find_bin ciuicd)" STEP="Python test_cuda.py" step 150 \

@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device_coder.h"
@@ -107,6 +108,43 @@ class Queue {
 };
 
 using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// The single-node operations' completion events, kept for reuse: taken on
+// the submit thread, given back by the completion thread once complete
+// (an event whose record or query failed is destroyed instead).
+class EventPool {
+ public:
+  EventPool() = default;
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+  ~EventPool() {
+    for (auto& [device, events] : free_) {
+      cudaSetDevice(device);
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+    }
+  }
+  // An event of `device` (the current one), without timing.
+  cudaError_t Take(int device, cudaEvent_t* out) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& events = free_[device];
+      if (!events.empty()) {
+        *out = events.back();
+        events.pop_back();
+        return cudaSuccess;
+      }
+    }
+    return cudaEventCreateWithFlags(out, cudaEventDisableTiming);
+  }
+  void Give(int device, cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_[device].push_back(e);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, std::vector<cudaEvent_t>> free_;
+};
 
 // Pinned host buffers for staging, allocated once and reused: a released
 // buffer goes back here (from any thread) and serves a later request of at
@@ -601,7 +639,11 @@ class CudaDeviceRunner final : public DeviceRunner {
             continue;
           }
           s = Cuda(e, "the operation's device work");
-          cudaEventDestroy(it->event);
+          if (e == cudaSuccess) {
+            completion_events_.Give(it->device, it->event);
+          } else {
+            cudaEventDestroy(it->event);
+          }
         }
         if (!it->status.ok()) s = it->status;
         it->holds.clear();  // before the ranks hear (they may free their buffers then)
@@ -703,7 +745,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     if (s.ok()) s = Steps(run.sig, run.steps, run.stream);
     if (s.ok()) s = Steps(run.sig, run.mirrors.out, run.stream);
     run.FreeScratch();  // after the work, on its stream
-    if (s.ok()) s = Finish(run.stream, &c->event);
+    if (s.ok()) s = Finish(run.device, run.stream, &c->event);
     if (s.ok()) {
       // Work long enough to outlast the completion thread's yielding wakes
       // it when it ends (small operations' streams do without the host
@@ -716,7 +758,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     if (c->event != nullptr) cudaEventDestroy(c->event);
     c->event = nullptr;
     c->status = s;
-    if (Finish(run.stream, &c->event).ok()) return;  // c->event is recorded
+    if (Finish(run.device, run.stream, &c->event).ok()) return;  // c->event is recorded
     if (c->event != nullptr) cudaEventDestroy(c->event);
     c->event = nullptr;
     cudaStreamSynchronize(run.stream);
@@ -899,9 +941,10 @@ class CudaDeviceRunner final : public DeviceRunner {
     return Cuda(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
   }
 
-  // Records the event that tells the completion thread the work is done.
-  static absl::Status Finish(cudaStream_t stream, cudaEvent_t* event) {
-    cudaError_t e = cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+  // Records the event that tells the completion thread the work is done
+  // (one of `device`'s, the current one, from the pool).
+  absl::Status Finish(int device, cudaStream_t stream, cudaEvent_t* event) {
+    cudaError_t e = completion_events_.Take(device, event);
     if (e != cudaSuccess) {
       *event = nullptr;
       return Cuda(e, "cudaEventCreateWithFlags");
@@ -1216,6 +1259,7 @@ class CudaDeviceRunner final : public DeviceRunner {
   const std::shared_ptr<PinnedPool> pool_ = std::make_shared<PinnedPool>();
   Queue<std::function<void()>> tasks_;
   Queue<Completion> completions_;
+  EventPool completion_events_;
   // Woken by the host functions behind large operations and by every new
   // completion (PushCompletion).
   const std::shared_ptr<DeviceWaker> completion_waker_ = std::make_shared<DeviceWaker>();
