@@ -29,6 +29,6 @@ if [ ! -f "$emu/build.ninja" ]; then
     -DPython_EXECUTABLE=/usr/bin/python3 -DCIUIC_CUDA=EMULATED -DCIUIC_WITH_MPI_BASELINE=OFF
 fi
 # Only what the device tests run.
-cmake --build "$emu" -j "${CIUIC_JOBS:-2}" --target integration_device_test cuda_kernels_test cuda_runtime_test ciuic-bench ciuicd ciuicctl ciuic_python
+cmake --build "$emu" -j "${CIUIC_JOBS:-2}" --target integration_device_test cuda_kernels_test cuda_runtime_test cuda_emulation_simt_test ciuic-bench ciuicd ciuicctl ciuic_python
 cd "$emu"
 ctest --output-on-failure --timeout 900 -j "${CIUIC_JOBS:-2}" -L gpu

@@ -181,6 +181,7 @@ struct Range {
   uintptr_t base = 0;
   size_t bytes = 0;   // what was asked for (cuMemGetAddressRange's size)
   size_t mapped = 0;  // page-rounded
+  size_t lead = 0;    // device memory: where in its mapping it starts (MapTwice)
   char* alias = nullptr;
   int device = -1;     // the owner's device (pinned: -1)
   int opened_on = -1;  // kOpened: the device whose context opened it
@@ -420,17 +421,31 @@ cudaError_t Memset(void* p, int value, size_t count, cudaStream_t stream, bool s
   return cudaSuccess;
 }
 
-// Maps `fd` twice (see the top of the file).
-cudaError_t MapTwice(int fd, size_t mapped, uintptr_t* base, char** alias) {
-  void* dev = mmap(nullptr, mapped, PROT_NONE, MAP_SHARED, fd, 0);
+// The inaccessible page after every host alias of device memory.
+constexpr size_t kGuardBytes = 4096;
+
+// Maps `fd`, device memory of r->bytes, twice (see the top of the file):
+// sets r->mapped, r->lead, r->base and r->alias. The memory ends where its
+// mapping does, rounded up to 256 bytes (cudaMalloc's alignment), and a
+// guard page follows the alias: a kernel or copy that runs past an
+// allocation faults (SIGSEGV) instead of touching other memory.
+cudaError_t MapTwice(int fd, Range* r) {
+  r->mapped = PageRound(r->bytes);
+  r->lead = r->mapped - ((r->bytes + 255) & ~size_t{255});
+  void* dev = mmap(nullptr, r->mapped, PROT_NONE, MAP_SHARED, fd, 0);
   if (dev == MAP_FAILED) return cudaErrorMemoryAllocation;
-  void* host = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* reserve = mmap(nullptr, r->mapped + kGuardBytes, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* host = reserve == MAP_FAILED ? MAP_FAILED
+                                     : mmap(reserve, r->mapped, PROT_READ | PROT_WRITE,
+                                            MAP_SHARED | MAP_FIXED, fd, 0);
   if (host == MAP_FAILED) {
-    munmap(dev, mapped);
+    if (reserve != MAP_FAILED) munmap(reserve, r->mapped + kGuardBytes);
+    munmap(dev, r->mapped);
     return cudaErrorMemoryAllocation;
   }
-  *base = reinterpret_cast<uintptr_t>(dev);
-  *alias = static_cast<char*>(host);
+  r->base = reinterpret_cast<uintptr_t>(dev) + r->lead;
+  r->alias = static_cast<char*>(host) + r->lead;
   return cudaSuccess;
 }
 
@@ -439,8 +454,8 @@ void Unmap(const Range& r) {
     munmap(reinterpret_cast<void*>(r.base), r.mapped);
     return;
   }
-  munmap(reinterpret_cast<void*>(r.base), r.mapped);
-  munmap(r.alias, r.mapped);
+  munmap(reinterpret_cast<void*>(r.base - r.lead), r.mapped);
+  munmap(r.alias - r.lead, r.mapped + kGuardBytes);
   if (r.fd >= 0) close(r.fd);
 }
 
@@ -464,7 +479,7 @@ cudaError_t Allocate(void** out, size_t size, Kind kind) {
     close(fd);
     return Ret(cudaErrorMemoryAllocation);
   }
-  if (cudaError_t e = MapTwice(fd, r.mapped, &r.base, &r.alias); e != cudaSuccess) {
+  if (cudaError_t e = MapTwice(fd, &r); e != cudaSuccess) {
     close(fd);
     return Ret(e);
   }
@@ -1219,7 +1234,7 @@ cudaError_t CUDARTAPI cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle,
   r.opened_on = t_device;
   r.kind = Kind::kOpened;
   r.id = h.id;
-  const cudaError_t e = MapTwice(fd, r.mapped, &r.base, &r.alias);
+  const cudaError_t e = MapTwice(fd, &r);
   close(fd);
   if (e != cudaSuccess) return Ret(cudaErrorMapBufferObjectFailed);
   std::lock_guard<std::mutex> lock(G().mu);
