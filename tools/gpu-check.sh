@@ -17,7 +17,8 @@
 #      through the daemon on one and two nodes), the CPU-side CUDA tests, and
 #      the Python CUDA-tensor tests where torch has CUDA (with the bundle, the
 #      extension is compiled there for its python3);
-#   6. compute-sanitizer's memcheck over the kernel tests, and Nsight
+#   6. compute-sanitizer's memcheck over the kernel tests (racecheck and
+#      synccheck over the top-k and int8 ones), and Nsight
 #      Compute's time and memory throughput of each benchmarked kernel;
 #   7. for information: multi-node allreduce (device vs host, uncompressed
 #      and int8), alltoall and alltoallv (device vs host) through two daemons.
@@ -306,9 +307,9 @@ else
   STEP="GPU kernel tests" step 150 "$(find_bin cuda_kernels_test)" --gtest_brief=1 || status=1
   CIUICD_FOR_TESTS="$(find_bin ciuicd)" STEP="device buffers through the daemon (integration_device_test)" step 150 "$(find_bin integration_device_test)" \
     --gtest_brief=1 --gtest_filter=-DeviceBuffersTest.ClearErrorWithoutCuda || status=1
-  step 30 "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
-  step 30 "$(find_bin cuda_runtime_test)" --gtest_brief=1 || status=1
-  step 30 "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
+  STEP=cuda_launch_test step 30 "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
+  STEP=cuda_runtime_test step 30 "$(find_bin cuda_runtime_test)" --gtest_brief=1 || status=1
+  STEP=gpu_info_test step 30 "$(find_bin gpu_info_test)" --gtest_brief=1 || status=1
 fi
 unset CIUIC_REQUIRE_GPU
 
@@ -380,6 +381,16 @@ if [ -n "$ncu_bin" ]; then
     echo "(no ncu figures)"
 else
   echo "NOT RUN: no ncu here"
+fi
+
+# What the CUDA emulation cannot show (its fibers run until they wait):
+# shared-memory races and barrier misuse, in the kernels that use them
+# (top-k's histogram, int8's warp shuffles).
+if [ -n "$sanitizer" ]; then
+  for tool in racecheck synccheck; do
+    STEP="compute-sanitizer $tool" step 60 "$sanitizer" --tool "$tool" --error-exitcode 3 --print-limit 20 \
+      "$(find_bin cuda_kernels_test)" --gtest_brief=1 '--gtest_filter=*TopKMatches*:*Int8Matches*' || status=1
+  done
 fi
 
 say "daemon status on this machine"

@@ -30,10 +30,17 @@ bool WakeWhenReached(const std::shared_ptr<DeviceWaker>& waker, cudaStream_t str
   return false;
 }
 
-absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what, DeviceWaker* waker) {
+namespace {
+
+// WaitForEvent's loop; with `stream`, the host function that wakes `waker`
+// is enqueued on it only once the yielding is over (work that ends within
+// it goes without one: the stream waits for a host function).
+absl::Status Wait(cudaEvent_t event, absl::string_view what, cudaStream_t stream,
+                  const std::shared_ptr<DeviceWaker>& waker, DeviceWaker* given) {
   const auto start = std::chrono::steady_clock::now();
+  DeviceWaker* w = given;
   while (true) {
-    const uint64_t seen = waker != nullptr ? waker->generation() : 0;
+    const uint64_t seen = w != nullptr ? w->generation() : 0;
     const cudaError_t e = cudaEventQuery(event);
     if (e == cudaSuccess) return absl::OkStatus();
     if (e != cudaErrorNotReady) return Cuda(e, what);
@@ -42,12 +49,24 @@ absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what, DeviceWaker
     cudaGetLastError();
     if (std::chrono::steady_clock::now() - start < std::chrono::microseconds(200)) {
       std::this_thread::yield();
-    } else if (waker != nullptr) {
-      waker->WaitFor(seen, std::chrono::milliseconds(1));
+      continue;
+    }
+    if (w == nullptr && stream != nullptr && WakeWhenReached(waker, stream)) {
+      w = waker.get();
+      continue;  // look again (the wake may already have come): then wait for it
+    }
+    if (w != nullptr) {
+      w->WaitFor(seen, std::chrono::milliseconds(1));
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
+}
+
+}  // namespace
+
+absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what, DeviceWaker* waker) {
+  return Wait(event, what, nullptr, nullptr, waker);
 }
 
 absl::Status WaitForStream(cudaStream_t stream, cudaEvent_t* event, absl::string_view what) {
@@ -62,8 +81,7 @@ absl::Status WaitForStream(cudaStream_t stream, cudaEvent_t* event, absl::string
   // One waker a thread: a wake left from an earlier wait only makes this
   // one look again.
   thread_local const std::shared_ptr<DeviceWaker> waker = std::make_shared<DeviceWaker>();
-  const bool woken = WakeWhenReached(waker, stream);
-  return WaitForEvent(*event, what, woken ? waker.get() : nullptr);
+  return Wait(*event, what, stream, waker, nullptr);
 }
 
 }  // namespace ciuic::daemon

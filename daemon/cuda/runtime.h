@@ -69,8 +69,9 @@ bool WakeWhenReached(const std::shared_ptr<DeviceWaker>& waker, cudaStream_t str
 absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what, DeviceWaker* waker = nullptr);
 
 // Records `*event` on `stream` (creating it the first time, without
-// timing) and waits for it, woken by a host function behind it: everything
-// enqueued on `stream` so far is done.
+// timing) and waits for it: everything enqueued on `stream` so far is done.
+// Past the first 200 us it enqueues a host function that wakes it
+// (WakeWhenReached) and waits for that wake.
 absl::Status WaitForStream(cudaStream_t stream, cudaEvent_t* event, absl::string_view what);
 
 }  // namespace ciuic::daemon

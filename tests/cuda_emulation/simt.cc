@@ -4,7 +4,9 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <bit>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -66,6 +68,20 @@ constexpr size_t kGuardBytes = 4096;
 constexpr size_t kSlotBytes = kStackBytes + kGuardBytes;
 
 enum class State : uint8_t { kRunnable, kAtSync, kAtShuffle, kEnded };
+
+// The seed of the threads' orders: CIUIC_CUDA_EMULATION_SEED, else the
+// time, so that each run tries other orders; faults name it, so that a
+// failing order can be tried again (with the same executors in the same
+// order, the same sequences).
+uint64_t SeedBase() {
+  static const uint64_t base = [] {
+    const char* env = std::getenv("CIUIC_CUDA_EMULATION_SEED");
+    if (env != nullptr && *env != '\0')
+      return static_cast<uint64_t>(std::strtoull(env, nullptr, 0));
+    return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }();
+  return base;
+}
 
 // A GPU thread.
 struct Thread {
@@ -283,7 +299,18 @@ class Executor {
   }
 
   static std::string Where(const char* kernel, unsigned b) {
-    return std::string("kernel ") + kernel + ", block " + std::to_string(b);
+    return std::string("kernel ") + kernel + ", block " + std::to_string(b) +
+           " (thread orders from CIUIC_CUDA_EMULATION_SEED=" + std::to_string(SeedBase()) + ")";
+  }
+
+  // Each executor's own sequence of the process's seed (SeedBase).
+  static uint64_t Seed() {
+    static std::atomic<uint64_t> executors{0};
+    const uint64_t n = executors.fetch_add(1);
+    uint64_t z = SeedBase() + 0x9e3779b97f4a7c15ull * (n + 1);  // splitmix64
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (z ^ (z >> 31)) | 1;
   }
 
   uint64_t NextRandom() {  // xorshift64
@@ -308,7 +335,7 @@ class Executor {
   Thread* current_ = nullptr;
   Dim block_idx_, block_dim_, grid_dim_;
   const std::function<void()>* body_ = nullptr;
-  uint64_t rng_ = 0x9e3779b97f4a7c15ull;
+  uint64_t rng_ = Seed();
 };
 
 // initial-exec: the kernels ask for their coordinates at every step, and

@@ -13,7 +13,9 @@
 // them: a device fault (cuda_emulation::Fault) or a launch error.
 //
 // __shared__ variables are thread_local: the stream's thread runs one block
-// at a time. Kernel arguments that are pointers, and pointer-sized words of
+// at a time (so they start as zeros, or as the last block left them, where
+// a GPU's start as garbage: a kernel that reads shared memory it did not
+// write is not caught here). Kernel arguments that are pointers, and pointer-sized words of
 // argument structs that hold device addresses, are mapped to the memory's
 // host alias when the launch runs (cuda_emulation::Access's rules).
 #pragma once
@@ -56,18 +58,39 @@ uint64_t ShuffleXor(unsigned mask, uint64_t bits, unsigned lane_mask);
 bool RunGrid(const char* kernel, unsigned grid, unsigned block,
              const std::function<void()>& thread);
 
+// A struct that is nothing but an array of pointers named `ptr` (the
+// reduction's inputs and outputs): every non-null entry is a pointer
+// argument, checked as one.
+template <typename T>
+concept PointerArray = requires {
+  T::ptr;
+}
+&&std::is_array_v<decltype(T::ptr)>&&
+        std::is_pointer_v<std::remove_all_extents_t<decltype(T::ptr)>> &&
+    sizeof(T) == sizeof(decltype(T::ptr));
+
+template <typename P>
+bool TranslatePointer(P& p, int device, const char* kernel, int index) {
+  if (p == nullptr) return true;
+  bool known = false;
+  void* h = TranslateArgument(p, device, &known);
+  if (h == nullptr || !known) {
+    Fault(std::string("kernel ") + kernel + ": argument " + std::to_string(index) +
+          " points at memory device " + std::to_string(device) + " cannot reach");
+    return false;
+  }
+  p = reinterpret_cast<P>(h);
+  return true;
+}
+
 template <typename T>
 bool TranslateOne(T& v, int device, const char* kernel, int index) {
   if constexpr (std::is_pointer_v<T>) {
-    if (v == nullptr) return true;
-    bool known = false;
-    void* h = TranslateArgument(v, device, &known);
-    if (h == nullptr || !known) {
-      Fault(std::string("kernel ") + kernel + ": argument " + std::to_string(index) +
-            " points at memory device " + std::to_string(device) + " cannot reach");
-      return false;
+    return TranslatePointer(v, device, kernel, index);
+  } else if constexpr (PointerArray<T>) {
+    for (auto& p : v.ptr) {
+      if (!TranslatePointer(p, device, kernel, index)) return false;
     }
-    v = reinterpret_cast<T>(h);
   } else if constexpr (std::is_class_v<T>) {
     static_assert(std::is_trivially_copyable_v<T>, "kernel arguments are copied bytes");
     auto* bytes = reinterpret_cast<unsigned char*>(&v);

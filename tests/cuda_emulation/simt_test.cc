@@ -57,6 +57,12 @@ __global__ void DivergentKernel(unsigned* out) {
 
 __global__ void WriteAtKernel(unsigned char* p, size_t at) { p[at] = 1; }
 
+// Pointers passed in a struct, as the reduction passes its inputs.
+struct Pointers {
+  const unsigned* ptr[4];
+};
+__global__ void FirstOfKernel(Pointers in, unsigned* out) { out[threadIdx.x] = in.ptr[0][0]; }
+
 class SimtTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess); }
@@ -164,6 +170,16 @@ TEST_F(SimtDeathTest, APointerTheDeviceCannotReachIsAFault) {
   EXPECT_EXIT(ExpectFault([](unsigned*, cudaStream_t s) {
                 static unsigned host[64];  // pageable host memory
                 CIUIC_LAUNCH(1, 64, s, XorKernel)(host, 1);
+              }),
+              ::testing::ExitedWithCode(0), "argument 0 points at memory device 0 cannot reach");
+}
+
+TEST_F(SimtDeathTest, APointerInAnArgumentStructIsCheckedAsOne) {
+  EXPECT_EXIT(ExpectFault([](unsigned* d, cudaStream_t s) {
+                static unsigned host[4] = {7, 7, 7, 7};  // pageable host memory
+                Pointers in{};
+                in.ptr[0] = host;
+                CIUIC_LAUNCH(1, 4, s, FirstOfKernel)(in, d);
               }),
               ::testing::ExitedWithCode(0), "argument 0 points at memory device 0 cannot reach");
 }

@@ -562,9 +562,12 @@ class Communicator:
         if isinstance(recv, _CudaArray) and recv.readonly:
             raise InvalidArgumentError(f"{collective}: the output device array is read-only")
         # The streams the arguments are produced on: a device array's own
-        # (none given: no constraint), torch's current one for a tensor.
+        # (none given: no constraint), torch's current one for a tensor; an
+        # empty side moves nothing and constrains nothing.
         streams = set()
-        for x in (send, recv):
+        for x, n in ((send, sn), (recv, rn)):
+            if not n:
+                continue
             if isinstance(x, _CudaArray):
                 if x.stream:
                     streams.add(0 if x.stream == 1 else x.stream)  # 1: legacy default

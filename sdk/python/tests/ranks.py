@@ -949,11 +949,20 @@ def cai_collectives(ctx, dtype, seed):
             a.free()
         arrays.clear()
     # alltoallv where the last rank sends nothing: its input is an empty
-    # array (no device of its own), its output is on its device.
+    # array as CuPy and Numba make them (data pointer 0, so no device of
+    # its own, and a stream that is not the output's), its output is on its
+    # device.
     sizes = [[0 if i == w - 1 else 2 + j for j in range(w)] for i in range(w)]
     rows = [values(seed + 5, q, sum(sizes[q]), dtype) for q in range(w)]
-    inp = dev(rows[r], sum(sizes[r]))
-    out = dev(None, sum(sizes[i][r] for i in range(w)))
+
+    class Empty:
+        __cuda_array_interface__ = {"shape": (0,), "typestr": np.dtype(dtype).str,
+                                    "data": (0, False), "version": 3, "strides": None,
+                                    "stream": stream}
+
+    inp = Empty() if r == w - 1 else dev(rows[r], sum(sizes[r]))
+    out = DeviceArray(rt, sum(sizes[i][r] for i in range(w)), dtype, 1)  # on the legacy stream
+    arrays.append(out)
     ctx.comm.alltoall(out, inp, output_split_sizes=[sizes[i][r] for i in range(w)],
                       input_split_sizes=sizes[r], name=ctx.name(f"cai.a2av0.{dtype}"))
     want = np.concatenate([rows[i][sum(sizes[i][:r]):sum(sizes[i][:r + 1])] for i in range(w)])
