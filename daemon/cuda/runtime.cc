@@ -36,9 +36,9 @@ namespace {
 // is enqueued on it only once the yielding is over (work that ends within
 // it goes without one: the stream waits for a host function).
 absl::Status Wait(cudaEvent_t event, absl::string_view what, cudaStream_t stream,
-                  const std::shared_ptr<DeviceWaker>& waker, DeviceWaker* given) {
+                  const std::shared_ptr<DeviceWaker>& waker) {
   const auto start = std::chrono::steady_clock::now();
-  DeviceWaker* w = given;
+  DeviceWaker* w = nullptr;  // once its host function is enqueued
   while (true) {
     const uint64_t seen = w != nullptr ? w->generation() : 0;
     const cudaError_t e = cudaEventQuery(event);
@@ -65,8 +65,8 @@ absl::Status Wait(cudaEvent_t event, absl::string_view what, cudaStream_t stream
 
 }  // namespace
 
-absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what, DeviceWaker* waker) {
-  return Wait(event, what, nullptr, nullptr, waker);
+absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what) {
+  return Wait(event, what, nullptr, nullptr);
 }
 
 absl::Status WaitForStream(cudaStream_t stream, cudaEvent_t* event, absl::string_view what) {
@@ -81,7 +81,7 @@ absl::Status WaitForStream(cudaStream_t stream, cudaEvent_t* event, absl::string
   // One waker a thread: a wake left from an earlier wait only makes this
   // one look again.
   thread_local const std::shared_ptr<DeviceWaker> waker = std::make_shared<DeviceWaker>();
-  return Wait(*event, what, stream, waker, nullptr);
+  return Wait(*event, what, stream, waker);
 }
 
 }  // namespace ciuic::daemon

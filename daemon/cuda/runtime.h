@@ -62,11 +62,10 @@ class DeviceWaker {
 bool WakeWhenReached(const std::shared_ptr<DeviceWaker>& waker, cudaStream_t stream);
 
 // OK once `event` (recorded on some stream) has completed; the CUDA error,
-// as a status naming `what`, if the work before it failed. With `waker`
-// (woken when the event's stream gets past it: WakeWhenReached after the
-// record), the wait after the first 200 us of yielding is for its wake
-// (and at most 1 ms between looks); without, in sleeps of 50 us.
-absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what, DeviceWaker* waker = nullptr);
+// as a status naming `what`, if the work before it failed. After the first
+// 200 us of yielding it sleeps in 50 us steps (the stream is not known
+// here: WaitForStream is woken instead).
+absl::Status WaitForEvent(cudaEvent_t event, absl::string_view what);
 
 // Records `*event` on `stream` (creating it the first time, without
 // timing) and waits for it: everything enqueued on `stream` so far is done.

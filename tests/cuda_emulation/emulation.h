@@ -1,4 +1,5 @@
-// The CUDA emulation's inside, for its host kernels (kernels.cc): a stream
+// The CUDA emulation's inside, for its SIMT executor (simt.h) and its CUB
+// shim (include/cub): a stream
 // to run work on, and what a device may touch. See README.md.
 #pragma once
 
