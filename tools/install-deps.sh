@@ -12,6 +12,7 @@ packages=(
   pybind11-dev python3-dev python3-numpy python3-torch python3-matplotlib python3-pytest
   openmpi-bin libopenmpi-dev
   iproute2 procps
+  clang libclang-rt-14-dev
 )
 
 missing=()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs, builds and runs every test: unit tests, integration tests with
 # real daemons and trainer processes, the Python SDK tests and the
-# benchmark smoke test. Then, where the CUDA toolkit's headers are, the
+# benchmark smoke test. Then the fuzz targets under libFuzzer, briefly
+# (tools/fuzz.sh). Then, where the CUDA toolkit's headers are, the
 # device (CUDA) buffer tests against the CUDA emulation
 # (tests/cuda_emulation) in a second build, build-emu/ (or
 # $CIUIC_EMU_BUILD_DIR). Arguments go to the first ctest, and then only it
@@ -13,6 +14,10 @@ bash "$root/tools/build.sh"
 cd "$build"
 ctest --output-on-failure --timeout 900 "$@"
 [ $# -eq 0 ] || exit 0
+
+# The fuzz targets (tests/fuzz) under libFuzzer and the sanitizers, 20 s
+# each with a fixed seed: a second build, build-fuzz/ (clang).
+bash "$root/tools/fuzz.sh" --seconds "${CIUIC_FUZZ_SECONDS:-20}" --seed 1
 
 headers=${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h
 if [ ! -f "$headers" ]; then

@@ -10,6 +10,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -572,6 +573,81 @@ TEST_F(DeviceCodecTest, TopKRejectsBadIndices) {
     std::memcpy(&beyond[4 * 9], &big, 4);
     CheckDecode("topk:0.1", t, beyond, count, "topk index out of range");
   }
+}
+
+// Encodings damaged at random (bytes changed, cut short, lengthened, a
+// word repeated, a special float written over one), as a faulty or hostile
+// peer might send them: the device decoders must refuse
+// exactly what the CPU codec refuses, leave their output untouched then,
+// and decode the rest (trusted too, as the device coder does after the CPU
+// codec's Validate) to the CPU's elements. tests/fuzz/codec_fuzz.cc holds
+// the CPU codecs' side of this to Validate, under libFuzzer.
+TEST_F(DeviceCodecTest, DamagedEncodingsAgreeWithCpu) {
+  int refused = 0, accepted = 0;
+  for (const std::string spec : {"fp16", "bf16", "int8", "topk:0.05", "topk:0.5"}) {
+    const std::unique_ptr<Codec> cpu = CpuCodec(spec);
+    for (DataType t : kFloatTypes) {
+      if (!cpu->Supports(t).ok()) continue;
+      for (size_t count : {size_t{1}, size_t{255}, size_t{257}, size_t{1000}}) {
+        std::mt19937_64 rng(count * 31 + static_cast<int>(t) + spec.size());
+        for (int variant = 0; variant < 8; ++variant) {
+          // int8 with a special scale: finite values, so every block is
+          // quantised and its header is at a known place (256 + 4 bytes a
+          // block).
+          const bool at_scale = variant == 7 && spec == "int8";
+          const auto host = RandomElements(t, count, rng, !at_scale);
+          std::vector<unsigned char> wire(cpu->MaxEncodedBytes(t, count));
+          wire.resize(cpu->Encode(t, host.data(), count, wire.data()));
+          const size_t words = wire.size() / 4;
+          switch (variant) {
+            case 0:
+              break;  // intact
+            case 1:
+            case 2:
+            case 3:  // bytes changed
+              for (int e = 0; e < variant && !wire.empty(); ++e) {
+                wire[rng() % wire.size()] = static_cast<unsigned char>(rng());
+              }
+              break;
+            case 4:  // cut short
+              wire.resize(wire.size() - 1 - rng() % std::min<size_t>(wire.size(), 8));
+              break;
+            case 5:  // lengthened
+              wire.resize(wire.size() + 1 + rng() % 8, 0x7f);
+              break;
+            case 6:  // a word copied over the next (top-k: a repeated index)
+              if (words >= 2) {
+                const size_t w = 1 + rng() % (words - 1);
+                std::memcpy(&wire[4 * w], &wire[4 * (w - 1)], 4);
+              }
+              break;
+            case 7: {  // a special float over a word (int8: a block's scale)
+              const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                                        std::numeric_limits<float>::infinity(),
+                                        -1.0f,
+                                        0.0f,
+                                        1e38f,
+                                        1e-40f};
+              if (words == 0) break;
+              const size_t at =
+                  at_scale ? (rng() % ((count + 255) / 256)) * 260 : 4 * (rng() % words);
+              std::memcpy(&wire[at], &specials[rng() % 6], 4);
+              break;
+            }
+          }
+          const std::string what = spec + " " + Name(t) + " count=" + std::to_string(count) +
+                                   " variant " + std::to_string(variant);
+          (cpu->Validate(t, wire.data(), wire.size(), count).ok() ? accepted : refused)++;
+          CheckDecode(spec, t, wire, count, what);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+  std::printf("damaged encodings: %d refused, %d accepted\n", refused, accepted);
+  // Both sides of the verdict were exercised.
+  EXPECT_GT(refused, 20);
+  EXPECT_GT(accepted, 20);
 }
 
 TEST_F(DeviceCodecTest, ErrorFeedbackMatchesCpu) {
