@@ -209,8 +209,13 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 };
 
 // One opened IPC memory handle, closed (on the device it was opened on)
-// when the last holder lets go: its session's cache and every operation
-// queued on it. A trainer that frees an allocation and gets its address
+// when the last holder lets go: the session caches that hold it and every
+// operation queued on it. CUDA opens a handle once per process and device
+// (a second open is cudaErrorAlreadyMapped), so the sessions of one
+// trainer process (two communicators, say a data-parallel and a
+// tensor-parallel group, whose tensors PyTorch's allocator carves from the
+// same segments) share one mapping of an allocation (the runner's
+// `mappings_`). A trainer that frees an allocation and gets its address
 // back in a new one makes the daemon open a new handle for a range it may
 // still have mapped (cudaErrorAlreadyMapped): the mappings no operation
 // holds are then dropped and the open tried again.
@@ -1097,17 +1102,22 @@ class CudaDeviceRunner final : public DeviceRunner {
     const auto key = std::make_pair(BytesOf(d.memory_handle), *far ? d.device : device);
     auto it = cache.find(key);
     if (it == cache.end()) {
-      // A far buffer is opened on its own device (without peer access
-      // there is no mapping of it on `device`).
-      if (*far) {
-        absl::Status s =
-            Cuda(cudaSetDevice(d.device), absl::StrCat("cudaSetDevice(", d.device, ")"));
-        if (!s.ok()) return s;
+      auto shared = SharedMapping(key);
+      if (!shared) {
+        // A far buffer is opened on its own device (without peer access
+        // there is no mapping of it on `device`).
+        if (*far) {
+          absl::Status s =
+              Cuda(cudaSetDevice(d.device), absl::StrCat("cudaSetDevice(", d.device, ")"));
+          if (!s.ok()) return s;
+        }
+        auto m = Open(d, who);
+        if (*far) cudaSetDevice(device);
+        if (!m.ok()) return m.status();
+        shared = std::move(*m);
+        mappings_[key] = shared;
       }
-      auto m = Open(d, who);
-      if (*far) cudaSetDevice(device);
-      if (!m.ok()) return m.status();
-      it = cache.emplace(key, std::move(*m)).first;
+      it = cache.emplace(key, std::move(shared)).first;
     }
     const Mapping& m = *it->second;
     // Validation checked these against the descriptor; the allocation is
@@ -1217,11 +1227,26 @@ class CudaDeviceRunner final : public DeviceRunner {
     return can != 0;
   }
 
-  // Closes every mapping that only a session's cache holds.
+  // The mapping of `key` that another session of the process opened, if
+  // it is still open (else null; forgets the closed ones).
+  std::shared_ptr<Mapping> SharedMapping(const std::pair<IpcBytes, int>& key) {
+    for (auto it = mappings_.begin(); it != mappings_.end();) {
+      it = it->second.expired() ? mappings_.erase(it) : std::next(it);
+    }
+    auto it = mappings_.find(key);
+    return it == mappings_.end() ? nullptr : it->second.lock();
+  }
+
+  // Closes every mapping that only session caches hold (no operation).
   void DropIdleMappings() {
+    std::map<const Mapping*, long> cached;  // by how many session caches
+    for (auto& [id, session] : sessions_) {
+      for (auto& [key, m] : session->memory) ++cached[m.get()];
+    }
     for (auto& [id, session] : sessions_) {
       for (auto it = session->memory.begin(); it != session->memory.end();) {
-        it = it->second.use_count() == 1 ? session->memory.erase(it) : std::next(it);
+        const bool idle = it->second.use_count() == cached[it->second.get()];
+        it = idle ? session->memory.erase(it) : std::next(it);
       }
     }
   }
@@ -1268,6 +1293,9 @@ class CudaDeviceRunner final : public DeviceRunner {
   // stream holds up no other job's work.
   std::map<std::pair<std::string, int>, cudaStream_t> streams_;
   std::map<uint64_t, std::shared_ptr<SessionHandles>> sessions_;
+  // Every open mapping by handle and device, whichever session opened it:
+  // CUDA maps a handle once per process and device.
+  std::map<std::pair<IpcBytes, int>, std::weak_ptr<Mapping>> mappings_;
   // Operations waiting for their ranks' streams (per job: in order).
   ReadyGate gate_;
   // (operation's device, buffer's device): peer access (enabled), or none.

@@ -4,7 +4,8 @@
 //
 // For each operation the runner, on its submit thread: opens the ranks'
 // memory and event handles (once per session and handle, kept until
-// CloseSession), picks the device of rank 0's receive buffer and works on
+// CloseSession; a memory handle another session has mapped on the device,
+// which CUDA maps once per process, is shared), picks the device of rank 0's receive buffer and works on
 // a stream of the job's own there (other ranks' memory is reached through
 // peer access; buffers on devices without it are mirrored in memory there,
 // copied in and back with cudaMemcpyPeerAsync), and holds the operation

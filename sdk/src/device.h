@@ -3,8 +3,10 @@
 // Describe() finds the allocation that holds a buffer (its base and size,
 // through the driver API reached via the runtime, so libciuic needs no
 // libcuda at link time), exports its CUDA IPC memory handle once per
-// allocation (cached by base and the driver's unique buffer id, so a new
-// allocation at a freed one's address is exported again) and fills a
+// allocation and process (cached by base and the driver's unique buffer
+// id, so a new allocation at a freed one's address is exported again; the
+// cache is the process's, so every communicator names an allocation by the
+// same handle, which ciuicd maps once for all of them) and fills a
 // wire::DeviceBufferDescriptor. RecordEvent() records an interprocess event
 // on the trainer's stream and hands out its IPC handle; the event goes back
 // to a per-device pool when `hold` is released (when the operation has

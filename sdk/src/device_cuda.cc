@@ -103,13 +103,39 @@ Status DeviceOfPointer(const void* ptr, int* device) {
   return Status::Ok();
 }
 
-struct DeviceExporter::State {
+namespace {
+
+// The allocations this process has exported, by base. Shared by all the
+// process's communicators, so that an allocation goes to ciuicd under one
+// handle whichever communicator names it (ciuicd maps a handle once per
+// trainer process, and shares that mapping between the process's sessions).
+struct Exports {
   struct Allocation {
     CUdeviceptr base = 0;
     size_t bytes = 0;
     unsigned long long buffer_id = 0;
     cudaIpcMemHandle_t handle{};
   };
+  std::mutex mu;
+  std::map<CUdeviceptr, Allocation> by_base;  // guarded by mu
+};
+
+// The process's Exports while any communicator holds them.
+std::shared_ptr<Exports> ProcessExports() {
+  static std::mutex mu;
+  static std::weak_ptr<Exports> current;
+  std::lock_guard<std::mutex> lock(mu);
+  std::shared_ptr<Exports> e = current.lock();
+  if (!e) {
+    e = std::make_shared<Exports>();
+    current = e;
+  }
+  return e;
+}
+
+}  // namespace
+
+struct DeviceExporter::State {
   struct PooledEvent {
     cudaEvent_t event = nullptr;
     cudaIpcEventHandle_t handle{};
@@ -122,7 +148,7 @@ struct DeviceExporter::State {
   PointerGetAttributeFn pointer_get_attribute = nullptr;
   // Read without mu (Record): set once by Resolve.
   std::atomic<CtxGetCurrentFn> ctx_get_current{nullptr};
-  std::map<CUdeviceptr, Allocation> allocations;      // by base; guarded by mu
+  const std::shared_ptr<Exports> exports = ProcessExports();
   std::map<int, std::vector<PooledEvent>> free_events;  // by device; guarded by mu
 
   ~State() {
@@ -221,10 +247,12 @@ Status DeviceExporter::Describe(const void* ptr, size_t bytes, int device,
   unsigned long long buffer_id = 0;
   r = s.pointer_get_attribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID, base);
   if (r != CUDA_SUCCESS) buffer_id = 0;  // then only base and size tell allocations apart
-  auto it = s.allocations.find(base);
-  if (it == s.allocations.end() || it->second.buffer_id != buffer_id ||
+  Exports& exports = *s.exports;
+  std::lock_guard<std::mutex> exports_lock(exports.mu);
+  auto it = exports.by_base.find(base);
+  if (it == exports.by_base.end() || it->second.buffer_id != buffer_id ||
       it->second.bytes != size) {
-    State::Allocation alloc;
+    Exports::Allocation alloc;
     alloc.base = base;
     alloc.bytes = size;
     alloc.buffer_id = buffer_id;
@@ -236,7 +264,7 @@ Status DeviceExporter::Describe(const void* ptr, size_t bytes, int device,
                     "(memory from cudaMallocAsync pools or cuMemCreate cannot be): " +
                         CudaError(e));
     }
-    it = s.allocations.insert_or_assign(base, alloc).first;
+    it = exports.by_base.insert_or_assign(base, alloc).first;
   }
   std::memcpy(out->memory_handle, &it->second.handle, wire::kCudaIpcHandleBytes);
   out->offset = offset;

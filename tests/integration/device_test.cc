@@ -551,6 +551,91 @@ TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
   });
 }
 
+// Two communicators of one trainer process (two jobs, as a data-parallel
+// and a tensor-parallel group would be) with buffers in the same
+// allocations, as PyTorch's allocator carves many tensors from one
+// segment. CUDA maps a handle once per process, so ciuicd shares one
+// mapping between the process's sessions: job B runs while job A's
+// operation holds the allocations (held for rank 1's stream); before, B's
+// open failed with cudaErrorAlreadyMapped. Then the jobs alternate, and
+// job B goes on after job A's session has ended. Every result against the
+// reference.
+TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) {
+  SKIP_WITHOUT_GPU();
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job_a = UniqueJobId("shareda");
+  const std::string job_b = UniqueJobId("sharedb");
+  constexpr int kWorld = 2;
+  auto codes = RunRanks(kWorld, [&](int rank) {
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaStream_t stream_a = nullptr, stream_b = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_a, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_b, cudaStreamNonBlocking));
+    auto a = Join(daemon->socket(), job_a, rank, kWorld);
+    auto b = Join(daemon->socket(), job_b, rank, kWorld);
+    CHILD_CHECK(a != nullptr && b != nullptr, "join");
+    DeviceMemory mem;
+    if (AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
+    // Job A on the first half of each allocation, job B on the second.
+    const size_t half = mem.bytes / 2;
+    const DeviceMemory mem_a{mem.send, mem.recv, half};
+    const DeviceMemory mem_b{mem.send + half, mem.recv + half, half};
+
+    // Job A's operation, held for rank 1's stream with its buffers mapped.
+    std::atomic<bool> release{false};
+    std::vector<float> mine(kStuckCount, rank + 1.0f);
+    CUDA_CHECK(cudaMemcpy(mem.send, mine.data(), kStuckCount * 4, cudaMemcpyHostToDevice));
+    if (rank == 1) CUDA_CHECK(cudaLaunchHostFunc(stream_a, HoldStream, &release));
+    OpOptions o;
+    o.name = "held";
+    o.stream = stream_a;
+    Handle held = a->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, kStuckCount,
+                               DataType::kFloat32, ReduceOp::kSum, o);
+    CHILD_CHECK(b->Barrier().Wait().ok(), "barrier");  // both ranks have submitted it
+    usleep(300 * 1000);  // and ciuicd has opened their buffers for it by now
+    int failed = RunOneDevice(*b, 0, stream_b, mem_b, Coll::kAllreduce, DataType::kFloat32,
+                              ReduceOp::kSum, 100003, false, "b/while-a-holds");
+    release = true;
+    Status st = held.Wait();
+    CHILD_CHECK(st.ok(), "rank %d: job A's held operation: %s", rank, st.ToString().c_str());
+    CHILD_CHECK(Download(mem.recv, kStuckCount) == std::vector<float>(kStuckCount, 3.0f),
+                "rank %d: job A's held operation's result", rank);
+    if (failed != 0) return 1;
+
+    // The jobs alternate on the same allocations.
+    const DataType kTypes[] = {DataType::kFloat16, DataType::kInt32, DataType::kFloat64};
+    for (int i = 0; i < 3; ++i) {
+      const DataType t = kTypes[i];
+      const std::string n = std::to_string(i);
+      if (RunOneDevice(*a, 0, stream_a, mem_a, Coll::kAllreduce, t, ReduceOp::kMax, 4099, i == 1,
+                       "a/allreduce/" + n) != 0 ||
+          RunOneDevice(*b, 0, stream_b, mem_b, Coll::kAllgather, t, ReduceOp::kSum, 1001, false,
+                       "b/allgather/" + n) != 0 ||
+          RunOneDevice(*a, 0, stream_a, mem_a, Coll::kReduceScatter, t, ReduceOp::kSum, 7, false,
+                       "a/reduce_scatter/" + n) != 0) {
+        return 1;
+      }
+    }
+    // Job A's session ends; job B keeps the mapping.
+    CUDA_CHECK(cudaStreamSynchronize(stream_a));
+    a.reset();
+    if (RunOneDevice(*b, 0, stream_b, mem_b, Coll::kAllreduce, DataType::kBFloat16,
+                     ReduceOp::kSum, 65537, true, "b/after-a") != 0) {
+      return 1;
+    }
+    b.reset();
+    if (FreeDeviceMemory(&mem) != 0) return 1;
+    CUDA_CHECK(cudaStreamDestroy(stream_a));
+    CUDA_CHECK(cudaStreamDestroy(stream_b));
+    return 0;
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 // Multi-node: two daemons ("nodes", UCX over TCP on loopback) with two ranks
 // each, all on the GPU(s) of this machine. Allreduces are reduced on the GPU
 // and staged through pinned host memory in 64 KiB segments (1000003 float32
@@ -984,6 +1069,7 @@ TEST(DeviceBuffersTest, AStuckTrainerStreamTimesOutClearlyAndNothingRuns) { SKIP
 TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
   SKIP_WITHOUT_GPU();
 }
+TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceBuffersTest, ADeviceFaultFailsTheOperationClearlyAndTheDaemonLives) {

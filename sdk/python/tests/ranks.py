@@ -972,6 +972,51 @@ def cai_collectives(ctx, dtype, seed):
     return checks + 1
 
 
+def cai_two_communicators(ctx):
+    """Two communicators of one process (two jobs, as a data-parallel and a
+    tensor-parallel group) with arrays in one allocation, as PyTorch's
+    allocator carves tensors from one segment: an allreduce of each in
+    flight at once, against numpy; then the second communicator closes and
+    the first goes on. ciuicd maps the allocation once for the process;
+    before, the second open failed while the first operation held it."""
+    import ciuic
+    rt = CudaRuntime.load()
+    rt.check(rt.lib.cudaSetDevice(ctx.rank % rt.devices), "cudaSetDevice")
+    w, r, n = ctx.world, ctx.rank, 100003
+    other = ciuic.init(rank=r, world_size=w, job=f"{ctx.job}.{ctx.name('second')}",
+                       socket=ctx.socket, arena_bytes=1 << 20)
+    whole = DeviceArray(rt, 2 * n, "float32")
+
+    class View:
+        def __init__(self, first):
+            self.__cuda_array_interface__ = dict(
+                whole.__cuda_array_interface__, shape=(n,),
+                data=(whole.ptr + first * whole.dtype.itemsize, False))
+
+    views = (View(0), View(n))
+    checks = 0
+    for step in range(3):
+        inputs = [[values(10 * step + j, q, n, "float32") for q in range(w)] for j in (0, 1)]
+        whole.upload(make(np.concatenate([inputs[0][r], inputs[1][r]]), "float32", "numpy"))
+        works = [comm.allreduce_async(views[j], name=ctx.name(f"cai.two.{j}"))
+                 for j, comm in enumerate((ctx.comm, other))]
+        for work in works:
+            work.wait()
+        got = whole.download()
+        for j in (0, 1):
+            expect_equal(got[j * n:(j + 1) * n], reference(inputs[j], "sum"), "float32", "numpy",
+                         f"step {step}, communicator {j}")
+            checks += 1
+    other.close()
+    inputs = [values(99, q, n, "float32") for q in range(w)]
+    whole.upload(make(np.concatenate([inputs[r], inputs[r]]), "float32", "numpy"))
+    ctx.comm.allreduce(views[0], op="max", name=ctx.name("cai.two.after"))
+    expect_equal(whole.download()[:n], reference(inputs, "max"), "float32", "numpy",
+                 "after the second communicator closed")
+    whole.free()
+    return checks + 1
+
+
 def cai_refusals(ctx):
     """What the device-array path refuses, each with a message naming it."""
     import ciuic

@@ -29,6 +29,10 @@ def test_cai_collectives(pool, dtype):
     assert pool.run(ranks.cai_collectives, dtype, 31)[0] > 0
 
 
+def test_cai_two_communicators_share_an_allocation(pool):
+    assert pool.run(ranks.cai_two_communicators) == [7] * pool.world
+
+
 def test_cai_refusals(pool):
     said = pool.run(ranks.cai_refusals)
     assert said == [8] * len(said)
