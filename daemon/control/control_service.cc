@@ -89,6 +89,9 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
   }
   reply->set_gpus_unavailable(gpus.unavailable);
   reply->set_ucx_cuda_memory(UcxTransport::SupportsCudaMemory());
+  reply->set_gpu_mapped_allocations(st.gpu_mapped_allocations);
+  reply->set_gpu_mapped_bytes(st.gpu_mapped_bytes);
+  reply->set_gpu_pinned_host_bytes(st.gpu_pinned_bytes);
   for (const auto& s : st.sessions) {
     auto* out = reply->add_sessions();
     out->set_session_id(s.id);

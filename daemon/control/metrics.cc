@@ -65,6 +65,15 @@ class EngineCollectable final : public prometheus::Collectable {
     add(family("ciuic_bytes_reduced_total", "Payload bytes of completed operations",
                MetricType::Counter),
         {}, static_cast<double>(st.bytes));
+    add(family("ciuic_gpu_mapped_allocations",
+               "Trainers' CUDA allocations ciuicd has mapped (CUDA IPC)", MetricType::Gauge),
+        {}, static_cast<double>(st.gpu_mapped_allocations));
+    add(family("ciuic_gpu_mapped_bytes", "Bytes of the trainers' CUDA allocations ciuicd has mapped",
+               MetricType::Gauge),
+        {}, static_cast<double>(st.gpu_mapped_bytes));
+    add(family("ciuic_gpu_pinned_host_bytes",
+               "Pinned host memory ciuicd holds for device buffers (staging)", MetricType::Gauge),
+        {}, static_cast<double>(st.gpu_pinned_bytes));
 
     // One family per per-job counter, each with a sample per job.
     struct JobCounter {

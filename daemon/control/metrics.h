@@ -6,6 +6,8 @@
 //   ciuic_build_info{version,node,reduce_kernels,cuda}   1
 //   ciuic_uptime_seconds, ciuic_sessions
 //   ciuic_ops_completed_total, ciuic_ops_failed_total, ciuic_bytes_reduced_total
+//   device buffers: ciuic_gpu_mapped_allocations, ciuic_gpu_mapped_bytes (the
+//     trainers' CUDA allocations ciuicd has mapped), ciuic_gpu_pinned_host_bytes
 //   per job {job, uid}: ciuic_job_ops_completed_total, ..._failed_total,
 //     ciuic_job_bytes_reduced_total, ciuic_job_pending_ops, ciuic_job_world_size,
 //     compression (ops, bytes before/after), fusion (ops, runs), staging

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -157,6 +158,9 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
     for (auto& [bytes, p] : free_) cudaFreeHost(p);
   }
 
+  // Pinned bytes allocated and not freed: handed out or kept. Any thread.
+  uint64_t allocated_bytes() const { return allocated_.load(std::memory_order_relaxed); }
+
   // A buffer of at least `bytes` (> 0) bytes at *data, held by the result.
   absl::StatusOr<std::shared_ptr<void>> Take(uint64_t bytes, uint8_t** data) {
     constexpr uint64_t kGranule = 2 << 20;
@@ -180,6 +184,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
         return Cuda(e, absl::StrCat("cudaHostAlloc of ", size, " bytes (staging)"));
       }
       p = static_cast<uint8_t*>(v);
+      allocated_ += size;
     }
     *data = p;
     std::shared_ptr<PinnedPool> self = shared_from_this();
@@ -196,6 +201,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
       // system.
       cudaFreeHost(q);
       cudaGetLastError();
+      self->allocated_ -= size;
     });
   }
 
@@ -206,6 +212,14 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   std::mutex mu_;
   std::multimap<uint64_t, uint8_t*> free_;  // by size
   uint64_t kept_ = 0;  // the sizes in free_
+  std::atomic<uint64_t> allocated_{0};
+};
+
+// The trainers' allocations mapped now (MemoryUse), counted by the
+// mappings themselves: a mapping may outlive the runner in a staged buffer.
+struct MappedCounters {
+  std::atomic<uint64_t> allocations{0};
+  std::atomic<uint64_t> bytes{0};
 };
 
 // One opened IPC memory handle, closed (on the device it was opened on)
@@ -224,10 +238,16 @@ struct Mapping {
   uint64_t bytes = 0;       // its size
   void* opened = nullptr;   // what cudaIpcOpenMemHandle returned
   int device = 0;           // current when it was opened
+  // Set once the mapping is checked and counted there (bytes: its size).
+  std::shared_ptr<MappedCounters> counted;
   Mapping() = default;
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
   ~Mapping() {
+    if (counted) {
+      counted->allocations -= 1;
+      counted->bytes -= bytes;
+    }
     int current = 0;
     const bool known = cudaGetDevice(&current) == cudaSuccess;
     cudaSetDevice(device);
@@ -563,6 +583,14 @@ class CudaDeviceRunner final : public DeviceRunner {
 
   void Dispose(std::shared_ptr<StagedNodeBuffer> buffer) override {
     tasks_.Push([buffer = std::move(buffer)]() mutable { buffer.reset(); });
+  }
+
+  DeviceMemoryUse MemoryUse() const override {
+    DeviceMemoryUse use;
+    use.mapped_allocations = mapped_->allocations.load(std::memory_order_relaxed);
+    use.mapped_bytes = mapped_->bytes.load(std::memory_order_relaxed);
+    use.pinned_bytes = pool_->allocated_bytes();
+    return use;
   }
 
   void CloseSession(uint64_t session_id) override {
@@ -1205,6 +1233,9 @@ class CudaDeviceRunner final : public DeviceRunner {
     }
     m->base = static_cast<uint8_t*>(p);
     m->bytes = d.allocation_bytes;
+    mapped_->allocations += 1;
+    mapped_->bytes += m->bytes;
+    m->counted = mapped_;
     return m;
   }
 
@@ -1282,6 +1313,7 @@ class CudaDeviceRunner final : public DeviceRunner {
 
   const MemGetAddressRangeFn mem_get_address_range_;
   const std::shared_ptr<PinnedPool> pool_ = std::make_shared<PinnedPool>();
+  const std::shared_ptr<MappedCounters> mapped_ = std::make_shared<MappedCounters>();
   Queue<std::function<void()>> tasks_;
   Queue<Completion> completions_;
   EventPool completion_events_;

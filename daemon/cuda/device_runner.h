@@ -73,6 +73,17 @@ struct DeviceRankBuffers {
   std::vector<uint64_t> recv_counts;
 };
 
+// What a runner holds of memory now: the trainers' allocations it has
+// mapped over CUDA IPC (while a session's cache or an operation holds them,
+// so a trainer's cudaFree does not give their device memory back
+// meanwhile), and its pinned host memory (staging slots and the device
+// coders' message slots, in use or kept for reuse).
+struct DeviceMemoryUse {
+  uint64_t mapped_allocations = 0;
+  uint64_t mapped_bytes = 0;  // their sizes as the trainers described them
+  uint64_t pinned_bytes = 0;
+};
+
 class DeviceRunner {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceRunner>> Create();
@@ -117,6 +128,9 @@ class DeviceRunner {
   // destructor waits for its device work): for callers that must never
   // wait for the GPU, like the engine's loop.
   virtual void Dispose(std::shared_ptr<StagedNodeBuffer> buffer) = 0;
+
+  // Any thread.
+  virtual DeviceMemoryUse MemoryUse() const = 0;
 
   // The session has ended: the operations held for its streams fail (ABORTED)
   // at once; once the work queued before this call is done, its handles are

@@ -1143,6 +1143,12 @@ EngineStatus Engine::StatusOnLoop() {
     }
     st.jobs.push_back(std::move(row));
   }
+  if (device_runner_) {
+    const DeviceMemoryUse use = device_runner_->MemoryUse();
+    st.gpu_mapped_allocations = use.mapped_allocations;
+    st.gpu_mapped_bytes = use.mapped_bytes;
+    st.gpu_pinned_bytes = use.pinned_bytes;
+  }
   return st;
 }
 

@@ -139,6 +139,12 @@ struct EngineStatus {
   uint64_t ops_completed = 0;
   uint64_t ops_failed = 0;
   uint64_t bytes = 0;
+  // Device buffers (cuda/device_runner.h's DeviceMemoryUse; 0 before the
+  // first device operation): trainers' allocations mapped, their bytes,
+  // and pinned host memory.
+  uint64_t gpu_mapped_allocations = 0;
+  uint64_t gpu_mapped_bytes = 0;
+  uint64_t gpu_pinned_bytes = 0;
   std::vector<SessionRow> sessions;
   std::vector<JobRow> jobs;
 };

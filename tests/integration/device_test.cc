@@ -617,6 +617,16 @@ TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) {
         return 1;
       }
     }
+    // Each process's two allocations are mapped once, whichever jobs use
+    // them (rank 1 waits for rank 0 in job B's next operation meanwhile).
+    if (rank == 0) {
+      std::string out;
+      const int code = RunCommand(
+          std::string(CIUICCTL_PATH) + " --socket " + daemon->socket() + " status", &out);
+      const std::string want = "gpu memory      4 trainer allocations mapped (16.0 MiB)";
+      CHILD_CHECK(code == 0 && out.find(want) != std::string::npos,
+                  "ciuicctl status, wanted '%s':\n%s", want.c_str(), out.c_str());
+    }
     // Job A's session ends; job B keeps the mapping.
     CUDA_CHECK(cudaStreamSynchronize(stream_a));
     a.reset();
@@ -631,6 +641,16 @@ TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) {
     return 0;
   });
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  // Every session has ended: ciuicd lets go of the trainers' memory (once
+  // its submit thread has closed the sessions' handles).
+  std::string out;
+  const std::string none = "gpu memory      0 trainer allocations mapped (0 B)";
+  for (int i = 0; i < 100 && out.find(none) == std::string::npos; ++i) {
+    if (i > 0) usleep(100 * 1000);
+    out.clear();
+    RunCommand(std::string(CIUICCTL_PATH) + " --socket " + daemon->socket() + " status", &out);
+  }
+  EXPECT_NE(out.find(none), std::string::npos) << out;
   if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
   EXPECT_TRUE(daemon->Alive());
   EXPECT_EQ(daemon->Stop(), 0);
@@ -814,6 +834,11 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
               "reset (size changed); 0 operations too large for it";
           CHILD_CHECK(code == 0 && out.find(want) != std::string::npos,
                       "ciuicctl status, wanted '%s':\n%s", want.c_str(), out.c_str());
+          // The staging slots and the coders' message slots are pinned host
+          // memory, kept for the next operations.
+          CHILD_CHECK(out.find("trainer allocations mapped") != std::string::npos &&
+                          out.find(", 0 B pinned host memory") == std::string::npos,
+                      "ciuicctl status, wanted pinned host memory:\n%s", out.c_str());
         }
         return FreeDeviceMemory(&mem);
       });

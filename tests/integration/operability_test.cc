@@ -227,6 +227,8 @@ TEST(OperabilityTest, PrometheusMetricsWhileAJobRuns) {
   for (const std::string& line :
        {std::string("ciuic_ops_completed_total 3\n"), std::string("ciuic_ops_failed_total 0\n"),
         std::string("ciuic_sessions 2\n"), std::string("ciuic_bytes_reduced_total 196608\n"),
+        std::string("ciuic_gpu_mapped_allocations 0\n"),
+        std::string("ciuic_gpu_pinned_host_bytes 0\n"),
         "ciuic_job_ops_completed_total" + labels + " 3\n",
         "ciuic_job_bytes_reduced_total" + labels + " 196608\n",
         "ciuic_job_world_size" + labels + " 2\n", "ciuic_job_pending_ops" + labels + " 0\n",

@@ -178,6 +178,13 @@ std::string FormatStatus(const proto::StatusReply& status) {
   }
   field("ucx cuda memory", status.ucx_cuda_memory() ? "yes (this UCX build moves CUDA memory)"
                                                     : "no (this UCX build has no CUDA support)");
+  if (status.cuda_built()) {
+    field("gpu memory",
+          absl::StrCat(status.gpu_mapped_allocations(), " trainer allocation",
+                       status.gpu_mapped_allocations() == 1 ? "" : "s", " mapped (",
+                       HumanBytes(status.gpu_mapped_bytes()), "), ",
+                       HumanBytes(status.gpu_pinned_host_bytes()), " pinned host memory"));
+  }
 
   absl::StrAppend(&out, "\nSESSIONS (", status.sessions_size(), ")\n");
   if (status.sessions().empty()) {

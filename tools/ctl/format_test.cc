@@ -32,6 +32,9 @@ proto::StatusReply SampleStatus() {
   status.set_ops_failed(2);
   status.set_bytes_reduced(uint64_t{3} << 30);
   status.set_cuda_built(true);
+  status.set_gpu_mapped_allocations(12);
+  status.set_gpu_mapped_bytes(uint64_t{6} << 30);
+  status.set_gpu_pinned_host_bytes(uint64_t{64} << 20);
   for (int i : {0, 1}) {
     proto::GpuInfo* gpu = status.add_gpus();
     gpu->set_index(i);
@@ -138,6 +141,8 @@ TEST(FormatStatusTest, ShowsSummarySessionsAndJobs) {
   EXPECT_THAT(text, HasSubstr("  gpus            0: NVIDIA H200 (140.0 GiB, sm_90)\n"
                               "                  1: NVIDIA H200 (140.0 GiB, sm_90)\n"));
   EXPECT_THAT(text, HasSubstr("  ucx cuda memory no (this UCX build has no CUDA support)\n"));
+  EXPECT_THAT(text, HasSubstr("  gpu memory      12 trainer allocations mapped (6.0 GiB), 64.0 MiB "
+                              "pinned host memory\n"));
   EXPECT_THAT(text, HasSubstr("SESSIONS (2)\n"
                               "ID   UID   PID  JOB     RANK     ARENA\n"
                               "17  1000  4242  resnet     3   2.0 GiB\n"
@@ -157,6 +162,7 @@ TEST(FormatStatusTest, EmptyDaemon) {
   EXPECT_THAT(text, HasSubstr("bytes reduced   0 B"));
   EXPECT_THAT(text, HasSubstr("  cuda            built without CUDA\n"));
   EXPECT_THAT(text, HasSubstr("  gpus            none: -\n"));
+  EXPECT_THAT(text, Not(HasSubstr("gpu memory")));  // no device buffers without CUDA
   EXPECT_THAT(text, HasSubstr("  peer service    -\n"));
   EXPECT_THAT(text, HasSubstr("  metrics         off (metrics_listen)\n"));
   EXPECT_THAT(text, HasSubstr("  reduce kernels  -\n"));
