@@ -238,7 +238,8 @@ struct Mapping {
   uint64_t bytes = 0;       // its size
   void* opened = nullptr;   // what cudaIpcOpenMemHandle returned
   int device = 0;           // current when it was opened
-  // Set once the mapping is checked and counted there (bytes: its size).
+  // The runner's counters, once the mapping has passed its checks and is
+  // counted in them (until it closes).
   std::shared_ptr<MappedCounters> counted;
   Mapping() = default;
   Mapping(const Mapping&) = delete;
