@@ -224,15 +224,16 @@ struct MappedCounters {
 
 // One opened IPC memory handle, closed (on the device it was opened on)
 // when the last holder lets go: the session caches that hold it and every
-// operation queued on it. CUDA opens a handle once per process and device
-// (a second open is cudaErrorAlreadyMapped), so the sessions of one
-// trainer process (two communicators, say a data-parallel and a
-// tensor-parallel group, whose tensors PyTorch's allocator carves from the
-// same segments) share one mapping of an allocation (the runner's
-// `mappings_`). A trainer that frees an allocation and gets its address
-// back in a new one makes the daemon open a new handle for a range it may
-// still have mapped (cudaErrorAlreadyMapped): the mappings no operation
-// holds are then dropped and the open tried again.
+// operation queued on it. CUDA opens a handle once per (importing) process
+// and device (a second open is cudaErrorAlreadyMapped), so every session
+// that names a handle shares ciuicd's one mapping of it (the runner's
+// `mappings_`): the two communicators of a trainer process, say a
+// data-parallel and a tensor-parallel group, whose tensors PyTorch's
+// allocator carves from the same segments. A trainer that frees an
+// allocation and gets its address back in a new one makes the daemon open
+// a new handle for a range it may still have mapped
+// (cudaErrorAlreadyMapped): the mappings no operation holds are then
+// dropped from every session's cache and the open tried again.
 struct Mapping {
   uint8_t* base = nullptr;  // the trainer's allocation, in this process
   uint64_t bytes = 0;       // its size
@@ -1131,7 +1132,7 @@ class CudaDeviceRunner final : public DeviceRunner {
     const auto key = std::make_pair(BytesOf(d.memory_handle), *far ? d.device : device);
     auto it = cache.find(key);
     if (it == cache.end()) {
-      auto shared = SharedMapping(key);
+      std::shared_ptr<Mapping> shared = OpenMapping(key);
       if (!shared) {
         // A far buffer is opened on its own device (without peer access
         // there is no mapping of it on `device`).
@@ -1144,6 +1145,10 @@ class CudaDeviceRunner final : public DeviceRunner {
         if (*far) cudaSetDevice(device);
         if (!m.ok()) return m.status();
         shared = std::move(*m);
+        // Forget the mappings closed since (an open costs far more).
+        for (auto at = mappings_.begin(); at != mappings_.end();) {
+          at = at->second.expired() ? mappings_.erase(at) : std::next(at);
+        }
         mappings_[key] = shared;
       }
       it = cache.emplace(key, std::move(shared)).first;
@@ -1172,6 +1177,13 @@ class CudaDeviceRunner final : public DeviceRunner {
       cudaGetLastError();
       DropIdleMappings();
       e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+      // The operation that last held the mapping may be closing it right
+      // now, on the completion thread: a few short waits for that.
+      for (int i = 0; i < 3 && e == cudaErrorAlreadyMapped; ++i) {
+        cudaGetLastError();
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+      }
     }
     if (e == cudaErrorInvalidValue || e == cudaErrorMapBufferObjectFailed ||
         e == cudaErrorInvalidResourceHandle) {
@@ -1259,26 +1271,33 @@ class CudaDeviceRunner final : public DeviceRunner {
     return can != 0;
   }
 
-  // The mapping of `key` that another session of the process opened, if
-  // it is still open (else null; forgets the closed ones).
-  std::shared_ptr<Mapping> SharedMapping(const std::pair<IpcBytes, int>& key) {
-    for (auto it = mappings_.begin(); it != mappings_.end();) {
-      it = it->second.expired() ? mappings_.erase(it) : std::next(it);
-    }
+  // ciuicd's mapping of `key` if one is open (another session's, or one
+  // that an operation still holds), else null.
+  std::shared_ptr<Mapping> OpenMapping(const std::pair<IpcBytes, int>& key) {
     auto it = mappings_.find(key);
     return it == mappings_.end() ? nullptr : it->second.lock();
   }
 
-  // Closes every mapping that only session caches hold (no operation).
+  // Closes every mapping that only session caches hold (no operation):
+  // those whose holders are all caches are found first, then dropped from
+  // every cache that shares them.
   void DropIdleMappings() {
-    std::map<const Mapping*, long> cached;  // by how many session caches
+    struct Holders {
+      long caches = 0;
+      long all = 0;
+    };
+    std::map<const Mapping*, Holders> held;
     for (auto& [id, session] : sessions_) {
-      for (auto& [key, m] : session->memory) ++cached[m.get()];
+      for (auto& [key, m] : session->memory) {
+        Holders& h = held[m.get()];
+        ++h.caches;
+        h.all = m.use_count();
+      }
     }
     for (auto& [id, session] : sessions_) {
       for (auto it = session->memory.begin(); it != session->memory.end();) {
-        const bool idle = it->second.use_count() == cached[it->second.get()];
-        it = idle ? session->memory.erase(it) : std::next(it);
+        const Holders& h = held[it->second.get()];
+        it = h.all == h.caches ? session->memory.erase(it) : std::next(it);
       }
     }
   }

@@ -4,8 +4,8 @@
 //
 // For each operation the runner, on its submit thread: opens the ranks'
 // memory and event handles (once per session and handle, kept until
-// CloseSession; a memory handle another session has mapped on the device,
-// which CUDA maps once per process, is shared), picks the device of rank 0's receive buffer and works on
+// CloseSession; a memory handle that another session has mapped on the
+// device, which CUDA maps once per process, is shared), picks the device of rank 0's receive buffer and works on
 // a stream of the job's own there (other ranks' memory is reached through
 // peer access; buffers on devices without it are mirrored in memory there,
 // copied in and back with cudaMemcpyPeerAsync), and holds the operation
@@ -73,11 +73,12 @@ struct DeviceRankBuffers {
   std::vector<uint64_t> recv_counts;
 };
 
-// What a runner holds of memory now: the trainers' allocations it has
-// mapped over CUDA IPC (while a session's cache or an operation holds them,
-// so a trainer's cudaFree does not give their device memory back
-// meanwhile), and its pinned host memory (staging slots and the device
-// coders' message slots, in use or kept for reuse).
+// Memory a runner holds for the trainers' device buffers: their
+// allocations it has mapped over CUDA IPC (while a session's cache or an
+// operation holds them, so a trainer's cudaFree does not give their device
+// memory back meanwhile), and its pinned host memory (staging slots and
+// the device coders' message slots, in use or kept for reuse). Not its own
+// device memory (node buffers, error feedback residuals).
 struct DeviceMemoryUse {
   uint64_t mapped_allocations = 0;
   uint64_t mapped_bytes = 0;  // their sizes as the trainers described them

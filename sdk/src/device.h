@@ -6,7 +6,7 @@
 // allocation and process (cached by base and the driver's unique buffer
 // id, so a new allocation at a freed one's address is exported again; the
 // cache is the process's, so every communicator names an allocation by the
-// same handle, which ciuicd maps once for all of them) and fills a
+// same handle, whose one mapping ciuicd shares between them) and fills a
 // wire::DeviceBufferDescriptor. RecordEvent() records an interprocess event
 // on the trainer's stream and hands out its IPC handle; the event goes back
 // to a per-device pool when `hold` is released (when the operation has

@@ -107,8 +107,10 @@ namespace {
 
 // The allocations this process has exported, by base. Shared by all the
 // process's communicators, so that an allocation goes to ciuicd under one
-// handle whichever communicator names it (ciuicd maps a handle once per
-// trainer process, and shares that mapping between the process's sessions).
+// handle whichever communicator names it: ciuicd maps a handle once and
+// shares that mapping between the sessions that name it. (CUDA seems to
+// give one allocation the same handle at every export anyway; this makes
+// it so whatever the driver does, and exports each allocation once.)
 struct Exports {
   struct Allocation {
     CUdeviceptr base = 0;

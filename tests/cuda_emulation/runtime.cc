@@ -163,6 +163,7 @@ struct MemHandleBytes {
   int32_t device;
   uint64_t id;
   uint64_t bytes;
+  uint64_t base;  // the allocation's address in the exporting process
 };
 static_assert(sizeof(MemHandleBytes) <= sizeof(cudaIpcMemHandle_t));
 
@@ -188,6 +189,9 @@ struct Range {
   Kind kind = Kind::kDevice;
   int fd = -1;  // kDevice: the memfd its IPC handle names
   uint64_t id = 0;
+  // kOpened: the exporting process and the allocation's address there.
+  int32_t peer_pid = 0;
+  uint64_t peer_base = 0;
 };
 
 struct Global {
@@ -1194,7 +1198,8 @@ cudaError_t CUDARTAPI cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
   // Only cudaMalloc's memory can be exported (not pool memory, not an
   // opened mapping).
   if (!Find(p, &r) || r.kind != Kind::kDevice) return Ret(cudaErrorInvalidValue);
-  MemHandleBytes h{kMemMagic, static_cast<int32_t>(getpid()), r.fd, r.device, r.id, r.bytes};
+  MemHandleBytes h{kMemMagic, static_cast<int32_t>(getpid()), r.fd, r.device, r.id, r.bytes,
+                   r.base};
   std::memset(handle, 0, sizeof(*handle));
   std::memcpy(handle, &h, sizeof(h));
   return cudaSuccess;
@@ -1214,8 +1219,14 @@ cudaError_t CUDARTAPI cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle,
   {
     std::lock_guard<std::mutex> lock(G().mu);
     for (const auto& [base, r] : G().ranges) {
-      // One open of a handle per process (CUDA_ERROR_ALREADY_MAPPED).
-      if (r.kind == Kind::kOpened && r.id == h.id) return Ret(cudaErrorAlreadyMapped);
+      if (r.kind != Kind::kOpened) continue;
+      // One open of a handle per process (CUDA_ERROR_ALREADY_MAPPED); and,
+      // as the driver tells the exporter's allocations apart by their
+      // addresses there, none of a new allocation whose range overlaps a
+      // freed one of the same process that is still open here.
+      const bool overlaps = r.peer_pid == h.pid && r.peer_base < h.base + h.bytes &&
+                            h.base < r.peer_base + r.bytes;
+      if (r.id == h.id || overlaps) return Ret(cudaErrorAlreadyMapped);
     }
   }
   const int fd = OpenPeerFd(h.pid, h.fd, "ciuic-cuda-mem-" + std::to_string(h.id));
@@ -1234,6 +1245,8 @@ cudaError_t CUDARTAPI cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle,
   r.opened_on = t_device;
   r.kind = Kind::kOpened;
   r.id = h.id;
+  r.peer_pid = h.pid;
+  r.peer_base = h.base;
   const cudaError_t e = MapTwice(fd, &r);
   close(fd);
   if (e != cudaSuccess) return Ret(cudaErrorMapBufferObjectFailed);

@@ -551,14 +551,36 @@ TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
   });
 }
 
+// The "gpu memory" line of `ciuicctl status` for the daemon at `socket`
+// ("" if there is none), polled until it starts with `want` for up to 10 s
+// where `want` is given.
+std::string GpuMemoryLine(const std::string& socket, const std::string& want = "") {
+  std::string line;
+  for (int i = 0; i < 100; ++i) {
+    if (i > 0) usleep(100 * 1000);
+    std::string out;
+    line.clear();
+    if (RunCommand(std::string(CIUICCTL_PATH) + " --socket " + socket + " status", &out) == 0) {
+      const size_t at = out.find("gpu memory");
+      if (at != std::string::npos) line = out.substr(at, out.find('\n', at) - at);
+    }
+    if (want.empty() || line.rfind(want, 0) == 0) break;
+  }
+  return line;
+}
+
 // Two communicators of one trainer process (two jobs, as a data-parallel
 // and a tensor-parallel group would be) with buffers in the same
 // allocations, as PyTorch's allocator carves many tensors from one
 // segment. CUDA maps a handle once per process, so ciuicd shares one
 // mapping between the process's sessions: job B runs while job A's
 // operation holds the allocations (held for rank 1's stream); before, B's
-// open failed with cudaErrorAlreadyMapped. Then the jobs alternate, and
-// job B goes on after job A's session has ended. Every result against the
+// open failed with cudaErrorAlreadyMapped. Then the jobs alternate; the
+// trainers free their allocations and make new ones at the same addresses,
+// whose open collides with the old mappings that both sessions' caches
+// hold (ciuicd must drop them from both); job B goes on after job A's
+// session has ended; and when every session has ended, ciuicd has let go
+// of every allocation (`ciuicctl status`). Every result against the
 // reference.
 TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) {
   SKIP_WITHOUT_GPU();
@@ -592,8 +614,12 @@ TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) {
     o.stream = stream_a;
     Handle held = a->Allreduce(DeviceBuffer{mem.send, 0}, DeviceBuffer{mem.recv, 0}, kStuckCount,
                                DataType::kFloat32, ReduceOp::kSum, o);
-    CHILD_CHECK(b->Barrier().Wait().ok(), "barrier");  // both ranks have submitted it
-    usleep(300 * 1000);  // and ciuicd has opened their buffers for it by now
+    if (rank == 0) {  // until ciuicd has opened both ranks' buffers for it
+      const std::string want = "gpu memory      4 trainer allocations mapped (16.0 MiB)";
+      const std::string got = GpuMemoryLine(daemon->socket(), want);
+      CHILD_CHECK(got.rfind(want, 0) == 0, "job A's held operation: ciuicctl status says '%s'",
+                  got.c_str());
+    }
     int failed = RunOneDevice(*b, 0, stream_b, mem_b, Coll::kAllreduce, DataType::kFloat32,
                               ReduceOp::kSum, 100003, false, "b/while-a-holds");
     release = true;
@@ -620,18 +646,43 @@ TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) {
     // Each process's two allocations are mapped once, whichever jobs use
     // them (rank 1 waits for rank 0 in job B's next operation meanwhile).
     if (rank == 0) {
-      std::string out;
-      const int code = RunCommand(
-          std::string(CIUICCTL_PATH) + " --socket " + daemon->socket() + " status", &out);
       const std::string want = "gpu memory      4 trainer allocations mapped (16.0 MiB)";
-      CHILD_CHECK(code == 0 && out.find(want) != std::string::npos,
-                  "ciuicctl status, wanted '%s':\n%s", want.c_str(), out.c_str());
+      const std::string got = GpuMemoryLine(daemon->socket());
+      CHILD_CHECK(got.rfind(want, 0) == 0, "ciuicctl status says '%s', wanted '%s'", got.c_str(),
+                  want.c_str());
+    }
+    // The trainer frees its allocations and makes new ones, which may lie
+    // at the freed ones' addresses (PyTorch's after empty_cache()): both
+    // jobs' sessions have the old mappings cached, no operation holds them,
+    // so ciuicd drops them from both caches and opens the new ones.
+    const auto range_of = [&mem](const uint8_t* p) {
+      return std::make_pair(reinterpret_cast<uintptr_t>(p),
+                            reinterpret_cast<uintptr_t>(p) + mem.bytes);
+    };
+    const auto old_send = range_of(mem.send), old_recv = range_of(mem.recv);
+    if (FreeDeviceMemory(&mem) != 0 || AllocateDeviceMemory(size_t{4} << 20, &mem) != 0) return 1;
+    bool reused = false;
+    for (const uint8_t* p : {mem.send, mem.recv}) {
+      for (const auto& [begin, end] : {old_send, old_recv}) {
+        reused = reused || (range_of(p).first < end && begin < range_of(p).second);
+      }
+    }
+#ifdef CIUIC_CUDA_EMULATED
+    // Where the emulation places allocations as the driver does, the test
+    // must show the case (else it passes having shown nothing).
+    CHILD_CHECK(reused, "rank %d: no new allocation lies at a freed one's address", rank);
+#endif
+    if (RunOneDevice(*a, 0, stream_a, {mem.send, mem.recv, half}, Coll::kAllreduce,
+                     DataType::kFloat32, ReduceOp::kSum, 4099, false, "a/realloc") != 0 ||
+        RunOneDevice(*b, 0, stream_b, {mem.send + half, mem.recv + half, half}, Coll::kAllgather,
+                     DataType::kInt8, ReduceOp::kSum, 1001, false, "b/realloc") != 0) {
+      return 1;
     }
     // Job A's session ends; job B keeps the mapping.
     CUDA_CHECK(cudaStreamSynchronize(stream_a));
     a.reset();
-    if (RunOneDevice(*b, 0, stream_b, mem_b, Coll::kAllreduce, DataType::kBFloat16,
-                     ReduceOp::kSum, 65537, true, "b/after-a") != 0) {
+    if (RunOneDevice(*b, 0, stream_b, {mem.send + half, mem.recv + half, half}, Coll::kAllreduce,
+                     DataType::kBFloat16, ReduceOp::kSum, 65537, true, "b/after-a") != 0) {
       return 1;
     }
     b.reset();
@@ -643,14 +694,9 @@ TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
   // Every session has ended: ciuicd lets go of the trainers' memory (once
   // its submit thread has closed the sessions' handles).
-  std::string out;
   const std::string none = "gpu memory      0 trainer allocations mapped (0 B)";
-  for (int i = 0; i < 100 && out.find(none) == std::string::npos; ++i) {
-    if (i > 0) usleep(100 * 1000);
-    out.clear();
-    RunCommand(std::string(CIUICCTL_PATH) + " --socket " + daemon->socket() + " status", &out);
-  }
-  EXPECT_NE(out.find(none), std::string::npos) << out;
+  const std::string line = GpuMemoryLine(daemon->socket(), none);
+  EXPECT_EQ(line.rfind(none, 0), 0u) << line;
   if (HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
   EXPECT_TRUE(daemon->Alive());
   EXPECT_EQ(daemon->Stop(), 0);
