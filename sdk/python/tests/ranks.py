@@ -972,15 +972,37 @@ def cai_collectives(ctx, dtype, seed):
     return checks + 1
 
 
+def gpu_memory_line(socket, want, seconds=10):
+    """The "gpu memory" line of `ciuicctl status` for the daemon at `socket`
+    (the ciuicctl built beside $CIUICD), polled until it starts with `want`."""
+    import subprocess
+    daemon = os.environ.get("CIUICD") or os.path.join(
+        os.path.dirname(__file__), "..", "..", "..", "build", "daemon", "ciuicd")
+    ctl = os.path.join(os.path.dirname(daemon), "..", "tools", "ctl", "ciuicctl")
+    line = ""
+    deadline = time.monotonic() + seconds
+    while not line.startswith(want) and time.monotonic() < deadline:
+        out = subprocess.run([ctl, "--socket", socket, "status"], capture_output=True,
+                             text=True, timeout=30).stdout
+        line = next((x.strip() for x in out.splitlines() if "gpu memory" in x), "")
+        if not line.startswith(want):
+            time.sleep(0.1)
+    return line
+
+
 def cai_two_communicators(ctx):
     """Two communicators of one process (two jobs, as a data-parallel and a
     tensor-parallel group) with arrays in one allocation, as PyTorch's
-    allocator carves tensors from one segment: an allreduce of each in
-    flight at once, against numpy; then the second communicator closes and
-    the first goes on. ciuicd maps the allocation once for the process;
-    before, the second open failed while the first operation held it."""
+    allocator carves tensors from one segment. First the second one's
+    allreduce runs while the first one's is held for rank 1's stream (a
+    host function on it waits) with the allocation mapped: ciuicd maps it
+    once for the process; before, the second open failed. Then one of each
+    in flight at once, and the first goes on once the second has closed.
+    Every result against numpy."""
+    import threading
     import ciuic
     rt = CudaRuntime.load()
+    ct = rt.ctypes
     rt.check(rt.lib.cudaSetDevice(ctx.rank % rt.devices), "cudaSetDevice")
     w, r, n = ctx.world, ctx.rank, 100003
     other = ciuic.init(rank=r, world_size=w, job=f"{ctx.job}.{ctx.name('second')}",
@@ -988,13 +1010,39 @@ def cai_two_communicators(ctx):
     whole = DeviceArray(rt, 2 * n, "float32")
 
     class View:
-        def __init__(self, first):
+        def __init__(self, first, stream=None):
             self.__cuda_array_interface__ = dict(
-                whole.__cuda_array_interface__, shape=(n,),
+                whole.__cuda_array_interface__, shape=(n,), stream=stream,
                 data=(whole.ptr + first * whole.dtype.itemsize, False))
 
     views = (View(0), View(n))
-    checks = 0
+    s = ct.c_void_p()
+    rt.check(rt.lib.cudaStreamCreateWithFlags(ct.byref(s), 1), "cudaStreamCreate")
+    release = threading.Event()
+    host_fn = ct.CFUNCTYPE(None, ct.c_void_p)(lambda _: release.wait(30))
+    rt.lib.cudaLaunchHostFunc.argtypes = [ct.c_void_p, ct.CFUNCTYPE(None, ct.c_void_p),
+                                          ct.c_void_p]
+    rt.lib.cudaStreamSynchronize.argtypes = [ct.c_void_p]
+    rt.lib.cudaStreamDestroy.argtypes = [ct.c_void_p]
+    inputs = [[values(7 + j, q, n, "float32") for q in range(w)] for j in (0, 1)]
+    whole.upload(make(np.concatenate([inputs[0][r], inputs[1][r]]), "float32", "numpy"))
+    if r == 1:
+        rt.check(rt.lib.cudaLaunchHostFunc(s.value, host_fn, None), "cudaLaunchHostFunc")
+    held = ctx.comm.allreduce_async(View(0, s.value), name=ctx.name("cai.two.held"))
+    if r == 0:  # until ciuicd has mapped both ranks' allocations for it
+        want = "gpu memory      2 trainer allocations mapped"
+        line = gpu_memory_line(ctx.socket, want)
+        assert line.startswith(want), line
+    try:
+        other.allreduce(views[1], name=ctx.name("cai.two.while-held"))
+    finally:
+        release.set()
+    held.wait()
+    got = whole.download()
+    for j in (0, 1):
+        expect_equal(got[j * n:(j + 1) * n], reference(inputs[j], "sum"), "float32", "numpy",
+                     f"communicator {j}, the first one's operation held")
+    checks = 2
     for step in range(3):
         inputs = [[values(10 * step + j, q, n, "float32") for q in range(w)] for j in (0, 1)]
         whole.upload(make(np.concatenate([inputs[0][r], inputs[1][r]]), "float32", "numpy"))
@@ -1014,6 +1062,8 @@ def cai_two_communicators(ctx):
     expect_equal(whole.download()[:n], reference(inputs, "max"), "float32", "numpy",
                  "after the second communicator closed")
     whole.free()
+    rt.check(rt.lib.cudaStreamSynchronize(s.value), "cudaStreamSynchronize")
+    rt.check(rt.lib.cudaStreamDestroy(s.value), "cudaStreamDestroy")
     return checks + 1
 
 

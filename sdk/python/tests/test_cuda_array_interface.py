@@ -30,7 +30,7 @@ def test_cai_collectives(pool, dtype):
 
 
 def test_cai_two_communicators_share_an_allocation(pool):
-    assert pool.run(ranks.cai_two_communicators) == [7] * pool.world
+    assert pool.run(ranks.cai_two_communicators) == [9] * pool.world
 
 
 def test_cai_refusals(pool):
