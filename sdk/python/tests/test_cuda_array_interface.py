@@ -10,6 +10,7 @@ import os
 import pytest
 
 import ciuic
+import conftest
 import ranks
 
 _rt = ranks.CudaRuntime.load() if ciuic._ciuic.sdk_supports_device_buffers()[0] else None
@@ -29,8 +30,21 @@ def test_cai_collectives(pool, dtype):
     assert pool.run(ranks.cai_collectives, dtype, 31)[0] > 0
 
 
-def test_cai_two_communicators_share_an_allocation(pool):
-    assert pool.run(ranks.cai_two_communicators) == [9] * pool.world
+def test_cai_two_communicators_share_an_allocation():
+    # A daemon and ranks of its own, so that `ciuicctl status` counts this
+    # test's allocations alone (the shared daemon keeps the other tests'
+    # freed arrays mapped while their sessions last).
+    daemon = conftest.Daemon(conftest.ciuicd_binary())
+    try:
+        pool = conftest.RankPool(daemon.socket)
+        try:
+            assert pool.run(ranks.cai_two_communicators) == [9] * pool.world
+        finally:
+            pool.close()
+        alive = daemon.proc.poll() is None
+    finally:
+        daemon.stop()
+    assert alive, "ciuicd died"
 
 
 def test_cai_refusals(pool):
