@@ -169,9 +169,14 @@ int RunCommand(const std::string& command, std::string* output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+std::string CiuicctlPath() {
+  const char* ctl = std::getenv("CIUICCTL_FOR_TESTS");
+  return ctl != nullptr && *ctl != '\0' ? ctl : CIUICCTL_PATH;
+}
+
 std::string ReadTrace(const std::string& socket, const std::string& job, proto::TraceReply* reply) {
   std::string out;
-  const int code = RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket +
+  const int code = RunCommand(CiuicctlPath() + " --json --socket " + socket +
                                   " trace --last 0 --job " + job,
                               &out);
   if (code != 0) return "ciuicctl trace exited " + std::to_string(code) + ": " + out;
@@ -190,7 +195,7 @@ std::string ReadMetrics(const std::string& socket, std::string* text, std::strin
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (true) {
     const int code =
-        RunCommand(std::string(CIUICCTL_PATH) + " --json --socket " + socket + " status", &out);
+        RunCommand(CiuicctlPath() + " --json --socket " + socket + " status", &out);
     if (code != 0) return "ciuicctl status exited " + std::to_string(code) + ": " + out;
     status.Clear();
     auto parsed = google::protobuf::util::JsonStringToMessage(out, &status);

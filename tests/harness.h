@@ -66,6 +66,10 @@ int WaitChild(pid_t pid, std::chrono::seconds timeout);
 // Runs a command line and returns its exit code and output (stdout+stderr).
 int RunCommand(const std::string& command, std::string* output);
 
+// The ciuicctl to run: $CIUICCTL_FOR_TESTS (tools/gpu-check.sh's bundle,
+// whose tests run elsewhere than they were built), else this build's.
+std::string CiuicctlPath();
+
 // `ciuicctl --json trace --last 0 --job JOB` against the daemon at `socket`,
 // parsed into *reply. Returns "" or what went wrong (with the output).
 std::string ReadTrace(const std::string& socket, const std::string& job, proto::TraceReply* reply);

@@ -305,7 +305,7 @@ if [ -n "$ctest_dir" ]; then
 else
   # The no-CUDA error test skips where there is a GPU: leave it out.
   STEP="GPU kernel tests" step 150 "$(find_bin cuda_kernels_test)" --gtest_brief=1 || status=1
-  CIUICD_FOR_TESTS="$(find_bin ciuicd)" STEP="device buffers through the daemon (integration_device_test)" step 150 "$(find_bin integration_device_test)" \
+  CIUICD_FOR_TESTS="$(find_bin ciuicd)" CIUICCTL_FOR_TESTS="$(find_bin ciuicctl)" STEP="device buffers through the daemon (integration_device_test)" step 150 "$(find_bin integration_device_test)" \
     --gtest_brief=1 --gtest_filter=-DeviceBuffersTest.ClearErrorWithoutCuda || status=1
   STEP=cuda_launch_test step 30 "$(find_bin cuda_launch_test)" --gtest_brief=1 || status=1
   STEP=cuda_runtime_test step 30 "$(find_bin cuda_runtime_test)" --gtest_brief=1 || status=1

@@ -560,7 +560,7 @@ std::string GpuMemoryLine(const std::string& socket, const std::string& want = "
     if (i > 0) usleep(100 * 1000);
     std::string out;
     line.clear();
-    if (RunCommand(std::string(CIUICCTL_PATH) + " --socket " + socket + " status", &out) == 0) {
+    if (RunCommand(CiuicctlPath() + " --socket " + socket + " status", &out) == 0) {
       const size_t at = out.find("gpu memory");
       if (at != std::string::npos) line = out.substr(at, out.find('\n', at) - at);
     }
@@ -874,7 +874,7 @@ TEST(DeviceMultiNodeTest, CompressedAllreducesGiveTheHostPathsBits) {
           // on the GPU, the host names' in host memory; none dropped.
           std::string out;
           const int code =
-              RunCommand(std::string(CIUICCTL_PATH) + " --socket " + node_socket + " status", &out);
+              RunCommand(CiuicctlPath() + " --socket " + node_socket + " status", &out);
           const std::string want =
               ": 12 residuals, 6.9 MiB in host memory, 6.9 MiB on GPUs; dropped: 0 evicted, 0 "
               "reset (size changed); 0 operations too large for it";
