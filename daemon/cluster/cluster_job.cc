@@ -470,6 +470,16 @@ absl::Status ClusterJob::Form() {
       if (e.has_run()) {
         Announce(e.run());
       } else {
+        if (e.has_job_failed()) {
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (verdict_.ok()) {
+              verdict_ = absl::Status(static_cast<absl::StatusCode>(e.job_failed().code()),
+                                      e.job_failed().message());
+            }
+          }
+          lanes_cv_.notify_all();  // runs cut off meanwhile end with it (WithVerdict)
+        }
         Push(Event{Event::kCoordinator, {}, e, {}});
       }
     }
@@ -604,6 +614,7 @@ void ClusterJob::LaneLoop(Lane& lane) {
     absl::Status s = run.ops.size() == 1
                          ? Execute(run.ops.front(), run.seq, run.settings, lane)
                          : ExecuteFused(run.ops, run.seq, run.settings, lane);
+    if (s.code() == absl::StatusCode::kUnavailable) s = WithVerdict(std::move(s));
     const auto end = std::chrono::steady_clock::now();
     for (const auto& op : run.ops) {
       if (op.timing) {
@@ -646,6 +657,14 @@ void ClusterJob::LaneLoop(Lane& lane) {
       Push(Event{Event::kRunFailed, {}, {}, s});
     }
   }
+}
+
+absl::Status ClusterJob::WithVerdict(absl::Status run_status) {
+  std::unique_lock<std::mutex> lock(mu_);
+  lanes_cv_.wait_for(lock, kVerdictGrace, [&] { return !verdict_.ok() || lanes_stop_; });
+  if (verdict_.ok()) return run_status;
+  return absl::Status(verdict_.code(),
+                      absl::StrCat(verdict_.message(), " (here: ", run_status.message(), ")"));
 }
 
 void ClusterJob::WaitForAnnouncedRuns() {

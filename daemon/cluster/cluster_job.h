@@ -172,6 +172,9 @@ class ClusterJob {
   // Lanes: runs in progress at once on this node (the coordinator allows
   // Coordinator::kRunningRuns).
   static constexpr int kLanes = 2;
+  // How long a run cut off by a peer waits for the coordinator's verdict
+  // on the job (WithVerdict).
+  static constexpr std::chrono::milliseconds kVerdictGrace{300};
 
   // Whether the ordering stream is in-process (Options::local_coordinator).
   bool ordering_in_process() const { return in_process_ordering_.load(); }
@@ -244,6 +247,14 @@ class ClusterJob {
   void Run();
   absl::Status Form();
   void LaneLoop(Lane& lane);
+  // A run cut off by the transport (UNAVAILABLE: a peer lost) is often the
+  // echo of a failure elsewhere: a node whose job has failed closes its
+  // endpoints, and its neighbours see "lost peer" before the coordinator's
+  // JobFailed, which names the node that really failed, reaches them. So
+  // such a run's status waits up to kVerdictGrace for that verdict and, if
+  // it comes, becomes the verdict (code and message) with this node's own
+  // reason after it. From a lane.
+  absl::Status WithVerdict(absl::Status run_status);
   void StopLanes();
   // Before a job failure from the coordinator or its stream is acted on:
   // runs announced before it still run to their end, everywhere (a node
@@ -373,6 +384,8 @@ class ClusterJob {
   std::deque<Announced> announced_;   // guarded by mu_: not yet started, in seq order
   std::map<std::string, int> running_names_;  // guarded by mu_
   bool lanes_stop_ = false;                   // guarded by mu_
+  // The coordinator's JobFailed, as the reader got it (lanes_cv_ wakes on it).
+  absl::Status verdict_;  // guarded by mu_
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::mutex codecs_mu_;
   std::map<std::string, std::unique_ptr<Codec>> codecs_;  // guarded by codecs_mu_

@@ -1992,6 +1992,7 @@ class ScriptedNode {
 
   ClusterJob& job() { return *job_; }
   ScriptedStream& stream() { return *stream_; }
+  InProcessHub& hub() { return hub_; }
   Ends& ends() { return ends_; }
   absl::Status job_failure() {
     std::lock_guard<std::mutex> lock(ends_.mu);
@@ -2020,6 +2021,13 @@ class ScriptedNode {
     for (auto& f : fused) e.mutable_run()->add_fused_with(f);
     e.mutable_run()->set_chunk_bytes(1 << 20);
     e.mutable_run()->set_chunks_in_flight(8);
+    return e;
+  }
+  static proto::CoordinatorEvent JobFailed(absl::StatusCode code, const std::string& message) {
+    proto::CoordinatorEvent e;
+    e.mutable_job_failed()->set_code(static_cast<int>(code));
+    e.mutable_job_failed()->set_message(message);
+    e.mutable_job_failed()->set_runs_cut_off(true);
     return e;
   }
   static proto::CoordinatorEvent Fail(const std::string& name, absl::StatusCode code,
@@ -2098,6 +2106,44 @@ TEST(ClusterJobProtocolTest, RunsCompleteAndFailsEndTheNamedOperation) {
   ASSERT_TRUE(node.ends().WaitFor(3));
   EXPECT_TRUE(node.EndOf(3).ok()) << node.EndOf(3);
   EXPECT_TRUE(node.job_failure().ok());
+}
+
+// A run cut off by its peer (the transport's UNAVAILABLE: here the other
+// node's transfers fail, as when a node whose job failed closes its
+// endpoints) ends with the coordinator's verdict when that follows within
+// the grace, naming the node that really failed, and this node's own
+// reason after it; without a verdict, with its own reason once the grace
+// is over.
+TEST(ClusterJobProtocolTest, ARunCutOffByAPeerEndsWithTheCoordinatorsVerdict) {
+  for (const bool verdict : {true, false}) {
+    SCOPED_TRACE(verdict ? "with a verdict" : "without one");
+    ScriptedNode node;
+    std::vector<float> data(1000, 1.0f);
+    node.job().Submit(Allreduce(1, "a", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                data.size(), 0, data.data(), data.data()));
+    ASSERT_TRUE(node.stream().WaitForReady("a"));
+    node.stream().Send(ScriptedNode::Run("a", 0));  // waits for the other node, which is silent
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const auto cut = std::chrono::steady_clock::now();
+    node.hub().KillNode(1);
+    if (verdict) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      node.stream().Send(ScriptedNode::JobFailed(
+          absl::StatusCode::kUnavailable, "lost node n2 of job 'job': its stream ended"));
+    }
+    ASSERT_TRUE(node.ends().WaitFor(1));
+    const auto took = std::chrono::steady_clock::now() - cut;
+    const absl::Status s = node.EndOf(1);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_NE(s.message().find("node 1 is gone"), std::string::npos) << s;
+    if (verdict) {
+      EXPECT_EQ(s.message().find("lost node n2 of job 'job': its stream ended (here: "), 0u) << s;
+    } else {
+      EXPECT_EQ(s.message().find("n2"), std::string::npos) << s;
+      EXPECT_GE(took, ClusterJob::kVerdictGrace) << "ended before the grace was over";
+    }
+    EXPECT_LT(took, std::chrono::seconds(5));
+  }
 }
 
 // A coordinator that breaks the protocol (another version, a bug) fails the
