@@ -27,7 +27,9 @@
 #include "config/tuning.h"
 #include "cluster/coordinator.h"
 #include "cluster/ucx_transports.h"
+#include "control/authorization.h"
 #include "control/control_service.h"
+#include "control/control_socket.h"
 #include "control/peer_client.h"
 #include "control/metrics.h"
 #include "control/peer_service.h"
@@ -36,6 +38,7 @@
 #include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "reduce/reduce.h"
+#include "shm/session_socket.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "transport/ucx_transport.h"
@@ -77,6 +80,15 @@ int MakeParentDir(const std::string& path) {
     }
   }
   return 0;
+}
+
+// A byte limit of the config, 0 meaning `share` of physical memory.
+uint64_t ResolveMemoryLimit(uint64_t configured, double share) {
+  if (configured != 0) return configured;
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return UINT64_MAX;
+  return static_cast<uint64_t>(static_cast<double>(pages) * static_cast<double>(page) * share);
 }
 
 int Main(int argc, char** argv) {
@@ -193,6 +205,15 @@ int Main(int argc, char** argv) {
                      strerror(errno));
     return 1;
   }
+  if (absl::Status dir = CheckRuntimeDirectory(cfg.socket_path); !dir.ok()) {
+    spdlog::critical("{}", std::string(dir.message()));
+    return 78;  // EX_CONFIG: the socket's place is the operator's to fix
+  }
+  auto authorization = Authorization::Make(geteuid(), cfg.admin_group);
+  if (!authorization.ok()) {
+    spdlog::critical("{}", std::string(authorization.status().message()));
+    return 78;
+  }
   int workers = cfg.worker_threads > 0
                     ? cfg.worker_threads
                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -210,18 +231,33 @@ int Main(int argc, char** argv) {
   options.transports = UcxTransportFactory();
   options.coordinator_clients = GrpcCoordinatorClients();
   options.local_coordinator = &coordinator;
+  options.max_world_size = cfg.max_world_size;
+  options.max_sessions = cfg.max_sessions;
+  options.max_sessions_per_uid = cfg.max_sessions_per_uid;
+  options.max_jobs_per_uid = cfg.max_jobs_per_uid;
+  options.max_arena_bytes_per_uid = ResolveMemoryLimit(cfg.max_arena_bytes_per_uid, 0.5);
+  options.max_arena_bytes_total = ResolveMemoryLimit(cfg.max_arena_bytes_total, 0.75);
   auto engine = Engine::Start(options);
   if (!engine.ok()) {
     spdlog::critical("{}", std::string(engine.status().message()));
     return 1;
   }
-  ControlService service(engine->get(), &tuning, cfg.node_name, cfg.socket_path);
-  auto server = StartControlServer(cfg.socket_path, &service);
+  ControlService service(engine->get(), &tuning, *authorization, cfg.node_name,
+                         cfg.socket_path);
+  auto server = StartControlServer(&service);
   if (!server.ok()) {
     spdlog::critical("{}", std::string(server.status().message()));
     (*engine)->Shutdown();
     return 1;
   }
+  auto control_socket = ControlSocket::Start(cfg.socket_path, server->get());
+  if (!control_socket.ok()) {
+    spdlog::critical("{}", std::string(control_socket.status().message()));
+    (*server)->Shutdown();
+    (*engine)->Shutdown();
+    return 1;
+  }
+  service.set_callers(control_socket->get());
   PeerService peer_service(&coordinator);
   std::unique_ptr<grpc::Server> peer_server;
   std::unique_ptr<OrderingListener> ordering_listener;  // before the coordinator goes
@@ -281,6 +317,12 @@ int Main(int argc, char** argv) {
                UcxTransport::SupportsCudaMemory() ? "yes" : "no");
   spdlog::info("ciuicd {} ready on {} (node {}, {} worker threads)", CIUIC_VERSION,
                cfg.socket_path, cfg.node_name, workers);
+  spdlog::info("limits: {} ranks a job, {} sessions ({} a uid), {} jobs a uid, arenas {} bytes "
+               "({} a uid); tune set by root, uid {}{}",
+               options.max_world_size, options.max_sessions, options.max_sessions_per_uid,
+               options.max_jobs_per_uid, options.max_arena_bytes_total,
+               options.max_arena_bytes_per_uid, geteuid(),
+               cfg.admin_group.empty() ? "" : " and group " + cfg.admin_group);
   NotifySystemd("READY=1");
 
   int sig = 0;
@@ -288,6 +330,7 @@ int Main(int argc, char** argv) {
   spdlog::info("{} received: draining", strsignal(sig));
   NotifySystemd("STOPPING=1");
   metrics.reset();  // no scrape reads the engine after this
+  (*control_socket)->Shutdown();  // no new control connections
   coordinator.Shutdown();
   (*engine)->Shutdown();
   if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -1,5 +1,6 @@
 #include "config/config.h"
 
+#include <grp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -31,6 +32,8 @@ constexpr uint64_t kMinArenaBytes = kMiB;
 constexpr uint64_t kMaxArenaBytes = kTiB;
 // sizeof(sockaddr_un::sun_path) is 108, including the terminating NUL.
 constexpr size_t kMaxSocketPathLength = 107;
+constexpr uint64_t kMaxWorldSizeLimit = uint64_t{1} << 24;
+constexpr uint64_t kMaxSessionsLimit = 1u << 20;
 
 // Parses one YAML document into a DaemonConfig, turning each problem into a
 // status prefixed with "source:line: ".
@@ -83,6 +86,32 @@ class Parser {
         {"cluster_token_file", Scalar([&](const auto& key, const auto& value) {
            config.cluster_token_file = value;
            return absl::OkStatus();
+         })},
+        {"admin_group", Scalar([&](const auto& key, const auto& value) {
+           return SetAdminGroup(key, value, config);
+         })},
+        {"max_world_size", Scalar([&](const auto& key, const auto& value) {
+           return SetCount(key, value, "max_world_size", 1, kMaxWorldSizeLimit,
+                           &config.max_world_size);
+         })},
+        {"max_sessions", Scalar([&](const auto& key, const auto& value) {
+           return SetCount(key, value, "max_sessions", 1, kMaxSessionsLimit, &config.max_sessions);
+         })},
+        {"max_sessions_per_uid", Scalar([&](const auto& key, const auto& value) {
+           return SetCount(key, value, "max_sessions_per_uid", 1, kMaxSessionsLimit,
+                           &config.max_sessions_per_uid);
+         })},
+        {"max_jobs_per_uid", Scalar([&](const auto& key, const auto& value) {
+           return SetCount(key, value, "max_jobs_per_uid", 1, kMaxSessionsLimit,
+                           &config.max_jobs_per_uid);
+         })},
+        {"max_arena_bytes_per_uid", Scalar([&](const auto& key, const auto& value) {
+           return SetTotalBytes(key, value, "max_arena_bytes_per_uid",
+                                &config.max_arena_bytes_per_uid);
+         })},
+        {"max_arena_bytes_total", Scalar([&](const auto& key, const auto& value) {
+           return SetTotalBytes(key, value, "max_arena_bytes_total",
+                                &config.max_arena_bytes_total);
          })},
         {"tuning", [&](const YAML::Node& key,
                        const YAML::Node& value) { return ParseTuning(key, value, config.tuning); }},
@@ -216,6 +245,39 @@ class Parser {
                             "' for 'max_arena_bytes': out of range; expected a size in ", range));
     }
     config.max_arena_bytes = *bytes;
+    return absl::OkStatus();
+  }
+
+  absl::Status SetAdminGroup(const YAML::Node& key, const std::string& value,
+                             DaemonConfig& config) {
+    if (!value.empty() && getgrnam(value.c_str()) == nullptr) {
+      return Error(key, absl::StrCat("invalid value '", value,
+                                     "' for 'admin_group': no such group on this host"));
+    }
+    config.admin_group = value;
+    return absl::OkStatus();
+  }
+
+  absl::Status SetCount(const YAML::Node& key, const std::string& value, absl::string_view name,
+                        uint64_t min, uint64_t max, uint32_t* out) {
+    absl::StatusOr<uint64_t> number = ParseUnsigned(value);
+    if (!number.ok() || *number < min || *number > max) {
+      return Error(key, absl::StrCat("invalid value '", value, "' for '", name,
+                                     "': expected an integer in ", min, "..", max));
+    }
+    *out = static_cast<uint32_t>(*number);
+    return absl::OkStatus();
+  }
+
+  absl::Status SetTotalBytes(const YAML::Node& key, const std::string& value,
+                             absl::string_view name, uint64_t* out) {
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
+    if (!bytes.ok() || (*bytes != 0 && (*bytes < kMinArenaBytes || *bytes > 64 * kTiB))) {
+      return Error(key, absl::StrCat("invalid value '", value, "' for '", name,
+                                     "': expected a size in ", FormatByteSize(kMinArenaBytes),
+                                     "..64T, or 0 for a share of physical memory"));
+    }
+    *out = *bytes;
     return absl::OkStatus();
   }
 

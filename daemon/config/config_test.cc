@@ -91,6 +91,13 @@ TEST(ConfigTest, ExampleFileParses) {
   EXPECT_EQ(config->listen, defaults.listen);
   EXPECT_EQ(config->ordering_port, defaults.ordering_port);
   EXPECT_EQ(config->cluster_token_file, defaults.cluster_token_file);
+  EXPECT_EQ(config->admin_group, defaults.admin_group);
+  EXPECT_EQ(config->max_world_size, defaults.max_world_size);
+  EXPECT_EQ(config->max_sessions, defaults.max_sessions);
+  EXPECT_EQ(config->max_sessions_per_uid, defaults.max_sessions_per_uid);
+  EXPECT_EQ(config->max_jobs_per_uid, defaults.max_jobs_per_uid);
+  EXPECT_EQ(config->max_arena_bytes_per_uid, defaults.max_arena_bytes_per_uid);
+  EXPECT_EQ(config->max_arena_bytes_total, defaults.max_arena_bytes_total);
   EXPECT_EQ(config->tuning, defaults.tuning);
 }
 
@@ -99,7 +106,9 @@ TEST(ConfigTest, ExampleMentionsEveryKey) {
   std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   for (const char* key : {"socket:", "node_name:", "log_level:", "worker_threads:",
                           "max_arena_bytes:", "listen:", "ordering_port:", "cluster_token_file:",
-                          "metrics_listen:", "tuning:"}) {
+                          "metrics_listen:", "admin_group:", "max_world_size:",
+                          "max_sessions:", "max_sessions_per_uid:", "max_jobs_per_uid:",
+                          "max_arena_bytes_per_uid:", "max_arena_bytes_total:", "tuning:"}) {
     EXPECT_THAT(text, HasSubstr(key));
   }
   for (const std::string& key : TuningKeys()) EXPECT_THAT(text, HasSubstr(key + ":"));
@@ -141,6 +150,32 @@ TEST(ConfigTest, BadValuesNameKeyValueAndRange) {
   EXPECT_THAT(ErrorOf("node_name: \"two words\"\n"), HasSubstr("'node_name'"));
   EXPECT_THAT(ErrorOf("socket: \"\"\n"), HasSubstr("'socket'"));
   EXPECT_THAT(ErrorOf("socket: /" + std::string(200, 'a') + "\n"), HasSubstr("107"));
+}
+
+TEST(ConfigTest, SecurityKeysAndLimits) {
+  absl::StatusOr<DaemonConfig> config = Parse(
+      "admin_group: adm\nmax_world_size: 1024\nmax_sessions: 64\nmax_sessions_per_uid: 8\n"
+      "max_jobs_per_uid: 4\nmax_arena_bytes_per_uid: 16G\nmax_arena_bytes_total: 0\n");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->admin_group, "adm");
+  EXPECT_EQ(config->max_world_size, 1024u);
+  EXPECT_EQ(config->max_sessions, 64u);
+  EXPECT_EQ(config->max_sessions_per_uid, 8u);
+  EXPECT_EQ(config->max_jobs_per_uid, 4u);
+  EXPECT_EQ(config->max_arena_bytes_per_uid, uint64_t{16} << 30);
+  EXPECT_EQ(config->max_arena_bytes_total, 0u);
+  EXPECT_EQ(ErrorOf("admin_group: no-such-group-ciuic\n"),
+            "config.yaml:1: invalid value 'no-such-group-ciuic' for 'admin_group': no such group "
+            "on this host");
+  EXPECT_EQ(ErrorOf("max_world_size: 0\n"),
+            "config.yaml:1: invalid value '0' for 'max_world_size': expected an integer in "
+            "1..16777216");
+  EXPECT_THAT(ErrorOf("max_world_size: 16777217\n"), HasSubstr("'max_world_size'"));
+  EXPECT_THAT(ErrorOf("max_sessions_per_uid: lots\n"), HasSubstr("'max_sessions_per_uid'"));
+  EXPECT_THAT(ErrorOf("max_arena_bytes_per_uid: 1K\n"),
+              HasSubstr("'max_arena_bytes_per_uid': expected a size in 1M..64T, or 0"));
+  EXPECT_THAT(ErrorOf("max_arena_bytes_total: 65T\n"), HasSubstr("'max_arena_bytes_total'"));
+  EXPECT_THAT(ErrorOf("max_sessoins: 3\n"), HasSubstr("did you mean 'max_sessions'"));
 }
 
 TEST(ConfigTest, ValidValues) {

@@ -29,23 +29,24 @@ void FillEntry(const config::TuningEntry& e, proto::TuneEntry* out) {
   out->set_description(e.description);
 }
 
-bool SocketIsLive(const std::string& path) {
-  sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) return false;
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  bool live = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  close(fd);
-  return live;
-}
-
 }  // namespace
 
-grpc::Status ControlService::JoinJob(grpc::ServerContext*, const proto::JoinJobRequest* req,
+absl::StatusOr<Caller> ControlService::CallerOf(const grpc::ServerContext* ctx) const {
+  std::optional<Caller> caller;
+  if (const ControlSocket* callers = callers_.load()) caller = callers->CallerOf(ctx->peer());
+  if (!caller) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("ciuicd cannot tell who is calling (peer ", ctx->peer(), ")"));
+  }
+  return *caller;
+}
+
+grpc::Status ControlService::JoinJob(grpc::ServerContext* ctx, const proto::JoinJobRequest* req,
                                      proto::JoinJobReply* reply) {
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
   JoinRequest r;
+  r.caller_uid = caller->uid;
   r.session_token = req->session_token();
   r.job_id = req->job_id();
   r.rank = req->rank();
@@ -62,8 +63,10 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext*, const proto::JoinJobR
   return ToGrpc(s);
 }
 
-grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::StatusRequest*,
+grpc::Status ControlService::GetStatus(grpc::ServerContext* ctx, const proto::StatusRequest*,
                                        proto::StatusReply* reply) {
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
   EngineStatus st = engine_->Status();
   reply->set_version(CIUIC_VERSION);
   reply->set_node_name(node_name_);
@@ -92,7 +95,12 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
   reply->set_gpu_mapped_allocations(st.gpu_mapped_allocations);
   reply->set_gpu_mapped_bytes(st.gpu_mapped_bytes);
   reply->set_gpu_pinned_host_bytes(st.gpu_pinned_bytes);
+  uint32_t hidden_sessions = 0, hidden_jobs = 0;
   for (const auto& s : st.sessions) {
+    if (!authorization_.Sees(*caller, s.uid)) {
+      ++hidden_sessions;
+      continue;
+    }
     auto* out = reply->add_sessions();
     out->set_session_id(s.id);
     out->set_uid(s.uid);
@@ -102,6 +110,10 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
     out->set_arena_bytes(s.arena_bytes);
   }
   for (const auto& j : st.jobs) {
+    if (!authorization_.Sees(*caller, j.uid)) {
+      ++hidden_jobs;
+      continue;
+    }
     auto* out = reply->add_jobs();
     out->set_job_id(j.id);
     out->set_uid(j.uid);
@@ -135,6 +147,8 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext*, const proto::Status
       po->set_age_seconds(p.age_seconds);
     }
   }
+  reply->set_other_users_sessions(hidden_sessions);
+  reply->set_other_users_jobs(hidden_jobs);
   return grpc::Status::OK;
 }
 
@@ -146,22 +160,37 @@ grpc::Status ControlService::TuneGet(grpc::ServerContext*, const proto::TuneGetR
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::TuneSet(grpc::ServerContext*, const proto::TuneSetRequest* req,
+grpc::Status ControlService::TuneSet(grpc::ServerContext* ctx, const proto::TuneSetRequest* req,
                                      proto::TuneSetReply* reply) {
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
+  if (absl::Status allowed = authorization_.CheckAdmin(*caller, "tune set"); !allowed.ok()) {
+    spdlog::warn("tuning refused: uid {} (pid {}) asked {} = {}", caller->uid, caller->pid,
+                 req->key(), req->value());
+    return ToGrpc(allowed);
+  }
   absl::Status s = tuning_->Set(req->key(), req->value());
   if (!s.ok()) return ToGrpc(s);
   auto entries = tuning_->Get(req->key());
   if (!entries.ok()) return ToGrpc(entries.status());
   if (!entries->empty()) FillEntry(entries->front(), reply->mutable_entry());
-  spdlog::info("tuning: {} = {}", req->key(), reply->entry().value());
+  spdlog::info("tuning: uid {} (pid {}) set {} = {}", caller->uid, caller->pid, req->key(),
+               reply->entry().value());
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::GetPeers(grpc::ServerContext*, const proto::PeersRequest*,
+grpc::Status ControlService::GetPeers(grpc::ServerContext* ctx, const proto::PeersRequest*,
                                       proto::PeersReply* reply) {
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
   EnginePeers peers = engine_->Peers();
   reply->set_peer_address(peer_address_);
+  uint32_t hidden = 0;
   for (const auto& j : peers.jobs) {
+    if (!authorization_.Sees(*caller, j.uid)) {
+      ++hidden;
+      continue;
+    }
     auto* out = reply->add_jobs();
     out->set_job_id(j.id);
     out->set_uid(j.uid);
@@ -177,14 +206,20 @@ grpc::Status ControlService::GetPeers(grpc::ServerContext*, const proto::PeersRe
       po->set_bytes_received(p.bytes_received);
     }
   }
+  reply->set_other_users_jobs(hidden);
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::GetTrace(grpc::ServerContext*, const proto::TraceRequest* req,
+grpc::Status ControlService::GetTrace(grpc::ServerContext* ctx, const proto::TraceRequest* req,
                                       proto::TraceReply* reply) {
-  EngineTrace trace = engine_->Trace(req->job_id(), req->last());
+  auto caller = CallerOf(ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
+  std::optional<uid_t> owner;
+  if (!authorization_.IsAdmin(*caller)) owner = caller->uid;
+  EngineTrace trace = engine_->Trace(req->job_id(), req->last(), owner);
   reply->set_capacity(trace.capacity);
   reply->set_recorded(trace.recorded);
+  reply->set_other_users_ops(trace.other_users);
   for (const OpTraceRow& row : trace.ops) {
     proto::OpTrace* out = reply->add_ops();
     out->set_job_id(row.job_id);
@@ -217,21 +252,11 @@ grpc::Status ControlService::GetTrace(grpc::ServerContext*, const proto::TraceRe
   return grpc::Status::OK;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& socket_path,
-                                                                 grpc::Service* service) {
-  if (SocketIsLive(socket_path)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("another ciuicd is already listening on ", socket_path));
-  }
-  unlink(socket_path.c_str());
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(grpc::Service* service) {
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
   builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) {
-    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
-  }
-  chmod(socket_path.c_str(), 0666);
+  if (!server) return absl::UnavailableError("cannot start the control service (gRPC)");
   return server;
 }
 

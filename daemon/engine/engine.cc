@@ -19,6 +19,7 @@
 #include "collectives/local.h"
 #include "collectives/op.h"
 #include "cuda/device_runner.h"
+#include "engine/session_limits.h"
 #include "engine/worker_pool.h"
 #include "shm/fast_path_segment.h"
 #include "shm/rings.h"
@@ -46,6 +47,9 @@ struct Session {
   std::string job_key;  // empty until joined
   int rank = -1;
   uint32_t outstanding = 0;  // submitted, not yet completed
+  // This session's share of the uid's limits, given back when the session
+  // (and so its memory) goes.
+  std::unique_ptr<SessionLimits::Ticket> reserved;
 
   ~Session() {
     if (sock_fd >= 0) close(sock_fd);
@@ -156,6 +160,13 @@ constexpr int kFastPolls = 512;
 // ~130 us here), and its completion then costs no wakeup.
 constexpr auto kClusterSpin = std::chrono::microseconds(300);
 constexpr int kYieldMask = 3;
+// Fairness between sessions: one pass of the loop takes at most this many
+// submissions from each session's ring, and the spinning poll hands over to
+// a full pass (posted closures, sockets, deadlines) after this many rounds
+// that found work, so that a trainer that keeps its ring full cannot starve
+// the others or the loop's own work.
+constexpr int kSubmissionsPerPass = 32;
+constexpr int kBusyRoundsPerPass = 16;
 
 // epoll data: low 2 bits say which fd of which session woke us.
 enum : uint64_t { kWake = 0, kSock = 1, kBell = 2 };
@@ -180,6 +191,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Start(const Options& options) {
   ev.data.u64 = Tag(0, kWake);
   epoll_ctl(e->epoll_fd_, EPOLL_CTL_ADD, e->wake_fd_, &ev);
   e->workers_ = std::make_unique<WorkerPool>(std::max(1, options.worker_threads));
+  e->limits_ = std::make_unique<SessionLimits>(SessionLimits::Limits{
+      options.max_sessions, options.max_sessions_per_uid, options.max_arena_bytes_total,
+      options.max_arena_bytes_per_uid});
   e->loop_ = std::thread([p = e.get()] { p->Loop(); });
   pthread_setname_np(e->loop_.native_handle(), "ciuic-loop");
   e->acceptor_ = std::thread([p = e.get()] { p->AcceptLoop(); });
@@ -211,7 +225,13 @@ template <typename T>
 T Engine::RunOnLoop(std::function<T()> fn) {
   auto promise = std::make_shared<std::promise<T>>();
   std::future<T> result = promise->get_future();
-  Post([promise, fn = std::move(fn)] { promise->set_value(fn()); });
+  Post([promise, fn = std::move(fn)] {
+    try {
+      promise->set_value(fn());
+    } catch (...) {  // std::bad_alloc and the like: the caller's, not the loop's
+      promise->set_exception(std::current_exception());
+    }
+  });
   return result.get();
 }
 
@@ -268,12 +288,16 @@ void Engine::HandshakeOnAcceptor(int fd) {
         "session arena of ", hello.arena_bytes, " bytes asked; this ciuicd allows 1 to ",
         options_.max_arena_bytes, " bytes per session (max_arena_bytes)")));
   }
+  // Counted before the arena is mapped and pre-faulted.
+  auto reserved = limits_->Reserve(peer->uid, hello.arena_bytes);
+  if (!reserved.ok()) return refuse(reserved.status());
   auto memory = SessionMemory::Create(hello.arena_bytes);
   if (!memory.ok()) return refuse(memory.status());
   int bell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (bell < 0) return refuse(Errno("eventfd"));
 
   auto session = std::make_shared<Session>();
+  session->reserved = std::move(*reserved);
   session->peer = *peer;
   session->sock_fd = fd;
   session->doorbell_fd = bell;
@@ -353,7 +377,14 @@ void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const s
 absl::Status Engine::Join(const JoinRequest& request, uint64_t* fast_path_bytes) {
   uid_t uid = 0;
   uint64_t fast = 0;
-  absl::Status s = RunOnLoop<absl::Status>([&] { return JoinOnLoop(request, &uid, &fast); });
+  absl::Status s;
+  try {
+    s = RunOnLoop<absl::Status>([&] { return JoinOnLoop(request, &uid, &fast); });
+  } catch (const std::exception& e) {
+    // Out of memory or threads: this join fails, the daemon goes on.
+    s = absl::ResourceExhaustedError(absl::StrCat("joining job '", request.job_id, "': ", e.what()));
+    spdlog::error("{}", std::string(s.message()));
+  }
   if (fast_path_bytes != nullptr) *fast_path_bytes = s.ok() ? fast : 0;
   if (s.ok()) {
     spdlog::info("rank {}/{} (local {}/{}) of job '{}' (uid {}) joined", request.rank,
@@ -372,6 +403,10 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out, uint64_t* 
   }
   Session& session = *sit->second;
   *uid_out = session.peer.uid;
+  if (r.caller_uid && *r.caller_uid != session.peer.uid) {
+    return absl::PermissionDeniedError(absl::StrCat("the session belongs to uid ", session.peer.uid,
+                                                    ", not to the caller's uid ", *r.caller_uid));
+  }
   if (!session.job_key.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("this session already joined a job as rank ", session.rank));
@@ -383,11 +418,22 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out, uint64_t* 
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", r.rank, " is not in a world of size ", r.world_size));
   }
+  if (static_cast<uint64_t>(r.world_size) > options_.max_world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("world size ", r.world_size,
+                                                   " is over this ciuicd's limit of ",
+                                                   options_.max_world_size,
+                                                   " ranks (max_world_size)"));
+  }
   if (r.local_size < 1 || r.local_size > r.world_size || r.local_rank < 0 ||
       r.local_rank >= r.local_size) {
     return absl::InvalidArgumentError(absl::StrCat("local rank ", r.local_rank, " of local size ",
                                                    r.local_size, " does not fit world size ",
                                                    r.world_size));
+  }
+  if (static_cast<uint64_t>(r.local_size) > options_.max_sessions_per_uid) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "local size ", r.local_size, " is over the ", options_.max_sessions_per_uid,
+        " sessions one uid may open on this ciuicd (max_sessions_per_uid)"));
   }
   const bool multi_node = r.local_size != r.world_size;
   if (multi_node && r.coordinator.empty()) {
@@ -400,6 +446,15 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out, uint64_t* 
     return absl::UnimplementedError("this ciuicd has no inter-node transport");
   }
   const std::string key = JobKey(session.peer.uid, r.job_id);
+  if (jobs_.count(key) == 0) {
+    uint32_t mine = 0;
+    for (const auto& [k, j] : jobs_) mine += j->uid == session.peer.uid;
+    if (mine >= options_.max_jobs_per_uid) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("uid ", session.peer.uid, " has ", mine,
+                       " jobs on this ciuicd, the most one uid may (max_jobs_per_uid)"));
+    }
+  }
   auto& slot = jobs_[key];
   if (!slot) {
     slot = std::make_unique<Job>();
@@ -468,7 +523,15 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out, uint64_t* 
   job.ranks[r.rank] = sit->second;
   session.job_key = key;
   session.rank = r.rank;
-  if (multi_node && static_cast<int>(job.ranks.size()) == job.local_size) StartClusterOnLoop(job);
+  if (multi_node && static_cast<int>(job.ranks.size()) == job.local_size) {
+    try {
+      StartClusterOnLoop(job);
+    } catch (const std::exception& e) {  // no memory or no thread for it: this job fails
+      job.cluster.reset();
+      FailJobOnLoop(job, absl::ResourceExhaustedError(absl::StrCat(
+                             "job '", job.id, "' cannot start its inter-node part: ", e.what())));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -569,7 +632,7 @@ bool Engine::PollSubmissionsOnLoop() {
   if (ready.empty()) return false;
   for (auto& s : ready) {
     wire::SubmissionEntry entry;
-    while (!s->closed) {
+    for (int taken = 0; taken < kSubmissionsPerPass && !s->closed; ++taken) {
       auto got = s->sq->Pop(&entry);
       if (!got.ok()) {
         CloseSessionOnLoop(s, got.status().ToString());
@@ -577,12 +640,18 @@ bool Engine::PollSubmissionsOnLoop() {
       }
       if (!*got) break;
       worked = true;
-      if (s->outstanding >= s->memory->header()->cq_capacity) {
+      if (s->outstanding >= s->cq->capacity()) {  // ciuicd's copy, not the trainer's
         CloseSessionOnLoop(s, "more operations in flight than the completion ring holds");
         break;
       }
       ++s->outstanding;
-      SubmitOnLoop(s, entry);
+      try {
+        SubmitOnLoop(s, entry);
+      } catch (const std::exception& e) {  // out of memory: this operation fails
+        spdlog::error("session {}: submission refused: {}", s->id, e.what());
+        CompleteOnLoop(*s, entry.op_id,
+                       absl::ResourceExhaustedError(absl::StrCat("ciuicd: ", e.what())));
+      }
     }
   }
   ready.clear();
@@ -602,9 +671,11 @@ void Engine::Loop() {
     if (spinning) {
       // The latency path: poll the rings alone for a while; socket events,
       // posted closures and deadlines are looked at between rounds.
+      int busy_rounds = 0;
       for (int i = 0; i < kFastPolls; ++i) {
         if (PollSubmissionsOnLoop()) {
           last_work = Clock::now();
+          if (++busy_rounds == kBusyRoundsPerPass) break;
           i = 0;
           continue;
         }
@@ -721,6 +792,7 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
     slot->deadline = now + std::chrono::milliseconds(timeout_ms);
     slot->parts.resize(job.world_size);
     slot->seen.assign(job.world_size, false);
+    slot->trace.uid = job.uid;
     slot->trace.job_id = job.id;
     slot->trace.name = v.name;
     slot->trace.sig = v.sig;
@@ -905,7 +977,7 @@ void Engine::LaunchOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   ++running_ops_;
   op->chunks_left.store(chunks);
   for (size_t i = 0; i < chunks; ++i) {
-    workers_->Submit(op->priority, [this, op, i, key = job.key] {
+    workers_->Submit(job.key, op->priority, [this, op, i, key = job.key] {
       op->collective->RunChunk(i);
       if (op->chunks_left.fetch_sub(1) == 1) {
         Post([this, op, key] {
@@ -1034,10 +1106,11 @@ void Engine::RecordOnLoop(PendingOp& op, const absl::Status& status) {
 
 // ------------------------------------------------------------ status, stop
 
-EngineTrace Engine::Trace(const std::string& job_id, uint32_t last) {
+EngineTrace Engine::Trace(const std::string& job_id, uint32_t last,
+                          std::optional<uint32_t> owner) {
   if (shutdown_started_.load()) return EngineTrace{};
-  return RunOnLoop<EngineTrace>([this, job_id, last] {
-    return trace_.Select(job_id, last, started_, options_.tuning->Snapshot().trace_ops);
+  return RunOnLoop<EngineTrace>([this, job_id, last, owner] {
+    return trace_.Select(job_id, last, started_, options_.tuning->Snapshot().trace_ops, owner);
   });
 }
 

@@ -28,6 +28,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,9 +48,13 @@ struct Session;
 struct Job;
 struct PendingOp;
 class WorkerPool;
+class SessionLimits;
 class DeviceRunner;
 
 struct JoinRequest {
+  // The uid that made the JoinJob call (control_socket.h), when known: it
+  // must be the session's own.
+  std::optional<uid_t> caller_uid;
   std::string session_token;
   std::string job_id;
   int rank = 0;
@@ -166,6 +171,14 @@ class Engine {
     // This daemon's coordinator (may be null): jobs it coordinates order
     // through it in-process. Must outlive the engine.
     Coordinator* local_coordinator = nullptr;
+    // What one trainer, uid or job may take (config.h's keys of the same
+    // names; the byte limits already resolved from 0).
+    uint32_t max_world_size = 65536;
+    uint32_t max_sessions = 4096;
+    uint32_t max_sessions_per_uid = 512;
+    uint32_t max_jobs_per_uid = 256;
+    uint64_t max_arena_bytes_per_uid = UINT64_MAX;
+    uint64_t max_arena_bytes_total = UINT64_MAX;
   };
 
   // Listens on the session socket and starts the loop, acceptor and workers.
@@ -179,8 +192,10 @@ class Engine {
   EngineStatus Status();
   EnginePeers Peers();
   // The last `last` operations (0: all recorded) of job `job_id` (empty:
-  // every job), oldest first (op_trace.h).
-  EngineTrace Trace(const std::string& job_id, uint32_t last);
+  // every job), oldest first (op_trace.h); with `owner`, of that uid's jobs
+  // only.
+  EngineTrace Trace(const std::string& job_id, uint32_t last,
+                    std::optional<uint32_t> owner = std::nullopt);
 
   // Drains: refuses new sessions, ends pending operations with UNAVAILABLE,
   // lets running ones finish, closes every session. Any thread but the loop.
@@ -224,6 +239,7 @@ class Engine {
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   std::unique_ptr<WorkerPool> workers_;
+  std::unique_ptr<SessionLimits> limits_;
   // Device-buffer operations (cuda/device_runner.h): made by the loop at the
   // first one, destroyed by Shutdown after the loop has exited.
   std::unique_ptr<DeviceRunner> device_runner_;

@@ -67,13 +67,17 @@ void TraceLog::Add(OpRecord record, size_t capacity) {
 }
 
 EngineTrace TraceLog::Select(const std::string& job_id, size_t last, Clock::time_point origin,
-                             uint32_t capacity) const {
+                             uint32_t capacity, std::optional<uint32_t> owner) const {
   EngineTrace out;
   out.capacity = capacity;
   out.recorded = recorded_;
   std::vector<const OpRecord*> picked;
   for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
-    if (last != 0 && picked.size() == last) break;
+    if (owner && it->uid != *owner) {
+      ++out.other_users;
+      continue;
+    }
+    if (last != 0 && picked.size() == last) continue;
     if (job_id.empty() || it->job_id == job_id) picked.push_back(&*it);
   }
   for (auto it = picked.rbegin(); it != picked.rend(); ++it) out.ops.push_back(RowOf(**it, origin));

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@ namespace ciuic::daemon {
 
 struct OpRecord {
   using Clock = std::chrono::steady_clock;
+  uint32_t uid = 0;  // the job's owner
   std::string job_id;
   std::string name;
   OpSignature sig;
@@ -73,6 +75,7 @@ struct EngineTrace {
   std::vector<OpTraceRow> ops;  // oldest first
   uint32_t capacity = 0;
   uint64_t recorded = 0;
+  uint32_t other_users = 0;  // records of other uids' jobs left out
 };
 
 class TraceLog {
@@ -82,8 +85,9 @@ class TraceLog {
   void Add(OpRecord record, size_t capacity);
   // The last `last` records (0: all) of job `job_id` (empty: every job),
   // oldest first, with times relative to `origin` (the daemon's start).
+  // With `owner`, only that uid's jobs (the others are counted).
   EngineTrace Select(const std::string& job_id, size_t last, OpRecord::Clock::time_point origin,
-                     uint32_t capacity) const;
+                     uint32_t capacity, std::optional<uint32_t> owner = std::nullopt) const;
   uint64_t recorded() const { return recorded_; }
 
  private:

@@ -62,6 +62,28 @@ TEST(TraceLogTest, SelectsByJobAndLast) {
   EXPECT_TRUE(log.Select("c", 0, origin, 100).ops.empty());
 }
 
+TEST(TraceLogTest, AnOwnerSeesOnlyItsOwnJobsAndCountsTheOthers) {
+  TraceLog log;
+  const Clock::time_point origin = Clock::now();
+  for (int i = 0; i < 6; ++i) {
+    OpRecord r = Record("same-id", "op" + std::to_string(i), origin);
+    r.uid = i % 3 == 0 ? 1000 : 2000;  // two users, one job id
+    log.Add(std::move(r), 100);
+  }
+  EngineTrace mine = log.Select("", 0, origin, 100, 1000u);
+  ASSERT_EQ(mine.ops.size(), 2u);
+  EXPECT_EQ(mine.ops[0].name, "op0");
+  EXPECT_EQ(mine.ops[1].name, "op3");
+  EXPECT_EQ(mine.other_users, 4u);
+  EngineTrace last = log.Select("same-id", 1, origin, 100, 2000u);
+  ASSERT_EQ(last.ops.size(), 1u);
+  EXPECT_EQ(last.ops[0].name, "op5");
+  EXPECT_EQ(last.other_users, 2u);
+  EngineTrace all = log.Select("", 0, origin, 100);
+  EXPECT_EQ(all.ops.size(), 6u);
+  EXPECT_EQ(all.other_users, 0u);
+}
+
 TEST(TraceLogTest, RowTimesAreAfterTheFirstSubmission) {
   const Clock::time_point origin = Clock::now();
   OpRecord r = Record("a", "x", origin + microseconds(500));

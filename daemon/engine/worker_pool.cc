@@ -21,9 +21,11 @@ WorkerPool::~WorkerPool() {
   for (auto& t : threads_) t.join();
 }
 
-void WorkerPool::Submit(int32_t priority, std::function<void()> task) {
+void WorkerPool::Submit(const std::string& owner, int32_t priority, std::function<void()> task) {
   absl::MutexLock lock(&mu_);
-  queue_.push(Task{priority, next_seq_++, std::move(task)});
+  auto& queue = queues_[owner];
+  if (queue.empty()) turn_.push_back(owner);
+  queue.push(Task{priority, next_seq_++, std::move(task)});
 }
 
 void WorkerPool::Run() {
@@ -33,12 +35,20 @@ void WorkerPool::Run() {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](WorkerPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-            return p->stopping_ || !p->queue_.empty();
+            return p->stopping_ || !p->turn_.empty();
           },
           this));
-      if (queue_.empty()) return;  // stopping and drained
-      fn = std::move(const_cast<Task&>(queue_.top()).fn);
-      queue_.pop();
+      if (turn_.empty()) return;  // stopping and drained
+      std::string owner = std::move(turn_.front());
+      turn_.pop_front();
+      auto it = queues_.find(owner);
+      fn = std::move(const_cast<Task&>(it->second.top()).fn);
+      it->second.pop();
+      if (it->second.empty()) {
+        queues_.erase(it);
+      } else {
+        turn_.push_back(std::move(owner));
+      }
     }
     fn();
   }

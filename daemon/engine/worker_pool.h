@@ -1,12 +1,19 @@
-// A fixed set of threads that run chunks of operations, highest priority
-// first (then first come, first served), so that a small urgent operation
-// overtakes a large one at the next chunk boundary. Idle workers sleep on a
-// condition variable: no spinning.
+// A fixed set of threads that run chunks of operations, shared fairly by
+// the jobs on this node: workers take tasks from the jobs with queued work
+// in turn (round robin, one task at a time), and within one job the highest
+// priority first (then first come, first served), so that a small urgent
+// operation overtakes a large one of the same job at the next chunk
+// boundary. A trainer's priority thus orders only its own job's work: no
+// job's priority, however high, puts its chunks ahead of another job's.
+// Idle workers sleep on a condition variable: no spinning.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <map>
 #include <queue>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -20,7 +27,8 @@ class WorkerPool {
   explicit WorkerPool(int threads);
   ~WorkerPool();  // runs what is queued, then joins
 
-  void Submit(int32_t priority, std::function<void()> task);
+  // Queues `task` for `owner` (a job's key). Any thread.
+  void Submit(const std::string& owner, int32_t priority, std::function<void()> task);
   int size() const { return static_cast<int>(threads_.size()); }
 
  private:
@@ -36,7 +44,9 @@ class WorkerPool {
   void Run();
 
   absl::Mutex mu_;
-  std::priority_queue<Task> queue_ ABSL_GUARDED_BY(mu_);
+  // Queued tasks by owner; an owner is in turn_ exactly while it has some.
+  std::map<std::string, std::priority_queue<Task>> queues_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> turn_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

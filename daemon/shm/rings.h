@@ -49,6 +49,8 @@ class CompletionWriter {
   // fill (it submitted more than the ring holds without reaping), DATA_LOSS
   // if its head index is impossible.
   absl::Status Push(uint64_t op_id, int status_code, absl::string_view message);
+  // The ring's size as ciuicd made it (never the trainer-writable header's).
+  uint32_t capacity() const { return capacity_; }
 
  private:
   wire::SessionHeader* header_;

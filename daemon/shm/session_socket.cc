@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace ciuic::daemon {
 
@@ -20,7 +21,7 @@ absl::Status Errno(absl::string_view what) {
 }
 }  // namespace
 
-absl::StatusOr<int> ListenSeqpacket(const std::string& path) {
+absl::StatusOr<int> ListenUnix(const std::string& path, int type) {
   sockaddr_un addr{};
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(
@@ -31,7 +32,7 @@ absl::StatusOr<int> ListenSeqpacket(const std::string& path) {
   std::memcpy(addr.sun_path, path.data(), path.size());
 
   // Is somebody alive behind an existing socket file?
-  int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  int probe = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
   if (probe >= 0) {
     bool alive = connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
     close(probe);
@@ -42,20 +43,46 @@ absl::StatusOr<int> ListenSeqpacket(const std::string& path) {
   }
   unlink(path.c_str());
 
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("socket");
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  // The file gets 0777 & ~umask at bind: 0666 under umask 0111. The umask
+  // is the process's; ciuicd binds its sockets while starting, before any
+  // thread of its own creates files.
+  const mode_t old_umask = umask(0111);
+  const int bound = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int bind_errno = errno;
+  umask(old_umask);
+  if (bound != 0) {
+    errno = bind_errno;
     absl::Status s = Errno(absl::StrCat("bind ", path));
     close(fd);
     return s;
   }
-  chmod(path.c_str(), 0666);
   if (listen(fd, 128) != 0) {
     absl::Status s = Errno(absl::StrCat("listen ", path));
     close(fd);
     return s;
   }
   return fd;
+}
+
+absl::Status CheckRuntimeDirectory(const std::string& socket_path) {
+  const auto slash = socket_path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0              ? "/"
+                                                    : socket_path.substr(0, slash);
+  struct stat st {};
+  if (stat(dir.c_str(), &st) != 0) return Errno(absl::StrCat("stat ", dir));
+  const uid_t self = geteuid();
+  if (st.st_uid != self || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the directory %s of socket %s belongs to uid %d with mode %04o; it must belong to "
+        "ciuicd's uid %d and be writable by no one else, or another user could replace the "
+        "daemon's sockets and pose as ciuicd (use e.g. /run/ciuic, systemd's "
+        "RuntimeDirectory)",
+        dir, socket_path, st.st_uid, st.st_mode & 07777, self));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PeerCredentials> GetPeerCredentials(int fd) {

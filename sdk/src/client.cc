@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -447,6 +449,36 @@ int Communicator::local_size() const { return impl_->options.local_size; }
 const std::string& Communicator::job_id() const { return impl_->options.job_id; }
 const std::string& Communicator::node_name() const { return impl_->node_name; }
 
+// The process behind the session socket must run as the uid that owns the
+// socket's directory, a directory nobody else may write: ciuicd refuses to
+// start anywhere else, so a socket elsewhere, or served by another uid, is
+// an impostor's that would receive this trainer's tensors.
+static Status CheckDaemonIsGenuine(int fd, const std::string& path) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return ErrnoStatus(StatusCode::kInternal, "SO_PEERCRED on " + path);
+  }
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0              ? "/"
+                                                    : path.substr(0, slash);
+  struct stat st {};
+  if (stat(dir.c_str(), &st) != 0) return ErrnoStatus(StatusCode::kInternal, "stat " + dir);
+  if (cred.uid != st.st_uid || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return Status(StatusCode::kPermissionDenied,
+                  "refusing the daemon at " + path + ": it runs as uid " +
+                      std::to_string(cred.uid) + " (pid " + std::to_string(cred.pid) +
+                      "), but " + dir + " belongs to uid " + std::to_string(st.st_uid) +
+                      " with mode " + mode +
+                      "; ciuicd serves only from a directory of its own uid that no one else "
+                      "may write, so this one may be an impostor");
+  }
+  return Status::Ok();
+}
+
 static Status OpenSession(const std::string& path, uint64_t arena_bytes, Core* core,
                           std::string* token) {
   sockaddr_un addr{};
@@ -462,6 +494,7 @@ static Status OpenSession(const std::string& path, uint64_t arena_bytes, Core* c
     return ErrnoStatus(StatusCode::kUnavailable,
                        "cannot reach ciuicd at " + path + " (is it running?)");
   }
+  if (Status genuine = CheckDaemonIsGenuine(fd, path); !genuine.ok()) return genuine;
   timeval tv{30, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   wire::HelloRequest hello{};

@@ -187,6 +187,10 @@ std::string FormatStatus(const proto::StatusReply& status) {
   }
 
   absl::StrAppend(&out, "\nSESSIONS (", status.sessions_size(), ")\n");
+  if (status.other_users_sessions() > 0) {
+    absl::StrAppend(&out, "  and ", status.other_users_sessions(),
+                    " of other users, not shown (root, ciuicd's uid and admin_group see all)\n");
+  }
   if (status.sessions().empty()) {
     out += "  (none)\n";
   } else {
@@ -202,6 +206,9 @@ std::string FormatStatus(const proto::StatusReply& status) {
   }
 
   absl::StrAppend(&out, "\nJOBS (", status.jobs_size(), ")\n");
+  if (status.other_users_jobs() > 0) {
+    absl::StrAppend(&out, "  and ", status.other_users_jobs(), " of other users, not shown\n");
+  }
   if (status.jobs().empty()) {
     out += "  (none)\n";
   } else {
@@ -219,7 +226,11 @@ std::string FormatStatus(const proto::StatusReply& status) {
 }
 
 std::string FormatJobs(const proto::StatusReply& status) {
-  if (status.jobs().empty()) return "no jobs\n";
+  const std::string others =
+      status.other_users_jobs() == 0
+          ? ""
+          : absl::StrCat(status.other_users_jobs(), " job(s) of other users, not shown\n");
+  if (status.jobs().empty()) return "no jobs\n" + others;
   Table jobs({"JOB", "UID", "WORLD", "LOCAL RANKS", "STATE", "COMPLETED", "FAILED", "BYTES"});
   for (size_t column : {1, 2, 5, 6, 7}) jobs.SetAlign(column, Table::Align::kRight);
   Table pending({"JOB", "OPERATION", "COLLECTIVE", "BYTES", "AGE", "SUBMITTED", "WAITING FOR"});
@@ -236,7 +247,7 @@ std::string FormatJobs(const proto::StatusReply& status) {
                       FormatRanks(op.submitted_ranks()), FormatRanks(op.waiting_for_ranks())});
     }
   }
-  std::string out = jobs.Render();
+  std::string out = jobs.Render() + others;
   out += FormatNetworkSavings(status);
   out += "\nPENDING OPERATIONS\n";
   out += pending.rows() == 0 ? "  (none)\n" : pending.Render();
@@ -247,6 +258,9 @@ std::string FormatPeers(const proto::PeersReply& reply) {
   std::string out;
   if (!reply.peer_address().empty()) {
     absl::StrAppend(&out, "peer service: ", Sanitize(reply.peer_address()), "\n");
+  }
+  if (reply.other_users_jobs() > 0) {
+    absl::StrAppend(&out, reply.other_users_jobs(), " multi-node job(s) of other users, not shown\n");
   }
   if (reply.jobs().empty()) return out + "no multi-node jobs\n";
   Table table({"JOB", "COORDINATOR", "NODE", "RANKS", "LINK", "SENT", "RECEIVED"});
@@ -325,6 +339,9 @@ std::string FormatTrace(const proto::TraceReply& reply) {
   std::string out = absl::StrCat(reply.ops_size(), " operation(s) shown; the daemon keeps its last ",
                                  reply.capacity(), " (trace_ops), ", reply.recorded(),
                                  " recorded since it started\n");
+  if (reply.other_users_ops() > 0) {
+    absl::StrAppend(&out, reply.other_users_ops(), " of other users' jobs not shown\n");
+  }
   if (reply.ops().empty()) return out;
   Table table({"JOB", "OPERATION", "COLLECTIVE", "BYTES", "RANKS IN", "LAST RANK", "NODES IN",
                "LAST NODE", "QUEUED", "RUN", "TOTAL", "STATUS"});
