@@ -117,7 +117,7 @@ void RawSession::Submit(const wire::SubmissionEntry& e) {
 
 bool RawSession::NextCompletion(wire::CompletionEntry* out, int ms) {
   auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
-  while (std::chrono::steady_clock::now() < until) {
+  while (true) {  // looks at least once, also with ms = 0
     if (header()->cq_tail.load() != cq_head_) {
       auto* ring = reinterpret_cast<wire::CompletionEntry*>(base + wire::kCqOffset);
       *out = ring[cq_head_ & (wire::kRingCapacity - 1)];
@@ -125,9 +125,9 @@ bool RawSession::NextCompletion(wire::CompletionEntry* out, int ms) {
       header()->cq_head.store(cq_head_);
       return true;
     }
+    if (std::chrono::steady_clock::now() >= until) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  return false;
 }
 
 bool RawSession::HungUp(int ms) {
