@@ -13,6 +13,7 @@
 #include <deque>
 #include <list>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -866,14 +867,14 @@ class CudaDeviceRunner final : public DeviceRunner {
       bool far = false;
       if (b.send_bytes > 0) {
         auto p =
-            OpenBuffer(b.session_id, b.send, b.send_bytes, device, r, "send", &run->holds, &far);
+            OpenBuffer(b.session_id, b.uid, b.send, b.send_bytes, device, r, "send", &run->holds, &far);
         if (!p.ok()) return p.status();
         send[r] = *p;
         send_far[r] = far;
       }
       if (b.recv_bytes > 0) {  // alltoallv may receive nothing
         auto p =
-            OpenBuffer(b.session_id, b.recv, b.recv_bytes, device, r, "recv", &run->holds, &far);
+            OpenBuffer(b.session_id, b.uid, b.recv, b.recv_bytes, device, r, "recv", &run->holds, &far);
         if (!p.ok()) return p.status();
         recv[r] = *p;
         recv_far[r] = far;
@@ -1056,14 +1057,14 @@ class CudaDeviceRunner final : public DeviceRunner {
       const DeviceRankBuffers& b = ranks[r];
       bool far = false;
       if (b.recv_bytes > 0 || !v_splits) {
-        auto p = OpenBuffer(b.session_id, b.recv, b.recv_bytes, parts.device, r, "recv",
+        auto p = OpenBuffer(b.session_id, b.uid, b.recv, b.recv_bytes, parts.device, r, "recv",
                             &parts.holds, &far);
         if (!p.ok()) return fail(p.status());
         recv[r] = *p;
         recv_far[r] = far;
       }
       if (b.send_bytes > 0) {
-        auto p = OpenBuffer(b.session_id, b.send, b.send_bytes, parts.device, r, "send",
+        auto p = OpenBuffer(b.session_id, b.uid, b.send, b.send_bytes, parts.device, r, "send",
                             &parts.holds, &far);
         if (!p.ok()) return fail(p.status());
         send[r] = *p;
@@ -1118,7 +1119,8 @@ class CudaDeviceRunner final : public DeviceRunner {
   // its kernels then cannot read: the buffer is opened there and reached
   // by copies only (mirrored, device_plan.h). Else the kernels on `device`
   // may read it (peer access enabled).
-  absl::StatusOr<uint8_t*> OpenBuffer(uint64_t session_id, const wire::DeviceBufferDescriptor& d,
+  absl::StatusOr<uint8_t*> OpenBuffer(uint64_t session_id, uint32_t uid,
+                                      const wire::DeviceBufferDescriptor& d,
                                       uint64_t bytes, int device, int rank, absl::string_view what,
                                       Holds* holds, bool* far) {
     const std::string who = absl::StrCat("rank ", rank, "'s ", what, " buffer");
@@ -1132,7 +1134,11 @@ class CudaDeviceRunner final : public DeviceRunner {
     const auto key = std::make_pair(BytesOf(d.memory_handle), *far ? d.device : device);
     auto it = cache.find(key);
     if (it == cache.end()) {
-      std::shared_ptr<Mapping> shared = OpenMapping(key);
+      // Shared only among the sessions of the uid that opened it: a handle
+      // another user's trainer names never reaches this user's mapping
+      // (its own open then fails, as CUDA maps a handle once per process).
+      const SharedKey shared_key{uid, key.first, key.second};
+      std::shared_ptr<Mapping> shared = OpenMapping(shared_key);
       if (!shared) {
         // A far buffer is opened on its own device (without peer access
         // there is no mapping of it on `device`).
@@ -1149,7 +1155,7 @@ class CudaDeviceRunner final : public DeviceRunner {
         for (auto at = mappings_.begin(); at != mappings_.end();) {
           at = at->second.expired() ? mappings_.erase(at) : std::next(at);
         }
-        mappings_[key] = shared;
+        mappings_[shared_key] = shared;
       }
       it = cache.emplace(key, std::move(shared)).first;
     }
@@ -1273,7 +1279,8 @@ class CudaDeviceRunner final : public DeviceRunner {
 
   // ciuicd's mapping of `key` if one is open (another session's, or one
   // that an operation still holds), else null.
-  std::shared_ptr<Mapping> OpenMapping(const std::pair<IpcBytes, int>& key) {
+  using SharedKey = std::tuple<uint32_t, IpcBytes, int>;  // uid, handle, device
+  std::shared_ptr<Mapping> OpenMapping(const SharedKey& key) {
     auto it = mappings_.find(key);
     return it == mappings_.end() ? nullptr : it->second.lock();
   }
@@ -1345,9 +1352,10 @@ class CudaDeviceRunner final : public DeviceRunner {
   // stream holds up no other job's work.
   std::map<std::pair<std::string, int>, cudaStream_t> streams_;
   std::map<uint64_t, std::shared_ptr<SessionHandles>> sessions_;
-  // Every open mapping by handle and device, whichever session opened it:
-  // CUDA maps a handle once per process and device.
-  std::map<std::pair<IpcBytes, int>, std::weak_ptr<Mapping>> mappings_;
+  // Every open mapping by the uid of the sessions that use it, handle and
+  // device, whichever of that uid's sessions opened it: CUDA maps a handle
+  // once per process and device.
+  std::map<SharedKey, std::weak_ptr<Mapping>> mappings_;
   // Operations waiting for their ranks' streams (per job: in order).
   ReadyGate gate_;
   // (operation's device, buffer's device): peer access (enabled), or none.

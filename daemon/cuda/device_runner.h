@@ -63,6 +63,7 @@ namespace ciuic::daemon {
 // One rank's part: its session (whose handles it may reuse) and buffers.
 struct DeviceRankBuffers {
   uint64_t session_id = 0;
+  uint32_t uid = 0;         // the session's: mappings are shared within a uid only
   int rank = 0;             // in the job (a reduce_scatter's block)
   uint64_t send_bytes = 0;  // ValidatedOp::send_bytes (0: no send buffer)
   uint64_t recv_bytes = 0;  // ValidatedOp::recv_bytes

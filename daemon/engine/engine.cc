@@ -13,6 +13,7 @@
 #include <cstring>
 #include <future>
 #include <optional>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -130,6 +131,7 @@ std::vector<DeviceRankBuffers> DeviceRanksOf(const PendingOp& op) {
     if (!part) continue;
     DeviceRankBuffers b;
     b.session_id = part->session->id;
+    b.uid = part->session->peer.uid;
     b.rank = part->session->rank;
     b.send_bytes = part->op.send_bytes;
     b.recv_bytes = part->op.recv_bytes;
@@ -581,7 +583,26 @@ void Engine::EraseJobOnLoop(const std::string& key) {
   if (it == jobs_.end()) return;
   if (it->second->cluster) {
     // Its destructor waits for its threads: not on the loop.
-    reapers_.emplace_back([cluster = std::move(it->second->cluster)]() mutable { cluster.reset(); });
+    for (auto r = reapers_.begin(); r != reapers_.end();) {
+      if (r->done->load()) {
+        r->thread.join();
+        r = reapers_.erase(r);
+      } else {
+        ++r;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    try {
+      std::thread t([cluster = std::move(it->second->cluster), done]() mutable {
+        cluster.reset();
+        done->store(true);
+      });
+      reapers_.push_back(Reaper{std::move(t), std::move(done)});
+    } catch (const std::system_error& e) {
+      // No thread to spare: the job's threads are ended here, on the loop.
+      spdlog::warn("no thread to end job '{}' apart ({}): ending it on the loop",
+                   it->second->id, e.what());
+    }
   }
   running_ops_ -= static_cast<int>(it->second->in_cluster.size());
   if (device_runner_) device_runner_->EndJob(key);
@@ -1265,7 +1286,7 @@ void Engine::Shutdown() {
   });
   if (loop_.joinable()) loop_.join();
   device_runner_.reset();  // idle: the loop waited for every running operation
-  for (auto& t : reapers_) t.join();
+  for (auto& r : reapers_) r.thread.join();
   reapers_.clear();
   workers_.reset();
 }

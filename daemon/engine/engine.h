@@ -246,7 +246,13 @@ class Engine {
   std::thread acceptor_;
   // Threads that destroy a finished job's ClusterJob (that can take a
   // moment) away from the loop; joined at shutdown.
-  std::vector<std::thread> reapers_;
+  // Loop thread only; a reaper that has finished is joined when the next
+  // one starts, so a daemon that runs many jobs keeps few threads.
+  struct Reaper {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Reaper> reapers_;
   std::thread loop_;
   std::atomic<bool> shutdown_started_{false};
 
