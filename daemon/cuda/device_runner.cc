@@ -271,6 +271,7 @@ struct SessionHandles {
   // a handle per device.
   std::map<std::pair<IpcBytes, int>, std::shared_ptr<Mapping>> memory;
   std::map<IpcBytes, cudaEvent_t> events;
+  uint32_t uid = 0;  // the session's (set at its first buffer)
   SessionHandles() = default;
   SessionHandles(const SessionHandles&) = delete;
   SessionHandles& operator=(const SessionHandles&) = delete;
@@ -1130,7 +1131,9 @@ class CudaDeviceRunner final : public DeviceRunner {
       if (!reach.ok()) return reach.status();
       *far = !*reach;
     }
-    auto& cache = Session(session_id).memory;
+    SessionHandles& session = Session(session_id);
+    session.uid = uid;
+    auto& cache = session.memory;
     const auto key = std::make_pair(BytesOf(d.memory_handle), *far ? d.device : device);
     auto it = cache.find(key);
     if (it == cache.end()) {
@@ -1147,7 +1150,7 @@ class CudaDeviceRunner final : public DeviceRunner {
               Cuda(cudaSetDevice(d.device), absl::StrCat("cudaSetDevice(", d.device, ")"));
           if (!s.ok()) return s;
         }
-        auto m = Open(d, who);
+        auto m = Open(d, who, uid);
         if (*far) cudaSetDevice(device);
         if (!m.ok()) return m.status();
         shared = std::move(*m);
@@ -1174,14 +1177,14 @@ class CudaDeviceRunner final : public DeviceRunner {
   // Opens the allocation of `d` (on the current device) and checks it
   // against what the trainer said of it.
   absl::StatusOr<std::shared_ptr<Mapping>> Open(const wire::DeviceBufferDescriptor& d,
-                                                const std::string& who) {
+                                                const std::string& who, uint32_t uid) {
     cudaIpcMemHandle_t h;
     std::memcpy(&h, d.memory_handle, sizeof(h));
     void* p = nullptr;
     cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
     if (e == cudaErrorAlreadyMapped) {
       cudaGetLastError();
-      DropIdleMappings();
+      DropIdleMappings(uid);
       e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
       // The operation that last held the mapping may be closing it right
       // now, on the completion thread: a few short waits for that.
@@ -1205,7 +1208,8 @@ class CudaDeviceRunner final : public DeviceRunner {
       return Cuda(e, absl::StrCat("opening ", who, " (cudaIpcOpenMemHandle)",
                                   e == cudaErrorAlreadyMapped
                                       ? ": memory of a freed allocation at the same address is "
-                                        "still in use by an operation here"
+                                        "still in use by an operation here, or the allocation "
+                                        "is mapped for another user's sessions"
                                       : ""));
     }
     auto m = std::make_shared<Mapping>();
@@ -1285,13 +1289,15 @@ class CudaDeviceRunner final : public DeviceRunner {
     return it == mappings_.end() ? nullptr : it->second.lock();
   }
 
-  // Closes every mapping that only session caches hold (no operation):
-  // those whose holders are all caches are found first, then dropped from
-  // every cache that shares them.
-  void DropIdleMappings() {
+  // Closes every mapping that only caches of `uid`'s sessions hold (no
+  // operation, no other user): those whose holders are all such caches are
+  // found first, then dropped from every cache that shares them. Another
+  // user's open never closes this user's mappings.
+  void DropIdleMappings(uint32_t uid) {
     struct Holders {
       long caches = 0;
       long all = 0;
+      bool foreign = false;  // cached by another uid's session
     };
     std::map<const Mapping*, Holders> held;
     for (auto& [id, session] : sessions_) {
@@ -1299,12 +1305,13 @@ class CudaDeviceRunner final : public DeviceRunner {
         Holders& h = held[m.get()];
         ++h.caches;
         h.all = m.use_count();
+        h.foreign |= session->uid != uid;
       }
     }
     for (auto& [id, session] : sessions_) {
       for (auto it = session->memory.begin(); it != session->memory.end();) {
         const Holders& h = held[it->second.get()];
-        it = h.all == h.caches ? session->memory.erase(it) : std::next(it);
+        it = h.all == h.caches && !h.foreign ? session->memory.erase(it) : std::next(it);
       }
     }
   }

@@ -1047,6 +1047,95 @@ TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// A raw device allreduce of `count` floats from `send` into `recv` (their
+// descriptors at two arena offsets of their own); the completion.
+bool RawDeviceAllreduce(RawSession& raw, const wire::DeviceBufferDescriptor& send,
+                        const wire::DeviceBufferDescriptor& recv, uint64_t count, uint64_t op_id,
+                        const std::string& name, wire::CompletionEntry* done) {
+  const uint64_t at = wire::kDataOffset + 8192 * op_id;
+  std::memcpy(raw.base + at, &send, sizeof(send));
+  std::memcpy(raw.base + at + 4096, &recv, sizeof(recv));
+  wire::SubmissionEntry e{};
+  e.op_id = op_id;
+  e.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
+  e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
+  e.reduce_op = static_cast<uint32_t>(wire::ReduceOp::kSum);
+  e.count = count;
+  e.flags = wire::kSubmitFlagDeviceBuffers;
+  e.send_offset = at;
+  e.recv_offset = at + 4096;
+  std::memcpy(e.name, name.data(), name.size());
+  e.name_len = static_cast<uint32_t>(name.size());
+  raw.Submit(e);
+  return raw.NextCompletion(done, 10000) && done->op_id == op_id;
+}
+
+// Another uid that names a handle of this user's, which ciuicd has mapped
+// for this user's session, gets an error: the mapping is never shared
+// across users, and another user's open never closes this user's idle
+// mappings to take the allocation over.
+TEST(DeviceBuffersTest, AnotherUsersSessionNeverReachesAMappedAllocation) {
+  SKIP_WITHOUT_GPU();
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a trainer as another uid";
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  int handle_pipe[2], done_pipe[2];
+  ASSERT_EQ(pipe(handle_pipe), 0);
+  ASSERT_EQ(pipe(done_pipe), 0);
+  constexpr uint64_t kCount = 1024;
+  constexpr size_t kBytes = size_t{1} << 20;
+  auto codes = RunRanks(2, [&](int who) {
+    RawSession raw;
+    if (who == 1) CHILD_CHECK(setgid(65534) == 0 && setuid(65534) == 0, "drop privileges");
+    CHILD_CHECK(raw.Open(daemon->socket(), 1 << 20), "open");
+    std::string msg;
+    CHILD_CHECK(raw.Join(daemon->socket(), UniqueJobId(who ? "thief" : "owner"), 0, 1, &msg) == 0,
+                "join: %s", msg.c_str());
+    wire::CompletionEntry done{};
+    if (who == 0) {
+      CUDA_CHECK(cudaSetDevice(0));
+      void* mem = nullptr;
+      CUDA_CHECK(cudaMalloc(&mem, kBytes));
+      std::vector<float> secret(kCount, 42.0f);
+      CUDA_CHECK(cudaMemcpy(mem, secret.data(), kCount * 4, cudaMemcpyHostToDevice));
+      cudaIpcMemHandle_t handle;
+      CUDA_CHECK(cudaIpcGetMemHandle(&handle, mem));
+      wire::DeviceBufferDescriptor d{};
+      std::memcpy(d.memory_handle, &handle, sizeof(handle));
+      d.allocation_bytes = kBytes;
+      // One operation, so that ciuicd has the allocation mapped (cached).
+      CHILD_CHECK(RawDeviceAllreduce(raw, d, d, kCount, 1, "mine", &done) && done.status_code == 0,
+                  "owner's own operation: code %d", done.status_code);
+      CHILD_CHECK(write(handle_pipe[1], &d, sizeof(d)) == sizeof(d), "pipe");
+      char c;
+      CHILD_CHECK(read(done_pipe[0], &c, 1) == 1, "pipe");
+      std::vector<float> got(kCount);
+      CUDA_CHECK(cudaMemcpy(got.data(), mem, kCount * 4, cudaMemcpyDeviceToHost));
+      CHILD_CHECK(got == secret, "the other user changed this user's memory");
+      CHILD_CHECK(RawDeviceAllreduce(raw, d, d, kCount, 2, "mine-again", &done) &&
+                      done.status_code == 0,
+                  "owner's operation after the attempt: code %d", done.status_code);
+      CUDA_CHECK(cudaFree(mem));
+      return 0;
+    }
+    wire::DeviceBufferDescriptor theirs{};
+    CHILD_CHECK(read(handle_pipe[0], &theirs, sizeof(theirs)) == sizeof(theirs), "pipe");
+    wire::DeviceBufferDescriptor out = theirs;  // would write into the owner's memory
+    out.offset = kBytes / 2;
+    const bool completed = RawDeviceAllreduce(raw, theirs, out, kCount, 1, "steal", &done);
+    const std::string text(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+    fprintf(stderr, "the other user's attempt: code %d: %s\n", done.status_code, text.c_str());
+    CHILD_CHECK(write(done_pipe[1], "d", 1) == 1, "pipe");
+    CHILD_CHECK(completed && done.status_code != 0, "another uid used the owner's mapping");
+    CHILD_CHECK(text.find("another user") != std::string::npos, "%s", text.c_str());
+    return 0;
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  if (::testing::Test::HasFailure()) fprintf(stderr, "%s\n", daemon->Log().c_str());
+  EXPECT_TRUE(daemon->Alive());
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 // Empty where this process's CUDA devices are the CUDA emulation's
 // (tests/cuda_emulation), else why not.
 std::string WhyNotEmulated() {
@@ -1143,6 +1232,7 @@ TEST(DeviceBuffersTest, ARankLeavingWithItsStreamStuckFailsTheOperationAtOnce) {
 TEST(DeviceBuffersTest, TwoCommunicatorsOfOneProcessShareItsAllocations) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceMultiNodeTest, AStuckTrainerStreamFailsTheOperationOnEveryNode) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) { SKIP_WITHOUT_GPU(); }
+TEST(DeviceBuffersTest, AnotherUsersSessionNeverReachesAMappedAllocation) { SKIP_WITHOUT_GPU(); }
 TEST(DeviceBuffersTest, ADeviceFaultFailsTheOperationClearlyAndTheDaemonLives) {
   SKIP_WITHOUT_GPU();
 }
