@@ -31,6 +31,10 @@ bool TokensEqual(const std::string& a, const std::string& b) {
 
 namespace {
 
+// Bounds on what one node's Ready may make the coordinator keep.
+constexpr uint64_t kMaxPendingPerJob = uint64_t{1} << 18;
+constexpr size_t kMaxReadyText = 4096;
+
 // As the engines and the SDK word signatures (fast_path.h).
 std::string SignatureText(const proto::OpSignature& s) {
   return wire::SignatureString(s.collective(), s.dtype(), s.reduce_op(), s.root(), s.count(),
@@ -409,6 +413,28 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     e.mutable_fail()->set_code(static_cast<int>(job.failure.code()));
     e.mutable_fail()->set_message(std::string(job.failure.message()));
     job.streams[node]->Send(e);
+    return;
+  }
+  // What a node sends is bounded before the coordinator keeps any of it: a
+  // name as the engine takes it, per-node split hashes for the job's nodes,
+  // and no more pending names than the job's ranks can have in flight.
+  if (ready.name().empty() || ready.name().size() > wire::kMaxOpName ||
+      ready.split_out_size() > nodes || ready.split_in_size() > nodes ||
+      ready.splits_error().size() > kMaxReadyText) {
+    FailJob(job, static_cast<int>(absl::StatusCode::kInvalidArgument),
+            absl::StrCat(NodeLabel(job, node), " sent a malformed Ready (name of ",
+                         ready.name().size(), " bytes, ", ready.split_out_size(), "/",
+                         ready.split_in_size(), " split hashes for ", nodes, " nodes)"),
+            node);
+    return;
+  }
+  const size_t max_pending = std::min<uint64_t>(
+      static_cast<uint64_t>(job.world_size) * wire::kRingCapacity, kMaxPendingPerJob);
+  if (job.pending.size() >= max_pending && job.pending.count(ready.name()) == 0) {
+    FailJob(job, static_cast<int>(absl::StatusCode::kResourceExhausted),
+            absl::StrCat(NodeLabel(job, node), " readied more operations than the job's ranks "
+                         "can have in flight (", max_pending, " pending at the coordinator)"),
+            node);
     return;
   }
   const Clock::time_point now = Clock::now();

@@ -672,3 +672,56 @@ TEST(CoordinatorTest, WithoutCycleTimeAnIsolatedOperationStartsAtOnce) {
 
 }  // namespace
 }  // namespace ciuic::daemon
+
+namespace ciuic::daemon {
+namespace {
+
+// The job_failed event a stream got, if any.
+const proto::CoordinatorEvent* JobFailedIn(const std::vector<proto::CoordinatorEvent>& events) {
+  for (const auto& e : events) {
+    if (e.has_job_failed()) return &e;
+  }
+  return nullptr;
+}
+
+TEST(CoordinatorTest, ANodeCannotMakeTheCoordinatorKeepUnboundedPendingNames) {
+  Formed f;
+  Coordinator c("secret");
+  Form(c, &f);
+  // 4 ranks with 1024 operations in flight each at most: 4096 pending names.
+  for (int i = 0; i < 4096; ++i) c.OnEvent(f.handles[1], Ready("op" + std::to_string(i), 10));
+  EXPECT_EQ(JobFailedIn(f.streams[0].events()), nullptr) << "within what the ranks can submit";
+  c.OnEvent(f.handles[1], Ready("one-too-many", 10));
+  for (auto& s : f.streams) {
+    auto events = s.WaitFor(1);
+    const proto::CoordinatorEvent* failed = JobFailedIn(events);
+    ASSERT_NE(failed, nullptr);
+    EXPECT_EQ(failed->job_failed().code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+    EXPECT_NE(failed->job_failed().message().find("node b"), std::string::npos)
+        << failed->job_failed().message();
+  }
+}
+
+TEST(CoordinatorTest, AMalformedReadyFailsTheJobNamingTheNode) {
+  Formed f;
+  Coordinator c("secret");
+  Form(c, &f);
+  proto::NodeEvent e = Ready(std::string(wire::kMaxOpName + 1, 'n'), 10);
+  c.OnEvent(f.handles[0], e);
+  auto events = f.streams[1].WaitFor(1);
+  const proto::CoordinatorEvent* failed = JobFailedIn(events);
+  ASSERT_NE(failed, nullptr);
+  EXPECT_EQ(failed->job_failed().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(failed->job_failed().message().find("malformed Ready"), std::string::npos);
+
+  Formed g;
+  Coordinator d("secret");
+  Form(d, &g);
+  proto::NodeEvent splits = Ready("v", 10);
+  for (int i = 0; i < 3; ++i) splits.mutable_ready()->add_split_out(i);  // 2 nodes
+  d.OnEvent(g.handles[1], splits);
+  ASSERT_NE(JobFailedIn(g.streams[0].WaitFor(1)), nullptr);
+}
+
+}  // namespace
+}  // namespace ciuic::daemon
