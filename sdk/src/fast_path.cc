@@ -21,6 +21,10 @@ namespace {
 
 // Microseconds a waiter spins without yielding (see Wait).
 constexpr int kQuietSpinUs = 5;
+// The table lock is held for a probe of a few slots: microseconds. Waiters
+// yield for kTableLockSpin, then sleep; a holder that has kept it for
+// table_lock_limit_ (10 s) is stopped or hung, and the waiter gives up.
+constexpr auto kTableLockSpin = std::chrono::milliseconds(2);
 
 uint64_t MonotonicNs() {
   timespec ts{};
@@ -184,20 +188,42 @@ bool FastPath::Aborted(Status* why) const {
   return true;
 }
 
-bool FastPath::LockTable() {
+bool FastPath::LockTable(Status* why) {
   std::atomic<uint32_t>& lock = header()->table_lock;
+  const uint32_t mine = static_cast<uint32_t>(rank_) + 1;  // the word names its holder
+  const Clock::time_point start = Clock::now();
+  auto sleep = std::chrono::microseconds(20);
   for (uint64_t i = 0;; ++i) {
-    if (lock.load(std::memory_order_relaxed) == 0 &&
-        lock.exchange(1, std::memory_order_acquire) == 0) {
+    uint32_t seen = lock.load(std::memory_order_relaxed);
+    if (seen == 0 && lock.compare_exchange_strong(seen, mine, std::memory_order_acquire)) {
       return true;
     }
     wire::CpuRelax();
-    if ((i & 63) == 63) {
-      // The holder may be descheduled (cores are few) or dead: in the latter
-      // case the daemon aborts the segment.
-      if (Aborted(nullptr)) return false;
+    if ((i & 63) != 63) continue;
+    // The holder may be descheduled (cores are few), stopped or dead: a
+    // dead one's daemon aborts the segment; a stopped one is given up on.
+    if (Aborted(why)) return false;
+    const Clock::time_point now = Clock::now();
+    if (now - start < kTableLockSpin) {
       sched_yield();
+      continue;
     }
+    if (now - start >= table_lock_limit_) {
+      if (why != nullptr) {
+        const uint32_t holder = lock.load(std::memory_order_relaxed);
+        *why = Status(StatusCode::kUnavailable,
+                      "job '" + job_id_ + "': rank " +
+                          (holder == 0 ? std::string("?") : std::to_string(holder - 1)) +
+                          " has held the fast path's table lock for over " +
+                          std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                             table_lock_limit_)
+                                             .count()) +
+                          " ms (stopped or hung?)");
+      }
+      return false;
+    }
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min<std::chrono::microseconds>(sleep * 2, std::chrono::milliseconds(1));
   }
 }
 
@@ -325,10 +351,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   }
   const uint64_t seq = ns.next_seq;
 
-  if (!LockTable()) {
-    Aborted(&why);
-    return finish_now(why);
-  }
+  if (!LockTable(&why)) return finish_now(why);
   // Find (name, seq) or the first reusable slot on its probe chain. The
   // whole chain is walked under the lock up to an empty slot, so a key is
   // never claimed twice.
@@ -546,7 +569,7 @@ void FastPath::CheckDeadlineLocked(FastOp& op) {
   const Clock::time_point now = Clock::now();
   if (now < op.deadline) return;
   wire::FastSlot& s = *SlotAt(op.slot);
-  if (!LockTable()) return;
+  if (!LockTable(nullptr)) return;
   std::string waiting;
   for (int r = 0; r < world_size_; ++r) {
     if (s.ranks_joined[r] == 0) waiting += (waiting.empty() ? "" : ",") + std::to_string(r);

@@ -108,6 +108,9 @@ class FastPath {
   // An operation Start sent to the daemon; `done` turns true when the
   // daemon has completed it. Counted in the in-flight limit until then.
   void TrackDaemon(std::shared_ptr<const std::atomic<bool>> done);
+  // How long a rank waits for another that holds the table lock before it
+  // gives up (10 s; tests shorten it).
+  void set_table_lock_limit(Clock::duration limit) { table_lock_limit_ = limit; }
   // How Start waits for the oldest daemon-bound operation when the
   // in-flight limit is reached: until `done` or `until`. Set before the
   // first Start (the client reaps its completion ring here).
@@ -144,7 +147,12 @@ class FastPath {
   bool Aborted(Status* why) const;
   // Whether another rank last submitted from the CPU we run on.
   bool PeerOnMyCpu() const;
-  bool LockTable();  // false: the segment was aborted meanwhile
+  // Takes the table lock. False when the segment was aborted meanwhile
+  // (*why: the abort), or when another rank has held the lock for
+  // table_lock_limit_ (stopped or hung while holding it: *why UNAVAILABLE
+  // naming that rank). Spins briefly, then sleeps in growing steps: a
+  // waiter never burns a core for long.
+  bool LockTable(Status* why);
   void UnlockTable();
   void FailSlotLocked(wire::FastSlot& s, StatusCode code, const std::string& message);
   void Depart(uint32_t slot);
@@ -179,6 +187,7 @@ class FastPath {
   // Daemon-bound operations not yet complete (for the in-flight limit).
   size_t LiveDaemonOpsLocked();
 
+  Clock::duration table_lock_limit_ = std::chrono::seconds(10);
   std::mutex mu_;  // names_, inflight_, daemon_inflight_
   std::unordered_map<std::string, NameState> names_;
   std::vector<std::shared_ptr<FastOp>> inflight_;

@@ -725,3 +725,39 @@ TEST(FastPathRouteTest, RandomMixOfSmallAndLargeManyNames) {
 
 }  // namespace
 }  // namespace ciuic
+
+namespace ciuic {
+namespace {
+
+// A rank stopped (SIGSTOP, a debugger) while it holds the table lock: the
+// others give up after the limit with an error naming it, instead of
+// spinning for ever.
+TEST(FastPathTest, ARankThatKeepsTheTableLockIsGivenUpOnNamingIt) {
+  Segment seg(3, 4096, 16);
+  auto fp = seg.Rank(0);
+  fp->set_table_lock_limit(std::chrono::milliseconds(300));
+  auto* h = reinterpret_cast<wire::FastPathHeader*>(seg.base());
+  h->table_lock.store(3);  // rank 2 holds it, and never lets go
+  int64_t v = 1;
+  std::shared_ptr<FastOp> op;
+  const auto start = Clock::now();
+  Status s = fp->Start("x", AllreduceInt64(1), &v, sizeof(v), &v, 0, &op);
+  const auto waited = Clock::now() - start;
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_NE(op, nullptr);
+  ASSERT_TRUE(op->finished.load());
+  EXPECT_EQ(op->status.code(), StatusCode::kUnavailable) << op->status.ToString();
+  EXPECT_NE(op->status.message().find("rank 2"), std::string::npos) << op->status.ToString();
+  EXPECT_GE(waited, std::chrono::milliseconds(300));
+  EXPECT_LT(waited, std::chrono::seconds(5));
+  // Let go: the next operation takes the lock as usual.
+  h->table_lock.store(0);
+  std::shared_ptr<FastOp> next;
+  ASSERT_TRUE(fp->Start("y", AllreduceInt64(1), &v, sizeof(v), &v, 0, &next).ok());
+  ASSERT_NE(next, nullptr);
+  EXPECT_FALSE(next->finished.load() && !next->status.ok()) << next->status.ToString();
+  EXPECT_EQ(h->table_lock.load(), 0u) << "released after the probe";
+}
+
+}  // namespace
+}  // namespace ciuic
