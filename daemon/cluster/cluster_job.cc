@@ -189,8 +189,10 @@ absl::Status PipelineSegments(StagedNodeBuffer& device, size_t segments, size_t 
 struct ClusterJob::Event {
   // kBroken: the ordering stream ended; kRunFailed: a run failed (in a
   // lane, or announced against the protocol); kCoordinator: a Fail or
-  // JobFailed (Runs go to the lanes from the reader).
-  enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort } kind;
+  // JobFailed (Runs go to the lanes from the reader); kReadyHeld: the
+  // occurrence of op.name before the first held one was announced or
+  // failed, so that one is readied now.
+  enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort, kReadyHeld } kind;
   ClusterOp op;
   proto::CoordinatorEvent coordinator;
   absl::Status status;
@@ -500,7 +502,15 @@ void ClusterJob::FailAll(const absl::Status& why) {
     waiting.swap(awaiting_);
     unstarted.swap(announced_);
   }
+  std::map<std::string, std::deque<ClusterOp>> held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held.swap(held_);
+  }
   for (auto& [name, op] : waiting) Done(op, why);
+  for (auto& [name, ops] : held) {
+    for (auto& op : ops) Done(op, why);
+  }
   for (auto& a : unstarted) {
     for (auto& op : a.ops) Done(op, why);
   }
@@ -558,6 +568,12 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
       }
       run.ops.push_back(std::move(it->second));
       awaiting_.erase(it);
+      if (held_.count(names[i])) {
+        Event next{Event::kReadyHeld, {}, {}, {}};
+        next.op.name = names[i];
+        events_->push_back(std::move(next));
+        cv_.notify_all();
+      }
     }
     if (broken.ok()) announced_.push_back(std::move(run));
   }
@@ -730,7 +746,23 @@ void ClusterJob::Run() {
       continue;
     }
     switch (e.kind) {
-      case Event::kSubmit: {
+      case Event::kSubmit:
+      case Event::kReadyHeld: {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (e.kind == Event::kReadyHeld) {
+            auto h = held_.find(e.op.name);
+            if (h == held_.end() || awaiting_.count(e.op.name)) break;
+            e.op = std::move(h->second.front());
+            h->second.pop_front();
+            if (h->second.empty()) held_.erase(h);
+          } else if (awaiting_.count(e.op.name) || held_.count(e.op.name)) {
+            // An earlier occurrence of the name is still to be announced:
+            // this one waits its turn (never dropped, never reordered).
+            held_[e.op.name].push_back(std::move(e.op));
+            break;
+          }
+        }
         const proto::NodeEvent ready = ReadyFor(e.op);
         const std::string name = e.op.name;
         // Stamped before the Ready goes: once it has, the Run may come (and
@@ -756,6 +788,11 @@ void ClusterJob::Run() {
             if (it != awaiting_.end()) {
               failed = std::move(it->second);
               awaiting_.erase(it);
+              if (held_.count(c.fail().name())) {
+                Event next{Event::kReadyHeld, {}, {}, {}};
+                next.op.name = c.fail().name();
+                events_->push_back(std::move(next));
+              }
             }
           }
           if (failed) {

@@ -401,6 +401,10 @@ class ClusterJob {
   std::atomic<uint64_t> staged_ops_{0};
   std::atomic<uint64_t> staged_bytes_{0};
   std::map<std::string, ClusterOp> awaiting_;  // guarded by mu_: readied, awaiting Run/Fail
+  // guarded by mu_: later occurrences of a name in awaiting_, in submission
+  // order. The coordinator knows one occurrence of a name at a time, so the
+  // next is readied once the one before has been announced or failed.
+  std::map<std::string, std::deque<ClusterOp>> held_;
   int self_ = -1;
   std::vector<int> node_of_rank_;
 

@@ -1870,6 +1870,12 @@ class ScriptedStream final : public OrderingStream {
   }
   std::string Describe() const override { return "scripted (test)"; }
 
+  int ReadiesLocked(const std::string& name) {
+    int n = 0;
+    for (const auto& e : written_) n += e.has_ready() && e.ready().name() == name;
+    return n;
+  }
+
   void Send(proto::CoordinatorEvent e) {
     std::lock_guard<std::mutex> lock(mu_);
     to_read_.push_back(std::move(e));
@@ -1883,15 +1889,15 @@ class ScriptedStream final : public OrderingStream {
     }
     return false;
   }
-  // Waits until the node has written a Ready for `name`.
-  bool WaitForReady(const std::string& name) {
+  // Waits until the node has written a Ready for `name` (`count` of them).
+  bool WaitForReady(const std::string& name, int count = 1) {
     std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::seconds(10), [&] {
-      for (const auto& e : written_) {
-        if (e.has_ready() && e.ready().name() == name) return true;
-      }
-      return false;
-    });
+    return cv_.wait_for(lock, std::chrono::seconds(10),
+                        [&] { return ReadiesLocked(name) >= count; });
+  }
+  int Readies(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ReadiesLocked(name);
   }
 
  private:
@@ -2106,6 +2112,48 @@ TEST(ClusterJobProtocolTest, RunsCompleteAndFailsEndTheNamedOperation) {
   ASSERT_TRUE(node.ends().WaitFor(3));
   EXPECT_TRUE(node.EndOf(3).ok()) << node.EndOf(3);
   EXPECT_TRUE(node.job_failure().ok());
+}
+
+// A name submitted again before its earlier occurrence was announced
+// waits its turn: one Ready per name at a time (the coordinator knows one
+// occurrence of a name), the next once the earlier one has run or failed;
+// none is lost and each ends in submission order.
+TEST(ClusterJobProtocolTest, ANameResubmittedBeforeItRanWaitsItsTurn) {
+  ScriptedNode node;
+  node.job().Submit(Barrier(1, "x"));
+  node.job().Submit(Barrier(2, "x"));
+  node.job().Submit(Barrier(3, "x"));
+  node.job().Submit(Barrier(4, "other"));
+  ASSERT_TRUE(node.stream().WaitForReady("other"));  // after both x's submits
+  EXPECT_EQ(node.stream().Readies("x"), 1);
+  node.stream().Send(ScriptedNode::Run("x", 0));
+  ASSERT_TRUE(node.stream().WaitForReady("x", 2));
+  ASSERT_TRUE(node.ends().WaitFor(1));
+  EXPECT_TRUE(node.EndOf(1).ok()) << node.EndOf(1);
+  EXPECT_EQ(node.EndOf(2).code(), absl::StatusCode::kUnknown) << "not ended yet";
+  node.stream().Send(ScriptedNode::Fail("x", absl::StatusCode::kDeadlineExceeded, "timed out"));
+  ASSERT_TRUE(node.stream().WaitForReady("x", 3));
+  ASSERT_TRUE(node.ends().WaitFor(2));
+  EXPECT_EQ(node.EndOf(2).code(), absl::StatusCode::kDeadlineExceeded);
+  node.stream().Send(ScriptedNode::Run("x", 1));
+  node.stream().Send(ScriptedNode::Run("other", 2));
+  ASSERT_TRUE(node.ends().WaitFor(4));
+  EXPECT_TRUE(node.EndOf(3).ok()) << node.EndOf(3);
+  EXPECT_TRUE(node.EndOf(4).ok()) << node.EndOf(4);
+  EXPECT_EQ(node.stream().Readies("x"), 3);
+  EXPECT_TRUE(node.job_failure().ok());
+}
+
+// Occurrences still held when the job fails end with the job's failure.
+TEST(ClusterJobProtocolTest, HeldOccurrencesEndWithTheJob) {
+  ScriptedNode node;
+  node.job().Submit(Barrier(1, "x"));
+  node.job().Submit(Barrier(2, "x"));
+  ASSERT_TRUE(node.stream().WaitForReady("x"));
+  node.stream().Send(ScriptedNode::JobFailed(absl::StatusCode::kUnavailable, "lost node other"));
+  ASSERT_TRUE(node.ends().WaitFor(2));
+  EXPECT_EQ(node.EndOf(1).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(node.EndOf(2).code(), absl::StatusCode::kUnavailable);
 }
 
 // A run cut off by its peer (the transport's UNAVAILABLE: here the other
