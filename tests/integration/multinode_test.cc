@@ -195,6 +195,41 @@ TEST(MultiNodeSemanticsTest, OutOfOrderNamesLargeBuffersAndMismatch) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// One name submitted again and again before its earlier occurrences have
+// run (node 1 comes late, so node 0 holds all of them): every occurrence
+// runs, in submission order, with its own buffers.
+TEST(MultiNodeSemanticsTest, ANameResubmittedBeforeItRanRunsEveryOccurrenceInOrder) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("again");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    CHILD_CHECK(comm->Barrier().Wait().ok(), "barrier");
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    constexpr int kTimes = 6;
+    std::vector<std::vector<int64_t>> bufs(kTimes);
+    std::vector<Handle> hs(kTimes);
+    for (int i = 0; i < kTimes; ++i) {
+      bufs[i].assign(1000 + i, 100 * i + rank);
+      OpOptions o;
+      o.name = "again";
+      o.timeout_ms = 20000;
+      hs[i] = comm->Allreduce(bufs[i].data(), bufs[i].data(), bufs[i].size(), DataType::kInt64,
+                              ReduceOp::kSum, o);
+    }
+    for (int i = 0; i < kTimes; ++i) {
+      Status s = hs[i].WaitFor(std::chrono::seconds(30));
+      CHILD_CHECK(s.ok(), "occurrence %d: %s", i, s.ToString().c_str());
+      CHILD_CHECK(bufs[i].back() == 200 * i + 1, "occurrence %d got %lld", i,
+                  static_cast<long long>(bufs[i].back()));
+    }
+    return 0;
+  }, std::chrono::seconds(90));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 TEST(MultiNodeFaultsTest, KilledDaemonFailsTheJobOnTheOtherNodesNamingIt) {
   auto cluster = Cluster::Start(3);
   ASSERT_NE(cluster, nullptr);
