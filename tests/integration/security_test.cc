@@ -304,7 +304,7 @@ double SmallAllreduceSeconds(const DaemonProcess& daemon) {
 // One trainer keeps its ring full of submissions that fail at once (and
 // reaps their completions): another job's small allreduces keep their pace.
 // (Before the engine took a bounded number of submissions per session and
-// pass, this flood made them 10-20 times slower here.)
+// pass, this flood made them 5 to 100 times slower here: 0.36 to 6 s.)
 TEST(SecurityTest, AFloodedRingDoesNotStarveOtherJobs) {
   auto daemon = DaemonProcess::Start();
   ASSERT_NE(daemon, nullptr);
@@ -338,8 +338,9 @@ TEST(SecurityTest, AFloodedRingDoesNotStarveOtherJobs) {
   const double flooded = SmallAllreduceSeconds(*daemon);
   stop->store(true);
   EXPECT_GT(flooded, 0) << "the victim's operations failed\n" << daemon->Log();
+  std::printf("a fresh job joined and ran 200 small allreduces in %.3f s beside the flood, %.3f s without\n", flooded, quiet);
   // Generous against a busy machine, far below what starvation costs.
-  EXPECT_LT(flooded, std::max(1.5, 4 * quiet))
+  EXPECT_LT(flooded, std::max(1.0, 8 * quiet))
       << "200 small allreduces took " << flooded << " s beside the flood, " << quiet
       << " s without";
   EXPECT_EQ(WaitChild(flooder[0], std::chrono::seconds(10)), 0);
