@@ -500,6 +500,7 @@ void ClusterJob::FailAll(const absl::Status& why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     waiting.swap(awaiting_);
+    readied_at_.clear();
     unstarted.swap(announced_);
   }
   std::map<std::string, std::deque<ClusterOp>> held;
@@ -543,6 +544,7 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    last_progress_ = now;
     for (size_t i = 0; i < names.size(); ++i) {
       auto it = awaiting_.find(names[i]);
       if (it == awaiting_.end()) {
@@ -568,6 +570,7 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
       }
       run.ops.push_back(std::move(it->second));
       awaiting_.erase(it);
+      readied_at_.erase(names[i]);
       if (held_.count(names[i])) {
         Event next{Event::kReadyHeld, {}, {}, {}};
         next.op.name = names[i];
@@ -667,6 +670,7 @@ void ClusterJob::LaneLoop(Lane& lane) {
       for (Lane* other : lane.yielding) other->yield.fetch_sub(1, std::memory_order_relaxed);
       lane.yielding.clear();
       lane.busy = false;
+      last_progress_ = Clock::now();
     }
     lanes_cv_.notify_all();
     if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) {
@@ -706,6 +710,40 @@ void ClusterJob::StopLanes() {
   }
 }
 
+Clock::time_point ClusterJob::NextOverdueLocked() const {
+  Clock::time_point next = Clock::time_point::max();
+  for (const auto& [name, readied] : readied_at_) {
+    next = std::min(next, std::max(readied.first, last_progress_) +
+                              std::chrono::milliseconds(readied.second) + options_.announce_grace);
+  }
+  if (next == Clock::time_point::max()) return next;
+  // Runs here may hold the coordinator's next announcement back: look again
+  // a grace after they have ended.
+  bool running = !announced_.empty();
+  for (const auto& lane : lanes_) running |= lane->busy;
+  return running ? std::max(next, Clock::now() + options_.announce_grace) : next;
+}
+
+absl::Status ClusterJob::OverdueLocked() const {
+  const Clock::time_point now = Clock::now();
+  if (!announced_.empty()) return absl::OkStatus();
+  for (const auto& lane : lanes_) {
+    if (lane->busy) return absl::OkStatus();
+  }
+  for (const auto& [name, readied] : readied_at_) {
+    const Clock::time_point due = std::max(readied.first, last_progress_) +
+                                  std::chrono::milliseconds(readied.second) +
+                                  options_.announce_grace;
+    if (now < due) continue;
+    return absl::UnavailableError(absl::StrCat(
+        "the coordinator ", options_.coordinator, " of job '", options_.job_id,
+        "' has neither announced nor failed operation '", name, "' within its timeout (",
+        readied.second, " ms) and ", options_.announce_grace.count(),
+        " ms more: it is stopped, hung or unreachable"));
+  }
+  return absl::OkStatus();
+}
+
 void ClusterJob::Run() {
   absl::Status formed = Form();
   if (!formed.ok()) {
@@ -731,7 +769,21 @@ void ClusterJob::Run() {
     Event e;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !events_->empty(); });
+      // Waits for the next event, or until an operation readied here is
+      // overdue: the coordinator has neither announced nor failed it.
+      while (events_->empty()) {
+        const Clock::time_point next = NextOverdueLocked();
+        if (next == Clock::time_point::max()) {
+          cv_.wait(lock);
+          continue;
+        }
+        cv_.wait_until(lock, next);
+        if (!events_->empty() || Clock::now() < NextOverdueLocked()) continue;
+        absl::Status overdue = OverdueLocked();
+        if (overdue.ok()) continue;
+        readied_at_.clear();  // the job ends with it
+        events_->push_back(Event{Event::kRunFailed, {}, {}, std::move(overdue)});
+      }
       e = std::move(events_->front());
       events_->pop_front();
     }
@@ -770,6 +822,9 @@ void ClusterJob::Run() {
         if (e.op.timing) e.op.timing->ready = std::chrono::steady_clock::now();
         {
           std::lock_guard<std::mutex> lock(mu_);
+          const uint32_t timeout_ms =
+              e.op.timeout_ms ? e.op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms;
+          readied_at_[name] = {Clock::now(), timeout_ms};
           awaiting_.emplace(name, std::move(e.op));
         }
         if (!Write(ready)) {
@@ -784,10 +839,12 @@ void ClusterJob::Run() {
           std::optional<ClusterOp> failed;
           {
             std::lock_guard<std::mutex> lock(mu_);
+            last_progress_ = Clock::now();
             auto it = awaiting_.find(c.fail().name());
             if (it != awaiting_.end()) {
               failed = std::move(it->second);
               awaiting_.erase(it);
+              readied_at_.erase(c.fail().name());
               if (held_.count(c.fail().name())) {
                 Event next{Event::kReadyHeld, {}, {}, {}};
                 next.op.name = c.fail().name();

@@ -152,6 +152,11 @@ class ClusterJob {
     Coordinator* local_coordinator = nullptr;
     // Error feedback's residual bytes in host memory (tests make it small).
     size_t feedback_bytes = kFeedbackBytes;
+    // How long past an operation's timeout this node waits for the
+    // coordinator to announce or fail it before it ends the job, the
+    // coordinator taken for stopped or unreachable (the coordinator fails
+    // an operation not ready everywhere at its timeout itself).
+    std::chrono::milliseconds announce_grace{5000};
   };
   using OpDone = std::function<void(uint64_t key, absl::Status status)>;
   using JobFailed = std::function<void(absl::Status status)>;
@@ -245,6 +250,10 @@ class ClusterJob {
   };
 
   void Run();
+  // When the next operation readied here becomes overdue (max: none), and
+  // the error that ends the job once one is (OK: none is). mu_ held.
+  std::chrono::steady_clock::time_point NextOverdueLocked() const;
+  absl::Status OverdueLocked() const;
   absl::Status Form();
   void LaneLoop(Lane& lane);
   // A run cut off by the transport (UNAVAILABLE: a peer lost) is often the
@@ -405,6 +414,13 @@ class ClusterJob {
   // order. The coordinator knows one occurrence of a name at a time, so the
   // next is readied once the one before has been announced or failed.
   std::map<std::string, std::deque<ClusterOp>> held_;
+  // guarded by mu_: when each name in awaiting_ was readied, and its
+  // timeout. It is overdue once its timeout and announce_grace have passed
+  // since then and since last_progress_ with no run of this node's in
+  // progress or announced (those may hold the coordinator's next Run back).
+  std::map<std::string, std::pair<std::chrono::steady_clock::time_point, uint32_t>> readied_at_;
+  // guarded by mu_: when the coordinator last spoke, or a run here ended.
+  std::chrono::steady_clock::time_point last_progress_{};
   int self_ = -1;
   std::vector<int> node_of_rank_;
 

@@ -1955,7 +1955,8 @@ class ScriptedClient final : public CoordinatorClient {
 // only at Form().
 class ScriptedNode {
  public:
-  explicit ScriptedNode(bool hold = false)
+  explicit ScriptedNode(bool hold = false,
+                        std::chrono::milliseconds announce_grace = std::chrono::seconds(5))
       : hub_(2, 1), stream_(std::make_shared<ScriptedStream>()), formed_(gate_.get_future()) {
     if (!hold) Form();
     ClusterJob::Options o;
@@ -1968,6 +1969,7 @@ class ScriptedNode {
     o.cluster_token = "token";
     o.channels = 1;
     o.tuning = &tuning_;
+    o.announce_grace = announce_grace;
     o.transports = [this](int) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
       return std::make_unique<HubUnconnected>(&hub_);
     };
@@ -2142,6 +2144,37 @@ TEST(ClusterJobProtocolTest, ANameResubmittedBeforeItRanWaitsItsTurn) {
   EXPECT_TRUE(node.EndOf(4).ok()) << node.EndOf(4);
   EXPECT_EQ(node.stream().Readies("x"), 3);
   EXPECT_TRUE(node.job_failure().ok());
+}
+
+// A coordinator that neither announces nor fails a readied operation
+// (stopped, hung) ends the job on this node once the operation's timeout
+// and the grace have passed since the node last heard from it, naming the
+// coordinator and the operation; one that answers in time does not.
+TEST(ClusterJobProtocolTest, ACoordinatorThatGoesSilentEndsTheJobAfterTheTimeout) {
+  ScriptedNode node(/*hold=*/false, std::chrono::milliseconds(200));
+  ClusterOp answered = Barrier(1, "answered");
+  answered.timeout_ms = 300;
+  node.job().Submit(std::move(answered));
+  ASSERT_TRUE(node.stream().WaitForReady("answered"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // within 300 + 200 ms
+  node.stream().Send(ScriptedNode::Run("answered", 0));
+  ASSERT_TRUE(node.ends().WaitFor(1));
+  EXPECT_TRUE(node.EndOf(1).ok()) << node.EndOf(1);
+
+  ClusterOp silent = Barrier(2, "silent");
+  silent.timeout_ms = 300;
+  const auto start = std::chrono::steady_clock::now();
+  node.job().Submit(std::move(silent));
+  ASSERT_TRUE(node.stream().WaitForReady("silent"));
+  absl::Status failed = node.WaitForJobFailure();
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
+  EXPECT_NE(failed.message().find("coordinator scripted"), std::string::npos) << failed;
+  EXPECT_NE(failed.message().find("'silent'"), std::string::npos) << failed;
+  EXPECT_GE(took, std::chrono::milliseconds(500));
+  EXPECT_LT(took, std::chrono::seconds(5));
+  ASSERT_TRUE(node.ends().WaitFor(2));
+  EXPECT_EQ(node.EndOf(2).code(), absl::StatusCode::kUnavailable);
 }
 
 // Occurrences still held when the job fails end with the job's failure.
