@@ -59,6 +59,7 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext* ctx, const proto::Join
   if (s.ok()) {
     reply->set_node_name(node_name_);
     reply->set_fast_path_bytes(fast_path_bytes);
+    reply->set_op_timeout_ms(tuning_->Snapshot().op_timeout_ms);
   }
   return ToGrpc(s);
 }

@@ -72,6 +72,17 @@ uint32_t SpinMicrosFromEnv() {
   return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
 }
 
+// CIUIC_WAIT_GRACE_MS: what GiveUpAfter adds to twice an operation's
+// timeout (default 30000; fault tests shorten it). 0..86400000.
+uint32_t WaitGraceMillisFromEnv() {
+  const char* env = std::getenv("CIUIC_WAIT_GRACE_MS");
+  if (env == nullptr || env[0] == '\0') return 30000;
+  char* end = nullptr;
+  const unsigned long v = std::strtoul(env, &end, 10);
+  if (*end != '\0' || v > 86400000ul) return 30000;
+  return static_cast<uint32_t>(v);
+}
+
 // "none", "fp16", "bf16", "int8" or "topk:RATIO" (0 < RATIO <= 1).
 Status ParseCompression(const std::string& text, uint32_t* codec, float* ratio) {
   static const std::pair<const char*, wire::Codec> kNames[] = {
@@ -106,6 +117,10 @@ struct Core;
 struct Handle::State {
   std::shared_ptr<Core> core;
   uint64_t op_id = 0;
+  std::string name;
+  // Past this, Wait() stops waiting for a daemon that should have ended
+  // the operation long before (GiveUpAfter).
+  std::chrono::steady_clock::time_point give_up = std::chrono::steady_clock::time_point::max();
   std::atomic<bool> done{false};
   Status status;  // written before done is set
   // Staging for buffers outside shared memory: copied out at completion.
@@ -128,6 +143,8 @@ struct Core {
   int sock_fd = -1;
   int doorbell_fd = -1;
   uint32_t spin_us = 50;
+  uint32_t op_timeout_ms = 60000;  // the daemon's default when this rank joined
+  uint32_t wait_grace_ms = 30000;  // CIUIC_WAIT_GRACE_MS
   wire::SessionHeader* header = nullptr;
   wire::SubmissionEntry* sq = nullptr;
   wire::CompletionEntry* cq = nullptr;
@@ -260,6 +277,24 @@ struct Core {
 
 // ------------------------------------------------------------------ Handle
 
+// How long after its submission an operation of `timeout_ms` (0: the
+// daemon's default) may go unanswered before the SDK gives up on the
+// daemon: every phase in ciuicd has a deadline of that timeout (waiting
+// for the ranks, for the coordinator, the transfer itself), so a daemon
+// that has said nothing by twice the timeout and 30 s (CIUIC_WAIT_GRACE_MS)
+// is stopped or hung.
+static Clock::duration GiveUpAfter(uint32_t timeout_ms, const Core& core) {
+  const uint64_t t = timeout_ms != 0 ? timeout_ms : core.op_timeout_ms;
+  return std::chrono::milliseconds(2 * t + core.wait_grace_ms);
+}
+
+static Status GaveUp(const Handle::State& st) {
+  return Status(StatusCode::kDeadlineExceeded,
+                "ciuicd has not completed operation '" + st.name +
+                    "' long after its deadlines (twice its timeout and a grace): the daemon is "
+                    "stopped or hung; it may still write the operation's output buffers");
+}
+
 static Status WaitState(Handle::State* st, Clock::time_point until) {
   if (st == nullptr) return Status(StatusCode::kFailedPrecondition, "invalid (empty) handle");
   if (st->fast) {
@@ -274,8 +309,9 @@ static Status WaitState(Handle::State* st, Clock::time_point until) {
   }
   if (!st->done.load(std::memory_order_acquire)) {
     bool done = st->core->WaitUntil([st] { return st->done.load(std::memory_order_acquire); },
-                                    until);
+                                    std::min(until, st->give_up));
     if (!done) {
+      if (until > st->give_up) return GaveUp(*st);
       return Status(StatusCode::kDeadlineExceeded, "operation still in progress");
     }
   }
@@ -293,7 +329,7 @@ bool Handle::Test() {
   if (state_->fast) return state_->core->fast->Poll(*state_->fast);
   if (state_->done.load(std::memory_order_acquire)) return true;
   state_->core->Reap();
-  return state_->done.load(std::memory_order_acquire);
+  return state_->done.load(std::memory_order_acquire) || Clock::now() >= state_->give_up;
 }
 
 // ------------------------------------------------------------ Communicator
@@ -604,6 +640,7 @@ Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>*
   }
   impl->core = std::make_shared<Core>();
   impl->core->spin_us = SpinMicrosFromEnv();
+  impl->core->wait_grace_ms = WaitGraceMillisFromEnv();
   std::string token;
   Status s = OpenSession(o.socket_path + ".session", o.arena_bytes, impl->core.get(), &token);
   if (!s.ok()) return s;
@@ -630,6 +667,7 @@ Status Communicator::Create(const JobOptions& in, std::unique_ptr<Communicator>*
     return Status(static_cast<StatusCode>(gs.error_code()), msg);
   }
   impl->node_name = reply.node_name();
+  if (reply.op_timeout_ms() != 0) impl->core->op_timeout_ms = reply.op_timeout_ms();
   if (reply.fast_path_bytes() > 0) {
     s = ReceiveFastPath(impl->core->sock_fd, reply.fast_path_bytes(), o, &impl->core->fast);
     if (!s.ok()) return s;
@@ -708,6 +746,8 @@ Handle Communicator::Impl::Submit(wire::Collective collective, DataType dtype,
   }
   auto st = std::make_shared<Handle::State>();
   st->core = core;
+  st->name = name;
+  st->give_up = Clock::now() + GiveUpAfter(e.timeout_ms, c);
   if (splits != nullptr) {
     Status s = StageSplits(*splits, *st, e);
     if (!s.ok()) return Failed(Status(s.code(), "operation '" + name + "': " + s.message()));
@@ -795,9 +835,15 @@ Handle Communicator::Impl::Publish(const std::shared_ptr<Handle::State>& st,
   std::lock_guard<std::mutex> lock(c.submit_mu);
   // At most a ring's worth in flight, so the daemon never meets a full
   // completion ring.
-  if (c.inflight_count.load() >= c.header->sq_capacity) {
-    c.WaitUntil([&c] { return c.inflight_count.load() < c.header->sq_capacity; },
-                Clock::time_point::max());
+  if (c.inflight_count.load() >= c.header->sq_capacity &&
+      !c.WaitUntil([&c] { return c.inflight_count.load() < c.header->sq_capacity; },
+                   st->give_up)) {
+    Core::Finish(*st, Status(StatusCode::kDeadlineExceeded,
+                             "operation '" + st->name + "': ciuicd has completed none of the " +
+                                 std::to_string(c.inflight_count.load()) +
+                                 " operations in flight long after this one's deadlines: "
+                                 "the daemon is stopped or hung"));
+    return Handle(st);
   }
   {
     std::lock_guard<std::mutex> reap_lock(c.reap_mu);
@@ -868,6 +914,8 @@ Handle Communicator::Impl::SubmitDevice(wire::Collective collective, DataType dt
   }
   auto st = std::make_shared<Handle::State>();
   st->core = core;
+  st->name = name;
+  st->give_up = Clock::now() + GiveUpAfter(e.timeout_ms, c);
   if (splits != nullptr) {
     Status s = StageSplits(*splits, *st, e);
     if (!s.ok()) return fail(s);

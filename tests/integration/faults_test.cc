@@ -317,6 +317,52 @@ TEST(FaultsTest, TrainersLearnWhenTheDaemonStopsOrDies) {
 
 // Jobs are per user: the same job id under two uids is two jobs that never
 // exchange data; a user cannot reach another's session memory through /proc.
+// A daemon stopped (SIGSTOP: a debugger, a swapping node) with an
+// operation in flight: Wait() without a timeout still returns, once the
+// operation is long past its deadlines (twice its timeout and the grace,
+// shortened here), saying the daemon is stopped or hung.
+TEST(FaultsTest, WaitReturnsWhenTheDaemonIsStopped) {
+  auto daemon = DaemonProcess::Start("tuning:\n  op_timeout_ms: 500\n");
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("stopped-daemon");
+  int submitted[2], release[2];
+  ASSERT_EQ(pipe(submitted), 0);
+  ASSERT_EQ(pipe(release), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    setenv("CIUIC_WAIT_GRACE_MS", "1000", 1);
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    if (rank == 1) {  // joins, never submits
+      char c;
+      CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+      return 0;
+    }
+    std::vector<float> v(1 << 14, 1.0f);
+    OpOptions o;
+    o.name = "lonely";
+    Handle h = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o);
+    CHILD_CHECK(write(submitted[1], "s", 1) == 1, "pipe");
+    const auto start = Clock::now();
+    Status s = h.Wait();
+    const double took = std::chrono::duration<double>(Clock::now() - start).count();
+    CHILD_CHECK(s.code() == StatusCode::kDeadlineExceeded &&
+                    Contains(s.message(), "stopped or hung") && Contains(s.message(), "lonely"),
+                "%s", s.ToString().c_str());
+    CHILD_CHECK(took > 1.0 && took < 10.0, "Wait() returned after %.1f s", took);
+    return 0;
+  });
+  char c;
+  ASSERT_EQ(read(submitted[0], &c, 1), 1);
+  ASSERT_EQ(kill(daemon->pid(), SIGSTOP), 0);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  ASSERT_EQ(kill(daemon->pid(), SIGCONT), 0);
+  ASSERT_EQ(write(release[1], "r", 1), 1);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  EXPECT_TRUE(daemon->Alive());
+  ExpectDaemonServes(*daemon);
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 TEST(FaultsTest, TwoUsersNeverShareAJobOrMemory) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run a trainer as another uid";
   auto daemon = DaemonProcess::Start();

@@ -158,12 +158,18 @@ class Handle {
  public:
   Handle() = default;
 
-  // Blocks until the operation completes; returns its status.
+  // Blocks until the operation completes; returns its status. Never for
+  // ever: a daemon that has not completed the operation by twice its
+  // timeout and a grace (30 s, CIUIC_WAIT_GRACE_MS) after its submission,
+  // long past every deadline ciuicd keeps, is stopped or hung, and Wait
+  // returns DEADLINE_EXCEEDED saying so (the daemon may still write the
+  // output buffers).
   Status Wait();
   // Like Wait, but gives up after `timeout` with DEADLINE_EXCEEDED (the
   // operation goes on; wait again later).
   Status WaitFor(std::chrono::milliseconds timeout);
-  // True once the operation has completed; never blocks.
+  // True once the operation has completed, or once Wait would give up on a
+  // stopped daemon (above); never blocks.
   bool Test();
   bool valid() const { return state_ != nullptr; }
 
