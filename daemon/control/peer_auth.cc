@@ -95,6 +95,11 @@ absl::Status RandomNonce(unsigned char* out) {
   return absl::OkStatus();
 }
 
+absl::Status NotThisHandshake(absl::string_view who) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      who, " does not speak the ciuic peer handshake (not a ciuicd of this version?)"));
+}
+
 // The handshake's own step failed: the status says which step and why.
 absl::Status During(const absl::Status& s, absl::string_view who, absl::string_view step) {
   return absl::Status(s.code(),
@@ -152,10 +157,7 @@ absl::Status AuthenticateClient(int fd, absl::string_view token, const std::stri
     return During(s, who, "waiting for its proof");
   }
   if (!HasMagic(proof)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(who,
-                     " does not speak the ciuic peer handshake (not a ciuicd of this "
-                     "version?)"));
+    return NotThisHandshake(who);
   }
   const unsigned char* nonce_c = proof + sizeof(kPeerAuthMagic);
   const unsigned char* mac_c = nonce_c + kPeerAuthNonceBytes;
@@ -189,8 +191,7 @@ absl::Status AuthenticateServer(int fd, absl::string_view token, const std::stri
     return During(s, server, "waiting for its challenge");
   }
   if (!HasMagic(hello)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        server, " does not speak the ciuic peer handshake (not a ciuicd of this version?)"));
+    return NotThisHandshake(server);
   }
   const absl::string_view ns = View(hello + sizeof(kPeerAuthMagic), kPeerAuthNonceBytes);
   unsigned char proof[kClientProofBytes];
@@ -209,8 +210,7 @@ absl::Status AuthenticateServer(int fd, absl::string_view token, const std::stri
     return During(s, server, "waiting for its verdict");
   }
   if (!HasMagic(verdict)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        server, " does not speak the ciuic peer handshake (not a ciuicd of this version?)"));
+    return NotThisHandshake(server);
   }
   if (verdict[sizeof(kPeerAuthMagic)] != 1) {
     return absl::PermissionDeniedError(

@@ -103,16 +103,22 @@ TEST(PeerAuthTest, DifferentTokensAreRefusedOnBothSides) {
   }
 }
 
+// A fake server's first half: a challenge (nonce all zeros), then the
+// client's proof read and dropped.
+void ChallengeAndTakeProof(int fd) {
+  char hello[kServerHelloBytes] = {};
+  std::memcpy(hello, kPeerAuthMagic, sizeof(kPeerAuthMagic));
+  send(fd, hello, sizeof(hello), 0);
+  char proof[kClientProofBytes];
+  recv(fd, proof, sizeof(proof), MSG_WAITALL);
+}
+
 // A server that does not know the token cannot pass itself off as one that
 // does by saying yes: the client checks the server's proof too.
 TEST(PeerAuthTest, AServerThatSaysYesWithoutTheTokenIsRefused) {
   Pair p;
   auto impostor = std::async(std::launch::async, [&] {
-    char hello[kServerHelloBytes] = {};
-    std::memcpy(hello, kPeerAuthMagic, sizeof(kPeerAuthMagic));
-    send(p.fd[0], hello, sizeof(hello), 0);
-    char proof[kClientProofBytes];
-    recv(p.fd[0], proof, sizeof(proof), MSG_WAITALL);
+    ChallengeAndTakeProof(p.fd[0]);
     char verdict[kVerdictBytes] = {};
     std::memcpy(verdict, kPeerAuthMagic, sizeof(kPeerAuthMagic));
     verdict[sizeof(kPeerAuthMagic)] = 1;
@@ -194,11 +200,7 @@ TEST(PeerAuthTest, TruncatedFramesAreClearErrors) {
     // The verdict cut short.
     Pair p;
     auto server = std::async(std::launch::async, [&] {
-      char hello[kServerHelloBytes] = {};
-      std::memcpy(hello, kPeerAuthMagic, sizeof(kPeerAuthMagic));
-      send(p.fd[0], hello, sizeof(hello), 0);
-      char proof[kClientProofBytes];
-      recv(p.fd[0], proof, sizeof(proof), MSG_WAITALL);
+      ChallengeAndTakeProof(p.fd[0]);
       send(p.fd[0], kPeerAuthMagic, 8, 0);
       shutdown(p.fd[0], SHUT_RDWR);
     });

@@ -54,6 +54,17 @@ int ConnectWithin(int fd, const addrinfo* a, Clock::time_point deadline) {
 
 }  // namespace
 
+void ReapDone(std::list<SocketThread>& threads) {
+  for (auto it = threads.begin(); it != threads.end();) {
+    if (it->done.load()) {
+      it->thread.join();
+      it = threads.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 std::string HostOfAddress(const std::string& address) {
   if (!address.empty() && address.front() == '[') {
     const size_t close = address.find(']');
@@ -205,31 +216,20 @@ void PeerListener::Shutdown() {
     if (stopping_ && !acceptor_.joinable()) return;
     stopping_ = true;
     shutdown(listen_fd_, SHUT_RDWR);  // wakes accept()
-    for (Handshake& h : handshakes_) {
+    for (SocketThread& h : handshakes_) {
       if (h.fd >= 0) shutdown(h.fd, SHUT_RDWR);  // wakes its poll
     }
   }
   if (acceptor_.joinable()) acceptor_.join();
-  std::list<Handshake> all;
+  std::list<SocketThread> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
     all.swap(handshakes_);
   }
-  for (Handshake& h : all) {
+  for (SocketThread& h : all) {
     if (h.thread.joinable()) h.thread.join();
   }
   close(listen_fd_);
-}
-
-void PeerListener::ReapDone() {
-  for (auto it = handshakes_.begin(); it != handshakes_.end();) {
-    if (it->done.load()) {
-      it->thread.join();
-      it = handshakes_.erase(it);
-    } else {
-      ++it;
-    }
-  }
 }
 
 void PeerListener::AcceptLoop() {
@@ -248,7 +248,7 @@ void PeerListener::AcceptLoop() {
       }
       continue;
     }
-    ReapDone();
+    ReapDone(handshakes_);
     const std::string peer = PeerAddressOf(fd);
     if (static_cast<int>(handshakes_.size()) >= options_.max_handshakes) {
       // At most one line a second: a flood must not flood the log too.
@@ -261,13 +261,13 @@ void PeerListener::AcceptLoop() {
       close(fd);
       continue;
     }
-    Handshake& h = handshakes_.emplace_back();
+    SocketThread& h = handshakes_.emplace_back();
     h.fd = fd;
     h.thread = std::thread([this, hs = &h, peer] { Authenticate(hs, peer); });
   }
 }
 
-void PeerListener::Authenticate(Handshake* h, const std::string& peer) {
+void PeerListener::Authenticate(SocketThread* h, const std::string& peer) {
   pthread_setname_np(pthread_self(), "ciuic-peerauth");
   const int fd = h->fd;
   absl::Status s =

@@ -30,6 +30,17 @@
 
 namespace ciuic::daemon {
 
+// A thread serving one socket, that ends on its own: its owner joins it
+// once `done` (ReapDone) or when shutting down.
+struct SocketThread {
+  int fd = -1;  // -1 once closed or handed on
+  std::thread thread;
+  std::atomic<bool> done{false};
+};
+// Joins and removes the threads of `threads` that are done (the owner's
+// lock held).
+void ReapDone(std::list<SocketThread>& threads);
+
 // How a daemon proves itself to others and which others it may reach.
 struct PeerSecurity {
   std::string token;         // "" = none (the empty key)
@@ -63,16 +74,10 @@ class PeerListener {
   void Shutdown();
 
  private:
-  struct Handshake {
-    int fd = -1;
-    std::thread thread;
-    std::atomic<bool> done{false};
-  };
   PeerListener(int fd, int port, Options options, Accepted accepted)
       : listen_fd_(fd), port_(port), options_(std::move(options)), accepted_(std::move(accepted)) {}
   void AcceptLoop();
-  void Authenticate(Handshake* h, const std::string& peer);
-  void ReapDone();  // mu_ held
+  void Authenticate(SocketThread* h, const std::string& peer);
 
   const int listen_fd_;
   const int port_;
@@ -81,7 +86,7 @@ class PeerListener {
   std::thread acceptor_;
   std::mutex mu_;
   bool stopping_ = false;                                   // guarded by mu_
-  std::list<Handshake> handshakes_;                         // guarded by mu_
+  std::list<SocketThread> handshakes_;                      // guarded by mu_
   std::chrono::steady_clock::time_point last_refusal_log_;  // guarded by mu_
 };
 

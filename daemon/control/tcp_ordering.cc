@@ -188,28 +188,17 @@ void OrderingListener::Shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
-    for (Connection& c : connections_) {
+    for (SocketThread& c : connections_) {
       if (c.fd >= 0) shutdown(c.fd, SHUT_RDWR);
     }
   }
-  std::list<Connection> all;
+  std::list<SocketThread> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
     all.swap(connections_);
   }
-  for (Connection& c : all) {
+  for (SocketThread& c : all) {
     if (c.thread.joinable()) c.thread.join();
-  }
-}
-
-void OrderingListener::ReapDone() {
-  for (auto it = connections_.begin(); it != connections_.end();) {
-    if (it->done.load()) {
-      it->thread.join();
-      it = connections_.erase(it);
-    } else {
-      ++it;
-    }
   }
 }
 
@@ -219,7 +208,7 @@ void OrderingListener::Accept(int fd, const std::string& peer) {
     close(fd);
     return;
   }
-  ReapDone();
+  ReapDone(connections_);
   if (connections_.size() >= kMaxConnections) {
     spdlog::warn("ordering listener: {} connections open, refusing the one from {}",
                  kMaxConnections, peer);
@@ -227,12 +216,12 @@ void OrderingListener::Accept(int fd, const std::string& peer) {
     return;
   }
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // read by a blocked thread
-  Connection& c = connections_.emplace_back();
+  SocketThread& c = connections_.emplace_back();
   c.fd = fd;
   c.thread = std::thread([this, conn = &c] { Serve(conn); });
 }
 
-void OrderingListener::Serve(Connection* c) {
+void OrderingListener::Serve(SocketThread* c) {
   pthread_setname_np(pthread_self(), "ciuic-orderconn");
   const int fd = c->fd;
   TcpNodeStream out(fd);

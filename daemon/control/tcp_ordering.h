@@ -67,23 +67,16 @@ class OrderingListener {
   void Shutdown();
 
  private:
-  struct Connection {
-    int fd = -1;
-    std::thread thread;
-    std::atomic<bool> done{false};
-  };
-
   explicit OrderingListener(Coordinator* coordinator) : coordinator_(coordinator) {}
   // An authenticated connection (PeerListener's handshake thread).
   void Accept(int fd, const std::string& peer);
-  void Serve(Connection* c);
-  void ReapDone();  // joins the threads of ended connections; mu_ held
+  void Serve(SocketThread* c);
 
   Coordinator* const coordinator_;
   std::unique_ptr<PeerListener> peers_;
   std::mutex mu_;
   bool stopping_ = false;              // guarded by mu_
-  std::list<Connection> connections_;  // guarded by mu_
+  std::list<SocketThread> connections_;  // guarded by mu_
 };
 
 // Connects to the ordering listener at host:port (within `timeout_ms`,

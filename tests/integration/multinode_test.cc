@@ -1019,6 +1019,18 @@ bool ReadsToTheEnd(int fd) {
   return n == 0 || (n < 0 && errno == ECONNRESET);
 }
 
+// One rank on each of two nodes runs an allreduce; the ranks' exit codes.
+std::vector<int> AllreduceOnTwoNodes(Cluster& cluster, const std::string& job) {
+  return RunRanks(
+      2,
+      [&](int rank) {
+        auto comm = cluster.Join(job, rank, 2, 1);
+        CHILD_CHECK(comm != nullptr, "join");
+        return RunOne(*comm, Coll::kAllreduce, DataType::kFloat32, ReduceOp::kSum, 1001, "ar");
+      },
+      std::chrono::seconds(60));
+}
+
 // A trainer names as its job's coordinator a host of its own choosing
 // (here a listening socket of the test). The daemon connects there, but
 // nothing it sends holds the cluster token: the fake coordinator reads
@@ -1136,15 +1148,7 @@ TEST(MultiNodeSecurityTest, UnauthenticatedConnectionsAreRefusedAndTheDaemonsSer
   }
   EXPECT_LT(rss_after, rss_before + (32u << 20))
       << "the daemon grew by " << ((rss_after - rss_before) >> 20) << " MiB";
-  const std::string job = UniqueJobId("after-raw");
-  auto codes = RunRanks(
-      2,
-      [&](int rank) {
-        auto comm = cluster->Join(job, rank, 2, 1);
-        CHILD_CHECK(comm != nullptr, "join");
-        return RunOne(*comm, Coll::kAllreduce, DataType::kFloat32, ReduceOp::kSum, 1001, "ar");
-      },
-      std::chrono::seconds(60));
+  const std::vector<int> codes = AllreduceOnTwoNodes(*cluster, UniqueJobId("after-raw"));
   EXPECT_EQ(codes, (std::vector<int>{0, 0})) << cluster->nodes[0]->Log();
   EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "does not speak the ciuic peer handshake"))
       << cluster->nodes[0]->Log();
@@ -1237,15 +1241,7 @@ TEST(MultiNodeSecurityTest, ThePeersAllowListDecidesWhichCoordinatorsADaemonReac
   auto cluster =
       Cluster::Start(2, "peers: \"10.0.0.0/8, 127.0.0.1\"\n", {token.path(), token.path()});
   ASSERT_NE(cluster, nullptr);
-  const std::string job = UniqueJobId("allowed");
-  auto codes = RunRanks(
-      2,
-      [&](int rank) {
-        auto comm = cluster->Join(job, rank, 2, 1);
-        CHILD_CHECK(comm != nullptr, "join");
-        return RunOne(*comm, Coll::kAllreduce, DataType::kFloat32, ReduceOp::kSum, 1001, "ar");
-      },
-      std::chrono::seconds(60));
+  const std::vector<int> codes = AllreduceOnTwoNodes(*cluster, UniqueJobId("allowed"));
   EXPECT_EQ(codes, (std::vector<int>{0, 0})) << cluster->nodes[1]->Log();
   EXPECT_TRUE(cluster->StopAll());
 }
