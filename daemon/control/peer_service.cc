@@ -126,10 +126,7 @@ absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string&
                                       [grpc_server](int fd, const std::string&) {
                                         grpc::AddInsecureChannelFromFd(grpc_server, fd);
                                       });
-  if (!listener.ok()) {
-    server->server_->Shutdown();
-    return listener.status();
-  }
+  if (!listener.ok()) return listener.status();  // ~PeerServer stops the gRPC server
   server->listener_ = std::move(*listener);
   return server;
 }
