@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "config/config.h"
+#include "config/peer_list.h"
 #include "config/tuning.h"
 #include "cluster/coordinator.h"
 #include "cluster/ucx_transports.h"
@@ -33,6 +34,7 @@
 #include "control/peer_client.h"
 #include "control/metrics.h"
 #include "control/peer_service.h"
+#include "control/peer_socket.h"
 #include "control/tcp_ordering.h"
 #include "cuda/gpu_info.h"
 #include "engine/engine.h"
@@ -48,7 +50,7 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: ciuicd [--config FILE] [--socket PATH] [--node-name NAME] [--log-level LEVEL]\n"
-    "              [--worker-threads N] [--listen HOST:PORT] [--version]\n"
+    "              [--worker-threads N] [--listen HOST:PORT|auto|off] [--version]\n"
     "Flags override the config file; see deploy/ciuicd.yaml for every key.\n";
 
 // The systemd notify protocol: one datagram to $NOTIFY_SOCKET.
@@ -186,6 +188,20 @@ int Main(int argc, char** argv) {
     }
   }
 
+  // Before anything starts: a daemon open to the network without a token
+  // stops here (exit 78, like every other config mistake).
+  absl::StatusOr<std::string> listen = config::PeerListenAddress(cfg);
+  if (!listen.ok()) {
+    fprintf(stderr, "ciuicd: %s\n", std::string(listen.status().message()).c_str());
+    return 78;
+  }
+  absl::StatusOr<config::PeerList> peers = config::PeerList::Parse(cfg.peers);
+  if (!peers.ok()) {
+    fprintf(stderr, "ciuicd: peers: %s\n", std::string(peers.status().message()).c_str());
+    return 78;
+  }
+  PeerSecurity security{cluster_token, *peers};
+
   auto logger = spdlog::stderr_color_mt("ciuicd");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(cfg.log_level));
@@ -220,16 +236,27 @@ int Main(int argc, char** argv) {
 
   config::TuningRegistry tuning(cfg.tuning);
   // Before the engine, whose jobs may order through it in-process.
-  Coordinator coordinator(cluster_token, &tuning);  // fusion and cycle time for its jobs
+  // Fusion and cycle time for its jobs; no job of more ranks than this daemon takes.
+  Coordinator coordinator(&tuning, static_cast<int>(cfg.max_world_size));
   Engine::Options options;
   options.session_socket_path = cfg.socket_path + ".session";
   options.worker_threads = workers;
   options.max_arena_bytes = cfg.max_arena_bytes;
   options.tuning = &tuning;
   options.node_name = cfg.node_name;
-  options.cluster_token = cluster_token;
   options.transports = UcxTransportFactory();
-  options.coordinator_clients = GrpcCoordinatorClients();
+  options.coordinator_clients = GrpcCoordinatorClients(security);
+  if (listen->empty()) {
+    options.check_coordinator = [](const std::string&) {
+      return absl::FailedPreconditionError(
+          "this ciuicd runs with `listen: off` (single-node jobs only): a job that spans "
+          "several nodes needs the peer service (set `listen`)");
+    };
+  } else if (!security.allowed.empty()) {
+    options.check_coordinator = [allowed = security.allowed](const std::string& coordinator) {
+      return CheckPeerAllowed(HostOfAddress(coordinator), allowed);
+    };
+  }
   options.local_coordinator = &coordinator;
   options.max_world_size = cfg.max_world_size;
   options.max_sessions = cfg.max_sessions;
@@ -259,11 +286,18 @@ int Main(int argc, char** argv) {
   }
   service.set_callers(control_socket->get());
   PeerService peer_service(&coordinator);
-  std::unique_ptr<grpc::Server> peer_server;
+  std::unique_ptr<PeerServer> peer_server;
   std::unique_ptr<OrderingListener> ordering_listener;  // before the coordinator goes
-  if (!cfg.listen.empty()) {
-    int port = 0;
-    auto started = StartPeerServer(cfg.listen, &peer_service, &port);
+  if (listen->empty()) {
+    spdlog::info("listen: off: no peer service, single-node jobs only");
+  } else {
+    if (cluster_token.empty() && !config::IsLoopbackHost(HostOfAddress(*listen))) {
+      spdlog::warn(
+          "insecure_no_auth: the peer service on {} takes any daemon that reaches it, "
+          "without a cluster token",
+          *listen);
+    }
+    auto started = PeerServer::Start(*listen, cluster_token, &peer_service);
     if (!started.ok()) {
       spdlog::critical("{}", std::string(started.status().message()));
       (*server)->Shutdown();
@@ -271,8 +305,8 @@ int Main(int argc, char** argv) {
       return 1;
     }
     peer_server = std::move(*started);
-    const std::string host = cfg.listen.substr(0, cfg.listen.rfind(':'));
-    auto listener = OrderingListener::Start(host, cfg.ordering_port, &coordinator);
+    const std::string host = listen->substr(0, listen->rfind(':'));
+    auto listener = OrderingListener::Start(host, cfg.ordering_port, &coordinator, cluster_token);
     if (!listener.ok()) {
       spdlog::critical("{}", std::string(listener.status().message()));
       peer_server->Shutdown();
@@ -282,11 +316,14 @@ int Main(int argc, char** argv) {
     }
     ordering_listener = std::move(*listener);
     coordinator.set_ordering_port(ordering_listener->port());
-    service.set_peer_address(absl::StrCat(host, ":", port));
+    service.set_peer_address(absl::StrCat(host, ":", peer_server->port()));
     service.set_ordering_port(ordering_listener->port());
-    spdlog::info("peer service on {}:{}, ordering streams on port {}{}", host, port,
-                 ordering_listener->port(),
-                 cluster_token.empty() ? " (no cluster token: any daemon may register)" : "");
+    spdlog::info("peer service on {}:{}, ordering streams on port {}{}{}", host,
+                 peer_server->port(), ordering_listener->port(),
+                 cluster_token.empty() ? " (no cluster token)" : " (cluster token required)",
+                 security.allowed.empty()
+                     ? ""
+                     : absl::StrCat("; coordinators allowed: ", security.allowed.ToString()));
   }
   std::unique_ptr<MetricsEndpoint> metrics;
   if (!cfg.metrics_listen.empty()) {

@@ -11,6 +11,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-numpy python3-torch python3-matplotlib python3-pytest
   openmpi-bin libopenmpi-dev
+  libssl-dev
   iproute2 procps
   clang libclang-rt-14-dev
 )

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "ciuic/peer.pb.h"
 #include "cluster/coordinator.h"
+#include "cluster/membership.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
 #include "reduce/reduce.h"
@@ -390,7 +391,6 @@ absl::Status ClusterJob::Form() {
   auto unconnected = options_.transports(options_.channels);
   if (!unconnected.ok()) return unconnected.status();
   proto::RegisterNodeRequest req;
-  req.set_cluster_token(options_.cluster_token);
   req.set_job_id(options_.job_id);
   req.set_uid(options_.uid);
   req.set_world_size(options_.world_size);
@@ -409,6 +409,14 @@ absl::Status ClusterJob::Form() {
       req, std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   if (!registered.ok()) return registered.status();
   const proto::Membership& membership = *registered;
+  // Every index below comes from this table: checked first.
+  int self = -1;
+  if (absl::Status s =
+          CheckMembership(membership, options_.coordinator, options_.world_size, options_.node_name,
+                          options_.local_ranks, options_.channels, &self);
+      !s.ok()) {
+    return s;
+  }
 
   std::vector<std::vector<std::string>> addresses;
   node_of_rank_.assign(options_.world_size, -1);
@@ -420,12 +428,11 @@ absl::Status ClusterJob::Form() {
     row.node_name = node.node_name();
     for (int r : node.ranks()) {
       row.ranks.push_back(r);
-      if (r >= 0 && r < options_.world_size) node_of_rank_[r] = n;
-      if (r == options_.local_ranks.front()) self_ = n;
+      node_of_rank_[r] = n;
     }
     rows.push_back(std::move(row));
   }
-  if (self_ < 0) return absl::InternalError("this node is missing from the membership table");
+  self_ = self;
   rows[self_].self = true;
   auto connected = (*unconnected)->Connect(self_, addresses);
   if (!connected.ok()) return connected.status();
@@ -454,7 +461,6 @@ absl::Status ClusterJob::Form() {
                stream->Describe());
   proto::NodeEvent hello;
   auto* h = hello.mutable_hello();
-  h->set_cluster_token(options_.cluster_token);
   h->set_job_id(options_.job_id);
   h->set_uid(options_.uid);
   h->set_instance(membership.instance());

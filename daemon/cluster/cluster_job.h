@@ -141,8 +141,7 @@ class ClusterJob {
     int world_size = 0;
     std::vector<int> local_ranks;
     std::string node_name;
-    std::string coordinator;    // host:port of the coordinator's peer service
-    std::string cluster_token;
+    std::string coordinator;  // host:port of the coordinator's peer service
     int channels = 1;
     config::TuningRegistry* tuning = nullptr;
     TransportFactory transports;

@@ -90,7 +90,7 @@ class Nodes {
   // Each node has its own daemon tuning; node 0's daemon hosts the
   // coordinator (rank 0), so its tuning decides the runs' settings.
   explicit Nodes(int n = 2, int per_node = 1, size_t feedback_bytes = ClusterJob::kFeedbackBytes)
-      : tuning_(n), coordinator_("token", &tuning_[0]), hub_(n, 1), ends_(n) {
+      : tuning_(n), coordinator_(&tuning_[0]), hub_(n, 1), ends_(n) {
     for (int k = 0; k < n; ++k) {
       ClusterJob::Options o;
       o.job_id = "job";
@@ -99,7 +99,6 @@ class Nodes {
       for (int i = 0; i < per_node; ++i) o.local_ranks.push_back(k * per_node + i);
       o.node_name = "n" + std::to_string(k);
       o.coordinator = "direct";
-      o.cluster_token = "token";
       o.channels = 1;
       o.tuning = &tuning_[k];
       o.feedback_bytes = feedback_bytes;
@@ -1966,7 +1965,6 @@ class ScriptedNode {
     o.local_ranks = {0};
     o.node_name = "n0";
     o.coordinator = "scripted";
-    o.cluster_token = "token";
     o.channels = 1;
     o.tuning = &tuning_;
     o.announce_grace = announce_grace;
@@ -2316,6 +2314,127 @@ TEST(ClusterJobProtocolTest, AnAlltoallInSegmentsWithoutTheirNumberFailsClearly)
   const absl::Status s = node.EndOf(1);
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
   EXPECT_NE(s.message().find("in segments without their number"), std::string::npos) << s;
+}
+
+// A coordinator that answers registration with a table given by the test,
+// and counts what the job does after it.
+class TableClient final : public CoordinatorClient {
+ public:
+  TableClient(proto::Membership table, std::atomic<int>* streams)
+      : table_(std::move(table)), streams_(streams) {}
+  absl::StatusOr<proto::Membership> Register(const proto::RegisterNodeRequest&,
+                                             std::chrono::system_clock::time_point) override {
+    return table_;
+  }
+  void CancelRegister() override {}
+  absl::StatusOr<std::unique_ptr<OrderingStream>> OpenStream(uint32_t) override {
+    ++*streams_;
+    return absl::UnavailableError("no stream here");
+  }
+
+ private:
+  const proto::Membership table_;
+  std::atomic<int>* const streams_;
+};
+
+// Node "n0" hosts ranks 0 and 1 of 4 with one channel; `edit` spoils the
+// good table (n0: 0,1; n1: 2,3).
+proto::Membership Table(const std::function<void(proto::Membership&)>& edit) {
+  proto::Membership m;
+  m.set_instance(1);
+  m.set_channels(1);
+  for (int n = 0; n < 2; ++n) {
+    auto* node = m.add_nodes();
+    node->set_node_name("n" + std::to_string(n));
+    node->add_ranks(2 * n);
+    node->add_ranks(2 * n + 1);
+    node->add_transport_addresses("hub");
+  }
+  edit(m);
+  return m;
+}
+
+// A table the coordinator sends is checked before any index from it is
+// used: a missing rank, a rank on two nodes, another channel count, too few
+// transport addresses, this node absent or with other ranks, too many
+// nodes, each fails the job with DATA_LOSS naming the problem and the
+// coordinator (it never opens an ordering stream).
+TEST(ClusterJobTest, ABadMembershipTableFailsTheJobNamingIt) {
+  struct Case {
+    std::string why;
+    std::function<void(proto::Membership&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"rank 3 is on no node",
+       [](proto::Membership& m) { m.mutable_nodes(1)->mutable_ranks()->RemoveLast(); }},
+      {"rank 1 is on node n0 and on node n1",
+       [](proto::Membership& m) { m.mutable_nodes(1)->set_ranks(1, 1); }},
+      {"2 channels where this node has 1", [](proto::Membership& m) { m.set_channels(2); }},
+      {"node n1 has 2 transport addresses for 1 channels",
+       [](proto::Membership& m) { m.mutable_nodes(1)->add_transport_addresses("hub"); }},
+      {"has rank 7, not in a world of size 4",
+       [](proto::Membership& m) { m.mutable_nodes(1)->set_ranks(1, 7); }},
+      {"has rank -1", [](proto::Membership& m) { m.mutable_nodes(0)->set_ranks(1, -1); }},
+      {"this node (n0, ranks 0,1) appears as node n9",
+       [](proto::Membership& m) { m.mutable_nodes(0)->set_node_name("n9"); }},
+      {"5 nodes for 4 ranks",
+       [](proto::Membership& m) {
+         for (int i = 0; i < 3; ++i) *m.add_nodes() = m.nodes(1);
+       }},
+      {"0 nodes for 4 ranks", [](proto::Membership& m) { m.clear_nodes(); }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.why);
+    config::TuningRegistry tuning;
+    InProcessHub hub(2, 1);
+    std::atomic<int> streams{0};
+    Ends ends;
+    std::mutex mu;
+    absl::Status failed;
+    ClusterJob::Options o;
+    o.job_id = "job";
+    o.uid = 1;
+    o.world_size = 4;
+    o.local_ranks = {0, 1};
+    o.node_name = "n0";
+    o.coordinator = "10.0.0.9:7361";
+    o.channels = 1;
+    o.tuning = &tuning;
+    o.transports = [&](int) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
+      return std::make_unique<HubUnconnected>(&hub);
+    };
+    const proto::Membership table = Table(c.edit);
+    o.coordinator_clients = [&](const std::string&) -> std::unique_ptr<CoordinatorClient> {
+      return std::make_unique<TableClient>(table, &streams);
+    };
+    auto job = std::make_unique<ClusterJob>(
+        std::move(o),
+        [&](uint64_t key, absl::Status s) {
+          std::lock_guard<std::mutex> lock(ends.mu);
+          ends.ends.emplace_back(key, std::move(s));
+          ends.cv.notify_all();
+        },
+        [&](absl::Status s) {
+          std::lock_guard<std::mutex> lock(mu);
+          failed = std::move(s);
+        });
+    std::vector<float> v(4, 1.0f), w(4, 1.0f);
+    ClusterOp op = Allreduce(1, "a", wire::DataType::kFloat32, wire::ReduceOp::kSum, v.size(), 0,
+                             v.data(), v.data());
+    op.parts.push_back(ClusterOp::Part{1, reinterpret_cast<const uint8_t*>(w.data()),
+                                       reinterpret_cast<uint8_t*>(w.data())});
+    job->Submit(std::move(op));
+    ASSERT_TRUE(ends.WaitFor(1));
+    const absl::Status s = ends.ends[0].second;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find(c.why), std::string::npos) << s;
+    EXPECT_NE(s.message().find("coordinator 10.0.0.9:7361 sent a bad membership table"),
+              std::string::npos)
+        << s;
+    EXPECT_EQ(job->state(), ClusterJob::State::kFailed);
+    EXPECT_EQ(streams.load(), 0);
+    job.reset();
+  }
 }
 
 }  // namespace

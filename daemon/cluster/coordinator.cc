@@ -18,17 +18,6 @@ namespace ciuic::daemon {
 
 using Clock = std::chrono::steady_clock;
 
-bool TokensEqual(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= x ^ y;
-  }
-  return diff == 0;
-}
-
 namespace {
 
 // Bounds on what one node's Ready may make the coordinator keep.
@@ -165,8 +154,8 @@ std::unique_ptr<OrderingStream> Coordinator::OpenLocalStream() {
   return std::make_unique<LocalStream>(this);
 }
 
-Coordinator::Coordinator(std::string cluster_token, config::TuningRegistry* tuning)
-    : token_(std::move(cluster_token)), tuning_(tuning), id_(NewCoordinatorId()) {
+Coordinator::Coordinator(config::TuningRegistry* tuning, int max_world_size)
+    : tuning_(tuning), max_world_size_(max_world_size), id_(NewCoordinatorId()) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -201,19 +190,10 @@ void Coordinator::Shutdown() {
 absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNodeRequest& r,
                                                         Clock::time_point deadline,
                                                         const std::function<bool()>& cancelled) {
-  if (!TokensEqual(r.cluster_token(), token_)) {
-    spdlog::warn("refused node {} for job '{}': wrong cluster token", r.node_name(), r.job_id());
-    return absl::PermissionDeniedError("cluster token does not match the coordinator's");
-  }
-  if (r.world_size() < 1 || r.ranks_size() == 0 || r.transport_addresses_size() == 0 ||
-      r.channels() < 1) {
-    return absl::InvalidArgumentError("registration without ranks, channels or addresses");
-  }
-  for (int rank : r.ranks()) {
-    if (rank < 0 || rank >= r.world_size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rank ", rank, " is not in a world of size ", r.world_size()));
-    }
+  if (absl::Status s = CheckRegistration(r, max_world_size_); !s.ok()) {
+    spdlog::warn("refused a registration for job '{}': {}", r.job_id().substr(0, kMaxJobIdBytes),
+                 std::string(s.message()));
+    return s;
   }
   std::unique_lock<std::mutex> lock(mu_);
   const std::string key = absl::StrCat(r.uid(), "/", r.job_id());
@@ -225,6 +205,7 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
     slot->world_size = r.world_size();
     slot->channels = r.channels();
     slot->instance = next_instance_++;
+    slot->rank_registered.assign(static_cast<size_t>(r.world_size()), false);
   }
   Job* job = slot.get();
   if (job->complete) {
@@ -237,21 +218,27 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
         "job '", r.job_id(), "' has world size ", job->world_size, " and ", job->channels,
         " channels; node ", r.node_name(), " says ", r.world_size(), " and ", r.channels()));
   }
-  for (const auto& other : job->registrations) {
-    if (other.node_name() == r.node_name()) {
-      return absl::AlreadyExistsError(absl::StrCat("node ", r.node_name(),
-                                                   " already registered for job '", r.job_id(), "'"));
-    }
-    for (int a : other.ranks()) {
-      for (int b : r.ranks()) {
-        if (a == b) {
-          return absl::AlreadyExistsError(absl::StrCat("rank ", a, " of job '", r.job_id(),
-                                                       "' registered by both ", other.node_name(),
-                                                       " and ", r.node_name()));
+  // Each rank and node name once: a bit per rank, a set of names (a job
+  // has at most world_size registrations, each with a rank of its own).
+  if (job->node_names.count(r.node_name())) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("node ", r.node_name(), " already registered for job '", r.job_id(), "'"));
+  }
+  for (int rank : r.ranks()) {
+    if (job->rank_registered[static_cast<size_t>(rank)]) {
+      std::string other = "another node";
+      for (const auto& reg : job->registrations) {
+        if (std::find(reg.ranks().begin(), reg.ranks().end(), rank) != reg.ranks().end()) {
+          other = reg.node_name();
         }
       }
+      return absl::AlreadyExistsError(absl::StrCat("rank ", rank, " of job '", r.job_id(),
+                                                   "' registered by both ", other, " and ",
+                                                   r.node_name()));
     }
   }
+  for (int rank : r.ranks()) job->rank_registered[static_cast<size_t>(rank)] = true;
+  job->node_names.insert(r.node_name());
   job->registrations.push_back(r);
   job->ranks_registered += r.ranks_size();
   spdlog::info("job '{}': node {} registered ranks {} ({}/{})", r.job_id(), r.node_name(),
@@ -299,6 +286,8 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
     for (auto it = regs.begin(); it != regs.end(); ++it) {
       if (it->node_name() == r.node_name()) {
         job->ranks_registered -= it->ranks_size();
+        for (int rank : it->ranks()) job->rank_registered[static_cast<size_t>(rank)] = false;
+        job->node_names.erase(it->node_name());
         regs.erase(it);
         break;
       }
@@ -309,11 +298,7 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
   return job->membership;
 }
 
-absl::StatusOr<uint64_t> Coordinator::Attach(const proto::NodeEvent::Hello& h,
-                                             NodeStream* stream) {
-  if (!TokensEqual(h.cluster_token(), token_)) {
-    return absl::PermissionDeniedError("cluster token does not match the coordinator's");
-  }
+absl::StatusOr<uint64_t> Coordinator::Attach(const proto::NodeEvent::Hello& h, NodeStream* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string key = absl::StrCat(h.uid(), "/", h.job_id());
   auto it = jobs_.find(key);

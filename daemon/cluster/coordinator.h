@@ -48,6 +48,7 @@
 #include "absl/status/statusor.h"
 #include "ciuic/peer.pb.h"
 #include "cluster/coordinator_client.h"
+#include "cluster/membership.h"
 #include "config/tuning.h"
 
 namespace ciuic::daemon {
@@ -79,7 +80,12 @@ class Coordinator {
 
   // `tuning` (may be null: defaults) gives fusion_threshold_bytes and
   // cycle_time_us, read at every scheduling decision; it must outlive this.
-  explicit Coordinator(std::string cluster_token, config::TuningRegistry* tuning = nullptr);
+  // Jobs of more than `max_world_size` ranks are refused at registration.
+  // Who may call is decided before (control/peer_socket.h authenticates
+  // every connection between daemons; this daemon's own jobs call
+  // in-process).
+  explicit Coordinator(config::TuningRegistry* tuning = nullptr,
+                       int max_world_size = kDefaultMaxWorldSize);
   ~Coordinator();
 
   // Blocks until the job has formed, `deadline`, `cancelled()` turns true
@@ -154,6 +160,8 @@ class Coordinator {
     int channels = 0;
     std::vector<proto::RegisterNodeRequest> registrations;
     int ranks_registered = 0;
+    std::vector<bool> rank_registered;  // world_size bits
+    std::set<std::string> node_names;   // of the registrations
     bool complete = false;
     proto::Membership membership;
     std::map<int, NodeStream*> streams;  // by node index
@@ -191,8 +199,8 @@ class Coordinator {
   absl::Status CheckSplits(const Job& job, const std::string& name, const PendingRun& run);
   void TimerLoop();
 
-  const std::string token_;
   config::TuningRegistry* const tuning_;
+  const int max_world_size_;
   const uint64_t id_;
   std::atomic<int> ordering_port_{0};
   std::mutex mu_;
@@ -204,8 +212,5 @@ class Coordinator {
   bool stopping_ = false;
   std::thread timer_;
 };
-
-// Constant-time comparison of secrets.
-bool TokensEqual(const std::string& a, const std::string& b);
 
 }  // namespace ciuic::daemon

@@ -43,10 +43,8 @@ class RecordingStream : public NodeStream {
   std::vector<proto::CoordinatorEvent> events_;
 };
 
-proto::RegisterNodeRequest Reg(const std::string& node, std::vector<int> ranks, int world,
-                               const std::string& token = "secret") {
+proto::RegisterNodeRequest Reg(const std::string& node, std::vector<int> ranks, int world) {
   proto::RegisterNodeRequest r;
-  r.set_cluster_token(token);
   r.set_job_id("job");
   r.set_uid(1000);
   r.set_world_size(world);
@@ -119,7 +117,6 @@ void Form(Coordinator& c, Formed* f) {
   f->membership = *a;
   for (int n = 0; n < 2; ++n) {
     proto::NodeEvent::Hello h;
-    h.set_cluster_token("secret");
     h.set_job_id("job");
     h.set_uid(1000);
     h.set_instance(a->instance());
@@ -132,7 +129,7 @@ void Form(Coordinator& c, Formed* f) {
 
 TEST(CoordinatorTest, MembershipOrdersNodesByLowestRank) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   ASSERT_EQ(f.membership.nodes_size(), 2);
   EXPECT_EQ(f.membership.nodes(0).node_name(), "a");
@@ -140,14 +137,57 @@ TEST(CoordinatorTest, MembershipOrdersNodesByLowestRank) {
   EXPECT_EQ(f.membership.nodes(1).transport_addresses(0), "addr-b");
 }
 
-TEST(CoordinatorTest, WrongTokenIsRefused) {
-  Coordinator c("secret");
-  auto r = c.Register(Reg("a", {0}, 2, "guess"), Clock::now() + std::chrono::seconds(1));
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied);
+// What a registration may hold is bounded before anything is kept of it
+// (the sender is another daemon, perhaps broken): each refusal names its
+// problem, and nothing of the job stays behind.
+TEST(CoordinatorTest, RegistrationsOutOfBoundsAreRefused) {
+  Coordinator c(nullptr, /*max_world_size=*/1024);
+  const auto deadline = Clock::now() + std::chrono::seconds(1);
+  const auto refused = [&](const proto::RegisterNodeRequest& r, const std::string& why) {
+    auto m = c.Register(r, deadline);
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+    EXPECT_NE(m.status().message().find(why), absl::string_view::npos) << m.status();
+  };
+  refused(Reg("a", {0}, 1025), "world size 1025 is not in 1..1024");
+  refused(Reg("a", {1, 1}, 4), "names rank 1 twice");
+  refused(Reg("a", {4}, 4), "rank 4 is not in a world of size 4");
+  refused(Reg(std::string(256, 'n'), {0}, 4), "node name of 256 bytes");
+  auto r = Reg("a", {0}, 4);
+  r.set_job_id(std::string(257, 'j'));
+  refused(r, "job id of 257 bytes");
+  r = Reg("a", {0}, 4);
+  r.set_channels(2);
+  refused(r, "1 transport addresses for 2 channels");
+  r = Reg("a", {0}, 4);
+  r.set_transport_addresses(0, std::string((64 << 10) + 1, 'x'));
+  refused(r, "transport address of 65537 bytes");
+  r = Reg("a", {0}, 4);
+  r.set_channels(65);
+  refused(r, "65 channels");
+  EXPECT_EQ(c.num_jobs(), 0u);
+}
+
+// Each rank is registered once across the nodes; a node whose registration
+// times out withdraws its ranks, which another node may then take.
+TEST(CoordinatorTest, ARankFreedByAWithdrawnRegistrationCanBeTakenAgain) {
+  Coordinator c;
+  auto first = c.Register(Reg("a", {0, 1}, 3), Clock::now() + std::chrono::milliseconds(100));
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kDeadlineExceeded);
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  auto b = std::async(std::launch::async, [&] {
+    return c.Register(Reg("b", {1, 2}, 3), deadline);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(c.Register(Reg("c", {2}, 3), deadline).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  auto a = c.Register(Reg("a", {0}, 3), deadline);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.get().ok());
+  EXPECT_EQ(a->nodes_size(), 2);
 }
 
 TEST(CoordinatorTest, DuplicateRanksAndWorldMismatchAreRefused) {
-  Coordinator c("secret");
+  Coordinator c;
   auto deadline = Clock::now() + std::chrono::milliseconds(300);
   auto first = std::async(std::launch::async, [&] { return c.Register(Reg("a", {0, 1}, 4), deadline); });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -162,7 +202,7 @@ TEST(CoordinatorTest, DuplicateRanksAndWorldMismatchAreRefused) {
 
 TEST(CoordinatorTest, RunsWhenEveryNodeIsReadyInOneGlobalOrder) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   c.OnEvent(f.handles[0], Ready("x", 10));
   c.OnEvent(f.handles[1], Ready("y", 10));
@@ -181,7 +221,7 @@ TEST(CoordinatorTest, RunsWhenEveryNodeIsReadyInOneGlobalOrder) {
 
 TEST(CoordinatorTest, MismatchFailsOnEveryNodeNamingBoth) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   c.OnEvent(f.handles[0], Ready("g", 10));
   c.OnEvent(f.handles[1], Ready("g", 12));
@@ -198,7 +238,7 @@ TEST(CoordinatorTest, MismatchFailsOnEveryNodeNamingBoth) {
 
 TEST(CoordinatorTest, TimeoutFailsTheReadyNodesAndLateComers) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   c.OnEvent(f.handles[0], Ready("slow", 1, 200));
   auto ev = f.streams[0].WaitFor(1);
@@ -213,7 +253,7 @@ TEST(CoordinatorTest, TimeoutFailsTheReadyNodesAndLateComers) {
 
 TEST(CoordinatorTest, LostNodeFailsTheJobOnTheOthers) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   c.Detach(f.handles[1], absl::UnavailableError("its stream ended"));
   auto ev = f.streams[0].WaitFor(1);
@@ -244,7 +284,7 @@ void BothDone(Coordinator& c, Formed& f, uint64_t seq) {
 // A formed job with run `name` (seq 0) announced to both nodes.
 struct JobWithARun {
   Formed f;  // before the Coordinator (see Formed)
-  Coordinator c{"secret"};
+  Coordinator c;
   explicit JobWithARun(const std::string& name) {
     Form(c, &f);
     BothReady(c, f, name, 10);
@@ -360,7 +400,7 @@ TEST(CoordinatorTest, AJobFailureSaysWhetherTheRunsInFlightAreCutOff) {
 
 TEST(CoordinatorTest, BacklogRunsHighestPriorityFirstTiesInReadyOrder) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   BothReady(c, f, "busy0", 10);
   BothReady(c, f, "busy1", 10);  // both lanes taken
@@ -390,7 +430,7 @@ TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "12K").ok());
   Formed f;
-  Coordinator c("secret", &tuning);
+  Coordinator c(&tuning);
   Form(c, &f);
   BothReady(c, f, "busy0", 10, 0, true);
   BothReady(c, f, "busy1", 10, 0, true);
@@ -422,7 +462,7 @@ TEST(CoordinatorTest, TwoNodesFuseUpToTheThresholdWhateverTheAutoRulePicks) {
     config::TuningRegistry tuning;  // algorithm auto: the ring from ~43 KiB on 2 nodes
     ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", threshold).ok());
     Formed f;
-    Coordinator c("secret", &tuning);
+    Coordinator c(&tuning);
     Form(c, &f);
     for (const char* name : {"busy0", "busy1", "a", "b", "c"}) {
       BothReady(c, f, name, 96 * 1024, 0, true);  // 384 KiB of float32 each
@@ -444,7 +484,7 @@ TEST(CoordinatorTest, FusesOnlyWithinOneCodec) {
   config::TuningRegistry tuning;  // 4M threshold, algorithm auto: 1 MiB on 2 nodes
   ASSERT_TRUE(tuning.Set("min_compress_bytes", "0").ok());
   Formed f;
-  Coordinator c("secret", &tuning);
+  Coordinator c(&tuning);
   Form(c, &f);
   constexpr uint32_t kNone = 1, kFp16 = 2, kInt8 = 4;
   auto both = [&](const std::string& name, uint64_t count, uint32_t codec) {
@@ -488,7 +528,7 @@ TEST(CoordinatorTest, RunsCarryTheCoordinatorsSettings) {
   ASSERT_TRUE(tuning.Set("min_compress_bytes", "1K").ok());
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());
   Formed f;
-  Coordinator c("secret", &tuning);
+  Coordinator c(&tuning);
   Form(c, &f);
   BothReady(c, f, "big", 4096, 0, true);          // 16 KiB float32: int8
   BothReady(c, f, "small", 16, 0, true);          // 64 bytes: below min_compress_bytes
@@ -534,7 +574,7 @@ TEST(CoordinatorTest, GpuOperationsRunAloneInSegments) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
   Formed f;
-  Coordinator c("secret", &tuning);
+  Coordinator c(&tuning);
   Form(c, &f);
   auto ready = [&](const std::string& name, uint64_t count, int gpu_node, uint32_t codec = 0,
                    bool allreduce = true) {
@@ -581,7 +621,7 @@ TEST(CoordinatorTest, AlltoallSegmentsFollowTheBusiestRank) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("staging_segment_bytes", "64K").ok());
   Formed f;
-  Coordinator c("secret", &tuning);
+  Coordinator c(&tuning);
   Form(c, &f);
   struct Op {
     std::string name;
@@ -629,7 +669,7 @@ TEST(CoordinatorTest, ZeroThresholdDisablesFusion) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("fusion_threshold_bytes", "0").ok());
   Formed f;
-  Coordinator c("secret", &tuning);
+  Coordinator c(&tuning);
   Form(c, &f);
   for (const char* name : {"busy0", "busy1", "a", "b"}) BothReady(c, f, name, 8, 0, true);
   BothDone(c, f, 0);
@@ -642,7 +682,7 @@ TEST(CoordinatorTest, CycleTimeHoldsAnOperationToMeetOthers) {
   config::TuningRegistry tuning;
   ASSERT_TRUE(tuning.Set("cycle_time_us", "400000").ok());
   Formed f;
-  Coordinator c("secret", &tuning);
+  Coordinator c(&tuning);
   Form(c, &f);
   const auto start = Clock::now();
   BothReady(c, f, "a", 8, 0, true);
@@ -661,7 +701,7 @@ TEST(CoordinatorTest, CycleTimeHoldsAnOperationToMeetOthers) {
 
 TEST(CoordinatorTest, WithoutCycleTimeAnIsolatedOperationStartsAtOnce) {
   Formed f;
-  Coordinator c("secret");  // defaults: cycle_time_us 0
+  Coordinator c;  // defaults: cycle_time_us 0
   Form(c, &f);
   BothReady(c, f, "alone", 8, 0, true);
   auto ev = f.streams[0].events();  // synchronously, no wait
@@ -686,7 +726,7 @@ const proto::CoordinatorEvent* JobFailedIn(const std::vector<proto::CoordinatorE
 
 TEST(CoordinatorTest, ANodeCannotMakeTheCoordinatorKeepUnboundedPendingNames) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   // 4 ranks with 1024 operations in flight each at most: 4096 pending names.
   for (int i = 0; i < 4096; ++i) c.OnEvent(f.handles[1], Ready("op" + std::to_string(i), 10));
@@ -704,7 +744,7 @@ TEST(CoordinatorTest, ANodeCannotMakeTheCoordinatorKeepUnboundedPendingNames) {
 
 TEST(CoordinatorTest, AMalformedReadyFailsTheJobNamingTheNode) {
   Formed f;
-  Coordinator c("secret");
+  Coordinator c;
   Form(c, &f);
   proto::NodeEvent e = Ready(std::string(wire::kMaxOpName + 1, 'n'), 10);
   c.OnEvent(f.handles[0], e);
@@ -715,7 +755,7 @@ TEST(CoordinatorTest, AMalformedReadyFailsTheJobNamingTheNode) {
   EXPECT_NE(failed->job_failed().message().find("malformed Ready"), std::string::npos);
 
   Formed g;
-  Coordinator d("secret");
+  Coordinator d;
   Form(d, &g);
   proto::NodeEvent splits = Ready("v", 10);
   for (int i = 0; i < 3; ++i) splits.mutable_ready()->add_split_out(i);  // 2 nodes

@@ -1,5 +1,6 @@
 #include "config/config.h"
 
+#include <arpa/inet.h>
 #include <grp.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -19,6 +20,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "config/peer_list.h"
 #include "config/values.h"
 #include "yaml-cpp/yaml.h"
 
@@ -34,6 +38,7 @@ constexpr uint64_t kMaxArenaBytes = kTiB;
 constexpr size_t kMaxSocketPathLength = 107;
 constexpr uint64_t kMaxWorldSizeLimit = uint64_t{1} << 24;
 constexpr uint64_t kMaxSessionsLimit = 1u << 20;
+constexpr size_t kMaxPeerEntries = 4096;
 
 // Parses one YAML document into a DaemonConfig, turning each problem into a
 // status prefixed with "source:line: ".
@@ -64,8 +69,23 @@ class Parser {
            return SetArenaBytes(key, value, config);
          })},
         {"listen", Scalar([&](const auto& key, const auto& value) {
+           if (value == "auto" || value == "off") {
+             config.listen = value;
+             return absl::OkStatus();
+           }
            return SetHostPort(key, value, "listen", &config.listen);
          })},
+        {"insecure_no_auth", Scalar([&](const auto& key, const auto& value) {
+           const std::string v = absl::AsciiStrToLower(value);
+           if (v != "true" && v != "false") {
+             return Error(key, absl::StrCat("invalid value '", value,
+                                            "' for 'insecure_no_auth': expected true or false"));
+           }
+           config.insecure_no_auth = v == "true";
+           return absl::OkStatus();
+         })},
+        {"peers", [&](const YAML::Node& key,
+                      const YAML::Node& value) { return SetPeers(key, value, config); }},
         {"metrics_listen", Scalar([&](const auto& key, const auto& value) {
            if (value.empty()) {
              config.metrics_listen.clear();
@@ -281,6 +301,40 @@ class Parser {
     return absl::OkStatus();
   }
 
+  // A YAML list, or one string of comma-separated entries; "" or [] = none.
+  absl::Status SetPeers(const YAML::Node& key, const YAML::Node& value, DaemonConfig& config) {
+    std::vector<std::pair<std::string, YAML::Node>> entries;
+    if (value.IsNull()) {
+      // `peers:` with nothing after it: none.
+    } else if (value.IsScalar()) {
+      for (absl::string_view part : absl::StrSplit(value.Scalar(), ',')) {
+        part = absl::StripAsciiWhitespace(part);
+        if (!part.empty()) entries.emplace_back(std::string(part), value);
+      }
+    } else if (value.IsSequence()) {
+      for (const YAML::Node& item : value) {
+        if (!item.IsScalar()) return Error(item, "each entry of 'peers' must be a single value");
+        entries.emplace_back(std::string(absl::StripAsciiWhitespace(item.Scalar())), item);
+      }
+    } else {
+      return Error(value,
+                   "'peers' must be a list (or a comma-separated string) of addresses, "
+                   "CIDR ranges and host names");
+    }
+    if (entries.size() > kMaxPeerEntries) {
+      return Error(
+          key, absl::StrCat("'peers' has ", entries.size(), " entries; at most ", kMaxPeerEntries));
+    }
+    config.peers.clear();
+    for (const auto& [entry, node] : entries) {
+      if (absl::Status s = CheckPeerEntry(entry); !s.ok()) {
+        return Error(node, absl::StrCat("invalid entry in 'peers': ", s.message()));
+      }
+      config.peers.push_back(entry);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status SetHostPort(const YAML::Node& key, const std::string& value, absl::string_view name,
                            std::string* out) {
     auto bad = [&](absl::string_view why) {
@@ -362,6 +416,39 @@ absl::StatusOr<DaemonConfig> ParseConfigYaml(absl::string_view text,
     // config file must never crash the daemon.
     return absl::InvalidArgumentError(absl::StrCat(source_name, ": ", e.what()));
   }
+}
+
+bool IsLoopbackHost(absl::string_view host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (absl::AsciiStrToLower(host) == "localhost") return true;
+  const std::string h(host);
+  unsigned char bytes[16];
+  if (inet_pton(AF_INET, h.c_str(), bytes) == 1) return bytes[0] == 127;
+  if (inet_pton(AF_INET6, h.c_str(), bytes) == 1) {
+    static const unsigned char kLoopback6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    return std::memcmp(bytes, kLoopback6, 16) == 0;
+  }
+  return false;
+}
+
+absl::StatusOr<std::string> PeerListenAddress(const DaemonConfig& config) {
+  const bool token = !config.cluster_token_file.empty();
+  if (config.listen == "off") return std::string();
+  if (config.listen == "auto") {
+    return std::string(token ? "0.0.0.0:7361" : "127.0.0.1:7361");
+  }
+  const std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  if (!token && !config.insecure_no_auth && !IsLoopbackHost(host)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "listen: ", config.listen,
+        " is reachable from other hosts, but there is no "
+        "cluster_token_file: any host could join this daemon's jobs. Set cluster_token_file "
+        "(the same secret on every node), listen on 127.0.0.1, or set insecure_no_auth: true "
+        "on a network you trust"));
+  }
+  return config.listen;
 }
 
 absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path) {

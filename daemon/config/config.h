@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -30,8 +31,19 @@ struct DaemonConfig {
   int worker_threads = 0;
   // Largest shared-memory arena a session may map. 1M..1T.
   uint64_t max_arena_bytes = uint64_t{8} << 30;
-  // host:port of the peer service (TCP, for the other daemons).
-  std::string listen = "0.0.0.0:7361";
+  // host:port of the peer service (TCP, for the other daemons); "auto"
+  // (the default): 0.0.0.0:7361 with a cluster_token_file, 127.0.0.1:7361
+  // without; "off": no TCP port at all (single-node jobs only). See
+  // PeerListenAddress.
+  std::string listen = "auto";
+  // Lets `listen` be a non-loopback address without a cluster_token_file:
+  // any host that reaches the port can then join this daemon's jobs.
+  bool insecure_no_auth = false;
+  // The hosts this daemon may connect to as a job's coordinator (addresses,
+  // CIDR ranges, host names; config/peer_list.h); empty: any host, the
+  // cluster-token handshake alone protects the token. A YAML list or a
+  // comma-separated string.
+  std::vector<std::string> peers;
   // TCP port of the ordering streams that the other nodes' daemons open to
   // this one for the jobs it coordinates, on the host of `listen`; 0 = a
   // free port, announced to the nodes when a job forms. 0..65535.
@@ -62,6 +74,15 @@ struct DaemonConfig {
 // Parses a config document. `source_name` (usually the file path) prefixes
 // error messages. An empty document gives the defaults.
 absl::StatusOr<DaemonConfig> ParseConfigYaml(absl::string_view text, absl::string_view source_name);
+
+// The address the peer service listens on: `listen` with "auto" made
+// concrete, or "" for "off". FAILED_PRECONDITION (ciuicd exits 78) when it
+// is not a loopback address (127.0.0.0/8, ::1, localhost) and there is
+// neither a cluster_token_file nor insecure_no_auth.
+absl::StatusOr<std::string> PeerListenAddress(const DaemonConfig& config);
+
+// Whether `host` (of host:port, brackets allowed) is a loopback host.
+bool IsLoopbackHost(absl::string_view host);
 
 // Reads and parses `path`. An unreadable file is NOT_FOUND or
 // PERMISSION_DENIED (naming the path and the OS error).

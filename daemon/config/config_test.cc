@@ -1,11 +1,14 @@
 #include "config/config.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
 #include <string>
 
+#include "config/peer_list.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -38,7 +41,7 @@ TEST(ConfigTest, EmptyDocumentGivesDefaults) {
     EXPECT_EQ(config->log_level, "info");
     EXPECT_EQ(config->worker_threads, 0);
     EXPECT_EQ(config->max_arena_bytes, uint64_t{8} << 30);
-    EXPECT_EQ(config->listen, "0.0.0.0:7361");
+    EXPECT_EQ(config->listen, "auto");
     EXPECT_EQ(config->cluster_token_file, "");
     EXPECT_EQ(config->tuning, Tuning{});
   }
@@ -98,6 +101,8 @@ TEST(ConfigTest, ExampleFileParses) {
   EXPECT_EQ(config->max_jobs_per_uid, defaults.max_jobs_per_uid);
   EXPECT_EQ(config->max_arena_bytes_per_uid, defaults.max_arena_bytes_per_uid);
   EXPECT_EQ(config->max_arena_bytes_total, defaults.max_arena_bytes_total);
+  EXPECT_EQ(config->insecure_no_auth, defaults.insecure_no_auth);
+  EXPECT_EQ(config->peers, defaults.peers);
   EXPECT_EQ(config->tuning, defaults.tuning);
 }
 
@@ -108,7 +113,8 @@ TEST(ConfigTest, ExampleMentionsEveryKey) {
                           "max_arena_bytes:", "listen:", "ordering_port:", "cluster_token_file:",
                           "metrics_listen:", "admin_group:", "max_world_size:",
                           "max_sessions:", "max_sessions_per_uid:", "max_jobs_per_uid:",
-                          "max_arena_bytes_per_uid:", "max_arena_bytes_total:", "tuning:"}) {
+                          "max_arena_bytes_per_uid:", "max_arena_bytes_total:",
+                          "insecure_no_auth:", "peers:", "tuning:"}) {
     EXPECT_THAT(text, HasSubstr(key));
   }
   for (const std::string& key : TuningKeys()) EXPECT_THAT(text, HasSubstr(key + ":"));
@@ -282,6 +288,94 @@ TEST(ConfigTest, LoadConfigFile) {
 
   std::remove(path.c_str());
   rmdir(dir.c_str());
+}
+
+// Where the peer service listens: "auto" follows the token (everywhere
+// with one, this host only without); an address other hosts can reach
+// needs a token or insecure_no_auth; "off" is no port.
+TEST(ConfigTest, ListenIsLoopbackUnlessATokenOrInsecureNoAuthSaysOtherwise) {
+  auto with = [](const std::string& yaml) {
+    auto c = Parse(yaml);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return PeerListenAddress(*c);
+  };
+  EXPECT_EQ(*with(""), "127.0.0.1:7361");
+  EXPECT_EQ(*with("cluster_token_file: /t\n"), "0.0.0.0:7361");
+  EXPECT_EQ(*with("listen: auto\ninsecure_no_auth: true\n"), "127.0.0.1:7361");
+  EXPECT_EQ(*with("listen: off\n"), "");
+  for (const char* loopback : {"127.0.0.1:0", "127.3.2.1:7361", "[::1]:7361", "localhost:9"}) {
+    EXPECT_EQ(*with(std::string("listen: \"") + loopback + "\"\n"), loopback);
+  }
+  for (const char* open : {"0.0.0.0:0", "10.0.0.1:7361", "[::]:7361", "node-1:7361"}) {
+    auto refused = with(std::string("listen: \"") + open + "\"\n");
+    ASSERT_FALSE(refused.ok()) << open;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("cluster_token_file"));
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("insecure_no_auth"));
+    EXPECT_EQ(*with(std::string("listen: \"") + open + "\"\ninsecure_no_auth: true\n"), open);
+    EXPECT_EQ(*with(std::string("listen: \"") + open + "\"\ncluster_token_file: /t\n"), open);
+  }
+  EXPECT_EQ(ErrorOf("insecure_no_auth: maybe\n"),
+            "config.yaml:1: invalid value 'maybe' for 'insecure_no_auth': expected true or false");
+}
+
+TEST(ConfigTest, PeersAreAListOrACommaSeparatedStringCheckedEntryByEntry) {
+  auto list = Parse("peers:\n  - 10.0.0.0/8\n  - fd00::/64\n  - node-1.cluster\n");
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->peers, (std::vector<std::string>{"10.0.0.0/8", "fd00::/64", "node-1.cluster"}));
+  auto comma = Parse("peers: \"10.1.2.3, [::1] ,host_a\"\n");
+  ASSERT_TRUE(comma.ok()) << comma.status();
+  EXPECT_EQ(comma->peers, (std::vector<std::string>{"10.1.2.3", "[::1]", "host_a"}));
+  EXPECT_TRUE(Parse("peers: []\n")->peers.empty());
+  EXPECT_TRUE(Parse("peers: \"\"\n")->peers.empty());
+  EXPECT_EQ(ErrorOf("log_level: info\npeers:\n  - 10.0.0.0/8\n  - 10.0.0.0/33\n"),
+            "config.yaml:4: invalid entry in 'peers': '10.0.0.0/33' is not a CIDR range: the "
+            "prefix length must be 0..32");
+  EXPECT_THAT(ErrorOf("peers: \"10.0.0.1, bad host!\"\n"),
+              HasSubstr("config.yaml:1: invalid entry in 'peers': 'bad host!' is neither"));
+  EXPECT_THAT(ErrorOf("peers:\n  a: b\n"), HasSubstr("config.yaml:2: 'peers' must be a list"));
+  EXPECT_THAT(ErrorOf("peers:\n  - [1]\n"), HasSubstr("each entry of 'peers'"));
+}
+
+TEST(PeerListTest, AddressesRangesAndNamesMatch) {
+  auto list = PeerList::Parse({"10.1.0.0/16", "192.168.7.7", "fd00:1::/32", "localhost"});
+  ASSERT_TRUE(list.ok()) << list.status();
+  const auto v4 = [](const char* text) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    inet_pton(AF_INET, text, &a.sin_addr);
+    return a;
+  };
+  const auto v6 = [](const char* text) {
+    sockaddr_in6 a{};
+    a.sin6_family = AF_INET6;
+    inet_pton(AF_INET6, text, &a.sin6_addr);
+    return a;
+  };
+  const auto allows = [&](const auto& a) {
+    return list->Allows(reinterpret_cast<const sockaddr*>(&a));
+  };
+  EXPECT_TRUE(allows(v4("10.1.255.3")));
+  EXPECT_FALSE(allows(v4("10.2.0.1")));
+  EXPECT_TRUE(allows(v4("192.168.7.7")));
+  EXPECT_FALSE(allows(v4("192.168.7.8")));
+  EXPECT_TRUE(allows(v6("fd00:1:ffff::9")));
+  EXPECT_FALSE(allows(v6("fd00:2::1")));
+  EXPECT_TRUE(allows(v6("::ffff:10.1.0.1")));  // v4-mapped counts as v4
+  EXPECT_TRUE(allows(v4("127.0.0.1")));        // localhost, by name
+  const sockaddr_in loopback = v4("127.0.0.1");
+  EXPECT_FALSE(
+      PeerList::Parse({"10.0.0.0/8"})->Allows(reinterpret_cast<const sockaddr*>(&loopback)));
+  auto odd = PeerList::Parse({"10.0.0.0/7"});  // a prefix that is not on a byte
+  ASSERT_TRUE(odd.ok());
+  const sockaddr_in in = v4("11.255.0.1"), out = v4("12.0.0.1");
+  EXPECT_TRUE(odd->Allows(reinterpret_cast<const sockaddr*>(&in)));
+  EXPECT_FALSE(odd->Allows(reinterpret_cast<const sockaddr*>(&out)));
+  EXPECT_FALSE(CheckPeerEntry("fd00::/129").ok());
+  EXPECT_FALSE(CheckPeerEntry("10.0.0.0/").ok());
+  EXPECT_FALSE(CheckPeerEntry("-bad.host").ok());
+  EXPECT_FALSE(CheckPeerEntry("").ok());
+  EXPECT_TRUE(CheckPeerEntry("[fe80::1]").ok());
 }
 
 }  // namespace

@@ -4,11 +4,13 @@
 #pragma once
 
 #include "cluster/coordinator_client.h"
+#include "control/peer_socket.h"
 
 namespace ciuic::daemon {
 
-// Clients over gRPC (insecure channel: the cluster token authenticates;
-// keepalive pings notice a vanished coordinator host within seconds).
-CoordinatorClientFactory GrpcCoordinatorClients();
+// Clients over gRPC on connections authenticated with `security.token`
+// (peer_socket.h), made only to hosts `security.allowed` admits; keepalive
+// pings notice a vanished coordinator host within seconds.
+CoordinatorClientFactory GrpcCoordinatorClients(PeerSecurity security);
 
 }  // namespace ciuic::daemon

@@ -1,10 +1,13 @@
 #include "control/peer_service.h"
 
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/server_posix.h"
 #include "spdlog/spdlog.h"
 
 namespace ciuic::daemon {
@@ -49,8 +52,36 @@ grpc::Status PeerService::RegisterNode(grpc::ServerContext* ctx,
 grpc::Status PeerService::OrderStream(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<proto::CoordinatorEvent, proto::NodeEvent>* stream) {
+  // The first message must come within hello_timeout_: a stream that says
+  // nothing is cancelled rather than holding a server thread for ever.
   proto::NodeEvent first;
-  if (!stream->Read(&first) || !first.has_hello()) {
+  bool read = false;
+  bool timed_out = false;  // written by the watchdog, read after joining it
+  {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool first_read = false;  // guarded by mu
+    std::thread watchdog([&] {
+      std::unique_lock<std::mutex> lock(mu);
+      if (!cv.wait_for(lock, hello_timeout_, [&] { return first_read; })) {
+        timed_out = true;
+        ctx->TryCancel();
+      }
+    });
+    read = stream->Read(&first);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      first_read = true;
+    }
+    cv.notify_all();
+    watchdog.join();
+  }
+  if (timed_out) {
+    return grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("no Hello on the ordering stream within ", hello_timeout_.count(), " ms"));
+  }
+  if (!read || !first.has_hello()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ordering stream must start with Hello");
   }
   GrpcNodeStream out(stream);
@@ -69,22 +100,44 @@ grpc::Status PeerService::OrderStream(
   return grpc::Status::OK;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartPeerServer(const std::string& listen,
-                                                              grpc::Service* service, int* port) {
+absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& listen,
+                                                              const std::string& token,
+                                                              grpc::Service* service) {
+  const int port = PortOfAddress(listen);
+  if (port < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("peer service: '", listen, "' has no port"));
+  }
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), port);
   builder.RegisterService(service);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 3000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || *port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen for peers on ", listen,
-                                               " (address in use or not local?)"));
-  }
+  std::unique_ptr<PeerServer> server(new PeerServer());
+  server->server_ = builder.BuildAndStart();
+  if (!server->server_) return absl::InternalError("peer service: gRPC server did not start");
+  PeerListener::Options options;
+  options.what = "peer service";
+  options.token = token;
+  grpc::Server* grpc_server = server->server_.get();
+  auto listener = PeerListener::Start(HostOfAddress(listen), port, std::move(options),
+                                      // gRPC owns the socket from here (and closes it).
+                                      [grpc_server](int fd, const std::string&) {
+                                        grpc::AddInsecureChannelFromFd(grpc_server, fd);
+                                      });
+  if (!listener.ok()) return listener.status();  // ~PeerServer stops the gRPC server
+  server->listener_ = std::move(*listener);
   return server;
+}
+
+PeerServer::~PeerServer() { Shutdown(); }
+
+void PeerServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (listener_) listener_->Shutdown();  // no new channel after it
+  server_->Shutdown(deadline);
 }
 
 }  // namespace ciuic::daemon

@@ -1,10 +1,6 @@
 #include "control/tcp_ordering.h"
 
 #include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -27,21 +23,6 @@ constexpr int kSendTimeoutS = 10;
 constexpr size_t kMaxConnections = 1024;
 
 std::string Errno(int e) { return std::strerror(e); }
-
-// Low latency, and a vanished host noticed like the gRPC channels do
-// (keepalive after 2 s idle, 3 probes 1 s apart; unacknowledged data
-// given up after 5 s).
-void SetStreamOptions(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  int idle = 2, interval = 1, count = 3;
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
-  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
-  unsigned user_timeout_ms = 5000;
-  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
-}
 
 void SetTimeout(int fd, int option, int seconds) {
   timeval tv{seconds, 0};
@@ -182,135 +163,65 @@ class TcpOrderingStream final : public OrderingStream {
   absl::Status end_;          // guarded by end_mu_
 };
 
-std::string Unbracketed(const std::string& host) {
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    return host.substr(1, host.size() - 2);
-  }
-  return host;
-}
-
 }  // namespace
 
-std::string HostOfAddress(const std::string& address) {
-  if (!address.empty() && address.front() == '[') {
-    const size_t close = address.find(']');
-    return close == std::string::npos ? address : address.substr(1, close - 1);
-  }
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
-}
-
 absl::StatusOr<std::unique_ptr<OrderingListener>> OrderingListener::Start(
-    const std::string& host, int port, Coordinator* coordinator) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  const std::string name = Unbracketed(host);
-  const std::string service = std::to_string(port);
-  if (int e = getaddrinfo(name.empty() ? nullptr : name.c_str(), service.c_str(), &hints, &found);
-      e != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ordering listener: cannot resolve '", host, "': ", gai_strerror(e)));
-  }
-  std::string last_error = "no address";
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      last_error = Errno(errno);
-      continue;
-    }
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 64) != 0) {
-      last_error = Errno(errno);
-      close(fd);
-      fd = -1;
-    }
-  }
-  freeaddrinfo(found);
-  if (fd < 0) {
-    return absl::UnavailableError(
-        absl::StrCat("ordering listener: cannot listen on ", host, ":", port, ": ", last_error));
-  }
-  sockaddr_storage bound{};
-  socklen_t len = sizeof(bound);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  const int actual = ntohs(bound.ss_family == AF_INET6
-                               ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-  std::unique_ptr<OrderingListener> listener(new OrderingListener(fd, actual, coordinator));
-  listener->acceptor_ = std::thread([l = listener.get()] { l->AcceptLoop(); });
+    const std::string& host, int port, Coordinator* coordinator, const std::string& token) {
+  std::unique_ptr<OrderingListener> listener(new OrderingListener(coordinator));
+  PeerListener::Options options;
+  options.what = "ordering listener";
+  options.token = token;
+  auto peers = PeerListener::Start(
+      host, port, std::move(options),
+      [l = listener.get()](int fd, const std::string& peer) { l->Accept(fd, peer); });
+  if (!peers.ok()) return peers.status();
+  listener->peers_ = std::move(*peers);
   return listener;
 }
 
 OrderingListener::~OrderingListener() { Shutdown(); }
 
+int OrderingListener::port() const { return peers_->port(); }
+
 void OrderingListener::Shutdown() {
+  if (peers_) peers_->Shutdown();  // no new connection after it
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !acceptor_.joinable()) return;
     stopping_ = true;
-    shutdown(listen_fd_, SHUT_RDWR);  // wakes accept()
-    for (Connection& c : connections_) {
+    for (SocketThread& c : connections_) {
       if (c.fd >= 0) shutdown(c.fd, SHUT_RDWR);
     }
   }
-  if (acceptor_.joinable()) acceptor_.join();
-  std::list<Connection> all;
+  std::list<SocketThread> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
     all.swap(connections_);
   }
-  for (Connection& c : all) {
+  for (SocketThread& c : all) {
     if (c.thread.joinable()) c.thread.join();
   }
-  close(listen_fd_);
 }
 
-void OrderingListener::ReapDone() {
-  for (auto it = connections_.begin(); it != connections_.end();) {
-    if (it->done.load()) {
-      it->thread.join();
-      it = connections_.erase(it);
-    } else {
-      ++it;
-    }
+void OrderingListener::Accept(int fd, const std::string& peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) {
+    close(fd);
+    return;
   }
-}
-
-void OrderingListener::AcceptLoop() {
-  pthread_setname_np(pthread_self(), "ciuic-order");
-  while (true) {
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) {
-      if (fd >= 0) close(fd);
-      return;
-    }
-    if (fd < 0) {
-      if (errno != EINTR && errno != ECONNABORTED) {
-        spdlog::warn("ordering listener: accept: {}", Errno(errno));
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // EMFILE and the like
-      }
-      continue;
-    }
-    ReapDone();
-    if (connections_.size() >= kMaxConnections) {
-      spdlog::warn("ordering listener: {} connections open, refusing another", kMaxConnections);
-      close(fd);
-      continue;
-    }
-    SetStreamOptions(fd);
-    Connection& c = connections_.emplace_back();
-    c.fd = fd;
-    c.thread = std::thread([this, conn = &c] { Serve(conn); });
+  ReapDone(connections_);
+  if (connections_.size() >= kMaxConnections) {
+    spdlog::warn("ordering listener: {} connections open, refusing the one from {}",
+                 kMaxConnections, peer);
+    close(fd);
+    return;
   }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // read by a blocked thread
+  SocketThread& c = connections_.emplace_back();
+  c.fd = fd;
+  c.thread = std::thread([this, conn = &c] { Serve(conn); });
 }
 
-void OrderingListener::Serve(Connection* c) {
+void OrderingListener::Serve(SocketThread* c) {
   pthread_setname_np(pthread_self(), "ciuic-orderconn");
   const int fd = c->fd;
   TcpNodeStream out(fd);
@@ -365,52 +276,14 @@ void OrderingListener::Serve(Connection* c) {
 }
 
 absl::StatusOr<std::unique_ptr<OrderingStream>> OpenTcpOrderingStream(const std::string& host,
-                                                                      int port, int timeout_ms) {
+                                                                      int port,
+                                                                      const PeerSecurity& security,
+                                                                      int timeout_ms) {
   const std::string where = absl::StrCat(host, " port ", port);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const std::string name = Unbracketed(host);
-  const std::string service = std::to_string(port);
-  if (int e = getaddrinfo(name.c_str(), service.c_str(), &hints, &found); e != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("ordering stream to ", where, ": cannot resolve: ", gai_strerror(e)));
-  }
-  std::string last_error = "no address";
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
-    if (fd < 0) {
-      last_error = Errno(errno);
-      continue;
-    }
-    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
-    if (rc != 0 && errno == EINPROGRESS) {
-      pollfd p{fd, POLLOUT, 0};
-      rc = poll(&p, 1, timeout_ms);
-      int error = 0;
-      socklen_t len = sizeof(error);
-      if (rc == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0) {
-        rc = 0;
-      } else {
-        errno = rc == 0 ? ETIMEDOUT : (error != 0 ? error : errno);
-        rc = -1;
-      }
-    }
-    if (rc != 0) {
-      last_error = Errno(errno);
-      close(fd);
-      fd = -1;
-    }
-  }
-  freeaddrinfo(found);
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("ordering stream to ", where, ": ", last_error));
-  }
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  SetStreamOptions(fd);
-  return std::make_unique<TcpOrderingStream>(fd, where);
+  auto fd = ConnectToPeer(host, port, security, absl::StrCat("ordering stream to ", where),
+                          std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms));
+  if (!fd.ok()) return fd.status();
+  return std::make_unique<TcpOrderingStream>(*fd, where);
 }
 
 }  // namespace ciuic::daemon

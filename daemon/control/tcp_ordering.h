@@ -21,8 +21,13 @@
 // too large, bytes that do not parse, a Hello the coordinator refuses) gets
 // a JobFailed naming the problem and is closed; the listener goes on.
 //
-// Threads: the listener accepts on its own thread and reads each connection
-// on a thread of its own (a job has a handful of nodes); the coordinator
+// Every connection is authenticated first (peer_auth.h: both daemons prove
+// they know the cluster token) by a PeerListener, before any frame is read
+// from it; a node's OpenTcpOrderingStream does its side of it.
+//
+// Threads: the PeerListener accepts and authenticates on its own threads;
+// each authenticated connection is read by a thread of its own (a job has a
+// handful of nodes); the coordinator
 // writes to a connection from its own threads, under its lock, bounded by a
 // send timeout.
 #pragma once
@@ -39,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "cluster/coordinator.h"
 #include "cluster/coordinator_client.h"
+#include "control/peer_socket.h"
 
 namespace ciuic::daemon {
 
@@ -48,43 +54,36 @@ class OrderingListener {
  public:
   // Listens on host:port (host as in `listen`: a name, an IPv4 address, or
   // an IPv6 address with or without brackets; port 0: a free one) for the
-  // ordering streams of the jobs `coordinator` serves. It must outlive this.
+  // ordering streams of the jobs `coordinator` serves, from daemons that
+  // know `token`. The coordinator must outlive this.
   static absl::StatusOr<std::unique_ptr<OrderingListener>> Start(const std::string& host, int port,
-                                                                 Coordinator* coordinator);
+                                                                 Coordinator* coordinator,
+                                                                 const std::string& token);
   ~OrderingListener();  // Shutdown()
 
-  int port() const { return port_; }
+  int port() const;
   // Stops accepting and ends every connection (the coordinator sees their
   // streams end); returns once their threads are done.
   void Shutdown();
 
  private:
-  struct Connection {
-    int fd = -1;
-    std::thread thread;
-    std::atomic<bool> done{false};
-  };
+  explicit OrderingListener(Coordinator* coordinator) : coordinator_(coordinator) {}
+  // An authenticated connection (PeerListener's handshake thread).
+  void Accept(int fd, const std::string& peer);
+  void Serve(SocketThread* c);
 
-  OrderingListener(int fd, int port, Coordinator* coordinator)
-      : listen_fd_(fd), port_(port), coordinator_(coordinator) {}
-  void AcceptLoop();
-  void Serve(Connection* c);
-  void ReapDone();  // joins the threads of ended connections; mu_ held
-
-  const int listen_fd_;
-  const int port_;
   Coordinator* const coordinator_;
-  std::thread acceptor_;
+  std::unique_ptr<PeerListener> peers_;
   std::mutex mu_;
-  bool stopping_ = false;           // guarded by mu_
-  std::list<Connection> connections_;  // guarded by mu_
+  bool stopping_ = false;              // guarded by mu_
+  std::list<SocketThread> connections_;  // guarded by mu_
 };
 
-// Connects to the ordering listener at host:port (within `timeout_ms`).
+// Connects to the ordering listener at host:port (within `timeout_ms`,
+// handshake included) as `security` allows.
 absl::StatusOr<std::unique_ptr<OrderingStream>> OpenTcpOrderingStream(const std::string& host,
-                                                                      int port, int timeout_ms);
-
-// The host of "host:port" or "[v6]:port", without brackets.
-std::string HostOfAddress(const std::string& address);
+                                                                      int port,
+                                                                      const PeerSecurity& security,
+                                                                      int timeout_ms);
 
 }  // namespace ciuic::daemon

@@ -16,16 +16,17 @@
 #include <string>
 #include <vector>
 
+#include "control/peer_auth.h"
 #include "control/peer_client.h"
+#include "control/peer_service.h"
 
 namespace ciuic::daemon {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-proto::RegisterNodeRequest Reg(const std::string& node, int rank, const std::string& token) {
+proto::RegisterNodeRequest Reg(const std::string& node, int rank) {
   proto::RegisterNodeRequest r;
-  r.set_cluster_token(token);
   r.set_job_id("job");
   r.set_uid(7);
   r.set_world_size(2);
@@ -36,10 +37,9 @@ proto::RegisterNodeRequest Reg(const std::string& node, int rank, const std::str
   return r;
 }
 
-proto::NodeEvent Hello(const proto::Membership& m, int node, const std::string& token) {
+proto::NodeEvent Hello(const proto::Membership& m, int node) {
   proto::NodeEvent e;
   auto* h = e.mutable_hello();
-  h->set_cluster_token(token);
   h->set_job_id("job");
   h->set_uid(7);
   h->set_instance(m.instance());
@@ -79,8 +79,8 @@ std::future<absl::Status> ReadToEnd(OrderingStream* stream) {
 
 class TcpOrderingTest : public ::testing::Test {
  protected:
-  TcpOrderingTest() : coordinator_("secret") {
-    auto l = OrderingListener::Start("127.0.0.1", 0, &coordinator_);
+  TcpOrderingTest() {
+    auto l = OrderingListener::Start("127.0.0.1", 0, &coordinator_, "secret");
     EXPECT_TRUE(l.ok()) << l.status();
     listener_ = std::move(*l);
     EXPECT_GT(listener_->port(), 0);
@@ -91,10 +91,9 @@ class TcpOrderingTest : public ::testing::Test {
   // the job has formed) and returns the table.
   proto::Membership Form() {
     auto deadline = Clock::now() + std::chrono::seconds(10);
-    auto other = std::async(std::launch::async, [&] {
-      return coordinator_.Register(Reg("n1", 1, "secret"), deadline);
-    });
-    auto m = coordinator_.Register(Reg("n0", 0, "secret"), deadline);
+    auto other = std::async(std::launch::async,
+                            [&] { return coordinator_.Register(Reg("n1", 1), deadline); });
+    auto m = coordinator_.Register(Reg("n0", 0), deadline);
     EXPECT_TRUE(m.ok()) << m.status();
     EXPECT_TRUE(other.get().ok());
     // The table tells the nodes where to connect, and which daemon coordinates.
@@ -104,19 +103,29 @@ class TcpOrderingTest : public ::testing::Test {
   }
 
   std::unique_ptr<OrderingStream> Open() {
-    auto s = OpenTcpOrderingStream("127.0.0.1", listener_->port(), 2000);
+    auto s = OpenTcpOrderingStream("127.0.0.1", listener_->port(), Secret(), 2000);
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? std::move(*s) : nullptr;
   }
 
-  // A raw connection to the listener, for writing what no stream would.
-  int Raw() {
+  static PeerSecurity Secret() { return PeerSecurity{"secret", {}}; }
+
+  // A raw connection to the listener, not authenticated.
+  int Unauthenticated() {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_port = htons(static_cast<uint16_t>(listener_->port()));
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    return fd;
+  }
+  // An authenticated raw connection, for writing what no stream would.
+  int Raw() {
+    const int fd = Unauthenticated();
+    absl::Status s =
+        AuthenticateServer(fd, "secret", "the listener", Clock::now() + std::chrono::seconds(5));
+    EXPECT_TRUE(s.ok()) << s;
     return fd;
   }
 
@@ -150,8 +159,8 @@ TEST_F(TcpOrderingTest, CarriesAJobAndEndsCleanlyAfterLeave) {
   auto s0 = Open();
   auto s1 = Open();
   ASSERT_TRUE(s0 && s1);
-  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
-  ASSERT_TRUE(s1->Write(Hello(m, 1, "secret")));
+  ASSERT_TRUE(s0->Write(Hello(m, 0)));
+  ASSERT_TRUE(s1->Write(Hello(m, 1)));
   for (int i = 0; i < 50; ++i) {
     const std::string name = "op" + std::to_string(i);
     ASSERT_TRUE(s1->Write(Ready(name)));  // the order of the two nodes' Ready does not matter
@@ -189,8 +198,8 @@ TEST_F(TcpOrderingTest, ANodeThatVanishesFailsTheJobNamingIt) {
   const proto::Membership m = Form();
   auto s0 = Open();
   int raw = Raw();  // node 1, which will just close its socket
-  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
-  for (const proto::NodeEvent& event : {Hello(m, 1, "secret"), Ready("x")}) {
+  ASSERT_TRUE(s0->Write(Hello(m, 0)));
+  for (const proto::NodeEvent& event : {Hello(m, 1), Ready("x")}) {
     const std::string frame = Frame(event);
     ASSERT_EQ(send(raw, frame.data(), frame.size(), 0), static_cast<ssize_t>(frame.size()));
   }
@@ -221,13 +230,14 @@ TEST_F(TcpOrderingTest, ProtocolViolationsAreRefusedByNameAndTheListenerGoesOn) 
       {"no Hello first", Frame(Ready("x")), "the first message must be Hello"},
       {"a frame too large", huge, "more than the"},
       {"bytes that do not parse", junk, "not an ordering message"},
-      {"a wrong token", Frame(Hello(m, 1, "guess")), "cluster token"},
-      {"a job that is not here", [&] {
-         proto::NodeEvent h = Hello(m, 1, "secret");
+      {"a job that is not here",
+       [&] {
+         proto::NodeEvent h = Hello(m, 1);
          h.mutable_hello()->set_instance(m.instance() + 99);
          return Frame(h);
-       }(), "no formed job"},
-      {"a node index out of range", Frame(Hello(m, 5, "secret")), "bad or duplicate node"},
+       }(),
+       "no formed job"},
+      {"a node index out of range", Frame(Hello(m, 5)), "bad or duplicate node"},
   };
   for (const Case& c : cases) {
     int fd = Raw();
@@ -241,8 +251,8 @@ TEST_F(TcpOrderingTest, ProtocolViolationsAreRefusedByNameAndTheListenerGoesOn) 
   int silent = Raw();
   auto s0 = Open();
   auto s1 = Open();
-  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
-  ASSERT_TRUE(s1->Write(Hello(m, 1, "secret")));
+  ASSERT_TRUE(s0->Write(Hello(m, 0)));
+  ASSERT_TRUE(s1->Write(Hello(m, 1)));
   ASSERT_TRUE(s0->Write(Ready("y")));
   ASSERT_TRUE(s1->Write(Ready("y")));
   proto::CoordinatorEvent e;
@@ -254,18 +264,18 @@ TEST_F(TcpOrderingTest, ProtocolViolationsAreRefusedByNameAndTheListenerGoesOn) 
 TEST_F(TcpOrderingTest, ShutdownEndsOpenStreams) {
   const proto::Membership m = Form();
   auto s0 = Open();
-  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
+  ASSERT_TRUE(s0->Write(Hello(m, 0)));
   auto reader = ReadToEnd(s0.get());
   listener_->Shutdown();
   ASSERT_EQ(reader.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   reader.get().IgnoreError();  // ended; OK or broken depending on how the close arrived
-  EXPECT_FALSE(OpenTcpOrderingStream("127.0.0.1", listener_->port(), 1000).ok());
+  EXPECT_FALSE(OpenTcpOrderingStream("127.0.0.1", listener_->port(), Secret(), 1000).ok());
 }
 
 TEST_F(TcpOrderingTest, CancelEndsTheNodesOwnRead) {
   const proto::Membership m = Form();
   auto s0 = Open();
-  ASSERT_TRUE(s0->Write(Hello(m, 0, "secret")));
+  ASSERT_TRUE(s0->Write(Hello(m, 0)));
   auto reader = ReadToEnd(s0.get());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   s0->Cancel();
@@ -277,18 +287,68 @@ TEST_F(TcpOrderingTest, CancelEndsTheNodesOwnRead) {
 // announces a listener it can reach, and over its gRPC stream otherwise
 // (nothing announced, or the port closed): the stream says which.
 TEST_F(TcpOrderingTest, TheGrpcClientUsesTheListenerWhereItCanAndFallsBack) {
-  auto client = GrpcCoordinatorClients()("127.0.0.1:1");
+  PeerService service(&coordinator_);
+  auto server = PeerServer::Start("127.0.0.1:0", "secret", &service);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = "127.0.0.1:" + std::to_string((*server)->port());
+  auto client = GrpcCoordinatorClients(Secret())(address);
   auto tcp = client->OpenStream(static_cast<uint32_t>(listener_->port()));
   ASSERT_TRUE(tcp.ok()) << tcp.status();
   EXPECT_EQ((*tcp)->Describe(), "over TCP to 127.0.0.1 port " + std::to_string(listener_->port()));
   auto none = client->OpenStream(0);
   ASSERT_TRUE(none.ok()) << none.status();
-  EXPECT_EQ((*none)->Describe(), "over gRPC to 127.0.0.1:1");
+  EXPECT_EQ((*none)->Describe(), "over gRPC to " + address);
   const int closed = listener_->port();
   listener_->Shutdown();
   auto fallback = client->OpenStream(static_cast<uint32_t>(closed));
   ASSERT_TRUE(fallback.ok()) << fallback.status();
-  EXPECT_EQ((*fallback)->Describe(), "over gRPC to 127.0.0.1:1");
+  EXPECT_EQ((*fallback)->Describe(), "over gRPC to " + address);
+  (*server)->Shutdown();
+}
+
+// A daemon with another token, or none, gets no ordering stream: both ends
+// say why, and no frame of it is read.
+TEST_F(TcpOrderingTest, ADaemonWithAnotherTokenGetsNoStream) {
+  for (const std::string token : {"guess", ""}) {
+    auto s = OpenTcpOrderingStream("127.0.0.1", listener_->port(), PeerSecurity{token, {}}, 2000);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kPermissionDenied) << s.status();
+    EXPECT_NE(s.status().message().find("refused this daemon's cluster-token proof"),
+              std::string::npos)
+        << s.status();
+  }
+  // Nor does the gRPC client fall back to another way in.
+  auto client = GrpcCoordinatorClients(PeerSecurity{"guess", {}})("127.0.0.1:1");
+  auto s = client->OpenStream(static_cast<uint32_t>(listener_->port()));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kPermissionDenied) << s.status();
+}
+
+// Before the handshake nothing is read as a frame: a 16 MiB length prefix
+// from a connection that never proved the token allocates nothing and is
+// closed, and the listener goes on serving a job.
+TEST_F(TcpOrderingTest, AnUnauthenticatedLengthPrefixIsNeverRead) {
+  const proto::Membership m = Form();
+  int fd = Unauthenticated();
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char hello[kServerHelloBytes];
+  ASSERT_EQ(recv(fd, hello, sizeof(hello), MSG_WAITALL), static_cast<ssize_t>(sizeof(hello)));
+  std::string prefix("\x00\x00\x00\x01", 4);  // 16 MiB
+  prefix += Frame(Hello(m, 1));
+  prefix.resize(kClientProofBytes + 16, '\0');
+  ASSERT_EQ(send(fd, prefix.data(), prefix.size(), 0), static_cast<ssize_t>(prefix.size()));
+  char byte;
+  EXPECT_LE(recv(fd, &byte, 1, 0), 0) << "the connection was not closed";
+  close(fd);
+  auto s0 = Open();
+  auto s1 = Open();
+  ASSERT_TRUE(s0->Write(Hello(m, 0)));
+  ASSERT_TRUE(s1->Write(Hello(m, 1)));
+  ASSERT_TRUE(s0->Write(Ready("z")));
+  ASSERT_TRUE(s1->Write(Ready("z")));
+  proto::CoordinatorEvent e;
+  ASSERT_TRUE(s1->Read(&e));
+  EXPECT_TRUE(e.has_run()) << e.DebugString();
 }
 
 TEST(TcpOrderingAddressTest, HostOfAddress) {
@@ -301,13 +361,13 @@ TEST(TcpOrderingAddressTest, HostOfAddress) {
 // A fixed ordering_port that is taken, or a host that is not there, stops
 // ciuicd at start with a message naming it.
 TEST_F(TcpOrderingTest, APortInUseOrABadHostIsAClearError) {
-  auto taken = OrderingListener::Start("127.0.0.1", listener_->port(), &coordinator_);
+  auto taken = OrderingListener::Start("127.0.0.1", listener_->port(), &coordinator_, "secret");
   ASSERT_FALSE(taken.ok());
   EXPECT_NE(taken.status().message().find("cannot listen on 127.0.0.1:" +
                                           std::to_string(listener_->port())),
             std::string::npos)
       << taken.status();
-  auto bad = OrderingListener::Start("no-such-host.invalid", 0, &coordinator_);
+  auto bad = OrderingListener::Start("no-such-host.invalid", 0, &coordinator_, "secret");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("cannot resolve 'no-such-host.invalid'"),
             std::string::npos)
@@ -315,12 +375,12 @@ TEST_F(TcpOrderingTest, APortInUseOrABadHostIsAClearError) {
 }
 
 TEST(TcpOrderingAddressTest, NothingListeningIsAClearError) {
-  Coordinator c("t");
-  auto l = OrderingListener::Start("127.0.0.1", 0, &c);
+  Coordinator c;
+  auto l = OrderingListener::Start("127.0.0.1", 0, &c, "t");
   ASSERT_TRUE(l.ok());
   const int port = (*l)->port();
   (*l)->Shutdown();
-  auto s = OpenTcpOrderingStream("127.0.0.1", port, 1000);
+  auto s = OpenTcpOrderingStream("127.0.0.1", port, PeerSecurity{"t", {}}, 1000);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.status().message().find("ordering stream to 127.0.0.1 port"), std::string::npos)
       << s.status();

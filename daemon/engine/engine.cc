@@ -379,6 +379,15 @@ void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const s
 absl::Status Engine::Join(const JoinRequest& request, uint64_t* fast_path_bytes) {
   uid_t uid = 0;
   uint64_t fast = 0;
+  // Off the loop: the check may wait on name resolution.
+  if (options_.check_coordinator && request.local_size != request.world_size &&
+      !request.coordinator.empty()) {
+    if (absl::Status allowed = options_.check_coordinator(request.coordinator); !allowed.ok()) {
+      spdlog::warn("rank {} of job '{}' refused: {}", request.rank, request.job_id,
+                   std::string(allowed.message()));
+      return allowed;
+    }
+  }
   absl::Status s;
   try {
     s = RunOnLoop<absl::Status>([&] { return JoinOnLoop(request, &uid, &fast); });
@@ -545,7 +554,6 @@ void Engine::StartClusterOnLoop(Job& job) {
   for (auto& [rank, s] : job.ranks) o.local_ranks.push_back(rank);
   o.node_name = options_.node_name;
   o.coordinator = job.coordinator;
-  o.cluster_token = options_.cluster_token;
   o.channels = static_cast<int>(options_.tuning->Snapshot().channels);
   o.tuning = options_.tuning;
   o.transports = options_.transports;

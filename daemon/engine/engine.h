@@ -161,13 +161,16 @@ class Engine {
     int worker_threads = 2;
     uint64_t max_arena_bytes = 8ull << 30;
     config::TuningRegistry* tuning = nullptr;  // not owned; outlives the engine
-    // Multi-node jobs: this node's name, the cluster secret, how to make a
-    // job's transport and how to reach its coordinator. Without both
-    // factories, multi-node jobs are refused.
+    // Multi-node jobs: this node's name, how to make a job's transport and
+    // how to reach its coordinator. Without both factories, multi-node jobs
+    // are refused.
     std::string node_name;
-    std::string cluster_token;
     TransportFactory transports;
     CoordinatorClientFactory coordinator_clients;
+    // May be empty. Asked, on the joining thread (it may resolve names),
+    // whether a multi-node job may use the coordinator host:port its
+    // trainer names; an error fails the Join with it.
+    std::function<absl::Status(const std::string& coordinator)> check_coordinator;
     // This daemon's coordinator (may be null): jobs it coordinates order
     // through it in-process. Must outlive the engine.
     Coordinator* local_coordinator = nullptr;

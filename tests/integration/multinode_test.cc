@@ -5,14 +5,17 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <thread>
@@ -40,6 +43,30 @@ int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
   o.small_values = true;
   return RunAndCheck(comm, coll, t, op, count, o);
 }
+
+// A cluster token in a file of its own (mode 0600), removed with it.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& secret) {
+    char tmpl[] = "/tmp/ciuic-token-XXXXXX";
+    if (mkdtemp(tmpl) != nullptr) dir_ = tmpl;
+    path_ = dir_ + "/token";
+    FILE* f = fopen(path_.c_str(), "w");
+    if (f != nullptr) {
+      fchmod(fileno(f), 0600);
+      fprintf(f, "%s\n", secret.c_str());
+      fclose(f);
+    }
+  }
+  ~TokenFile() {
+    unlink(path_.c_str());
+    rmdir(dir_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string dir_, path_;
+};
 
 struct Shape {
   int nodes;
@@ -375,17 +402,11 @@ TEST(MultiNodeFaultsTest, DeviceAlltoallAcrossNodesIsCheckedAtOnce) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// A daemon with another token cannot join: the handshake fails on both
+// ends, each naming the other (the token itself never crosses).
 TEST(MultiNodeFaultsTest, DaemonWithoutTheClusterTokenCannotJoin) {
-  char tmpl[] = "/tmp/ciuic-token-XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string good = std::string(tmpl) + "/good", bad = std::string(tmpl) + "/bad";
-  FILE* f = fopen(good.c_str(), "w");
-  fputs("correct horse battery staple\n", f);
-  fclose(f);
-  f = fopen(bad.c_str(), "w");
-  fputs("guessed\n", f);
-  fclose(f);
-  auto cluster = Cluster::Start(2, "", {good, bad});
+  TokenFile good("correct horse battery staple"), bad("guessed");
+  auto cluster = Cluster::Start(2, "", {good.path(), bad.path()});
   ASSERT_NE(cluster, nullptr);
   const std::string job = UniqueJobId("token");
   auto codes = RunRanks(2, [&](int rank) {
@@ -404,8 +425,11 @@ TEST(MultiNodeFaultsTest, DaemonWithoutTheClusterTokenCannotJoin) {
     return 0;
   }, std::chrono::seconds(60));
   EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "does not know the cluster token"))
+      << cluster->nodes[0]->Log();
+  EXPECT_TRUE(Contains(cluster->nodes[1]->Log(), "refused this daemon's cluster-token proof"))
+      << cluster->nodes[1]->Log();
   EXPECT_TRUE(cluster->StopAll());
-  (void)!system((std::string("rm -rf ") + tmpl).c_str());
 }
 
 // An operation whose deadline passes while its job is still forming (the
@@ -974,6 +998,289 @@ TEST(MultiNodePriorityTest, SmallUrgentOperationOvertakesALargeOne) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// ---- Security between nodes (README, "Security") ----
+
+// A TCP port on 127.0.0.1 that the test reads itself: the fake coordinator.
+int ListenLoopback(int* port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd, 16) != 0) return -1;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  *port = ntohs(a.sin_port);
+  return fd;
+}
+
+// What the daemon's process holds in memory now (VmRSS), bytes.
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// The port number after `marker` in the daemon's log (0 if absent).
+int PortAfter(const std::string& log, const std::string& marker) {
+  const size_t at = log.find(marker);
+  return at == std::string::npos ? 0 : std::atoi(log.c_str() + at + marker.size());
+}
+
+// A connection to 127.0.0.1:port with a receive timeout.
+int ConnectLoopback(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return -1;
+  }
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+// Reads until the other end closes (true) or the timeout (false).
+bool ReadsToTheEnd(int fd) {
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) {
+  }
+  return n == 0 || (n < 0 && errno == ECONNRESET);
+}
+
+// One rank on each of two nodes runs an allreduce; the ranks' exit codes.
+std::vector<int> AllreduceOnTwoNodes(Cluster& cluster, const std::string& job) {
+  return RunRanks(
+      2,
+      [&](int rank) {
+        auto comm = cluster.Join(job, rank, 2, 1);
+        CHILD_CHECK(comm != nullptr, "join");
+        return RunOne(*comm, Coll::kAllreduce, DataType::kFloat32, ReduceOp::kSum, 1001, "ar");
+      },
+      std::chrono::seconds(60));
+}
+
+// A trainer names as its job's coordinator a host of its own choosing
+// (here a listening socket of the test). The daemon connects there, but
+// nothing it sends holds the cluster token: the fake coordinator reads
+// every byte of every connection and finds no trace of it, and the job
+// fails naming the coordinator.
+TEST(MultiNodeSecurityTest, AFakeCoordinatorNeverSeesTheToken) {
+  const std::string secret = "correct horse battery staple 0123456789";
+  TokenFile token(secret);
+  auto daemon = DaemonProcess::Start("cluster_token_file: " + token.path() + "\n");
+  ASSERT_NE(daemon, nullptr);
+  int port = 0;
+  const int listener = ListenLoopback(&port);
+  ASSERT_GE(listener, 0);
+  const std::string fake = "127.0.0.1:" + std::to_string(port);
+  const std::string job = UniqueJobId("fake");
+  auto pids = SpawnRanks(1, [&](int) {
+    JobOptions o;
+    o.socket_path = daemon->socket();
+    o.job_id = job;
+    o.rank = 1;
+    o.world_size = 2;
+    o.local_rank = 0;
+    o.local_size = 1;
+    o.coordinator = fake;
+    o.arena_bytes = 16 << 20;
+    std::unique_ptr<Communicator> comm;
+    Status s = Communicator::Create(o, &comm);
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    std::vector<float> v(8, 1.0f);
+    OpOptions opts;
+    opts.timeout_ms = 15000;
+    s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, opts)
+            .Wait();
+    CHILD_CHECK(!s.ok() && Contains(s.message(), fake), "%s", s.ToString().c_str());
+    return 0;
+  });
+  // Plays the server's part of the handshake (a challenge), then records
+  // whatever comes, on every connection, for 8 seconds.
+  std::string seen;
+  int connections = 0;
+  const auto end = Clock::now() + std::chrono::seconds(8);
+  std::vector<int> open;
+  while (Clock::now() < end) {
+    std::vector<pollfd> fds = {{listener, POLLIN, 0}};
+    for (int fd : open) fds.push_back({fd, POLLIN, 0});
+    if (poll(fds.data(), fds.size(), 100) <= 0) continue;
+    if (fds[0].revents & POLLIN) {
+      const int c = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c >= 0) {
+        ++connections;
+        char hello[40] = {'C', 'I', 'U', 'I', 'C', 'P', 'A', '1'};
+        send(c, hello, sizeof(hello), MSG_NOSIGNAL);
+        open.push_back(c);
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      char buf[4096];
+      const ssize_t n = recv(fds[i].fd, buf, sizeof(buf), 0);
+      if (n > 0) {
+        seen.append(buf, static_cast<size_t>(n));
+      } else {
+        close(fds[i].fd);
+        open.erase(std::find(open.begin(), open.end(), fds[i].fd));
+        break;  // fds no longer matches `open`
+      }
+    }
+  }
+  for (int fd : open) close(fd);
+  close(listener);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(60)), 0) << daemon->Log();
+  EXPECT_GE(connections, 1) << "the daemon never connected to the named coordinator";
+  EXPECT_GE(seen.size(), 72u) << "the daemon sent no proof";
+  EXPECT_FALSE(Contains(seen, secret)) << "the cluster token crossed the wire";
+  EXPECT_FALSE(Contains(seen, secret.substr(0, 12)))
+      << "part of the cluster token crossed the wire";
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// Connections that never prove the token are closed without being read
+// as what they claim to be: raw HTTP/2 to the peer service, and 16 MiB
+// length prefixes to the ordering listener (which the daemon does not
+// allocate). The daemons go on serving a job between them.
+TEST(MultiNodeSecurityTest, UnauthenticatedConnectionsAreRefusedAndTheDaemonsServe) {
+  TokenFile token("shared secret");
+  auto cluster = Cluster::Start(2, "", {token.path(), token.path()});
+  ASSERT_NE(cluster, nullptr);
+  const std::string log = cluster->nodes[0]->Log();
+  const int peer_port = std::atoi(cluster->peers[0].c_str() + cluster->peers[0].rfind(':') + 1);
+  const int ordering_port = PortAfter(log, "ordering streams on port ");
+  ASSERT_GT(ordering_port, 0) << log;
+  const std::string preface =
+      std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string(100, '\0');
+  int fd = ConnectLoopback(peer_port);
+  ASSERT_GE(fd, 0);
+  send(fd, preface.data(), preface.size(), MSG_NOSIGNAL);
+  EXPECT_TRUE(ReadsToTheEnd(fd)) << "the peer service kept an unauthenticated connection";
+  close(fd);
+  const pid_t pid = cluster->nodes[0]->pid();
+  const uint64_t rss_before = RssBytes(pid);
+  std::vector<int> raw;
+  for (int i = 0; i < 8; ++i) {
+    fd = ConnectLoopback(ordering_port);
+    ASSERT_GE(fd, 0);
+    std::string prefix("\x00\x00\x00\x01", 4);  // a 16 MiB frame follows, says it
+    prefix += std::string(100, '\x01');
+    send(fd, prefix.data(), prefix.size(), MSG_NOSIGNAL);
+    raw.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const uint64_t rss_after = RssBytes(pid);
+  for (int f : raw) {
+    EXPECT_TRUE(ReadsToTheEnd(f)) << "the ordering listener kept an unauthenticated connection";
+    close(f);
+  }
+  EXPECT_LT(rss_after, rss_before + (32u << 20))
+      << "the daemon grew by " << ((rss_after - rss_before) >> 20) << " MiB";
+  const std::vector<int> codes = AllreduceOnTwoNodes(*cluster, UniqueJobId("after-raw"));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0})) << cluster->nodes[0]->Log();
+  EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "does not speak the ciuic peer handshake"))
+      << cluster->nodes[0]->Log();
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// A daemon reachable from other hosts needs a cluster token: without one
+// it stops at start with exit code 78 and says what to do, unless
+// insecure_no_auth says so (and then it warns).
+TEST(MultiNodeSecurityTest, ANonLoopbackListenWithoutATokenStopsTheDaemon) {
+  char tmpl[] = "/tmp/ciuic-listen-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  std::string out;
+  const int code = RunCommand(
+      std::string(CIUICD_PATH) + " --socket " + dir + "/d.sock --listen 0.0.0.0:0", &out);
+  EXPECT_EQ(code, 78) << out;
+  EXPECT_TRUE(Contains(out, "listen: 0.0.0.0:0 is reachable from other hosts")) << out;
+  EXPECT_TRUE(Contains(out, "cluster_token_file")) << out;
+  EXPECT_TRUE(Contains(out, "insecure_no_auth: true")) << out;
+  rmdir(dir.c_str());
+  auto daemon = DaemonProcess::Start("insecure_no_auth: true\n", {"--listen", "0.0.0.0:0"});
+  ASSERT_NE(daemon, nullptr);
+  EXPECT_TRUE(Contains(daemon->Log(), "insecure_no_auth")) << daemon->Log();
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// `listen: off`: no TCP port; single-node jobs run, a multi-node job is
+// refused at Join saying why.
+TEST(MultiNodeSecurityTest, ListenOffRunsSingleNodeJobsOnly) {
+  auto daemon = DaemonProcess::Start("", {"--listen", "off"});
+  ASSERT_NE(daemon, nullptr);
+  EXPECT_TRUE(Contains(daemon->Log(), "listen: off")) << daemon->Log();
+  EXPECT_FALSE(Contains(daemon->Log(), "peer service on")) << daemon->Log();
+  const std::string job = UniqueJobId("off");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    return RunOne(*comm, Coll::kAllreduce, DataType::kFloat32, ReduceOp::kSum, 1001, "ar");
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0})) << daemon->Log();
+  codes = RunRanks(1, [&](int) {
+    JobOptions o;
+    o.socket_path = daemon->socket();
+    o.job_id = UniqueJobId("off-multi");
+    o.rank = 1;
+    o.world_size = 2;
+    o.local_rank = 0;
+    o.local_size = 1;
+    o.coordinator = "127.0.0.1:7361";
+    std::unique_ptr<Communicator> comm;
+    Status s = Communicator::Create(o, &comm);
+    CHILD_CHECK(s.code() == StatusCode::kFailedPrecondition && Contains(s.message(), "listen: off"),
+                "%s", s.ToString().c_str());
+    return 0;
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0}));
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// `peers`: a daemon connects only to coordinators in its allow-list. A
+// trainer naming another is refused at Join, the error naming the key; one
+// in the list forms the job.
+TEST(MultiNodeSecurityTest, ThePeersAllowListDecidesWhichCoordinatorsADaemonReaches) {
+  TokenFile token("allow-list secret");
+  {
+    auto cluster =
+        Cluster::Start(2, "peers: [10.0.0.0/8, \"fd00::/64\"]\n", {token.path(), token.path()});
+    ASSERT_NE(cluster, nullptr);
+    const std::string job = UniqueJobId("not-allowed");
+    auto codes = RunRanks(1, [&](int) {
+      JobOptions o;
+      o.socket_path = cluster->nodes[1]->socket();
+      o.job_id = job;
+      o.rank = 1;
+      o.world_size = 2;
+      o.local_rank = 0;
+      o.local_size = 1;
+      o.coordinator = cluster->peers[0];
+      std::unique_ptr<Communicator> comm;
+      Status s = Communicator::Create(o, &comm);
+      CHILD_CHECK(s.code() == StatusCode::kPermissionDenied && Contains(s.message(), "`peers`") &&
+                      Contains(s.message(), "127.0.0.1"),
+                  "%s", s.ToString().c_str());
+      return 0;
+    });
+    EXPECT_EQ(codes, (std::vector<int>{0}));
+    EXPECT_TRUE(cluster->StopAll());
+  }
+  auto cluster =
+      Cluster::Start(2, "peers: \"10.0.0.0/8, 127.0.0.1\"\n", {token.path(), token.path()});
+  ASSERT_NE(cluster, nullptr);
+  const std::vector<int> codes = AllreduceOnTwoNodes(*cluster, UniqueJobId("allowed"));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0})) << cluster->nodes[1]->Log();
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 // Two "hosts": network namespaces joined by a veth pair, one daemon in each,
 // reaching the other only through its veth address. Created and removed by
 // the test (root only).
@@ -1028,9 +1335,13 @@ TEST(MultiNodeNamespaceTest, TwoHostsJoinedByAVethPair) {
   if (!ns.ok()) GTEST_SKIP() << "could not create network namespaces here (see stderr)";
   std::vector<std::unique_ptr<DaemonProcess>> daemons;
   const std::string peers[2] = {"10.77.0.1:7361", "10.77.0.2:7361"};
+  // Non-loopback addresses: the daemons need a cluster token; and each
+  // connects only to coordinators on the namespaces' subnet.
+  TokenFile token("netns secret");
   for (int i = 0; i < 2; ++i) {
     daemons.push_back(DaemonProcess::StartWith(
-        "", {"--listen", peers[i], "--node-name", "host" + std::to_string(i)}, ns.Prefix(i),
+        "cluster_token_file: " + token.path() + "\npeers: 10.77.0.0/24\n",
+        {"--listen", peers[i], "--node-name", "host" + std::to_string(i)}, ns.Prefix(i),
         {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + ns.device(i), "UCX_WARN_UNUSED_ENV_VARS=n"}));
     ASSERT_NE(daemons.back(), nullptr);
   }

@@ -38,6 +38,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import secrets
 import shutil
 import signal
 import statistics
@@ -307,6 +309,25 @@ class NetnsScenario(Scenario):
             except RuntimeError as e:
                 self.ciuic_error = str(e)
 
+    def daemon_config_with_token(self, daemon_config):
+        """The daemons listen on the veth addresses, which ciuicd allows only
+        with a cluster token: the given config (if any) plus a fresh token
+        file shared by the run's daemons, unless that config names one."""
+        text = ""
+        if daemon_config:
+            with open(daemon_config) as f:
+                text = f.read()
+            if re.search(r"^cluster_token_file\s*:", text, re.M):
+                return daemon_config
+        token = os.path.join(self.tmp, "cluster-token")
+        with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        path = os.path.join(self.tmp, "ciuicd.yaml")
+        with open(path, "w") as f:
+            f.write(text + ("" if text.endswith("\n") or not text else "\n"))
+            f.write("cluster_token_file: %s\n" % token)
+        return path
+
     def start_daemons(self, args):
         import netns
         binary = args.ciuicd
@@ -315,14 +336,14 @@ class NetnsScenario(Scenario):
         env = dict(os.environ)
         env.update({"UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.IFNAME,
                     "UCX_WARN_UNUSED_ENV_VARS": "n"})
+        config = self.daemon_config_with_token(args.daemon_config)
         for i in range(self.nodes):
             sock = os.path.join(self.tmp, "n%d.sock" % i)
             cmd = self.topo.prefix(i) + [
                 binary, "--socket", sock, "--listen",
                 "%s:%d" % (self.topo.addr(i), self.PEER_PORT), "--node-name", "host%d" % i,
                 "--log-level", "warn"]
-            if args.daemon_config:
-                cmd += ["--config", args.daemon_config]
+            cmd += ["--config", config]
             logf = open(os.path.join(self.tmp, "n%d.log" % i), "w")
             proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -695,7 +716,6 @@ def print_table(stats, systems):
 
 def rate_gbps(rate):
     """tc rate ("1gbit", "100mbit", "500kbit", "1e9bit") in GB/s, or None."""
-    import re
     m = re.fullmatch(r"([0-9.e+]+)\s*([kmgt]?)bit", rate.strip().lower())
     if not m:
         return None
