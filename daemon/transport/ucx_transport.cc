@@ -594,7 +594,18 @@ class UcxTransport::Channel {
       spdlog::warn("ucx channel {}: {} transfers and {} endpoint closes unfinished at shutdown",
                    index_, abandoned.size(), close_requests_.size());
     }
-    close_requests_.clear();  // freed with the worker
+    // Every request still in progress (a peer that is stopped or gone never
+    // acknowledges a flush or a transfer) goes back to UCX before the worker
+    // is destroyed: ucp_request_free releases it whatever its state, and no
+    // callback comes for it after. Destroying a worker whose endpoints
+    // still hold unreleased requests trips UCX's assertion in
+    // ucp_ep_destroy_base and aborts the whole daemon.
+    for (Op* op : abandoned) {
+      if (op->request != nullptr) ucp_request_free(op->request);
+      op->request = nullptr;
+    }
+    for (void* req : close_requests_) ucp_request_free(req);
+    close_requests_.clear();
     {
       // Not mu_: callbacks made during the destruction may Enqueue.
       std::lock_guard<std::mutex> lock(signal_mu_);
