@@ -1,5 +1,7 @@
 #include "raw_session.h"
 
+#include <algorithm>
+
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -41,8 +43,8 @@ bool RawSession::Open(const std::string& socket_path, uint64_t arena_bytes) {
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   if (recvmsg(sock, &msg, 0) != sizeof(reply) || reply.status_code != 0) {
-    fprintf(stderr, "session refused: %.*s\n", static_cast<int>(reply.message_len),
-            reply.message);
+    refusal.assign(reply.message, std::min<size_t>(reply.message_len, wire::kMaxMessage));
+    fprintf(stderr, "session refused: %s\n", refusal.c_str());
     return false;
   }
   cmsghdr* c = CMSG_FIRSTHDR(&msg);

@@ -16,6 +16,7 @@ struct RawSession {
   uint8_t* base = nullptr;
   uint64_t size = 0;
   std::string token;
+  std::string refusal;  // what the daemon said when it refused Open
 
   // Handshake on `socket`.session; false (and a message on stderr) on failure.
   bool Open(const std::string& socket, uint64_t arena_bytes);

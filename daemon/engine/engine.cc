@@ -589,6 +589,7 @@ void Engine::ClusterDoneOnLoop(const std::string& job_key, uint64_t op_key,
 void Engine::EraseJobOnLoop(const std::string& key) {
   auto it = jobs_.find(key);
   if (it == jobs_.end()) return;
+  running_ops_ -= static_cast<int>(it->second->in_cluster.size());
   if (it->second->cluster) {
     // Its destructor waits for its threads: not on the loop.
     for (auto r = reapers_.begin(); r != reapers_.end();) {
@@ -601,8 +602,13 @@ void Engine::EraseJobOnLoop(const std::string& key) {
     }
     auto done = std::make_shared<std::atomic<bool>>(false);
     try {
-      std::thread t([cluster = std::move(it->second->cluster), done]() mutable {
+      // The operations still in the job keep their ranks' sessions, and so
+      // the shared memory that lanes and UCX threads may still be reading
+      // or writing, mapped until the job's threads have ended.
+      std::thread t([cluster = std::move(it->second->cluster),
+                     ops = std::move(it->second->in_cluster), done]() mutable {
         cluster.reset();
+        ops.clear();
         done->store(true);
       });
       reapers_.push_back(Reaper{std::move(t), std::move(done)});
@@ -612,7 +618,6 @@ void Engine::EraseJobOnLoop(const std::string& key) {
                    it->second->id, e.what());
     }
   }
-  running_ops_ -= static_cast<int>(it->second->in_cluster.size());
   if (device_runner_) device_runner_->EndJob(key);
   if (it->second->fast) {  // the totals keep what the job did on its fast path
     const FastPathSegment::Counters c = it->second->fast->ReadCounters();

@@ -230,32 +230,31 @@ TEST(SecurityTest, SessionAndArenaLimitsPerUidNameTheirKeys) {
       "max_sessions_per_uid: 2\nmax_arena_bytes_per_uid: 40M\nmax_jobs_per_uid: 1\n");
   ASSERT_NE(daemon, nullptr);
   auto codes = RunRanks(1, [&](int) {
-    std::unique_ptr<Communicator> a, b, c;
-    Status s = Create(daemon->socket(), "limits-a", 0, 2, 16 << 20, &a);
-    CHILD_CHECK(s.ok(), "first: %s", s.ToString().c_str());
-    s = Create(daemon->socket(), "limits-b", 0, 1, 16 << 20, &b);
-    CHILD_CHECK(s.code() == StatusCode::kResourceExhausted &&
-                    s.message().find("max_jobs_per_uid") != std::string::npos,
-                "second job: %s", s.ToString().c_str());
-    b.reset();
-    s = Create(daemon->socket(), "limits-a", 1, 2, 32 << 20, &b);
-    CHILD_CHECK(s.code() == StatusCode::kResourceExhausted &&
-                    s.message().find("max_arena_bytes_per_uid") != std::string::npos,
-                "arena over the uid's share: %s", s.ToString().c_str());
-    s = Create(daemon->socket(), "limits-a", 1, 2, 16 << 20, &b);
-    CHILD_CHECK(s.ok(), "second rank: %s", s.ToString().c_str());
-    s = Create(daemon->socket(), "limits-c", 0, 1, 1 << 20, &c);
-    CHILD_CHECK(s.code() == StatusCode::kResourceExhausted &&
-                    s.message().find("max_sessions_per_uid") != std::string::npos,
-                "third session: %s", s.ToString().c_str());
-    a.reset();  // its share comes back once the daemon has closed it
-    b.reset();
-    for (int i = 0; i < 50; ++i) {
-      s = Create(daemon->socket(), "limits-c", 0, 1, 1 << 20, &c);
-      if (s.ok()) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto a = std::make_unique<RawSession>();
+    RawSession too_big, b, third;
+    CHILD_CHECK(a->Open(daemon->socket(), 16 << 20), "first session");
+    CHILD_CHECK(!too_big.Open(daemon->socket(), 32 << 20) &&
+                    too_big.refusal.find("max_arena_bytes_per_uid") != std::string::npos,
+                "arena over the uid's share: '%s'", too_big.refusal.c_str());
+    CHILD_CHECK(b.Open(daemon->socket(), 16 << 20), "second session");
+    CHILD_CHECK(!third.Open(daemon->socket(), 1 << 20) &&
+                    third.refusal.find("max_sessions_per_uid") != std::string::npos,
+                "third session: '%s'", third.refusal.c_str());
+    std::string msg;
+    CHILD_CHECK(a->Join(daemon->socket(), "limits-a", 0, 2, &msg) == 0, "join: %s", msg.c_str());
+    const int code = b.Join(daemon->socket(), "limits-b", 0, 1, &msg);
+    CHILD_CHECK(code == static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED) &&
+                    msg.find("max_jobs_per_uid") != std::string::npos,
+                "second job: %d %s", code, msg.c_str());
+    // A session's share comes back once the daemon has closed it.
+    a.reset();
+    bool reopened = false;
+    for (int i = 0; i < 50 && !reopened; ++i) {
+      RawSession again;
+      reopened = again.Open(daemon->socket(), 1 << 20);
+      if (!reopened) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    CHILD_CHECK(s.ok(), "after the others closed: %s", s.ToString().c_str());
+    CHILD_CHECK(reopened, "no session after another closed");
     return 0;
   });
   EXPECT_EQ(codes, (std::vector<int>{0}));
@@ -263,9 +262,8 @@ TEST(SecurityTest, SessionAndArenaLimitsPerUidNameTheirKeys) {
   if (geteuid() == 0) {  // another uid keeps its own share
     codes = RunRanks(1, [&](int) {
       CHILD_CHECK(DropToNobody(), "drop privileges");
-      std::unique_ptr<Communicator> a;
-      Status s = Create(daemon->socket(), "nobody-job", 0, 1, 32 << 20, &a);
-      CHILD_CHECK(s.ok(), "nobody: %s", s.ToString().c_str());
+      RawSession s;
+      CHILD_CHECK(s.Open(daemon->socket(), 32 << 20), "nobody: '%s'", s.refusal.c_str());
       return 0;
     });
     EXPECT_EQ(codes, (std::vector<int>{0}));
