@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "control/bounded_writer.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/server_posix.h"
 #include "spdlog/spdlog.h"
@@ -19,20 +20,29 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-// Writes to one node's stream; the coordinator calls Send from any thread.
+// Writes to one node's stream; the coordinator calls Send from any thread,
+// under its lock, so Send only queues (bounded_writer.h): a gRPC Write
+// blocks while the node does not read. A node whose queue fills is cut off
+// (its call cancelled), which ends the handler's reads and detaches it.
 class GrpcNodeStream final : public NodeStream {
  public:
-  explicit GrpcNodeStream(
-      grpc::ServerReaderWriter<proto::CoordinatorEvent, proto::NodeEvent>* stream)
-      : stream_(stream) {}
+  static constexpr size_t kMaxQueuedBytes = size_t{64} << 20;
+  GrpcNodeStream(grpc::ServerContext* ctx,
+                 grpc::ServerReaderWriter<proto::CoordinatorEvent, proto::NodeEvent>* stream)
+      : queue_(
+            kMaxQueuedBytes,
+            [stream](proto::CoordinatorEvent& e) { return stream->Write(e); },
+            [ctx](const std::string& why) {
+              spdlog::warn("ordering stream of {}: dropping the node: {}", ctx->peer(), why);
+              ctx->TryCancel();
+            }) {}
   void Send(const proto::CoordinatorEvent& e) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    stream_->Write(e);
+    const size_t bytes = e.ByteSizeLong();
+    queue_.Push(e, bytes);
   }
 
  private:
-  std::mutex mu_;
-  grpc::ServerReaderWriter<proto::CoordinatorEvent, proto::NodeEvent>* stream_;
+  BoundedWriter<proto::CoordinatorEvent> queue_;
 };
 
 }  // namespace
@@ -84,7 +94,7 @@ grpc::Status PeerService::OrderStream(
   if (!read || !first.has_hello()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ordering stream must start with Hello");
   }
-  GrpcNodeStream out(stream);
+  GrpcNodeStream out(ctx, stream);
   auto handle = coordinator_->Attach(first.hello(), &out);
   if (!handle.ok()) return ToGrpc(handle.status());
   proto::NodeEvent e;

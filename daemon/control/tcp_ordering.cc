@@ -89,26 +89,50 @@ absl::Status ReadFrame(int fd, M* message) {
   return absl::OkStatus();
 }
 
-// The coordinator's side of one connection.
-class TcpNodeStream final : public NodeStream {
- public:
-  explicit TcpNodeStream(int fd) : fd_(fd) {}
-  void Send(const proto::CoordinatorEvent& e) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) return;
-    if (!WriteFrame(fd_, e)) {
-      // The node does not take what we send (gone, or stuck past the send
-      // timeout): end the connection; its reader then detaches it.
-      broken_ = true;
-      shutdown(fd_, SHUT_RDWR);
-    }
-  }
+}  // namespace
 
- private:
-  const int fd_;
-  std::mutex mu_;
-  bool broken_ = false;  // guarded by mu_
-};
+TcpNodeStream::TcpNodeStream(int fd, size_t max_queued_bytes)
+    : fd_(fd),
+      queue_(
+          max_queued_bytes, [fd](std::string& frame) { return WriteAll(fd, frame.data(), frame.size()); },
+          [fd](const std::string& why) {
+            spdlog::warn("ordering stream: dropping the node: {}", why);
+            shutdown(fd, SHUT_RDWR);  // its reader then detaches it
+          }) {}
+
+void TcpNodeStream::Send(const proto::CoordinatorEvent& e) {
+  std::string frame(4, '\0');
+  if (!e.AppendToString(&frame) || frame.size() - 4 > kMaxFrameBytes) return;
+  const uint32_t n = static_cast<uint32_t>(frame.size() - 4);
+  for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t sent = 0;
+  if (queue_.idle()) {
+    // The common case: the socket has room, and the frame goes now.
+    while (sent < frame.size()) {
+      const ssize_t w = send(fd_, frame.data() + sent, frame.size() - sent,
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w > 0) {
+        sent += static_cast<size_t>(w);
+      } else if (w < 0 && errno == EINTR) {
+        continue;
+      } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      } else {
+        shutdown(fd_, SHUT_RDWR);  // gone: its reader detaches it
+        return;
+      }
+    }
+    if (sent == frame.size()) return;
+  }
+  // The rest waits its turn behind what is queued, written by the queue's
+  // thread: this call never blocks on the node.
+  frame.erase(0, sent);
+  const size_t bytes = frame.size();
+  queue_.Push(std::move(frame), bytes);
+}
+
+namespace {
 
 // A node's side.
 class TcpOrderingStream final : public OrderingStream {

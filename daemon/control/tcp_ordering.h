@@ -44,11 +44,33 @@
 #include "absl/status/statusor.h"
 #include "cluster/coordinator.h"
 #include "cluster/coordinator_client.h"
+#include "control/bounded_writer.h"
 #include "control/peer_socket.h"
 
 namespace ciuic::daemon {
 
 inline constexpr uint32_t kMaxFrameBytes = 16u << 20;
+
+// The coordinator's side of one ordering connection. Send never blocks
+// (the coordinator sends under its lock): a frame goes straight to the
+// socket when it has room, else behind the others into a queue of at most
+// `max_queued_bytes` that a thread of the connection writes with the
+// socket's send timeout. A node that lets its queue fill, or takes nothing
+// for the send timeout, is cut off: the connection is shut down, its
+// reader ends, and the coordinator detaches the node and fails its jobs.
+class TcpNodeStream final : public NodeStream {
+ public:
+  static constexpr size_t kMaxQueuedBytes = size_t{64} << 20;
+  explicit TcpNodeStream(int fd, size_t max_queued_bytes = kMaxQueuedBytes);
+  // Writes what is queued (bounded by the send timeout) before it goes.
+  ~TcpNodeStream() override = default;
+  void Send(const proto::CoordinatorEvent& event) override;
+
+ private:
+  const int fd_;
+  std::mutex mu_;  // orders direct writes against the queue
+  BoundedWriter<std::string> queue_;
+};
 
 class OrderingListener {
  public:

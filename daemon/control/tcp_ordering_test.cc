@@ -388,3 +388,93 @@ TEST(TcpOrderingAddressTest, NothingListeningIsAClearError) {
 
 }  // namespace
 }  // namespace ciuic::daemon
+
+namespace ciuic::daemon {
+namespace {
+
+proto::CoordinatorEvent Numbered(int i, size_t pad) {
+  proto::CoordinatorEvent e;
+  e.mutable_fail()->set_name("op" + std::to_string(i));
+  e.mutable_fail()->set_code(2);
+  e.mutable_fail()->set_message(std::string(pad, 'x'));
+  return e;
+}
+
+// Reads frames from `fd` until EOF or an error; the names of the Fails.
+std::vector<std::string> ReadNames(int fd) {
+  std::vector<std::string> names;
+  while (true) {
+    unsigned char h[4];
+    size_t got = 0;
+    while (got < 4) {
+      ssize_t r = recv(fd, h + got, 4 - got, 0);
+      if (r <= 0) return names;
+      got += static_cast<size_t>(r);
+    }
+    const uint32_t n = h[0] | (h[1] << 8) | (h[2] << 16) | (static_cast<uint32_t>(h[3]) << 24);
+    std::string body(n, '\0');
+    got = 0;
+    while (got < n) {
+      ssize_t r = recv(fd, body.data() + got, n - got, 0);
+      if (r <= 0) return names;
+      got += static_cast<size_t>(r);
+    }
+    proto::CoordinatorEvent e;
+    if (!e.ParseFromString(body)) return names;
+    names.push_back(e.fail().name());
+  }
+}
+
+// The coordinator sends to a node under its lock: a node that stops
+// reading must not make a Send block. Its frames queue up to the bound;
+// past it the node is cut off (the connection shut down), and every Send
+// still returns at once.
+TEST(TcpNodeStreamTest, ANodeThatStopsReadingNeverBlocksTheSender) {
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  int small = 16 << 10;
+  setsockopt(fds[0], SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+  {
+    TcpNodeStream stream(fds[0], /*max_queued_bytes=*/size_t{1} << 20);
+    Clock::duration slowest{};
+    const auto start = Clock::now();
+    for (int i = 0; i < 4000; ++i) {  // about 4 MiB
+      const auto t = Clock::now();
+      stream.Send(Numbered(i, 1000));
+      slowest = std::max(slowest, Clock::now() - t);
+    }
+    EXPECT_LT(slowest, std::chrono::milliseconds(100));
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+    // Cut off: the node reads what got through, then the end.
+    std::vector<std::string> names = ReadNames(fds[1]);
+    ASSERT_FALSE(names.empty());
+    EXPECT_LT(names.size(), 4000u);
+    for (size_t i = 0; i < names.size(); ++i) ASSERT_EQ(names[i], "op" + std::to_string(i));
+  }
+  close(fds[0]);
+  close(fds[1]);
+}
+
+// A node that reads late gets every frame, in order: the queue holds what
+// the socket could not.
+TEST(TcpNodeStreamTest, ASlowNodeGetsEveryFrameInOrder) {
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  int small = 16 << 10;
+  setsockopt(fds[0], SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+  std::future<std::vector<std::string>> names;
+  {
+    TcpNodeStream stream(fds[0]);
+    for (int i = 0; i < 2000; ++i) stream.Send(Numbered(i, 1000));
+    names = std::async(std::launch::async, [fd = fds[1]] { return ReadNames(fd); });
+  }  // written out before it goes
+  shutdown(fds[0], SHUT_WR);
+  std::vector<std::string> got = names.get();
+  ASSERT_EQ(got.size(), 2000u);
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], "op" + std::to_string(i));
+  close(fds[0]);
+  close(fds[1]);
+}
+
+}  // namespace
+}  // namespace ciuic::daemon
