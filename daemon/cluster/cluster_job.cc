@@ -193,7 +193,8 @@ struct ClusterJob::Event {
   // JobFailed (Runs go to the lanes from the reader); kReadyHeld: the
   // occurrence of op.name before the first held one was announced or
   // failed, so that one is readied now.
-  enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort, kReadyHeld } kind;
+  // kHeartbeat: time to tell the coordinator this node is alive.
+  enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort, kReadyHeld, kHeartbeat } kind;
   ClusterOp op;
   proto::CoordinatorEvent coordinator;
   absl::Status status;
@@ -472,6 +473,8 @@ absl::Status ClusterJob::Form() {
   reader_ = std::thread([this, stream] {
     proto::CoordinatorEvent e;
     while (stream->Read(&e)) {
+      heard_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+      if (e.has_heartbeat()) continue;
       // A Run goes to the lanes from here: one thread hand-off less on
       // every operation's path (the other events keep their order behind
       // it on the main thread).
@@ -716,6 +719,15 @@ void ClusterJob::StopLanes() {
   }
 }
 
+std::string ClusterJob::CoordinatorLabelLocked() const {
+  // The coordinator is the daemon of rank 0's node.
+  if (!node_of_rank_.empty() && node_of_rank_[0] >= 0 &&
+      static_cast<size_t>(node_of_rank_[0]) < peers_.size()) {
+    return absl::StrCat(peers_[node_of_rank_[0]].node_name, " (", options_.coordinator, ")");
+  }
+  return options_.coordinator;
+}
+
 Clock::time_point ClusterJob::NextOverdueLocked() const {
   Clock::time_point next = Clock::time_point::max();
   for (const auto& [name, readied] : readied_at_) {
@@ -742,7 +754,7 @@ absl::Status ClusterJob::OverdueLocked() const {
                                   options_.announce_grace;
     if (now < due) continue;
     return absl::UnavailableError(absl::StrCat(
-        "the coordinator ", options_.coordinator, " of job '", options_.job_id,
+        "the coordinator ", CoordinatorLabelLocked(), " of job '", options_.job_id,
         "' has neither announced nor failed operation '", name, "' within its timeout (",
         readied.second, " ms) and ", options_.announce_grace.count(),
         " ms more: it is stopped, hung or unreachable"));
@@ -762,6 +774,14 @@ void ClusterJob::Run() {
     }
   }
   if (formed.ok()) {
+    {
+      const config::Tuning tuning = options_.tuning->Snapshot();
+      std::lock_guard<std::mutex> lock(mu_);
+      heartbeat_interval_ms_ = tuning.heartbeat_interval_ms;
+      heartbeat_misses_ = tuning.heartbeat_misses;
+      beat_sent_ = Clock::now() - std::chrono::milliseconds(heartbeat_interval_ms_);  // one now
+      heard_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    }
     // All lanes exist before any starts: a lane reads the others' state.
     for (int i = 0; i < kLanes; ++i) lanes_.push_back(std::make_unique<Lane>());
     for (auto& lane : lanes_) {
@@ -777,14 +797,41 @@ void ClusterJob::Run() {
       std::unique_lock<std::mutex> lock(mu_);
       // Waits for the next event, or until an operation readied here is
       // overdue: the coordinator has neither announced nor failed it.
+      // Waits for the next event, the next heartbeat to send, or until the
+      // coordinator has been silent too long or an operation readied here
+      // is overdue.
+      const bool alive_checks = formed.ok() && !left;
       while (events_->empty()) {
-        const Clock::time_point next = NextOverdueLocked();
+        Clock::time_point next = NextOverdueLocked();
+        const auto interval = std::chrono::milliseconds(heartbeat_interval_ms_);
+        const Clock::time_point heard{Clock::duration(heard_ns_.load(std::memory_order_relaxed))};
+        if (alive_checks) {
+          next = std::min({next, beat_sent_ + interval, heard + interval * heartbeat_misses_});
+        }
         if (next == Clock::time_point::max()) {
           cv_.wait(lock);
           continue;
         }
         cv_.wait_until(lock, next);
-        if (!events_->empty() || Clock::now() < NextOverdueLocked()) continue;
+        if (!events_->empty()) continue;
+        const Clock::time_point now = Clock::now();
+        if (alive_checks && now - heard > interval * heartbeat_misses_) {
+          const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - heard);
+          events_->push_back(Event{
+              Event::kRunFailed, {}, {},
+              absl::UnavailableError(absl::StrCat(
+                  "the coordinator ", CoordinatorLabelLocked(), " of job '", options_.job_id,
+                  "' has been silent for ", silent.count(), " ms (", heartbeat_misses_,
+                  " heartbeats of ", heartbeat_interval_ms_,
+                  " ms missed): its daemon is stopped, hung or unreachable"))});
+          break;
+        }
+        if (alive_checks && now >= beat_sent_ + interval) {
+          beat_sent_ = now;
+          events_->push_back(Event{Event::kHeartbeat, {}, {}, {}});
+          break;
+        }
+        if (now < NextOverdueLocked()) continue;
         absl::Status overdue = OverdueLocked();
         if (overdue.ok()) continue;
         readied_at_.clear();  // the job ends with it
@@ -870,6 +917,19 @@ void ClusterJob::Run() {
           job_failure = absl::Status(static_cast<absl::StatusCode>(c.job_failed().code()),
                                      c.job_failed().message());
         }
+        break;
+      }
+      case Event::kHeartbeat: {
+        proto::NodeEvent beat;
+        beat.mutable_heartbeat();
+        if (!Write(beat)) {
+          job_failure = absl::UnavailableError(absl::StrCat(
+              "lost the coordinator ", options_.coordinator, " of job '", options_.job_id, "'"));
+        }
+        const config::Tuning tuning = options_.tuning->Snapshot();  // changes apply from here
+        std::lock_guard<std::mutex> lock(mu_);
+        heartbeat_interval_ms_ = tuning.heartbeat_interval_ms;
+        heartbeat_misses_ = tuning.heartbeat_misses;
         break;
       }
       case Event::kBroken:

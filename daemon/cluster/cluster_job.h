@@ -253,6 +253,8 @@ class ClusterJob {
   // the error that ends the job once one is (OK: none is). mu_ held.
   std::chrono::steady_clock::time_point NextOverdueLocked() const;
   absl::Status OverdueLocked() const;
+  // "NODE (HOST:PORT)": the coordinator's node name once the job formed.
+  std::string CoordinatorLabelLocked() const;
   absl::Status Form();
   void LaneLoop(Lane& lane);
   // A run cut off by the transport (UNAVAILABLE: a peer lost) is often the
@@ -418,6 +420,13 @@ class ClusterJob {
   // since then and since last_progress_ with no run of this node's in
   // progress or announced (those may hold the coordinator's next Run back).
   std::map<std::string, std::pair<std::chrono::steady_clock::time_point, uint32_t>> readied_at_;
+  // Liveness (tuning heartbeat_*): when this node last sent its heartbeat
+  // (guarded by mu_), when it last heard from the coordinator (the reader
+  // writes it), and the settings in force (guarded by mu_).
+  std::chrono::steady_clock::time_point beat_sent_{};
+  std::atomic<int64_t> heard_ns_{0};
+  uint32_t heartbeat_interval_ms_ = 2000;
+  uint32_t heartbeat_misses_ = 4;
   // guarded by mu_: when the coordinator last spoke, or a run here ended.
   std::chrono::steady_clock::time_point last_progress_{};
   int self_ = -1;

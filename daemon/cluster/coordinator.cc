@@ -314,6 +314,7 @@ absl::StatusOr<uint64_t> Coordinator::Attach(const proto::NodeEvent::Hello& h, N
   const uint64_t handle = next_handle_++;
   job.streams[h.node()] = stream;
   job.handles[h.node()] = handle;
+  job.heard[h.node()] = Clock::now();
   ++job.attached_ever;
   attachments_[handle] = Attachment{key, h.node()};
   return handle;
@@ -359,6 +360,8 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
   Job& job = *jit->second;
   const int node = at->second.node;
   const int nodes = job.membership.nodes_size();
+  job.heard[node] = Clock::now();  // whatever it says, it is alive
+  if (event.has_heartbeat()) return;
   if (event.has_leave()) {
     FailJob(job, static_cast<int>(absl::StatusCode::kAborted),
             absl::StrCat(NodeLabel(job, node), " left job '", job.id, "': ",
@@ -676,6 +679,29 @@ void Coordinator::Detach(uint64_t handle, const absl::Status& why) {
   }
 }
 
+void Coordinator::CheckLiveness(Job& job, Clock::time_point now) {
+  if (job.streams.empty() || !job.failure.ok()) return;
+  const config::Tuning tuning = tuning_ ? tuning_->Snapshot() : config::Tuning{};
+  const auto interval = std::chrono::milliseconds(tuning.heartbeat_interval_ms);
+  if (now - job.beat >= interval) {
+    job.beat = now;
+    proto::CoordinatorEvent beat;
+    beat.mutable_heartbeat();
+    SendAll(job, beat);
+  }
+  for (const auto& [node, heard] : job.heard) {
+    if (!job.streams.count(node) || now - heard <= interval * tuning.heartbeat_misses) continue;
+    const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - heard);
+    FailJob(job, static_cast<int>(absl::StatusCode::kUnavailable),
+            absl::StrCat(NodeLabel(job, node), " of job '", job.id, "' has been silent for ",
+                         silent.count(), " ms (", tuning.heartbeat_misses, " heartbeats of ",
+                         tuning.heartbeat_interval_ms,
+                         " ms missed): its daemon is stopped, hung or unreachable"),
+            node);
+    return;
+  }
+}
+
 void Coordinator::TimerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   Clock::time_point wake = Clock::now();
@@ -685,6 +711,7 @@ void Coordinator::TimerLoop() {
     wake = now + std::chrono::milliseconds(100);
     for (auto& [key, job] : jobs_) {
       wake = std::min(wake, Schedule(*job, now));
+      CheckLiveness(*job, now);
       for (auto& [name, run] : job->pending) {
         if (!run.failure.ok() || now < run.deadline) continue;
         std::vector<std::string> waiting;

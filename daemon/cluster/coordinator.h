@@ -166,6 +166,10 @@ class Coordinator {
     proto::Membership membership;
     std::map<int, NodeStream*> streams;  // by node index
     std::map<int, uint64_t> handles;     // node -> handle
+    // Liveness (tuning heartbeat_*): when each attached node was last heard
+    // from, and when the coordinator last sent its heartbeat to them.
+    std::map<int, std::chrono::steady_clock::time_point> heard;
+    std::chrono::steady_clock::time_point beat{};
     absl::Status failure;
     std::map<std::string, PendingRun> pending;
     std::vector<Queued> backlog;
@@ -198,6 +202,9 @@ class Coordinator {
   // send to node m's differs from what those expect (their hashes).
   absl::Status CheckSplits(const Job& job, const std::string& name, const PendingRun& run);
   void TimerLoop();
+  // Sends the job's heartbeat when due and fails the job when an attached
+  // node has been silent for heartbeat_misses intervals. mu_ held.
+  void CheckLiveness(Job& job, std::chrono::steady_clock::time_point now);
 
   config::TuningRegistry* const tuning_;
   const int max_world_size_;

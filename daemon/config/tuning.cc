@@ -199,6 +199,14 @@ const std::vector<Field>& Table() {
                    "How many of its last operations the daemon keeps a record of for "
                    "`ciuicctl trace` (0: none)",
                    "", &Tuning::trace_ops, 0, 100000),
+      IntegerField("heartbeat_interval_ms",
+                   "How often the daemons of a multi-node job tell each other on its ordering "
+                   "stream that they are alive",
+                   "milliseconds", &Tuning::heartbeat_interval_ms, 100, 60000),
+      IntegerField("heartbeat_misses",
+                   "Intervals of silence after which a node or coordinator is taken for stopped "
+                   "and its jobs end (UNAVAILABLE naming it)",
+                   "", &Tuning::heartbeat_misses, 2, 100),
   };
   return *table;
 }

@@ -86,6 +86,15 @@ struct Tuning {
   // `ciuicctl trace` (when each rank submitted, each phase). 0: none.
   // 0..100000.
   uint32_t trace_ops = 4096;
+  // Liveness between the daemons of a multi-node job, above the kernel's
+  // (which a stopped process's host still answers): each node and the
+  // coordinator send a heartbeat on the job's ordering stream every
+  // heartbeat_interval_ms, and one that has heard nothing from the other
+  // side for heartbeat_misses intervals ends the job with UNAVAILABLE
+  // naming it. 100..60000 and 2..100; the defaults find a stopped peer
+  // within 8 s.
+  uint32_t heartbeat_interval_ms = 2000;
+  uint32_t heartbeat_misses = 4;
 
   friend bool operator==(const Tuning&, const Tuning&) = default;
 };

@@ -319,6 +319,66 @@ TEST(MultiNodeFaultsTest, AStoppedPeerNeverTakesTheHealthyDaemonDown) {
   }
 }
 
+// Heartbeats: a stopped daemon (SIGSTOP: its host still answers TCP) is
+// found by the others from the silence on the ordering stream, with no
+// operation in flight: the coordinator when a node stops, the node when the
+// coordinator does. The job then fails with UNAVAILABLE naming the stopped
+// one, within heartbeat_interval_ms x heartbeat_misses (1 s here) and
+// the time for the error to travel.
+class HeartbeatTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(HeartbeatTest, AStoppedDaemonFailsTheJobWhileNothingIsInFlight) {
+  const int stopped = GetParam();  // 0: the coordinator's node; 1: the other
+  auto cluster = Cluster::Start(
+      2, "tuning:\n  heartbeat_interval_ms: 250\n  heartbeat_misses: 4\n");
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("heartbeat");
+  int idle[2];
+  ASSERT_EQ(pipe(idle), 0);
+  const int survivor = 1 - stopped;
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    int64_t v = rank;
+    CHILD_CHECK(comm->Allreduce(&v, &v, 1, DataType::kInt64, ReduceOp::kSum).Wait().ok(), "first");
+    CHILD_CHECK(write(idle[1], "i", 1) == 1, "pipe");
+    if (rank != survivor) {
+      pause();  // its daemon is stopped under it
+      return 0;
+    }
+    // Idle while the peer is stopped, then the job has ended by itself.
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    const auto start = Clock::now();
+    OpOptions o;
+    o.timeout_ms = 30000;
+    Status s = comm->Allreduce(&v, &v, 1, DataType::kInt64, ReduceOp::kSum, o).Wait();
+    const double took = std::chrono::duration<double>(Clock::now() - start).count();
+    CHILD_CHECK(s.code() == StatusCode::kUnavailable &&
+                    Contains(s.message(), "node" + std::to_string(stopped)),
+                "%s", s.ToString().c_str());
+    CHILD_CHECK(took < 1.0, "the job had not ended: the operation took %.1f s", took);
+    return 0;
+  });
+  char c;
+  ASSERT_EQ(read(idle[0], &c, 1), 1);
+  ASSERT_EQ(read(idle[0], &c, 1), 1);
+  ASSERT_EQ(kill(cluster->nodes[stopped]->pid(), SIGSTOP), 0);
+  EXPECT_EQ(WaitChild(pids[survivor], std::chrono::seconds(30)), 0)
+      << cluster->nodes[survivor]->Log();
+  EXPECT_TRUE(cluster->nodes[survivor]->Alive());
+  if (cluster->nodes[survivor]->Alive()) ExpectServesOn(*cluster->nodes[survivor]);
+  kill(cluster->nodes[stopped]->pid(), SIGCONT);
+  kill(pids[stopped], SIGKILL);
+  WaitChild(pids[stopped], std::chrono::seconds(10));
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+INSTANTIATE_TEST_SUITE_P(CoordinatorOrNode, HeartbeatTest, ::testing::Values(0, 1),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param == 0 ? std::string("CoordinatorStopped")
+                                                  : std::string("NodeStopped");
+                         });
+
 TEST(MultiNodeFaultsTest, KilledDaemonFailsTheJobOnTheOtherNodesNamingIt) {
   auto cluster = Cluster::Start(3);
   ASSERT_NE(cluster, nullptr);
@@ -1252,6 +1312,16 @@ TEST(MultiNodeSecurityTest, UnauthenticatedConnectionsAreRefusedAndTheDaemonsSer
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// Whether the daemon logs `text` within 5 s (it may log after its sockets
+// exist, which is when DaemonProcess::Start returns).
+bool LogsSoon(const DaemonProcess& daemon, const std::string& text) {
+  for (int i = 0; i < 50; ++i) {
+    if (Contains(daemon.Log(), text)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
 // A daemon reachable from other hosts needs a cluster token: without one
 // it stops at start with exit code 78 and says what to do, unless
 // insecure_no_auth says so (and then it warns).
@@ -1269,7 +1339,7 @@ TEST(MultiNodeSecurityTest, ANonLoopbackListenWithoutATokenStopsTheDaemon) {
   rmdir(dir.c_str());
   auto daemon = DaemonProcess::Start("insecure_no_auth: true\n", {"--listen", "0.0.0.0:0"});
   ASSERT_NE(daemon, nullptr);
-  EXPECT_TRUE(Contains(daemon->Log(), "insecure_no_auth")) << daemon->Log();
+  EXPECT_TRUE(LogsSoon(*daemon, "insecure_no_auth")) << daemon->Log();
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
@@ -1278,7 +1348,7 @@ TEST(MultiNodeSecurityTest, ANonLoopbackListenWithoutATokenStopsTheDaemon) {
 TEST(MultiNodeSecurityTest, ListenOffRunsSingleNodeJobsOnly) {
   auto daemon = DaemonProcess::Start("", {"--listen", "off"});
   ASSERT_NE(daemon, nullptr);
-  EXPECT_TRUE(Contains(daemon->Log(), "listen: off")) << daemon->Log();
+  EXPECT_TRUE(LogsSoon(*daemon, "listen: off")) << daemon->Log();
   EXPECT_FALSE(Contains(daemon->Log(), "peer service on")) << daemon->Log();
   const std::string job = UniqueJobId("off");
   auto codes = RunRanks(2, [&](int rank) {
