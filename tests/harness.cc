@@ -50,17 +50,24 @@ std::unique_ptr<DaemonProcess> DaemonProcess::StartWith(const std::string& confi
   }
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   args.insert(args.begin(), prefix.begin(), prefix.end());
-  std::string log = d->dir_ + "/ciuicd.log";
-  d->pid_ = fork();
-  if (d->pid_ == 0) {
-    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  d->args_ = std::move(args);
+  d->env_ = env;
+  if (!d->Launch(/*append_log=*/false)) return nullptr;
+  return d;
+}
+
+bool DaemonProcess::Launch(bool append_log) {
+  std::string log = dir_ + "/ciuicd.log";
+  pid_ = fork();
+  if (pid_ == 0) {
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | (append_log ? O_APPEND : O_TRUNC), 0644);
     if (fd >= 0) {
       dup2(fd, 2);
       dup2(fd, 1);
     }
-    for (const std::string& e : env) putenv(strdup(e.c_str()));
+    for (const std::string& e : env_) putenv(strdup(e.c_str()));
     std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
+    for (auto& a : args_) argv.push_back(a.data());
     argv.push_back(nullptr);
     execvp(argv[0], argv.data());
     _exit(127);
@@ -68,17 +75,23 @@ std::unique_ptr<DaemonProcess> DaemonProcess::StartWith(const std::string& confi
   const Clock::time_point until = Clock::now() + std::chrono::seconds(20);
   while (Clock::now() < until) {
     struct stat st;
-    if (stat(d->socket_.c_str(), &st) == 0 && stat((d->socket_ + ".session").c_str(), &st) == 0) {
-      return d;
+    if (stat(socket_.c_str(), &st) == 0 && stat((socket_ + ".session").c_str(), &st) == 0) {
+      return true;
     }
-    if (!d->Alive()) break;
+    if (!Alive()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::ifstream in(log);
   std::stringstream ss;
   ss << in.rdbuf();
   fprintf(stderr, "ciuicd did not start; its log:\n%s\n", ss.str().c_str());
-  return nullptr;
+  return false;
+}
+
+bool DaemonProcess::Restart(int* exit_code) {
+  const int code = Stop();
+  if (exit_code != nullptr) *exit_code = code;
+  return Launch(/*append_log=*/true);
 }
 
 std::string DaemonProcess::Log() const {

@@ -45,8 +45,16 @@ class DaemonProcess {
   // SIGTERM and wait (bounded); the exit code, or 128 + signal, or -1 on
   // timeout (then killed).
   int Stop(std::chrono::seconds timeout = std::chrono::seconds(20));
+  // Stop() (its exit code into *exit_code), then the same daemon again on
+  // the same sockets and config, as `systemctl restart` does; its log goes
+  // on in the same file. False (and why on stderr) if it does not start.
+  bool Restart(int* exit_code = nullptr);
 
  private:
+  bool Launch(bool append_log);
+
+  std::vector<std::string> args_;
+  std::vector<std::string> env_;
   pid_t pid_ = -1;
   std::string dir_;
   std::string socket_;

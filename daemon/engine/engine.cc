@@ -1294,7 +1294,8 @@ void Engine::Shutdown() {
   Post([this] {
     stopping_ = true;
     for (auto& [key, job] : jobs_) {
-      FailJobOnLoop(*job, absl::UnavailableError("ciuicd is shutting down"));
+      FailJobOnLoop(*job, absl::UnavailableError(
+          "ciuicd is stopping or restarting (SIGTERM): join again once it is back"));
     }
   });
   if (loop_.joinable()) loop_.join();

@@ -363,6 +363,59 @@ TEST(FaultsTest, WaitReturnsWhenTheDaemonIsStopped) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// `systemctl restart ciuicd` under running trainers: an operation in
+// flight ends with UNAVAILABLE saying the daemon went, every later call on
+// the old communicator fails the same way at once, and a trainer that joins
+// again (as torchrun's elastic agent restarts its workers, or a trainer
+// calls ciuic.init() again) runs on the new daemon.
+TEST(FaultsTest, TrainersRejoinADaemonRestartedUnderThem) {
+  auto daemon = DaemonProcess::Start();
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("restart");
+  int submitted[2], restarted[2];
+  ASSERT_EQ(pipe(submitted), 0);
+  ASSERT_EQ(pipe(restarted), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<int32_t> v(1000, rank + 1);
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok() && v[0] == 3, "before: %s", s.ToString().c_str());
+    Handle pending;
+    if (rank == 0) {  // waits for rank 1, which never submits it
+      OpOptions o;
+      o.name = "across-the-restart";
+      pending = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt32, ReduceOp::kSum, o);
+    }
+    CHILD_CHECK(write(submitted[1], "s", 1) == 1, "pipe");
+    if (rank == 0) {
+      s = pending.WaitFor(std::chrono::seconds(20));
+      CHILD_CHECK(s.code() == StatusCode::kUnavailable, "in flight: %s", s.ToString().c_str());
+      fprintf(stderr, "in flight across the restart: %s\n", s.ToString().c_str());
+    }
+    char c;
+    CHILD_CHECK(read(restarted[0], &c, 1) == 1, "pipe");
+    s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.code() == StatusCode::kUnavailable, "old communicator: %s", s.ToString().c_str());
+    comm.reset();
+    comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join the new daemon");
+    v.assign(1000, 10 * (rank + 1));
+    s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok() && v[999] == 30, "after: %s", s.ToString().c_str());
+    return 0;
+  });
+  char c;
+  ASSERT_EQ(read(submitted[0], &c, 1), 1);
+  ASSERT_EQ(read(submitted[0], &c, 1), 1);
+  int stopped = -1;
+  ASSERT_TRUE(daemon->Restart(&stopped));
+  EXPECT_EQ(stopped, 0) << "the old daemon did not drain cleanly";
+  ASSERT_EQ(write(restarted[1], "rr", 2), 2);
+  for (pid_t p : pids) EXPECT_EQ(WaitChild(p, std::chrono::seconds(60)), 0) << daemon->Log();
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 TEST(FaultsTest, TwoUsersNeverShareAJobOrMemory) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run a trainer as another uid";
   auto daemon = DaemonProcess::Start();

@@ -70,8 +70,21 @@ class Daemon:
         cmd = [binary, "--socket", self.socket, "--node-name", node_name, "--log-level", "warn"]
         if listen:
             cmd += ["--listen", listen]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, **(env or {})))
+        self._cmd = cmd
+        self._env = dict(os.environ, **(env or {}))
+        self._launch()
+
+    def restart(self):
+        """SIGTERM, then the same daemon again on the same sockets (as
+        `systemctl restart` does). Returns the old daemon's exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=20)
+        self._launch()
+        return code
+
+    def _launch(self):
+        self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self._env)
         deadline = time.monotonic() + 20
         while not (os.path.exists(self.socket) and os.path.exists(self.socket + ".session")
                    and self._listening()):

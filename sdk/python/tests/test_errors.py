@@ -196,6 +196,49 @@ def test_ctrl_c_exits_cleanly_and_frees_the_session(daemon):
         pass
 
 
+REJOINS = """
+import sys, numpy as np, ciuic
+socket, jid = sys.argv[1], sys.argv[2]
+comm = ciuic.init(rank=0, world_size=1, job=jid, socket=socket, arena_bytes=16 << 20)
+x = np.arange(8, dtype=np.float32)
+comm.allreduce(x)
+print("ready", flush=True)
+sys.stdin.readline()  # the daemon has been restarted meanwhile
+try:
+    comm.allreduce(x)
+    print("old communicator still worked")
+    sys.exit(1)
+except ciuic.UnavailableError as e:
+    print("old:", e, flush=True)
+comm.close()
+comm = ciuic.init(rank=0, world_size=1, job=jid, socket=socket, arena_bytes=16 << 20)
+y = np.arange(8, dtype=np.float32)
+comm.allreduce(y)
+assert np.array_equal(y, np.arange(8, dtype=np.float32)), y
+print("rejoined", flush=True)
+"""
+
+
+def test_a_trainer_rejoins_a_restarted_daemon():
+    # A daemon of its own: the session-wide one must not be restarted.
+    from conftest import Daemon, ciuicd_binary
+    d = Daemon(ciuicd_binary(), node_name="restart")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-c", REJOINS, d.socket, job()], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert d.restart() == 0, d.log()
+        out, err = p.communicate(input="go\n", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        d.stop()
+    assert p.returncode == 0, (out, err)
+    assert "rejoined" in out, (out, err)
+    assert "old:" in out, out
+
+
 def test_operation_timeout_raises_deadline_exceeded(daemon):
     with ciuic.init(rank=0, world_size=2, job=job(), socket=daemon.socket,
                     arena_bytes=16 << 20) as comm:
