@@ -319,6 +319,45 @@ TEST(MultiNodeFaultsTest, AStoppedPeerNeverTakesTheHealthyDaemonDown) {
   }
 }
 
+// SIGTERM drains within a bounded time whatever its jobs are doing: here a
+// run in flight towards a peer that is stopped (which would otherwise wait
+// for its deadline, a minute by default).
+TEST(MultiNodeFaultsTest, SigtermDrainsPromptlyWithARunStuckOnAStoppedPeer) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("drain");
+  int running[2];
+  ASSERT_EQ(pipe(running), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    setenv("CIUIC_WAIT_GRACE_MS", "1000", 1);
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(1 << 20, 1.0f);  // 4 MiB: runs take a while
+    for (int i = 0; i < 100000; ++i) {
+      if (i == 3 && rank == 0) CHILD_CHECK(write(running[1], "r", 1) == 1, "pipe");
+      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32,
+                                 ReduceOp::kSum).Wait();
+      if (!s.ok()) {
+        fprintf(stderr, "rank %d, step %d: %s\n", rank, i, s.ToString().c_str());
+        return 0;
+      }
+    }
+    return 1;
+  });
+  char c;
+  ASSERT_EQ(read(running[0], &c, 1), 1);
+  ASSERT_EQ(kill(cluster->nodes[1]->pid(), SIGSTOP), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto start = Clock::now();
+  EXPECT_EQ(cluster->nodes[0]->Stop(std::chrono::seconds(20)), 0) << cluster->nodes[0]->Log();
+  const double took = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_LT(took, 10.0) << "SIGTERM took " << took << " s to drain";
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  kill(cluster->nodes[1]->pid(), SIGCONT);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  EXPECT_EQ(cluster->nodes[1]->Stop(), 0);
+}
+
 // Heartbeats: a stopped daemon (SIGSTOP: its host still answers TCP) is
 // found by the others from the silence on the ordering stream, with no
 // operation in flight: the coordinator when a node stops, the node when the
