@@ -19,18 +19,43 @@
 
 namespace ciuic::testing {
 
-inline std::unique_ptr<Communicator> JoinJob(const std::string& socket, const std::string& job,
-                                             int rank, int world, uint64_t arena = 16 << 20) {
+// Rank `rank` of a single-node job of `world` ranks on the daemon at
+// `socket`: the status of Communicator::Create.
+inline Status CreateComm(const std::string& socket, const std::string& job, int rank, int world,
+                         uint64_t arena, std::unique_ptr<Communicator>* out) {
   JobOptions o;
   o.socket_path = socket;
   o.job_id = job;
   o.rank = rank;
   o.world_size = world;
   o.arena_bytes = arena;
+  return Communicator::Create(o, out);
+}
+
+inline std::unique_ptr<Communicator> JoinJob(const std::string& socket, const std::string& job,
+                                             int rank, int world, uint64_t arena = 16 << 20) {
   std::unique_ptr<Communicator> c;
-  Status s = Communicator::Create(o, &c);
+  Status s = CreateComm(socket, job, rank, world, arena, &c);
   if (!s.ok()) fprintf(stderr, "rank %d: Create: %s\n", rank, s.ToString().c_str());
   return c;
+}
+
+// A fresh 2-rank job on the daemon at `socket` runs an allreduce: the
+// daemon still serves (after whatever a test did to it or its peers).
+inline void ExpectServes(const std::string& socket) {
+  const std::string job = UniqueJobId("still-serves");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = JoinJob(socket, job, rank, 2);
+    if (comm == nullptr) return 1;
+    std::vector<int32_t> v(1000, rank + 1);
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt32, ReduceOp::kSum).Wait();
+    if (!s.ok() || v[999] != 3) {
+      fprintf(stderr, "rank %d: %s (got %d)\n", rank, s.ToString().c_str(), v[999]);
+      return 1;
+    }
+    return 0;
+  }, std::chrono::seconds(30));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0})) << "the daemon no longer serves new jobs";
 }
 
 inline bool Contains(const std::string& haystack, const std::string& needle) {

@@ -82,20 +82,6 @@ std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
          std::to_string(info.param.ranks_per_node) + "ranks";
 }
 
-// A fresh 2-rank job on `daemon` alone runs an allreduce.
-void ExpectServesOn(const DaemonProcess& daemon) {
-  const std::string job = UniqueJobId("still-serves");
-  auto codes = RunRanks(2, [&](int rank) {
-    auto comm = JoinJob(daemon.socket(), job, rank, 2);
-    CHILD_CHECK(comm != nullptr, "join");
-    std::vector<int32_t> v(1000, rank + 1);
-    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt32, ReduceOp::kSum).Wait();
-    CHILD_CHECK(s.ok() && v[999] == 3, "%s", s.ToString().c_str());
-    return 0;
-  }, std::chrono::seconds(30));
-  EXPECT_EQ(codes, (std::vector<int>{0, 0})) << "the daemon no longer serves new jobs";
-}
-
 class MultiNodeTest : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(MultiNodeTest, EveryCollectiveDtypeOpAndSizeOverUcxTcp) {
@@ -271,6 +257,34 @@ TEST(MultiNodeSemanticsTest, ANameResubmittedBeforeItRanRunsEveryOccurrenceInOrd
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// Two ranks on two nodes of `cluster` run float allreduces of `elements`
+// (timeout 1500 ms, Wait's grace 1 s) until one fails, then exit 0 (1 if
+// none ever fails); rank 0 writes a byte to `signal_fd` after step
+// `signal_at`. Their pids.
+std::vector<pid_t> SpawnAllreducesUntilTheJobFails(Cluster& cluster, const std::string& job,
+                                                   size_t elements, int signal_at, int signal_fd) {
+  return SpawnRanks(2, [&cluster, job, elements, signal_at, signal_fd](int rank) {
+    setenv("CIUIC_WAIT_GRACE_MS", "1000", 1);
+    auto comm = cluster.Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(elements, 1.0f);
+    for (int i = 0; i < 100000; ++i) {
+      OpOptions o;
+      o.name = "step";
+      o.timeout_ms = 1500;
+      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32,
+                                 ReduceOp::kSum, o).Wait();
+      if (i == signal_at && rank == 0) CHILD_CHECK(write(signal_fd, "r", 1) == 1, "pipe");
+      if (!s.ok()) {
+        fprintf(stderr, "rank %d, step %d: %s\n", rank, i, s.ToString().c_str());
+        return 0;  // the job failed, as it must; this rank leaves
+      }
+      v.assign(v.size(), 1.0f);
+    }
+    return 1;
+  });
+}
+
 // A hung node (its daemon stopped with SIGSTOP mid-run, as a swapping or
 // debugged machine is) fails the job on the healthy node, which then tears
 // the job down with requests to the stopped peer still in UCX's hands: the
@@ -285,26 +299,8 @@ TEST(MultiNodeFaultsTest, AStoppedPeerNeverTakesTheHealthyDaemonDown) {
     const std::string job = UniqueJobId("hung-peer");
     int running[2];
     ASSERT_EQ(pipe(running), 0);
-    std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
-      setenv("CIUIC_WAIT_GRACE_MS", "1000", 1);
-      auto comm = cluster->Join(job, rank, 2, 1);
-      CHILD_CHECK(comm != nullptr, "join");
-      std::vector<float> v(1 << 18, 1.0f);
-      for (int i = 0; i < 100000; ++i) {
-        OpOptions o;
-        o.name = "step";
-        o.timeout_ms = 1500;
-        Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32,
-                                   ReduceOp::kSum, o).Wait();
-        if (i == 5 + round && rank == 0) CHILD_CHECK(write(running[1], "r", 1) == 1, "pipe");
-        if (!s.ok()) {
-          fprintf(stderr, "rank %d, step %d: %s\n", rank, i, s.ToString().c_str());
-          return 0;  // the job failed, as it must; this rank leaves
-        }
-        v.assign(v.size(), 1.0f);
-      }
-      return 1;
-    });
+    std::vector<pid_t> pids =
+        SpawnAllreducesUntilTheJobFails(*cluster, job, 1 << 18, 5 + round, running[1]);
     char c;
     ASSERT_EQ(read(running[0], &c, 1), 1);
     ASSERT_EQ(kill(cluster->nodes[1]->pid(), SIGSTOP), 0);
@@ -312,7 +308,7 @@ TEST(MultiNodeFaultsTest, AStoppedPeerNeverTakesTheHealthyDaemonDown) {
     // Node 0 ends the job: its transport shuts down towards a stopped peer.
     std::this_thread::sleep_for(std::chrono::seconds(3));
     EXPECT_TRUE(cluster->nodes[0]->Alive()) << cluster->nodes[0]->Log();
-    if (cluster->nodes[0]->Alive()) ExpectServesOn(*cluster->nodes[0]);
+    if (cluster->nodes[0]->Alive()) ExpectServes(cluster->nodes[0]->socket());
     EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
     kill(cluster->nodes[1]->pid(), SIGCONT);
     EXPECT_EQ(cluster->nodes[0]->Stop(), 0);
@@ -328,22 +324,8 @@ TEST(MultiNodeFaultsTest, SigtermDrainsPromptlyWithARunStuckOnAStoppedPeer) {
   const std::string job = UniqueJobId("drain");
   int running[2];
   ASSERT_EQ(pipe(running), 0);
-  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
-    setenv("CIUIC_WAIT_GRACE_MS", "1000", 1);
-    auto comm = cluster->Join(job, rank, 2, 1);
-    CHILD_CHECK(comm != nullptr, "join");
-    std::vector<float> v(1 << 20, 1.0f);  // 4 MiB: runs take a while
-    for (int i = 0; i < 100000; ++i) {
-      if (i == 3 && rank == 0) CHILD_CHECK(write(running[1], "r", 1) == 1, "pipe");
-      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32,
-                                 ReduceOp::kSum).Wait();
-      if (!s.ok()) {
-        fprintf(stderr, "rank %d, step %d: %s\n", rank, i, s.ToString().c_str());
-        return 0;
-      }
-    }
-    return 1;
-  });
+  // 4 MiB: runs take a while.
+  std::vector<pid_t> pids = SpawnAllreducesUntilTheJobFails(*cluster, job, 1 << 20, 3, running[1]);
   char c;
   ASSERT_EQ(read(running[0], &c, 1), 1);
   ASSERT_EQ(kill(cluster->nodes[1]->pid(), SIGSTOP), 0);
@@ -405,7 +387,7 @@ TEST_P(HeartbeatTest, AStoppedDaemonFailsTheJobWhileNothingIsInFlight) {
   EXPECT_EQ(WaitChild(pids[survivor], std::chrono::seconds(30)), 0)
       << cluster->nodes[survivor]->Log();
   EXPECT_TRUE(cluster->nodes[survivor]->Alive());
-  if (cluster->nodes[survivor]->Alive()) ExpectServesOn(*cluster->nodes[survivor]);
+  if (cluster->nodes[survivor]->Alive()) ExpectServes(cluster->nodes[survivor]->socket());
   kill(cluster->nodes[stopped]->pid(), SIGCONT);
   kill(pids[stopped], SIGKILL);
   WaitChild(pids[stopped], std::chrono::seconds(10));
