@@ -108,6 +108,21 @@ absl::Status ReceiveExactly(int fd, unsigned char* p, size_t n, Clock::time_poin
   return absl::OkStatus();
 }
 
+absl::Status TlsModeMismatch(const std::string& who, absl::string_view mismatch) {
+  return absl::PermissionDeniedError(
+      absl::StrCat(who, mismatch,
+                   ": give every daemon of the cluster the TLS keys (tls_cert_file, tls_key_file, "
+                   "tls_ca_file) or none"));
+}
+
+absl::Status RefuseOtherTlsMode(int fd, const char (&magic)[8], const std::string& who,
+                                absl::string_view mismatch, Clock::time_point deadline) {
+  unsigned char notice[kClientProofBytes] = {};
+  std::memcpy(notice, magic, sizeof(magic));
+  SendExactly(fd, notice, sizeof(notice), deadline).IgnoreError();  // the error below says enough
+  return TlsModeMismatch(who, mismatch);
+}
+
 std::string PeerAuthProof(absl::string_view key, absl::string_view label, absl::string_view a,
                           absl::string_view b) {
   std::string message = absl::StrCat(label, a, b);
@@ -156,12 +171,7 @@ absl::Status AuthenticateClient(int fd, absl::string_view token, const std::stri
   if (absl::Status s = ReceiveExactly(fd, proof, sizeof(proof), deadline); !s.ok()) {
     return During(s, who, "waiting for its proof");
   }
-  if (HasTlsMagic(proof)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        who,
-        " uses TLS and this daemon does not: give every daemon of the cluster the TLS keys "
-        "(tls_cert_file, tls_key_file, tls_ca_file) or none"));
-  }
+  if (HasTlsMagic(proof)) return TlsModeMismatch(who, " uses TLS and this daemon does not");
   if (!HasMagic(proof)) {
     return NotThisHandshake(who);
   }
@@ -197,15 +207,8 @@ absl::Status AuthenticateServer(int fd, absl::string_view token, const std::stri
     return During(s, server, "waiting for its challenge");
   }
   if (HasTlsMagic(hello)) {
-    // Tell the TLS server why this daemon goes (tls_relay.h): a proof
-    // frame of zeros under the plaintext magic.
-    unsigned char notice[kClientProofBytes] = {};
-    std::memcpy(notice, kPeerAuthMagic, sizeof(kPeerAuthMagic));
-    SendExactly(fd, notice, sizeof(notice), deadline).IgnoreError();
-    return absl::PermissionDeniedError(absl::StrCat(
-        server,
-        " requires TLS and this daemon has no TLS keys: give every daemon of the cluster "
-        "the TLS keys (tls_cert_file, tls_key_file, tls_ca_file) or none"));
+    return RefuseOtherTlsMode(fd, kPeerAuthMagic, server,
+                              " requires TLS and this daemon has no TLS keys", deadline);
   }
   if (!HasMagic(hello)) {
     return NotThisHandshake(server);

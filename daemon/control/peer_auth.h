@@ -78,6 +78,18 @@ absl::Status SendExactly(int fd, const unsigned char* p, size_t n,
 absl::Status ReceiveExactly(int fd, unsigned char* p, size_t n,
                             std::chrono::steady_clock::time_point deadline);
 
+// One daemon with TLS keys and one without (tls_relay.h): sends the other
+// side a ClientProof-sized frame of zeros under `magic` (kPeerAuthMagic
+// from the plaintext side, kPeerTlsMagic from the TLS one), so that it too
+// can say why the connection goes, and returns PERMISSION_DENIED
+// "<who><mismatch>: give every daemon of the cluster the TLS keys (...) or
+// none".
+absl::Status RefuseOtherTlsMode(int fd, const char (&magic)[8], const std::string& who,
+                                absl::string_view mismatch,
+                                std::chrono::steady_clock::time_point deadline);
+// The same error without a frame sent (the side that learns it second).
+absl::Status TlsModeMismatch(const std::string& who, absl::string_view mismatch);
+
 // "1.2.3.4:5" or "[::1]:5": the remote end of a connected socket.
 std::string PeerAddressOf(int fd);
 

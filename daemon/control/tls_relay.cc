@@ -460,10 +460,7 @@ absl::StatusOr<TlsStream> TlsAccept(int tcp_fd, const TlsContext& tls, const std
     unsigned char magic[sizeof(kPeerAuthMagic)];
     absl::Status s = ReceiveExactly(tcp_fd, magic, sizeof(magic), deadline);
     if (s.ok() && std::memcmp(magic, kPeerAuthMagic, sizeof(magic)) == 0) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          who,
-          " does not use TLS and this daemon requires it: give every daemon of the cluster "
-          "the TLS keys (tls_cert_file, tls_key_file, tls_ca_file) or none"));
+      return TlsModeMismatch(who, " does not use TLS and this daemon requires it");
     }
     return absl::InvalidArgumentError(
         absl::StrCat(who, " speaks neither TLS nor the ciuic peer handshake"));
@@ -479,15 +476,8 @@ absl::StatusOr<TlsStream> TlsConnect(int tcp_fd, const TlsContext& tls, const st
                         absl::StrCat(server, ": waiting for its TLS announcement: ", s.message()));
   }
   if (std::memcmp(hello, kPeerAuthMagic, sizeof(kPeerAuthMagic)) == 0) {
-    // A plaintext server: tell it why this daemon goes, in the frame it
-    // waits for (a ClientProof's size under the TLS magic).
-    unsigned char notice[kClientProofBytes] = {};
-    std::memcpy(notice, kPeerTlsMagic, sizeof(kPeerTlsMagic));
-    SendExactly(tcp_fd, notice, sizeof(notice), deadline).IgnoreError();
-    return absl::PermissionDeniedError(absl::StrCat(
-        server,
-        " does not use TLS and this daemon does: give every daemon of the cluster the TLS "
-        "keys (tls_cert_file, tls_key_file, tls_ca_file) or none"));
+    return RefuseOtherTlsMode(tcp_fd, kPeerTlsMagic, server,
+                              " does not use TLS and this daemon does", deadline);
   }
   if (std::memcmp(hello, kPeerTlsMagic, sizeof(kPeerTlsMagic)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -29,6 +29,16 @@ constexpr char kToken[] = "tls test token";
 
 Clock::time_point In(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
 
+// Polls `done` every 10 ms until it holds or `ms` pass; its last value.
+template <typename F>
+bool Eventually(F done, int ms) {
+  for (const auto until = In(ms); Clock::now() < until;) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return done();
+}
+
 int CountEntries(const char* dir) {
   DIR* d = opendir(dir);
   int n = 0;
@@ -197,10 +207,7 @@ TEST_F(TlsRelayTest, MutualTlsCarriesBytesBothWaysIntactWithHalfClose) {
   EXPECT_TRUE(got_by_client == down) << "bytes changed on the way to the client";
   close(*client);
   // Both relays end once both sides are done.
-  for (auto until = In(5000); TlsRelay::Running() > 0 && Clock::now() < until;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(TlsRelay::Running(), 0);
+  EXPECT_TRUE(Eventually([] { return TlsRelay::Running() == 0; }, 5000)) << TlsRelay::Running();
 }
 
 // A peer that goes away is seen as EOF by the local end (and the other way).
@@ -234,10 +241,7 @@ TEST_F(TlsRelayTest, AClientCertificateFromAnotherCaIsRefused) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
   EXPECT_NE(refused.status().message().find("TLS"), absl::string_view::npos) << refused.status();
-  for (auto until = In(3000);
-       Log().find("certificate is refused") == std::string::npos && Clock::now() < until;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  Eventually([&] { return Log().find("certificate is refused") != std::string::npos; }, 3000);
   const std::string log = Log();
   EXPECT_NE(log.find("refused a connection: peer 127.0.0.1:"), std::string::npos) << log;
   EXPECT_NE(log.find("certificate is refused"), std::string::npos) << log;
@@ -262,10 +266,7 @@ TEST_F(TlsRelayTest, PlaintextAndTlsDaemonsRefuseEachOtherClearly) {
   EXPECT_EQ(plain.status().code(), absl::StatusCode::kPermissionDenied) << plain.status();
   EXPECT_NE(plain.status().message().find("requires TLS"), absl::string_view::npos)
       << plain.status();
-  for (auto until = In(3000);
-       Log().find("does not use TLS") == std::string::npos && Clock::now() < until;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  Eventually([&] { return Log().find("does not use TLS") != std::string::npos; }, 3000);
   EXPECT_NE(Log().find("peer 127.0.0.1:"), std::string::npos) << Log();
   EXPECT_NE(Log().find("does not use TLS and this daemon requires it"), std::string::npos) << Log();
   auto good = Connect(Tls("node1"));
@@ -280,11 +281,8 @@ TEST_F(TlsRelayTest, PlaintextAndTlsDaemonsRefuseEachOtherClearly) {
   EXPECT_NE(tls.status().message().find("does not use TLS and this daemon does"),
             absl::string_view::npos)
       << tls.status();
-  for (auto until = In(3000);
-       Log().find("uses TLS and this daemon does not") == std::string::npos &&
-       Clock::now() < until;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  Eventually([&] { return Log().find("uses TLS and this daemon does not") != std::string::npos; },
+             3000);
   EXPECT_NE(Log().find("uses TLS and this daemon does not"), std::string::npos) << Log();
 }
 
@@ -312,9 +310,7 @@ TEST_F(TlsRelayTest, ManyConnectionsLeaveNoFdOrThreadBehind) {
     close(*c);
     close(NextAccepted());
   }
-  for (auto until = In(5000); TlsRelay::Running() > 0 && Clock::now() < until;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  Eventually([] { return TlsRelay::Running() == 0; }, 5000);
   const int fds = CountEntries("/proc/self/fd");
   const int threads = CountEntries("/proc/self/task");
   for (int i = 0; i < 60; ++i) {
@@ -344,12 +340,13 @@ TEST_F(TlsRelayTest, ManyConnectionsLeaveNoFdOrThreadBehind) {
   // Handshake threads end once their connection is handed on or refused;
   // relays once both ends closed.
   int fds_now = 0, threads_now = 0;
-  for (auto until = In(10000); Clock::now() < until;) {
-    fds_now = CountEntries("/proc/self/fd");
-    threads_now = CountEntries("/proc/self/task");
-    if (TlsRelay::Running() == 0 && fds_now <= fds && threads_now <= threads) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  Eventually(
+      [&] {
+        fds_now = CountEntries("/proc/self/fd");
+        threads_now = CountEntries("/proc/self/task");
+        return TlsRelay::Running() == 0 && fds_now <= fds && threads_now <= threads;
+      },
+      10000);
   EXPECT_EQ(TlsRelay::Running(), 0);
   EXPECT_LE(fds_now, fds);
   EXPECT_LE(threads_now, threads);
