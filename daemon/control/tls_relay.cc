@@ -391,6 +391,9 @@ absl::StatusOr<std::shared_ptr<const TlsContext>> TlsContext::Load(const std::st
                                   {"tls_ca_file", ca_file}}) {
     if (absl::Status s = CheckReadable(key, path); !s.ok()) return s;
   }
+  // Relay threads are not joined (tls_relay.h) and may still run while
+  // the process exits: OpenSSL must not free its state under them then.
+  OPENSSL_init_ssl(OPENSSL_INIT_NO_ATEXIT, nullptr);
   ERR_clear_error();
   SSL_CTX* ctx = SSL_CTX_new(TLS_method());
   if (ctx == nullptr) return absl::InternalError(absl::StrCat("TLS: ", SslErrors()));
