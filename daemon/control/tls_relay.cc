@@ -184,7 +184,9 @@ class Relay {
         local_gone_ = true;  // the owner closed its end: nothing more can be delivered
       }
     }
-    if (!close_notify_sent_) SSL_shutdown(ssl_);  // best effort, never waited for
+    // Best effort, never waited for; not after a fatal TLS error (OpenSSL
+    // forbids it).
+    if (status.ok() && !close_notify_sent_) SSL_shutdown(ssl_);
     SSL_free(ssl_);
     close(net_);
     close(local_);

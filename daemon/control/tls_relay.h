@@ -20,14 +20,18 @@
 // The relay (one thread, the only one ever to touch its SSL object):
 // non-blocking SSL_read/SSL_write under poll, bounded buffers of
 // kTlsRelayBufferBytes each way allocated once (nothing the peer sends sizes
-// anything). The peer's close_notify or EOF becomes EOF (SHUT_WR) on the
-// local end once the data before it is delivered; the local end's EOF
-// becomes SSL_shutdown (close_notify) once the data before it is sent;
-// half-close works both ways. The relay ends, closing the TCP socket and
-// its end of the pair, when both directions are done, when the network
-// breaks (the local end then sees EOF or a reset), or when the local end is
-// closed. Its owner does not join it: it ends by itself within the TCP
-// keepalive of the socket (peer_socket.h) once either side is gone.
+// anything). The peer's close_notify becomes EOF (SHUT_WR) on the local end
+// once the data before it is delivered; the local end's EOF becomes
+// SSL_shutdown (close_notify) once the data before it is sent; half-close
+// works both ways. The relay ends, closing the TCP socket and its end of
+// the pair, when both directions are done, when the local end is closed,
+// or on any TLS or network error (a TCP close without close_notify
+// included: the local end then sees EOF, and end_status() says why). Its
+// owner does not join it: it ends by itself once either side is gone
+// (a vanished host within the TCP keepalive of peer_socket.h).
+//
+// TlsAccept and TlsConnect block their caller (a PeerListener handshake
+// thread, a connecting thread) until the handshake is done or the deadline.
 #pragma once
 
 #include <atomic>
