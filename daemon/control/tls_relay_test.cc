@@ -19,6 +19,7 @@
 #include "control/testing/test_certs.h"
 #include "gtest/gtest.h"
 #include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
 namespace ciuic::daemon {
@@ -102,6 +103,8 @@ class TlsRelayTest : public ::testing::Test {
   // Sockets a test did not take are closed, so that their relays end.
   void TearDown() override {
     listener_.reset();
+    // log_ goes with this fixture: later lines go to stderr.
+    spdlog::set_default_logger(spdlog::stderr_color_mt("after-" + std::to_string(++fixtures_)));
     std::lock_guard<std::mutex> lock(mu_);
     for (int fd : accepted_) close(fd);
     accepted_.clear();
@@ -153,6 +156,7 @@ class TlsRelayTest : public ::testing::Test {
   }
 
   static testing::TestCerts* certs_;
+  static inline int fixtures_ = 0;
   std::ostringstream log_;
   std::unique_ptr<PeerListener> listener_;
   std::mutex mu_;
