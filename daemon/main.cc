@@ -200,7 +200,17 @@ int Main(int argc, char** argv) {
     fprintf(stderr, "ciuicd: peers: %s\n", std::string(peers.status().message()).c_str());
     return 78;
   }
-  PeerSecurity security{cluster_token, *peers};
+  PeerSecurity security{cluster_token, *peers, nullptr};
+  if (!cfg.tls_cert_file.empty()) {
+    // Read and checked now: a key that cannot be used stops the daemon
+    // here (exit 78) rather than failing each connection later.
+    auto tls = TlsContext::Load(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_ca_file);
+    if (!tls.ok()) {
+      fprintf(stderr, "ciuicd: %s\n", std::string(tls.status().message()).c_str());
+      return 78;
+    }
+    security.tls = *tls;
+  }
 
   auto logger = spdlog::stderr_color_mt("ciuicd");
   spdlog::set_default_logger(logger);
@@ -297,7 +307,7 @@ int Main(int argc, char** argv) {
           "without a cluster token",
           *listen);
     }
-    auto started = PeerServer::Start(*listen, cluster_token, &peer_service);
+    auto started = PeerServer::Start(*listen, cluster_token, &peer_service, security.tls);
     if (!started.ok()) {
       spdlog::critical("{}", std::string(started.status().message()));
       (*server)->Shutdown();
@@ -306,7 +316,8 @@ int Main(int argc, char** argv) {
     }
     peer_server = std::move(*started);
     const std::string host = listen->substr(0, listen->rfind(':'));
-    auto listener = OrderingListener::Start(host, cfg.ordering_port, &coordinator, cluster_token);
+    auto listener = OrderingListener::Start(host, cfg.ordering_port, &coordinator, cluster_token,
+                                            security.tls);
     if (!listener.ok()) {
       spdlog::critical("{}", std::string(listener.status().message()));
       peer_server->Shutdown();
@@ -318,9 +329,11 @@ int Main(int argc, char** argv) {
     coordinator.set_ordering_port(ordering_listener->port());
     service.set_peer_address(absl::StrCat(host, ":", peer_server->port()));
     service.set_ordering_port(ordering_listener->port());
-    spdlog::info("peer service on {}:{}, ordering streams on port {}{}{}", host,
+    spdlog::info("peer service on {}:{}, ordering streams on port {}{}{}{}", host,
                  peer_server->port(), ordering_listener->port(),
                  cluster_token.empty() ? " (no cluster token)" : " (cluster token required)",
+                 security.tls ? absl::StrCat("; TLS with certificates of ", cfg.tls_ca_file)
+                              : std::string("; no TLS"),
                  security.allowed.empty()
                      ? ""
                      : absl::StrCat("; coordinators allowed: ", security.allowed.ToString()));

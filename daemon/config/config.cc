@@ -107,6 +107,15 @@ class Parser {
            config.cluster_token_file = value;
            return absl::OkStatus();
          })},
+        {"tls_cert_file", Scalar([&](const auto& key, const auto& value) {
+           return SetTlsFile(key, value, 0, &config.tls_cert_file);
+         })},
+        {"tls_key_file", Scalar([&](const auto& key, const auto& value) {
+           return SetTlsFile(key, value, 1, &config.tls_key_file);
+         })},
+        {"tls_ca_file", Scalar([&](const auto& key, const auto& value) {
+           return SetTlsFile(key, value, 2, &config.tls_ca_file);
+         })},
         {"admin_group", Scalar([&](const auto& key, const auto& value) {
            return SetAdminGroup(key, value, config);
          })},
@@ -130,8 +139,7 @@ class Parser {
                                 &config.max_arena_bytes_per_uid);
          })},
         {"max_arena_bytes_total", Scalar([&](const auto& key, const auto& value) {
-           return SetTotalBytes(key, value, "max_arena_bytes_total",
-                                &config.max_arena_bytes_total);
+           return SetTotalBytes(key, value, "max_arena_bytes_total", &config.max_arena_bytes_total);
          })},
         {"tuning", [&](const YAML::Node& key,
                        const YAML::Node& value) { return ParseTuning(key, value, config.tuning); }},
@@ -153,6 +161,7 @@ class Parser {
         return status;
       }
     }
+    if (absl::Status status = CheckTlsKeys(); !status.ok()) return status;
     return config;
   }
 
@@ -378,6 +387,40 @@ class Parser {
     return name;
   }
 
+  // tls_cert_file, tls_key_file, tls_ca_file: the key nodes of those set
+  // (non-empty), to name the line when they do not come together.
+  absl::Status SetTlsFile(const YAML::Node& key, const std::string& value, int which,
+                          std::string* out) {
+    *out = value;
+    tls_set_[which] = !value.empty();
+    tls_keys_[which] = key;
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckTlsKeys() const {
+    static constexpr absl::string_view kNames[3] = {"tls_cert_file", "tls_key_file", "tls_ca_file"};
+    int set = 0;
+    std::string missing;
+    for (int i = 0; i < 3; ++i) {
+      if (tls_set_[i]) {
+        ++set;
+      } else {
+        absl::StrAppend(&missing, missing.empty() ? "" : ", ", kNames[i]);
+      }
+    }
+    if (set == 0 || set == 3) return absl::OkStatus();
+    int first = -1;  // the one set earliest in the file names the line
+    for (int i = 0; i < 3; ++i) {
+      if (tls_set_[i] && (first < 0 || tls_keys_[i].Mark().line < tls_keys_[first].Mark().line)) {
+        first = i;
+      }
+    }
+    return Error(tls_keys_[first],
+                 absl::StrCat("TLS between daemons needs tls_cert_file, tls_key_file and "
+                              "tls_ca_file together (or none of them); missing: ",
+                              missing));
+  }
+
   absl::Status Error(const YAML::Node& node, absl::string_view message) const {
     YAML::Mark mark = node.Mark();
     if (mark.is_null()) {
@@ -387,6 +430,8 @@ class Parser {
   }
 
   std::string source_;
+  bool tls_set_[3] = {false, false, false};
+  YAML::Node tls_keys_[3];
 };
 
 }  // namespace

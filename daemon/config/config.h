@@ -54,6 +54,13 @@ struct DaemonConfig {
   std::string metrics_listen;
   // File holding the secret shared by the cluster's daemons; "" = none.
   std::string cluster_token_file;
+  // TLS between daemons (peer service and ordering streams): this daemon's
+  // certificate (PEM, chain allowed), its private key, and the CA that
+  // signs every daemon's certificate. All three or none ("" = no TLS);
+  // ciuicd reads and checks them at start.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
   // Group (name) whose members may change the daemon (`ciuicctl tune set`)
   // and see every user's jobs, as root and the daemon's own uid may; "" =
   // none. Must exist when set.
@@ -61,12 +68,12 @@ struct DaemonConfig {
   // What one trainer, uid or job may take (daemon/README's "Security"):
   // every number a trainer sends is held against these before the daemon
   // allocates for it. 0 in a byte limit: a share of physical memory.
-  uint32_t max_world_size = 65536;        // ranks of one job, 1..16777216
-  uint32_t max_sessions = 4096;           // sessions open at once, all uids
-  uint32_t max_sessions_per_uid = 512;    // sessions open at once, one uid
-  uint32_t max_jobs_per_uid = 256;        // jobs with a rank on this node, one uid
-  uint64_t max_arena_bytes_per_uid = 0;   // arenas mapped for one uid; 0: 1/2 of RAM
-  uint64_t max_arena_bytes_total = 0;     // arenas mapped for all uids; 0: 3/4 of RAM
+  uint32_t max_world_size = 65536;       // ranks of one job, 1..16777216
+  uint32_t max_sessions = 4096;          // sessions open at once, all uids
+  uint32_t max_sessions_per_uid = 512;   // sessions open at once, one uid
+  uint32_t max_jobs_per_uid = 256;       // jobs with a rank on this node, one uid
+  uint64_t max_arena_bytes_per_uid = 0;  // arenas mapped for one uid; 0: 1/2 of RAM
+  uint64_t max_arena_bytes_total = 0;    // arenas mapped for all uids; 0: 3/4 of RAM
   // Initial live-tunable settings (YAML map `tuning`).
   Tuning tuning;
 };

@@ -117,6 +117,9 @@ TEST(ConfigTest, ExampleMentionsEveryKey) {
                           "insecure_no_auth:", "peers:", "tuning:"}) {
     EXPECT_THAT(text, HasSubstr(key));
   }
+  for (const char* key : {"tls_cert_file:", "tls_key_file:", "tls_ca_file:"}) {
+    EXPECT_THAT(text, HasSubstr(key));
+  }
   for (const std::string& key : TuningKeys()) EXPECT_THAT(text, HasSubstr(key + ":"));
 }
 
@@ -335,6 +338,24 @@ TEST(ConfigTest, PeersAreAListOrACommaSeparatedStringCheckedEntryByEntry) {
               HasSubstr("config.yaml:1: invalid entry in 'peers': 'bad host!' is neither"));
   EXPECT_THAT(ErrorOf("peers:\n  a: b\n"), HasSubstr("config.yaml:2: 'peers' must be a list"));
   EXPECT_THAT(ErrorOf("peers:\n  - [1]\n"), HasSubstr("each entry of 'peers'"));
+}
+
+TEST(ConfigTest, TlsKeysComeAllThreeOrNone) {
+  auto all = Parse(
+      "tls_cert_file: /etc/ciuic/node.pem\ntls_key_file: /etc/ciuic/node.key\n"
+      "tls_ca_file: /etc/ciuic/ca.pem\n");
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->tls_cert_file, "/etc/ciuic/node.pem");
+  EXPECT_EQ(all->tls_key_file, "/etc/ciuic/node.key");
+  EXPECT_EQ(all->tls_ca_file, "/etc/ciuic/ca.pem");
+  auto none = Parse("tls_cert_file: \"\"\n");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->tls_cert_file, "");
+  EXPECT_EQ(ErrorOf("log_level: info\ntls_key_file: /k\ntls_cert_file: /c\n"),
+            "config.yaml:2: TLS between daemons needs tls_cert_file, tls_key_file and tls_ca_file "
+            "together (or none of them); missing: tls_ca_file");
+  EXPECT_THAT(ErrorOf("tls_ca_file: /ca\ntls_key_file: \"\"\n"),
+              HasSubstr("config.yaml:1: TLS between daemons needs"));
 }
 
 TEST(PeerListTest, AddressesRangesAndNamesMatch) {

@@ -28,60 +28,16 @@ int MillisecondsLeft(Clock::time_point deadline) {
   return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 3600 * 1000));
 }
 
-// Waits for `events` on fd until the deadline. OK, DEADLINE_EXCEEDED or
-// UNAVAILABLE.
-absl::Status Wait(int fd, short events, Clock::time_point deadline) {
-  while (true) {
-    pollfd p{fd, events, 0};
-    const int r = poll(&p, 1, MillisecondsLeft(deadline));
-    if (r > 0) return absl::OkStatus();
-    if (r == 0) return absl::DeadlineExceededError("timed out");
-    if (errno != EINTR) return absl::UnavailableError(std::strerror(errno));
-  }
-}
-
-absl::Status Send(int fd, const unsigned char* p, size_t n, Clock::time_point deadline) {
-  while (n > 0) {
-    if (absl::Status s = Wait(fd, POLLOUT, deadline); !s.ok()) return s;
-    const ssize_t w = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      return absl::UnavailableError(std::strerror(errno));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
-
-// Exactly n bytes: never more, so that what follows the handshake stays in
-// the socket for the protocol that takes it over.
-absl::Status Receive(int fd, unsigned char* p, size_t n, Clock::time_point deadline) {
-  size_t got = 0;
-  while (got < n) {
-    if (absl::Status s = Wait(fd, POLLIN, deadline); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(s.message(), " after ", got, " of ", n, " bytes"));
-    }
-    const ssize_t r = recv(fd, p + got, n - got, MSG_DONTWAIT);
-    if (r == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("the connection closed after ", got, " of ", n, " bytes"));
-    }
-    if (r < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      return absl::UnavailableError(std::strerror(errno));
-    }
-    got += static_cast<size_t>(r);
-  }
-  return absl::OkStatus();
-}
-
 absl::string_view View(const unsigned char* p, size_t n) {
   return absl::string_view(reinterpret_cast<const char*>(p), n);
 }
 
 bool HasMagic(const unsigned char* frame) {
   return std::memcmp(frame, kPeerAuthMagic, sizeof(kPeerAuthMagic)) == 0;
+}
+
+bool HasTlsMagic(const unsigned char* frame) {
+  return std::memcmp(frame, kPeerTlsMagic, sizeof(kPeerTlsMagic)) == 0;
 }
 
 bool SameProof(const std::string& want, const unsigned char* got) {
@@ -107,6 +63,65 @@ absl::Status During(const absl::Status& s, absl::string_view who, absl::string_v
 }
 
 }  // namespace
+
+absl::Status WaitForSocket(int fd, short events, Clock::time_point deadline) {
+  while (true) {
+    pollfd p{fd, events, 0};
+    const int r = poll(&p, 1, MillisecondsLeft(deadline));
+    if (r > 0) return absl::OkStatus();
+    if (r == 0) return absl::DeadlineExceededError("timed out");
+    if (errno != EINTR) return absl::UnavailableError(std::strerror(errno));
+  }
+}
+
+absl::Status SendExactly(int fd, const unsigned char* p, size_t n, Clock::time_point deadline) {
+  while (n > 0) {
+    if (absl::Status s = WaitForSocket(fd, POLLOUT, deadline); !s.ok()) return s;
+    const ssize_t w = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      return absl::UnavailableError(std::strerror(errno));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReceiveExactly(int fd, unsigned char* p, size_t n, Clock::time_point deadline) {
+  size_t got = 0;
+  while (got < n) {
+    if (absl::Status s = WaitForSocket(fd, POLLIN, deadline); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(s.message(), " after ", got, " of ", n, " bytes"));
+    }
+    const ssize_t r = recv(fd, p + got, n - got, MSG_DONTWAIT);
+    if (r == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("the connection closed after ", got, " of ", n, " bytes"));
+    }
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      return absl::UnavailableError(std::strerror(errno));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TlsModeMismatch(const std::string& who, absl::string_view mismatch) {
+  return absl::PermissionDeniedError(
+      absl::StrCat(who, mismatch,
+                   ": give every daemon of the cluster the TLS keys (tls_cert_file, tls_key_file, "
+                   "tls_ca_file) or none"));
+}
+
+absl::Status RefuseOtherTlsMode(int fd, const char (&magic)[8], const std::string& who,
+                                absl::string_view mismatch, Clock::time_point deadline) {
+  unsigned char notice[kClientProofBytes] = {};
+  std::memcpy(notice, magic, sizeof(magic));
+  SendExactly(fd, notice, sizeof(notice), deadline).IgnoreError();  // the error below says enough
+  return TlsModeMismatch(who, mismatch);
+}
 
 std::string PeerAuthProof(absl::string_view key, absl::string_view label, absl::string_view a,
                           absl::string_view b) {
@@ -149,13 +164,14 @@ absl::Status AuthenticateClient(int fd, absl::string_view token, const std::stri
   std::memcpy(hello, kPeerAuthMagic, sizeof(kPeerAuthMagic));
   unsigned char* nonce_s = hello + sizeof(kPeerAuthMagic);
   if (absl::Status s = RandomNonce(nonce_s); !s.ok()) return s;
-  if (absl::Status s = Send(fd, hello, sizeof(hello), deadline); !s.ok()) {
+  if (absl::Status s = SendExactly(fd, hello, sizeof(hello), deadline); !s.ok()) {
     return During(s, who, "sending the challenge");
   }
   unsigned char proof[kClientProofBytes];
-  if (absl::Status s = Receive(fd, proof, sizeof(proof), deadline); !s.ok()) {
+  if (absl::Status s = ReceiveExactly(fd, proof, sizeof(proof), deadline); !s.ok()) {
     return During(s, who, "waiting for its proof");
   }
+  if (HasTlsMagic(proof)) return TlsModeMismatch(who, " uses TLS and this daemon does not");
   if (!HasMagic(proof)) {
     return NotThisHandshake(who);
   }
@@ -173,7 +189,7 @@ absl::Status AuthenticateClient(int fd, absl::string_view token, const std::stri
                 std::min(mac_s.size(), kPeerAuthMacBytes));
   }
   // Sent either way: a refused daemon hears why rather than a reset.
-  absl::Status sent = Send(fd, verdict, sizeof(verdict), deadline);
+  absl::Status sent = SendExactly(fd, verdict, sizeof(verdict), deadline);
   if (!accepted) {
     return absl::PermissionDeniedError(
         absl::StrCat(who,
@@ -187,8 +203,12 @@ absl::Status AuthenticateClient(int fd, absl::string_view token, const std::stri
 absl::Status AuthenticateServer(int fd, absl::string_view token, const std::string& server,
                                 Clock::time_point deadline) {
   unsigned char hello[kServerHelloBytes];
-  if (absl::Status s = Receive(fd, hello, sizeof(hello), deadline); !s.ok()) {
+  if (absl::Status s = ReceiveExactly(fd, hello, sizeof(hello), deadline); !s.ok()) {
     return During(s, server, "waiting for its challenge");
+  }
+  if (HasTlsMagic(hello)) {
+    return RefuseOtherTlsMode(fd, kPeerAuthMagic, server,
+                              " requires TLS and this daemon has no TLS keys", deadline);
   }
   if (!HasMagic(hello)) {
     return NotThisHandshake(server);
@@ -202,11 +222,11 @@ absl::Status AuthenticateServer(int fd, absl::string_view token, const std::stri
   const std::string mac_c = PeerAuthProof(token, kClientLabel, ns, nc);
   std::memcpy(nonce_c + kPeerAuthNonceBytes, mac_c.data(),
               std::min(mac_c.size(), kPeerAuthMacBytes));
-  if (absl::Status s = Send(fd, proof, sizeof(proof), deadline); !s.ok()) {
+  if (absl::Status s = SendExactly(fd, proof, sizeof(proof), deadline); !s.ok()) {
     return During(s, server, "sending this daemon's proof");
   }
   unsigned char verdict[kVerdictBytes];
-  if (absl::Status s = Receive(fd, verdict, sizeof(verdict), deadline); !s.ok()) {
+  if (absl::Status s = ReceiveExactly(fd, verdict, sizeof(verdict), deadline); !s.ok()) {
     return During(s, server, "waiting for its verdict");
   }
   if (!HasMagic(verdict)) {

@@ -18,8 +18,13 @@
 // that one side's proof can never be replayed as the other's. Each side's
 // fresh nonce makes a recorded exchange useless for a later connection.
 //
-// What it does not do: encrypt or integrity-protect what follows (that is
-// TLS, not built yet), or stop a host that a trainer names as its job's
+// With TLS keys (tls_relay.h) the exchange runs inside the TLS session.
+// A plaintext daemon that meets a TLS daemon's announcement (kPeerTlsMagic
+// where a ServerHello or ClientProof belongs) says so and fails with an
+// error naming the tls_* keys; the TLS side does the same the other way.
+//
+// What it does not do by itself: encrypt or integrity-protect what follows
+// (TLS does, when configured), or stop a host that a trainer names as its job's
 // coordinator from relaying the exchange to a real daemon (the `peers`
 // allow-list does: the daemon then connects to listed hosts only).
 //
@@ -37,6 +42,8 @@
 namespace ciuic::daemon {
 
 inline constexpr char kPeerAuthMagic[8] = {'C', 'I', 'U', 'I', 'C', 'P', 'A', '1'};
+// Opens the frames of a daemon that uses TLS before its TLS handshake.
+inline constexpr char kPeerTlsMagic[8] = {'C', 'I', 'U', 'I', 'C', 'T', 'L', '1'};
 inline constexpr size_t kPeerAuthNonceBytes = 32;
 inline constexpr size_t kPeerAuthMacBytes = 32;
 inline constexpr size_t kServerHelloBytes = sizeof(kPeerAuthMagic) + kPeerAuthNonceBytes;
@@ -59,6 +66,29 @@ absl::Status AuthenticateClient(int fd, absl::string_view token, const std::stri
 // or fails the challenge itself, else as above.
 absl::Status AuthenticateServer(int fd, absl::string_view token, const std::string& server,
                                 std::chrono::steady_clock::time_point deadline);
+
+// Socket steps with a deadline, for this handshake and the TLS one (fd
+// non-blocking or not). WaitForSocket: `events` (poll) on fd; OK,
+// DEADLINE_EXCEEDED or UNAVAILABLE. SendExactly: all n bytes.
+// ReceiveExactly: exactly n bytes, never more, so that what follows stays
+// in the socket for the protocol that takes it over.
+absl::Status WaitForSocket(int fd, short events, std::chrono::steady_clock::time_point deadline);
+absl::Status SendExactly(int fd, const unsigned char* p, size_t n,
+                         std::chrono::steady_clock::time_point deadline);
+absl::Status ReceiveExactly(int fd, unsigned char* p, size_t n,
+                            std::chrono::steady_clock::time_point deadline);
+
+// One daemon with TLS keys and one without (tls_relay.h): sends the other
+// side a ClientProof-sized frame of zeros under `magic` (kPeerAuthMagic
+// from the plaintext side, kPeerTlsMagic from the TLS one), so that it too
+// can say why the connection goes, and returns PERMISSION_DENIED
+// "<who><mismatch>: give every daemon of the cluster the TLS keys (...) or
+// none".
+absl::Status RefuseOtherTlsMode(int fd, const char (&magic)[8], const std::string& who,
+                                absl::string_view mismatch,
+                                std::chrono::steady_clock::time_point deadline);
+// The same error without a frame sent (the side that learns it second).
+absl::Status TlsModeMismatch(const std::string& who, absl::string_view mismatch);
 
 // "1.2.3.4:5" or "[::1]:5": the remote end of a connected socket.
 std::string PeerAddressOf(int fd);

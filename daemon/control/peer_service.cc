@@ -92,7 +92,8 @@ grpc::Status PeerService::OrderStream(
         absl::StrCat("no Hello on the ordering stream within ", hello_timeout_.count(), " ms"));
   }
   if (!read || !first.has_hello()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ordering stream must start with Hello");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "ordering stream must start with Hello");
   }
   GrpcNodeStream out(ctx, stream);
   auto handle = coordinator_->Attach(first.hello(), &out);
@@ -103,16 +104,16 @@ grpc::Status PeerService::OrderStream(
     if (e.has_leave()) left = true;
     coordinator_->OnEvent(*handle, e);
   }
-  coordinator_->Detach(*handle, left ? absl::OkStatus()
-                                     : absl::UnavailableError(ctx->IsCancelled()
-                                                                  ? "its stream was cancelled"
-                                                                  : "its stream ended"));
+  coordinator_->Detach(*handle,
+                       left ? absl::OkStatus()
+                            : absl::UnavailableError(ctx->IsCancelled() ? "its stream was cancelled"
+                                                                        : "its stream ended"));
   return grpc::Status::OK;
 }
 
-absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string& listen,
-                                                              const std::string& token,
-                                                              grpc::Service* service) {
+absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(
+    const std::string& listen, const std::string& token, grpc::Service* service,
+    std::shared_ptr<const TlsContext> tls) {
   const int port = PortOfAddress(listen);
   if (port < 0) {
     return absl::InvalidArgumentError(absl::StrCat("peer service: '", listen, "' has no port"));
@@ -130,6 +131,7 @@ absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const std::string&
   PeerListener::Options options;
   options.what = "peer service";
   options.token = token;
+  options.tls = std::move(tls);
   grpc::Server* grpc_server = server->server_.get();
   auto listener = PeerListener::Start(HostOfAddress(listen), port, std::move(options),
                                       // gRPC owns the socket from here (and closes it).

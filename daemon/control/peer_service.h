@@ -39,10 +39,11 @@ class PeerService final : public proto::Peer::Service {
 class PeerServer {
  public:
   // Listens on `listen` (host:port; port 0 picks one) for daemons that know
-  // `token`. `service` must outlive this.
-  static absl::StatusOr<std::unique_ptr<PeerServer>> Start(const std::string& listen,
-                                                           const std::string& token,
-                                                           grpc::Service* service);
+  // `token` (and, with `tls`, present a certificate of its CA). `service`
+  // must outlive this.
+  static absl::StatusOr<std::unique_ptr<PeerServer>> Start(
+      const std::string& listen, const std::string& token, grpc::Service* service,
+      std::shared_ptr<const TlsContext> tls = nullptr);
   ~PeerServer();  // Shutdown() with no grace
 
   int port() const { return listener_->port(); }

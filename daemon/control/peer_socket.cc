@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "control/peer_auth.h"
+#include "control/tls_relay.h"
 #include "spdlog/spdlog.h"
 
 namespace ciuic::daemon {
@@ -149,15 +150,37 @@ absl::StatusOr<int> ConnectToPeer(const std::string& host, int port, const PeerS
         security.allowed.ToString(), ")"));
   }
   if (fd < 0) return absl::UnavailableError(absl::StrCat(what, ": ", last_error));
-  absl::Status auth = AuthenticateServer(fd, security.token, what, deadline);
+  SetPeerStreamOptions(fd);  // on the TCP socket, also under TLS (its keepalive ends the relay)
+  int conn = fd;             // what the token handshake and the caller use
+  std::shared_ptr<TlsRelay> relay;
+  if (security.tls) {
+    absl::StatusOr<TlsStream> tls = TlsConnect(fd, *security.tls, what, deadline);
+    if (!tls.ok()) {
+      spdlog::warn("{}", std::string(tls.status().message()));
+      close(fd);
+      return tls.status();
+    }
+    conn = tls->fd;  // the relay owns fd now
+    relay = std::move(tls->relay);
+  }
+  absl::Status auth = AuthenticateServer(conn, security.token, what, deadline);
+  if (!auth.ok() && relay && absl::IsUnavailable(auth) &&
+      relay->WaitEnded(std::min(deadline, Clock::now() + std::chrono::seconds(1))) &&
+      !relay->end_status().ok()) {
+    // TLS 1.3 ends the client's handshake before the server has checked
+    // the client's certificate: a refusal comes as an alert on the first
+    // read, which ended the relay.
+    auth = absl::PermissionDeniedError(
+        absl::StrCat(what, ": the TLS session ended: ", relay->end_status().message(),
+                     " (does the server's tls_ca_file sign this daemon's certificate?)"));
+  }
   if (!auth.ok()) {
     spdlog::warn("{}", std::string(auth.message()));
-    close(fd);
+    close(conn);
     return auth;
   }
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  SetPeerStreamOptions(fd);
-  return fd;
+  fcntl(conn, F_SETFL, fcntl(conn, F_GETFL) & ~O_NONBLOCK);
+  return conn;
 }
 
 absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Start(const std::string& host, int port,
@@ -269,12 +292,24 @@ void PeerListener::AcceptLoop() {
 
 void PeerListener::Authenticate(SocketThread* h, const std::string& peer) {
   pthread_setname_np(pthread_self(), "ciuic-peerauth");
-  const int fd = h->fd;
-  absl::Status s =
-      AuthenticateClient(fd, options_.token, peer, Clock::now() + options_.handshake_timeout);
+  int fd = h->fd;
+  const auto deadline = Clock::now() + options_.handshake_timeout;
+  SetPeerStreamOptions(fd);  // on the TCP socket, also under TLS (its keepalive ends the relay)
+  absl::Status s = absl::OkStatus();
+  if (options_.tls) {
+    absl::StatusOr<TlsStream> tls = TlsAccept(fd, *options_.tls, peer, deadline);
+    if (tls.ok()) {
+      // The relay owns the TCP socket now; Shutdown wakes the token
+      // handshake through the relay's plaintext end.
+      std::lock_guard<std::mutex> lock(mu_);
+      h->fd = fd = tls->fd;
+    } else {
+      s = tls.status();
+    }
+  }
+  if (s.ok()) s = AuthenticateClient(fd, options_.token, peer, deadline);
   bool handed = false;
   if (s.ok()) {
-    SetPeerStreamOptions(fd);
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_) {
       h->fd = -1;  // no longer ours to shut down

@@ -13,6 +13,17 @@
 // create_channel_posix.h) put gRPC on a socket that is already
 // authenticated. A channel made so does not reconnect: a peer client makes
 // a new connection (and handshake) when its channel breaks.
+//
+// With TLS keys (PeerSecurity::tls, Options::tls) each connection first
+// runs mutual TLS 1.3 on the TCP socket (tls_relay.h), and the
+// cluster-token handshake then runs inside the TLS session, on the relayed
+// plaintext socket that gRPC or the ordering stream later get. Inside
+// rather than before it because: an eavesdropper then never sees the
+// handshake's nonces and HMACs (no offline guessing of a weak token from a
+// recording), only daemons with a certificate of the cluster's CA ever
+// reach the token check, and the proof is bound to this TLS session (not
+// replayable on another connection). The cost is one TLS handshake for a
+// peer without the token, which the CA already keeps out.
 #pragma once
 
 #include <atomic>
@@ -27,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "config/peer_list.h"
+#include "control/tls_relay.h"
 
 namespace ciuic::daemon {
 
@@ -43,8 +55,9 @@ void ReapDone(std::list<SocketThread>& threads);
 
 // How a daemon proves itself to others and which others it may reach.
 struct PeerSecurity {
-  std::string token;         // "" = none (the empty key)
-  config::PeerList allowed;  // empty: any host
+  std::string token;                      // "" = none (the empty key)
+  config::PeerList allowed;               // empty: any host
+  std::shared_ptr<const TlsContext> tls;  // null: plain TCP
 };
 
 class PeerListener {
@@ -52,14 +65,16 @@ class PeerListener {
   struct Options {
     std::string what;  // "peer service", "ordering listener": for the log and errors
     std::string token;
+    std::shared_ptr<const TlsContext> tls;  // null: plain TCP
     // Handshakes in progress at once; a connection beyond them is closed
     // at once (a daemon's peers connect a few times per job).
     int max_handshakes = 32;
     std::chrono::milliseconds handshake_timeout = std::chrono::milliseconds(5000);
   };
   // Called on a handshake thread with a socket that passed (non-blocking,
-  // as gRPC wants it; close-on-exec), which it now owns, and its remote
-  // address. Must not block for long: it holds a handshake slot.
+  // as gRPC wants it; close-on-exec; with TLS the plaintext end of the
+  // connection's relay), which it now owns, and its remote address. Must not block for long: it
+  // holds a handshake slot.
   using Accepted = std::function<void(int fd, const std::string& peer)>;
 
   // Listens on host:port (host: a name, an IPv4 address, or an IPv6
@@ -92,9 +107,10 @@ class PeerListener {
 
 // Connects to host:port within the deadline, trying the addresses the host
 // resolves to that `security.allowed` admits (all when it is empty), and
-// authenticates. `what` names the other end in errors ("coordinator
-// 10.0.0.1:7361"). Returns the connected socket (blocking mode,
-// close-on-exec), which the caller owns. PERMISSION_DENIED when no address
+// authenticates (with `security.tls`: TLS, then the token inside it).
+// `what` names the other end in errors ("coordinator 10.0.0.1:7361").
+// Returns the connected socket (blocking mode, close-on-exec; with TLS the
+// plaintext end of the relay), which the caller owns. PERMISSION_DENIED when no address
 // is allowed (naming the config key `peers`) or the handshake fails.
 absl::StatusOr<int> ConnectToPeer(const std::string& host, int port, const PeerSecurity& security,
                                   const std::string& what,

@@ -75,8 +75,8 @@ template <typename M>
 absl::Status ReadFrame(int fd, M* message) {
   unsigned char header[4];
   if (absl::Status s = ReadAll(fd, reinterpret_cast<char*>(header), 4, true); !s.ok()) return s;
-  const uint32_t n = header[0] | (header[1] << 8) | (header[2] << 16) |
-                     (static_cast<uint32_t>(header[3]) << 24);
+  const uint32_t n =
+      header[0] | (header[1] << 8) | (header[2] << 16) | (static_cast<uint32_t>(header[3]) << 24);
   if (n > kMaxFrameBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("frame of ", n, " bytes, more than the ", kMaxFrameBytes, " allowed"));
@@ -183,18 +183,20 @@ class TcpOrderingStream final : public OrderingStream {
   std::mutex write_mu_;
   bool writes_done_ = false;  // guarded by write_mu_
   std::mutex end_mu_;
-  bool cancelled_ = false;    // guarded by end_mu_
-  absl::Status end_;          // guarded by end_mu_
+  bool cancelled_ = false;  // guarded by end_mu_
+  absl::Status end_;        // guarded by end_mu_
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<OrderingListener>> OrderingListener::Start(
-    const std::string& host, int port, Coordinator* coordinator, const std::string& token) {
+    const std::string& host, int port, Coordinator* coordinator, const std::string& token,
+    std::shared_ptr<const TlsContext> tls) {
   std::unique_ptr<OrderingListener> listener(new OrderingListener(coordinator));
   PeerListener::Options options;
   options.what = "ordering listener";
   options.token = token;
+  options.tls = std::move(tls);
   auto peers = PeerListener::Start(
       host, port, std::move(options),
       [l = listener.get()](int fd, const std::string& peer) { l->Accept(fd, peer); });

@@ -22,8 +22,10 @@
 // a JobFailed naming the problem and is closed; the listener goes on.
 //
 // Every connection is authenticated first (peer_auth.h: both daemons prove
-// they know the cluster token) by a PeerListener, before any frame is read
-// from it; a node's OpenTcpOrderingStream does its side of it.
+// they know the cluster token; with TLS keys, inside mutual TLS, whose relay
+// hands this code a plaintext socket: tls_relay.h) by a PeerListener,
+// before any frame is read from it; a node's OpenTcpOrderingStream does its
+// side of it.
 //
 // Threads: the PeerListener accepts and authenticates on its own threads;
 // each authenticated connection is read by a thread of its own (a job has a
@@ -77,10 +79,11 @@ class OrderingListener {
   // Listens on host:port (host as in `listen`: a name, an IPv4 address, or
   // an IPv6 address with or without brackets; port 0: a free one) for the
   // ordering streams of the jobs `coordinator` serves, from daemons that
-  // know `token`. The coordinator must outlive this.
-  static absl::StatusOr<std::unique_ptr<OrderingListener>> Start(const std::string& host, int port,
-                                                                 Coordinator* coordinator,
-                                                                 const std::string& token);
+  // know `token` (and, with `tls`, present a certificate of its CA). The
+  // coordinator must outlive this.
+  static absl::StatusOr<std::unique_ptr<OrderingListener>> Start(
+      const std::string& host, int port, Coordinator* coordinator, const std::string& token,
+      std::shared_ptr<const TlsContext> tls = nullptr);
   ~OrderingListener();  // Shutdown()
 
   int port() const;
@@ -97,7 +100,7 @@ class OrderingListener {
   Coordinator* const coordinator_;
   std::unique_ptr<PeerListener> peers_;
   std::mutex mu_;
-  bool stopping_ = false;              // guarded by mu_
+  bool stopping_ = false;                // guarded by mu_
   std::list<SocketThread> connections_;  // guarded by mu_
 };
 

@@ -166,8 +166,10 @@ struct Cluster {
   std::vector<std::unique_ptr<DaemonProcess>> nodes;
   std::vector<std::string> peers;  // host:port of each peer service
 
+  // `node_configs[i]`, when there, is added to node i's config.
   static std::unique_ptr<Cluster> Start(int n, const std::string& config = "",
-                                        const std::vector<std::string>& token_files = {}) {
+                                        const std::vector<std::string>& token_files = {},
+                                        const std::vector<std::string>& node_configs = {}) {
     auto c = std::make_unique<Cluster>();
     for (int i = 0; i < n; ++i) {
       std::string peer = "127.0.0.1:" + std::to_string(FreePort());
@@ -176,6 +178,7 @@ struct Cluster {
       if (i < static_cast<int>(token_files.size()) && !token_files[i].empty()) {
         yaml += "cluster_token_file: " + token_files[i] + "\n";
       }
+      if (i < static_cast<int>(node_configs.size())) yaml += node_configs[i];
       auto d = DaemonProcess::StartWith(yaml, args, {}, {"UCX_TLS=tcp", "UCX_WARN_UNUSED_ENV_VARS=n"});
       if (!d) return nullptr;
       c->nodes.push_back(std::move(d));

@@ -23,6 +23,7 @@
 
 #include "ciuic/control.pb.h"
 #include "common.h"
+#include "control/testing/test_certs.h"
 #include "harness.h"
 #include "raw_session.h"
 #include "reference.h"
@@ -1362,6 +1363,117 @@ TEST(MultiNodeSecurityTest, ANonLoopbackListenWithoutATokenStopsTheDaemon) {
   ASSERT_NE(daemon, nullptr);
   EXPECT_TRUE(LogsSoon(*daemon, "insecure_no_auth")) << daemon->Log();
   EXPECT_EQ(daemon->Stop(), 0);
+}
+
+// Node 1's daemon cannot reach node 0's (the job's coordinator): rank 1's
+// first allreduce fails with PERMISSION_DENIED whose message holds `word`,
+// rank 0's fails too. The ranks' exit codes.
+std::vector<int> RefusedAtTheFirstOperation(Cluster& cluster, const std::string& job,
+                                            const std::string& word) {
+  return RunRanks(
+      2,
+      [&](int rank) {
+        auto comm = cluster.Join(job, rank, 2, 1);
+        CHILD_CHECK(comm != nullptr, "join");
+        std::vector<float> v(8, 1.0f);
+        OpOptions o;
+        o.timeout_ms = 3000;
+        Status s =
+            comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o)
+                .Wait();
+        if (rank == 1) {
+          CHILD_CHECK(s.code() == StatusCode::kPermissionDenied && Contains(s.message(), word),
+                      "%s", s.ToString().c_str());
+        } else {
+          CHILD_CHECK(!s.ok(), "rank 0 completed without its partner");
+        }
+        return 0;
+      },
+      std::chrono::seconds(60));
+}
+
+// Two daemons with TLS keys signed by one CA run a job: the allreduce's
+// values are right, and the ordering stream ran over its own (TLS) TCP
+// connection, not the gRPC fallback.
+TEST(MultiNodeSecurityTest, TwoDaemonsWithTlsRunAnAllreduce) {
+  std::string error;
+  auto certs = ciuic::testing::TestCerts::Make({"node0", "node1"}, &error);
+  ASSERT_NE(certs, nullptr) << error;
+  TokenFile token("tls cluster secret");
+  auto cluster = Cluster::Start(2, "", {token.path(), token.path()},
+                                {certs->ConfigOf("node0"), certs->ConfigOf("node1")});
+  ASSERT_NE(cluster, nullptr);
+  EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "; TLS with certificates of " + certs->ca()))
+      << cluster->nodes[0]->Log();
+  auto codes = AllreduceOnTwoNodes(*cluster, UniqueJobId("tls"));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0})) << cluster->nodes[0]->Log()
+                                             << cluster->nodes[1]->Log();
+  EXPECT_FALSE(Contains(cluster->nodes[1]->Log(), "gRPC service instead"))
+      << cluster->nodes[1]->Log();
+  EXPECT_FALSE(Contains(cluster->nodes[0]->Log(), "refused a connection"))
+      << cluster->nodes[0]->Log();
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// A daemon with TLS keys and one without cannot form a job: the node's
+// trainer hears PERMISSION_DENIED naming TLS, and each daemon's log says
+// which side lacks TLS.
+TEST(MultiNodeSecurityTest, ADaemonWithTlsAndOneWithoutCannotFormAJob) {
+  std::string error;
+  auto certs = ciuic::testing::TestCerts::Make({"node0"}, &error);
+  ASSERT_NE(certs, nullptr) << error;
+  TokenFile token("tls cluster secret");
+  auto cluster =
+      Cluster::Start(2, "", {token.path(), token.path()}, {certs->ConfigOf("node0"), ""});
+  ASSERT_NE(cluster, nullptr);
+  EXPECT_EQ(RefusedAtTheFirstOperation(*cluster, UniqueJobId("tlsmix"), "TLS"),
+            (std::vector<int>{0, 0}));
+  EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "does not use TLS and this daemon requires it"))
+      << cluster->nodes[0]->Log();
+  EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "refused a connection: peer 127.0.0.1:"))
+      << cluster->nodes[0]->Log();
+  EXPECT_TRUE(Contains(cluster->nodes[1]->Log(), "requires TLS and this daemon has no TLS keys"))
+      << cluster->nodes[1]->Log();
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// A daemon whose certificate another CA signed cannot join a TLS cluster:
+// the coordinator's daemon refuses it and logs its address, the node's
+// trainer hears PERMISSION_DENIED naming TLS.
+TEST(MultiNodeSecurityTest, ADaemonWithACertificateOfAnotherCaIsRefused) {
+  std::string error;
+  auto certs = ciuic::testing::TestCerts::Make({"node0"}, &error);
+  ASSERT_NE(certs, nullptr) << error;
+  TokenFile token("tls cluster secret");
+  auto cluster = Cluster::Start(2, "", {token.path(), token.path()},
+                                {certs->ConfigOf("node0"), certs->ConfigOf("rogue")});
+  ASSERT_NE(cluster, nullptr);
+  EXPECT_EQ(RefusedAtTheFirstOperation(*cluster, UniqueJobId("tlsrogue"), "TLS"),
+            (std::vector<int>{0, 0}));
+  EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "refused a connection: peer 127.0.0.1:"))
+      << cluster->nodes[0]->Log();
+  EXPECT_TRUE(Contains(cluster->nodes[0]->Log(), "certificate is refused"))
+      << cluster->nodes[0]->Log();
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// TLS keys that cannot be used stop the daemon at start (exit 78) naming
+// the file.
+TEST(MultiNodeSecurityTest, UnusableTlsKeysStopTheDaemonNamingTheFile) {
+  std::string error;
+  auto certs = ciuic::testing::TestCerts::Make({"node0"}, &error);
+  ASSERT_NE(certs, nullptr) << error;
+  const std::string config = certs->dir() + "/bad.yaml";
+  std::ofstream(config) << "tls_cert_file: " << certs->cert("node0")
+                        << "\ntls_key_file: " << certs->dir() << "/missing.key\ntls_ca_file: "
+                        << certs->ca() << "\n";
+  std::string out;
+  const int code = RunCommand(std::string(CIUICD_PATH) + " --config " + config + " --socket " +
+                                  certs->dir() + "/d.sock --listen 127.0.0.1:0",
+                              &out);
+  EXPECT_EQ(code, 78) << out;
+  EXPECT_TRUE(Contains(out, "tls_key_file '" + certs->dir() + "/missing.key' cannot be read"))
+      << out;
 }
 
 // `listen: off`: no TCP port; single-node jobs run, a multi-node job is
