@@ -422,6 +422,21 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
             node);
     return;
   }
+  // Ready on every node and queued: each node's Ready of it is in, and none
+  // may ready it again before its Run (a node holds a second submission of
+  // a name until the first is announced). Kept, it would run twice, or
+  // fused with itself.
+  if (job.pending.count(ready.name()) == 0 &&
+      std::any_of(job.backlog.begin(), job.backlog.end(),
+                  [&](const Queued& q) { return q.name == ready.name(); })) {
+    proto::CoordinatorEvent e;
+    e.mutable_fail()->set_name(ready.name());
+    e.mutable_fail()->set_code(static_cast<int>(absl::StatusCode::kFailedPrecondition));
+    e.mutable_fail()->set_message(absl::StrCat("operation '", ready.name(), "' readied twice by ",
+                                               NodeLabel(job, node), " (it is queued to run)"));
+    job.streams[node]->Send(e);
+    return;
+  }
   const Clock::time_point now = Clock::now();
   const auto timeout = std::chrono::milliseconds(ready.timeout_ms() ? ready.timeout_ms() : 60000);
   auto [it, fresh] = job.pending.try_emplace(ready.name());

@@ -453,6 +453,31 @@ TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
   for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
 }
 
+// An operation ready on every node and queued behind the running ones is in
+// flight once: a node that readies it again before its Run (no daemon of
+// ours does; a broken one might) is refused, and the queued one runs once,
+// not fused with itself (found by tests/fuzz/coordinator_fuzz).
+TEST(CoordinatorTest, AnOperationReadiedAgainWhileQueuedIsRefused) {
+  Formed f;
+  Coordinator c;
+  Form(c, &f);
+  BothReady(c, f, "busy0", 10, 0, true);
+  BothReady(c, f, "busy1", 10, 0, true);
+  BothReady(c, f, "a", 1024, 0, true);  // queued: two runs are running
+  BothReady(c, f, "a", 1024, 0, true);  // again, before its Run
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  const std::vector<std::string> want = {"busy0", "busy1", "fail:a", "a"};
+  for (auto& s : f.streams) {
+    auto events = s.WaitFor(want.size());
+    EXPECT_EQ(Runs(events), want);
+    ASSERT_EQ(events.size(), want.size());
+    EXPECT_EQ(events[2].fail().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+    EXPECT_NE(events[2].fail().message().find("readied twice"), std::string::npos)
+        << events[2].fail().message();
+  }
+}
+
 // On two nodes every uncompressed allreduce fuses, up to the threshold
 // alone: the ring, which auto picks for all but small sizes there, gives the
 // same bits as halving-doubling at any offset (allreduce_ring.cc).
