@@ -616,16 +616,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
       case 15: {  // a node readies new names up to (or past) the bound
-        if (nodes < 2 || model.failed || model.gone) break;
+        if (nodes < 2 || model.failed || model.gone || job.stream_of[node] == nullptr) break;
         // To the bound (thousands of Readies) only when the input insists.
         const uint8_t b = in.Byte();
         const size_t want = (what & 128) && b == 0xb0 ? model.max_pending + 1 : b;
         for (size_t i = 0; i < want && !model.failed; ++i) {
           proto::NodeEvent e;
-          e.mutable_ready()->set_name("flood." + std::to_string(i));
+          const std::string name = "flood." + std::to_string(i);
+          e.mutable_ready()->set_name(name);
           e.mutable_ready()->mutable_signature()->set_collective(5);
-          Deliver(c, job, model, node, e);
+          auto queued = model.complete.find(name);
+          if (model.pending.size() + 1 >= model.max_pending || model.pending.count(name) ||
+              (queued != model.complete.end() && !queued->second.empty())) {
+            Deliver(c, job, model, node, e);
+            continue;
+          }
+          // A new pending name below the bound: nothing is sent for it.
+          // (Quick: no drain until the end.)
+          c.OnEvent(job.stream_of[node]->handle, e);
+          model.readied[name].resize(model.nodes);
+          ++model.readied[name][node];
+          model.pending.emplace(name, Model::Pending{{node}, e.ready().signature()});
         }
+        FUZZ_CHECK(Drain(job, model).job_failed.empty(),
+                   "the job failed below the bound on pending names");
         break;
       }
     }
