@@ -478,6 +478,24 @@ TEST(CoordinatorTest, AnOperationReadiedAgainWhileQueuedIsRefused) {
   }
 }
 
+// A count whose size in bytes passes 2^64 (no daemon of ours readies one:
+// counts are bounded by the arena; a broken one might) is as large as it
+// gets, not the wrapped few bytes: such an operation is never fused (found
+// by tests/fuzz/coordinator_fuzz).
+TEST(CoordinatorTest, ACountWhoseBytesPass64BitsIsNeverFused) {
+  Formed f;
+  Coordinator c;
+  Form(c, &f);
+  BothReady(c, f, "busy0", 10, 0, true);
+  BothReady(c, f, "busy1", 10, 0, true);
+  BothReady(c, f, "huge", uint64_t{1} << 62, 0, true);  // float32: 2^64 bytes
+  BothReady(c, f, "a", 1024, 0, true);
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  const std::vector<std::string> want = {"busy0", "busy1", "huge", "a"};
+  for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
+}
+
 // On two nodes every uncompressed allreduce fuses, up to the threshold
 // alone: the ring, which auto picks for all but small sizes there, gives the
 // same bits as halving-doubling at any offset (allreduce_ring.cc).
