@@ -102,7 +102,6 @@ struct Stream {
   Recorder recorder;
   int node = -1;
   uint64_t handle = 0;
-  bool attached = false;
   bool job_failed = false;  // it got a JobFailed
   int64_t last_seq = -1;
 };
@@ -180,9 +179,9 @@ struct Job {
   std::vector<Stream*> stream_of;  // by node: its attached stream, or null
 };
 
-// Registers the job's nodes (all but the last on threads, which wait for
-// it), with conflicting registrations in between; false when it could not
-// form (the input asked for a fault the job cannot have).
+// Registers the job's nodes: all but the last on threads, which wait for
+// it; registrations that conflict with them in between (as the input
+// chooses); then the last, which forms the job.
 void FormJob(cluster::Coordinator& c, ciuic::fuzz::Input& in, Job* job) {
   const int world = job->world_size;
   const int nodes = static_cast<int>(job->registrations.size());
@@ -486,7 +485,6 @@ void Attach(cluster::Coordinator& c, Job& job, Model& model, int node) {
   }
   if (!handle.ok()) return;
   s.handle = *handle;
-  s.attached = true;
   job.stream_of[node] = &s;
 }
 
@@ -494,7 +492,6 @@ void Detach(cluster::Coordinator& c, Job& job, Model& model, int node, const abs
   Stream* s = job.stream_of[node];
   if (s == nullptr) return;
   c.Detach(s->handle, why);
-  s->attached = false;
   job.stream_of[node] = nullptr;
   Drain(job, model);
   if (std::all_of(job.stream_of.begin(), job.stream_of.end(), [](Stream* p) { return !p; })) {
