@@ -9,7 +9,8 @@
 #
 # --seconds: per target (default 60, or $CIUIC_FUZZ_SECONDS). --seed:
 # libFuzzer's seed (default: a random one, printed). Targets: codec_fuzz,
-# config_fuzz, submission_fuzz, fragment_reducer_fuzz (default: all).
+# config_fuzz, submission_fuzz, fragment_reducer_fuzz, membership_fuzz,
+# coordinator_fuzz, ordering_frame_fuzz (default: all).
 # Each target's corpus grows in build-fuzz/corpus/TARGET across runs,
 # seeded from tests/fuzz/corpus/TARGET. An input that breaks a property or
 # that a sanitizer objects to is saved in build-fuzz/crashes/ and the script
@@ -23,7 +24,8 @@ seconds=${CIUIC_FUZZ_SECONDS:-60}
 seed=""
 json=0
 targets=()
-all_targets=(codec_fuzz config_fuzz submission_fuzz fragment_reducer_fuzz)
+all_targets=(codec_fuzz config_fuzz submission_fuzz fragment_reducer_fuzz membership_fuzz
+  coordinator_fuzz ordering_frame_fuzz)
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds=$2; shift 2 ;;

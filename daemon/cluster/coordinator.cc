@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -40,6 +41,13 @@ uint64_t HalvingDoublingLimit(int nodes) {
     (ChooseAllreduceAlgorithm(nodes, mid) == InterNodeAlgorithm::kHalvingDoubling ? lo : hi) = mid;
   }
   return lo;
+}
+
+// a * b, or the largest uint64_t where that passes it: sizes from a peer's
+// counts stay comparable with the thresholds instead of wrapping small.
+uint64_t SaturatingMul(uint64_t a, uint64_t b) {
+  uint64_t product;
+  return __builtin_mul_overflow(a, b, &product) ? std::numeric_limits<uint64_t>::max() : product;
 }
 
 bool SameSignature(const proto::OpSignature& a, const proto::OpSignature& b) {
@@ -425,6 +433,21 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
             node);
     return;
   }
+  // Ready on every node and queued: each node's Ready of it is in, and none
+  // may ready it again before its Run (a node holds a second submission of
+  // a name until the first is announced). Kept, it would run twice, or
+  // fused with itself.
+  if (job.pending.count(ready.name()) == 0 &&
+      std::any_of(job.backlog.begin(), job.backlog.end(),
+                  [&](const Queued& q) { return q.name == ready.name(); })) {
+    proto::CoordinatorEvent e;
+    e.mutable_fail()->set_name(ready.name());
+    e.mutable_fail()->set_code(static_cast<int>(absl::StatusCode::kFailedPrecondition));
+    e.mutable_fail()->set_message(absl::StrCat("operation '", ready.name(), "' readied twice by ",
+                                               NodeLabel(job, node), " (it is queued to run)"));
+    job.streams[node]->Send(e);
+    return;
+  }
   const Clock::time_point now = Clock::now();
   const auto timeout = std::chrono::milliseconds(ready.timeout_ms() ? ready.timeout_ms() : 60000);
   auto [it, fresh] = job.pending.try_emplace(ready.name());
@@ -488,7 +511,7 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
       q.name = ready.name();
       q.signature = run.signature;
       q.priority = run.priority;
-      q.bytes = run.signature.count() * wire::DataTypeSize(run.signature.dtype());
+      q.bytes = SaturatingMul(run.signature.count(), wire::DataTypeSize(run.signature.dtype()));
       q.order = job.next_order++;
       q.ready_at = now;
       q.device_buffers = run.device_buffers;
@@ -562,7 +585,8 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     const auto& sig = q.signature;
     const bool scatter =
         sig.collective() == static_cast<uint32_t>(wire::Collective::kReduceScatter);
-    const uint64_t bytes = scatter ? q.bytes * static_cast<uint64_t>(job.world_size) : q.bytes;
+    const uint64_t bytes =
+        scatter ? SaturatingMul(q.bytes, static_cast<uint64_t>(job.world_size)) : q.bytes;
     return ResolveCodec(
         q.name, CodecRequest{sig.codec(), sig.codec_ratio(), sig.dtype(), sig.reduce_op(), bytes},
         tuning);
@@ -603,7 +627,7 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     for (size_t i = 1; fuse && i < job.backlog.size(); ++i) {
       const Queued& q = job.backlog[i];
       if (!allreduce(q) || q.device_buffers || q.signature.dtype() != head.signature.dtype() ||
-          q.signature.reduce_op() != head.signature.reduce_op() || total + q.bytes > limit) {
+          q.signature.reduce_op() != head.signature.reduce_op() || q.bytes > limit - total) {
         continue;
       }
       absl::StatusOr<std::string> codec = codec_of(q);

@@ -462,6 +462,58 @@ TEST(CoordinatorTest, FusesQueuedAllreducesOfOneDtypeUpToTheThreshold) {
   for (auto& s : f.streams) EXPECT_EQ(Runs(s.WaitFor(want.size())), want);
 }
 
+// What each node gets when `queue` readies operations behind two runs that
+// are running (seq 0 and 1), and then both runs are done: at least `n`
+// events each (waited for, bounded).
+std::vector<std::vector<proto::CoordinatorEvent>> BehindTwoRuns(
+    const std::function<void(Coordinator&, Formed&)>& queue, size_t n) {
+  Formed f;
+  Coordinator c;
+  Form(c, &f);
+  BothReady(c, f, "busy0", 10, 0, true);
+  BothReady(c, f, "busy1", 10, 0, true);
+  queue(c, f);
+  BothDone(c, f, 0);
+  BothDone(c, f, 1);
+  return {f.streams[0].WaitFor(n), f.streams[1].WaitFor(n)};
+}
+
+// An operation ready on every node and queued behind the running ones is in
+// flight once: a node that readies it again before its Run (no daemon of
+// ours does; a broken one might) is refused, and the queued one runs once,
+// not fused with itself (found by tests/fuzz/coordinator_fuzz).
+TEST(CoordinatorTest, AnOperationReadiedAgainWhileQueuedIsRefused) {
+  const std::vector<std::string> want = {"busy0", "busy1", "fail:a", "a"};
+  const auto got = BehindTwoRuns(
+      [](Coordinator& c, Formed& f) {
+        BothReady(c, f, "a", 1024, 0, true);  // queued: two runs are running
+        BothReady(c, f, "a", 1024, 0, true);  // again, before its Run
+      },
+      want.size());
+  for (const auto& events : got) {
+    EXPECT_EQ(Runs(events), want);
+    ASSERT_EQ(events.size(), want.size());
+    EXPECT_EQ(events[2].fail().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+    EXPECT_NE(events[2].fail().message().find("readied twice"), std::string::npos)
+        << events[2].fail().message();
+  }
+}
+
+// A count whose size in bytes passes 2^64 (no daemon of ours readies one:
+// counts are bounded by the arena; a broken one might) is as large as it
+// gets, not the wrapped few bytes: such an operation is never fused (found
+// with tests/fuzz/coordinator_fuzz's fused-size property).
+TEST(CoordinatorTest, ACountWhoseBytesPass64BitsIsNeverFused) {
+  const std::vector<std::string> want = {"busy0", "busy1", "huge", "a"};
+  const auto got = BehindTwoRuns(
+      [](Coordinator& c, Formed& f) {
+        BothReady(c, f, "huge", uint64_t{1} << 62, 0, true);  // float32: 2^64 bytes
+        BothReady(c, f, "a", 1024, 0, true);
+      },
+      want.size());
+  for (const auto& events : got) EXPECT_EQ(Runs(events), want);
+}
+
 // On two nodes every uncompressed allreduce fuses, up to the threshold
 // alone: the ring, which auto picks for all but small sizes there, gives the
 // same bits as halving-doubling at any offset (allreduce_ring.cc).

@@ -37,7 +37,8 @@ absl::Status CheckRegistration(const proto::RegisterNodeRequest& r, int max_worl
 // 0..world_size-1 on exactly one node; a node named `node_name` holding
 // exactly `local_ranks`; `channels` as this node's, and that many transport
 // addresses per node, each bounded. On success *self is this node's index.
-// DATA_LOSS naming the problem and the coordinator else.
+// DATA_LOSS naming the problem and the coordinator else (INVALID_ARGUMENT
+// when `local_ranks` is empty: the caller's error, not the peer's).
 absl::Status CheckMembership(const proto::Membership& m, const std::string& coordinator,
                              int world_size, const std::string& node_name,
                              const std::vector<int>& local_ranks, int channels, int* self);

@@ -71,22 +71,22 @@ bool WriteFrame(int fd, const M& message) {
   return WriteAll(fd, frame.data(), frame.size());
 }
 
-template <typename M>
-absl::Status ReadFrame(int fd, M* message) {
-  unsigned char header[4];
-  if (absl::Status s = ReadAll(fd, reinterpret_cast<char*>(header), 4, true); !s.ok()) return s;
-  const uint32_t n =
-      header[0] | (header[1] << 8) | (header[2] << 16) | (static_cast<uint32_t>(header[3]) << 24);
-  if (n > kMaxFrameBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("frame of ", n, " bytes, more than the ", kMaxFrameBytes, " allowed"));
+// One frame, read as NextFrame asks: its header, then (the length checked)
+// its body.
+absl::Status ReadFrame(int fd, google::protobuf::MessageLite* message) {
+  std::string frame(kFrameHeaderBytes, '\0');
+  if (absl::Status s = ReadAll(fd, frame.data(), frame.size(), true); !s.ok()) return s;
+  absl::StatusOr<FrameCut> cut = NextFrame(frame, message);
+  if (cut.ok() && !cut->complete) {
+    frame.resize(cut->bytes);
+    if (absl::Status s =
+            ReadAll(fd, frame.data() + kFrameHeaderBytes, frame.size() - kFrameHeaderBytes, false);
+        !s.ok()) {
+      return s;
+    }
+    cut = NextFrame(frame, message);
   }
-  std::string body(n, '\0');
-  if (absl::Status s = ReadAll(fd, body.data(), n, false); !s.ok()) return s;
-  if (!message->ParseFromString(body)) {
-    return absl::InvalidArgumentError("a frame that is not an ordering message");
-  }
-  return absl::OkStatus();
+  return cut.status();
 }
 
 }  // namespace

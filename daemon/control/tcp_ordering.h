@@ -17,9 +17,10 @@
 // up after ~5 s of silence from a vanished host) ends it for the other.
 // Frames: a 4-byte little-endian length, then the serialized message
 // (NodeEvent towards the coordinator, CoordinatorEvent back), at most
-// kMaxFrameBytes. A connection that breaks the protocol (no Hello, a frame
-// too large, bytes that do not parse, a Hello the coordinator refuses) gets
-// a JobFailed naming the problem and is closed; the listener goes on.
+// kMaxFrameBytes (ordering_frame.h). A connection that breaks the protocol
+// (no Hello, a frame too large, bytes that do not parse, a Hello the
+// coordinator refuses) gets a JobFailed naming the problem and is closed;
+// the listener goes on.
 //
 // Every connection is authenticated first (peer_auth.h: both daemons prove
 // they know the cluster token; with TLS keys, inside mutual TLS, whose relay
@@ -47,11 +48,10 @@
 #include "cluster/coordinator.h"
 #include "cluster/coordinator_client.h"
 #include "control/bounded_writer.h"
+#include "control/ordering_frame.h"
 #include "control/peer_socket.h"
 
 namespace ciuic::daemon {
-
-inline constexpr uint32_t kMaxFrameBytes = 16u << 20;
 
 // The coordinator's side of one ordering connection. Send never blocks
 // (the coordinator sends under its lock): a frame goes straight to the
