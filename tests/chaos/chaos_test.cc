@@ -167,6 +167,8 @@ struct ScenarioSpec {
   int ranks_per_node;
 };
 
+void PrintTo(const ScenarioSpec& spec, std::ostream* os) { *os << spec.name; }
+
 // What each rank reports to the test, in shared memory.
 struct RankReport {
   int state;  // 0: nothing yet; 1: an error; 2: no error at all (a failure)
@@ -281,7 +283,7 @@ class ChaosTest : public ::testing::TestWithParam<ScenarioSpec> {
   // One repetition; "" or why it failed. *time_to_error: the fault to the
   // last error of a rank on a healthy daemon, in seconds.
   std::string RunOnce(const ScenarioSpec& spec, std::mt19937& rng, int rep,
-                      double* time_to_error);
+                      double* time_to_error, std::string* heard);
 
   const std::string peers_[2] = {"10.78.0.1:7361", "10.78.0.2:7361"};
   std::unique_ptr<Hosts> hosts_;
@@ -295,7 +297,7 @@ int Uniform(std::mt19937& rng, int lo, int hi) {
 }
 
 std::string ChaosTest::RunOnce(const ScenarioSpec& spec, std::mt19937& rng, int rep,
-                               double* time_to_error) {
+                               double* time_to_error, std::string* heard) {
   const Fault fault = spec.fault;
   const int rpn = spec.ranks_per_node;
   const int world = 2 * rpn;
@@ -462,6 +464,7 @@ std::string ChaosTest::RunOnce(const ScenarioSpec& spec, std::mt19937& rng, int 
                (Contains(m, "host" + std::to_string(1 - hit)) || Contains(m, "coordinator")));
     }
     if (!named) problems << "rank " << r << ": the error names nothing that failed: " << m << "; ";
+    if (took >= *time_to_error) *heard = "rank " + std::to_string(r) + ": " + m;
     *time_to_error = std::max(*time_to_error, took);
   }
   for (int i = 0; i < 2; ++i) {
@@ -488,7 +491,8 @@ TEST_P(ChaosTest, EveryRankHearsWithinTheBoundAndTheDaemonsServeAndDoNotLeak) {
   int passed = 0;
   for (int rep = 0; rep < kRepetitions; ++rep) {
     double took = 0;
-    const std::string why = RunOnce(spec, rng, rep, &took);
+    std::string heard;
+    const std::string why = RunOnce(spec, rng, rep, &took, &heard);
     EXPECT_EQ(why, "") << spec.name << ", repetition " << rep;
     if (why.empty()) {
       ++passed;
@@ -498,8 +502,9 @@ TEST_P(ChaosTest, EveryRankHearsWithinTheBoundAndTheDaemonsServeAndDoNotLeak) {
       ADD_FAILURE() << "a daemon died:\n" << daemons_[0]->Log() << "\n" << daemons_[1]->Log();
       break;
     }
-    printf("  rep %2d: %s %.3f s, threads %d/%d, fds %d/%d\n", rep, why.empty() ? "ok" : "FAILED",
-           took, Threads(0), Threads(1), Fds(0), Fds(1));
+    printf("  rep %2d: %s %.3f s, threads %d/%d, fds %d/%d; %s\n", rep,
+           why.empty() ? "ok" : "FAILED", took, Threads(0), Threads(1), Fds(0), Fds(1),
+           heard.substr(0, 200).c_str());
   }
   const double total = std::chrono::duration<double>(Clock::now() - start).count();
 
@@ -509,7 +514,8 @@ TEST_P(ChaosTest, EveryRankHearsWithinTheBoundAndTheDaemonsServeAndDoNotLeak) {
       EXPECT_TRUE(Serves(daemons_[i].get())) << "host" << i;
     }
   }
-  EXPECT_TRUE(Serves(nullptr)) << "the two daemons no longer run a job together";
+  EXPECT_TRUE(Serves(nullptr)) << "the two daemons no longer run a job together\nhost0:\n"
+                               << daemons_[0]->Log() << "\nhost1:\n" << daemons_[1]->Log();
 
   // Nothing leaked: threads and descriptors come back (their jobs' threads
   // end a little after the jobs), no /dev/shm entry of ours stays.
