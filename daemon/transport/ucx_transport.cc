@@ -256,6 +256,7 @@ class UcxTransport::Channel {
 
   absl::Status ConnectOnThread(const std::vector<std::vector<std::string>>& addresses) {
     eps_.assign(addresses.size(), nullptr);
+    ep_failed_.assign(addresses.size(), absl::OkStatus());
     ep_contexts_.resize(addresses.size());
     for (size_t peer = 0; peer < addresses.size(); ++peer) {
       const std::string& addr = addresses[peer][index_];
@@ -382,6 +383,9 @@ class UcxTransport::Channel {
     if (absl::Status s = shared.PeerStatus(op->peer); !s.ok()) {
       return Finish(std::move(owned), s);
     }
+    if (static_cast<size_t>(op->peer) < ep_failed_.size() && !ep_failed_[op->peer].ok()) {
+      return Finish(std::move(owned), ep_failed_[op->peer]);
+    }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.user_data = op;
@@ -461,12 +465,25 @@ class UcxTransport::Channel {
     spdlog::log(cut_off ? spdlog::level::warn : spdlog::level::info,
                 "ucx channel {}: endpoint to peer {} failed: {}{}", self->index_, peer,
                 UcsError(status), cut_off ? "" : " (nothing in flight)");
-    self->owner_->MarkPeerFailed(
-        peer,
-        absl::UnavailableError("lost peer " + std::to_string(peer) + ": " +
-                               ucs_status_string(status) + " (channel " +
-                               std::to_string(self->index_) + ")"),
-        /*warn=*/cut_off);
+    absl::Status lost = absl::UnavailableError("lost peer " + std::to_string(peer) + ": " +
+                                               ucs_status_string(status) + " (channel " +
+                                               std::to_string(self->index_) + ")");
+    if (cut_off) {
+      self->owner_->MarkPeerFailed(peer, std::move(lost), /*warn=*/true);
+      return;
+    }
+    // Nothing in flight here: only this channel's endpoint is failed. A
+    // peer that ends its job closes each channel's endpoint once its sends
+    // there are flushed; an idle channel's close can reach us before the
+    // last data on a busy one, and failing the whole peer would cancel that
+    // receive (the job's last run would then fail here although the peer
+    // sent everything). A peer that is really gone fails the busy channels'
+    // endpoints too; later transfers on this channel fail at once.
+    if (static_cast<size_t>(peer) < self->ep_failed_.size() && self->ep_failed_[peer].ok()) {
+      self->ep_failed_[peer] = std::move(lost);
+    }
+    // Not inside UCX's callback: the close runs as a task on this thread.
+    self->RunOnThread([self, peer] { self->ClosePeerEndpoint(peer); });
   }
 
   // The op's ucp part is over: free the request and run the callback.
@@ -674,6 +691,9 @@ class UcxTransport::Channel {
 
   // Thread-owned.
   std::vector<ucp_ep_h> eps_;
+  // Per peer: why this channel's endpoint failed while nothing was in
+  // flight on it (the peer as a whole is not failed then; see OnEpError).
+  std::vector<absl::Status> ep_failed_;
   std::vector<std::unique_ptr<EpContext>> ep_contexts_;
   std::list<Op*> in_flight_;  // owned
   std::vector<void*> close_requests_;

@@ -17,7 +17,11 @@
 // or FailPeer() marks the peer failed with a sticky status ("lost peer 2:
 // ..."); every channel then cancels its pending Recvs from the peer and
 // force-closes its endpoint to it (which fails the pending Sends), and later
-// Send/Recv with the peer fail at once, on the channel's thread.
+// Send/Recv with the peer fail at once, on the channel's thread. An
+// endpoint error on a channel with nothing in flight to that peer fails
+// only that channel's endpoint (later transfers on it fail at once): a peer
+// ending its job closes its endpoints one channel at a time, and an idle
+// channel's close must not cut off the last data still arriving on another.
 //
 // UCX configuration (UCX_TLS, UCX_NET_DEVICES, ...) comes from the
 // environment, read by Create().

@@ -507,6 +507,31 @@ TEST(UcxTransportTest, DestroyFailsPendingTransfersAndReturns) {
   std::printf("survivor: %s\n", survivor.status(0).ToString().c_str());
 }
 
+// A peer whose endpoints all close while nothing is in flight here (it
+// ended its job first): each channel's endpoint fails on its own, and later
+// transfers on every channel fail at once naming the lost peer.
+TEST(UcxTransportTest, EndpointsClosedWhileIdleFailLaterTransfersOnEveryChannel) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 2);
+  ASSERT_EQ(r.t.size(), 2u);
+  r.t[0].reset();
+  std::this_thread::sleep_for(milliseconds(500));  // the closes arrive
+  uint64_t x = 0;
+  Completions later(4);
+  const auto t0 = Clock::now();
+  r[1].Send(0, 0, 1, &x, 8, later.Slot(0));
+  r[1].Send(0, 1, 2, &x, 8, later.Slot(1));
+  r[1].Recv(0, 0, 3, &x, 8, later.Slot(2));
+  r[1].Recv(0, 1, 4, &x, 8, later.Slot(3));
+  ASSERT_TRUE(later.WaitAll(milliseconds(10000)));
+  EXPECT_LT(Seconds(Clock::now() - t0), 1.0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(later.status(i).code(), absl::StatusCode::kUnavailable) << later.status(i).ToString();
+    EXPECT_NE(later.status(i).message().find("lost peer 0"), absl::string_view::npos)
+        << later.status(i).ToString();
+  }
+}
+
 TEST(UcxTransportTest, BadArgumentsFailThroughTheCallback) {
   UseTls("tcp");
   auto t = UcxTransport::Create(1);
