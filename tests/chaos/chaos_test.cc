@@ -91,26 +91,6 @@ std::set<std::string> ShmNames() {
   return names;
 }
 
-// A cluster token in a file of its own (mode 0600), removed with it.
-class TokenFile {
- public:
-  TokenFile() {
-    char tmpl[] = "/tmp/ciuic-chaos-XXXXXX";
-    if (mkdtemp(tmpl) != nullptr) dir_ = tmpl;
-    path_ = dir_ + "/token";
-    std::ofstream(path_) << "chaos secret " << getpid() << "\n";
-    chmod(path_.c_str(), 0600);
-  }
-  ~TokenFile() {
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string dir_, path_;
-};
-
 // Two hosts: namespaces joined by a veth pair, 10.78.0.1 and 10.78.0.2 (a
 // range only these namespaces see). Removed in the destructor, which runs
 // on a failed assertion too.
@@ -208,7 +188,7 @@ class ChaosTest : public ::testing::TestWithParam<ScenarioSpec> {
     if (!hosts_->ok()) {
       GTEST_SKIP() << "could not create network namespaces here (see stderr)";
     }
-    token_ = std::make_unique<TokenFile>();
+    token_ = std::make_unique<TokenFile>("chaos secret " + std::to_string(getpid()));
     const std::string yaml =
         "cluster_token_file: " + token_->path() + "\npeers: 10.78.0.0/24\n" + kTuning;
     for (int i = 0; i < 2; ++i) {

@@ -4,10 +4,12 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -160,6 +162,30 @@ inline int FreePort() {
   close(fd);
   return ntohs(a.sin_port);
 }
+
+// A cluster token in a file of its own (mode 0600), removed with it.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& secret) {
+    char tmpl[] = "/tmp/ciuic-token-XXXXXX";
+    if (mkdtemp(tmpl) != nullptr) dir_ = tmpl;
+    path_ = dir_ + "/token";
+    FILE* f = fopen(path_.c_str(), "w");
+    if (f != nullptr) {
+      fchmod(fileno(f), 0600);
+      fprintf(f, "%s\n", secret.c_str());
+      fclose(f);
+    }
+  }
+  ~TokenFile() {
+    unlink(path_.c_str());
+    rmdir(dir_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string dir_, path_;
+};
 
 // N daemons, each with its own socket, peer port and node name.
 struct Cluster {

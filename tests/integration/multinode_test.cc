@@ -45,29 +45,6 @@ int RunOne(Communicator& comm, Coll coll, DataType t, ReduceOp op, size_t count,
   return RunAndCheck(comm, coll, t, op, count, o);
 }
 
-// A cluster token in a file of its own (mode 0600), removed with it.
-class TokenFile {
- public:
-  explicit TokenFile(const std::string& secret) {
-    char tmpl[] = "/tmp/ciuic-token-XXXXXX";
-    if (mkdtemp(tmpl) != nullptr) dir_ = tmpl;
-    path_ = dir_ + "/token";
-    FILE* f = fopen(path_.c_str(), "w");
-    if (f != nullptr) {
-      fchmod(fileno(f), 0600);
-      fprintf(f, "%s\n", secret.c_str());
-      fclose(f);
-    }
-  }
-  ~TokenFile() {
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string dir_, path_;
-};
 
 struct Shape {
   int nodes;
