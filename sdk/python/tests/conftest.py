@@ -58,7 +58,8 @@ def free_port():
 
 class Daemon:
     """A ciuicd on a socket in a temp dir. ``listen``: "host:port" of its peer
-    service (multi-node jobs), else none."""
+    service (multi-node jobs), "off" for none, else the daemon's default
+    (127.0.0.1:7361 without a cluster token: one such daemon at a time)."""
 
     def __init__(self, binary, node_name="pytest", listen=None, env=None):
         self.dir = tempfile.mkdtemp(prefix="ciuic-pytest-")
@@ -96,7 +97,7 @@ class Daemon:
             time.sleep(0.02)
 
     def _listening(self):
-        if not self.listen:
+        if not self.listen or self.listen == "off":
             return True
         host, port = self.listen.rsplit(":", 1)
         try:

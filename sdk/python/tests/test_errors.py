@@ -222,7 +222,8 @@ print("rejoined", flush=True)
 def test_a_trainer_rejoins_a_restarted_daemon():
     # A daemon of its own: the session-wide one must not be restarted.
     from conftest import Daemon, ciuicd_binary
-    d = Daemon(ciuicd_binary(), node_name="restart")
+    # No TCP port: the session-wide daemon holds the default one.
+    d = Daemon(ciuicd_binary(), node_name="restart", listen="off")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     p = subprocess.Popen([sys.executable, "-c", REJOINS, d.socket, job()], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
