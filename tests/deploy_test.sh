@@ -18,8 +18,14 @@ else
   echo "deploy_test: SKIPPED unit check: systemd-analyze is not installed"
 fi
 
-# The shipped config, with the socket moved into the temporary directory.
-sed "s|^socket: .*|socket: $tmp/ciuicd.sock|" "$root/deploy/ciuicd.yaml" > "$tmp/ciuicd.yaml"
+# The shipped config, with the socket moved into the temporary directory and
+# the peer service on a free loopback port (`listen: auto` means
+# 127.0.0.1:7361, which another test's daemon may hold while ctest runs tests
+# side by side).
+sed -e "s|^socket: .*|socket: $tmp/ciuicd.sock|" -e "s|^listen: auto$|listen: \"127.0.0.1:0\"|" \
+  "$root/deploy/ciuicd.yaml" > "$tmp/ciuicd.yaml"
+grep -q '^listen: "127.0.0.1:0"$' "$tmp/ciuicd.yaml" ||
+  { echo "deploy_test: deploy/ciuicd.yaml has no 'listen: auto' line"; exit 1; }
 "$ciuicd" --config "$tmp/ciuicd.yaml" --log-level warn &
 pid=$!
 for _ in $(seq 100); do

@@ -58,10 +58,11 @@ def free_port():
 
 class Daemon:
     """A ciuicd on a socket in a temp dir. ``listen``: "host:port" of its peer
-    service (multi-node jobs), "off" for none, else the daemon's default
-    (127.0.0.1:7361 without a cluster token: one such daemon at a time)."""
+    service (multi-node jobs), else "off": no TCP port, so that any number of
+    these daemons (and other test processes) run side by side; the daemon's
+    own default, 127.0.0.1:7361, would allow one at a time."""
 
-    def __init__(self, binary, node_name="pytest", listen=None, env=None):
+    def __init__(self, binary, node_name="pytest", listen="off", env=None):
         self.dir = tempfile.mkdtemp(prefix="ciuic-pytest-")
         self.socket = os.path.join(self.dir, "ciuicd.sock")
         self.log_path = os.path.join(self.dir, "ciuicd.log")
@@ -69,8 +70,7 @@ class Daemon:
         self.listen = listen
         self._log = open(self.log_path, "wb")
         cmd = [binary, "--socket", self.socket, "--node-name", node_name, "--log-level", "warn"]
-        if listen:
-            cmd += ["--listen", listen]
+        cmd += ["--listen", listen]
         self._cmd = cmd
         self._env = dict(os.environ, **(env or {}))
         self._launch()
