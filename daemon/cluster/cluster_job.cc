@@ -20,14 +20,17 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Tags (InterNodeContext::tag_base): bits 24..47 are the run's, the low 24
-// the algorithm's. A whole run: bit 47 clear, its seq's low 23 bits. Segment
-// k of a run announced with segment_bytes: bit 47 set, the seq's low 11 bits
-// (runs in flight at once are consecutive), k's 12: at most kMaxSegments
-// (run_settings.h).
+// Tags (InterNodeContext::tag_base): bits 24..47 are the operation's, the
+// low 24 the algorithm's. A whole run: bits 47 and 46 clear, its seq's low
+// 22 bits. Segment k of a run announced with segment_bytes: bit 47 set, the
+// seq's low 11 bits (runs in flight at once are consecutive), k's 12: at
+// most kMaxSegments (run_settings.h). A direct operation "#N": bit 47
+// clear, bit 46 set, N's low 22 bits (direct ops in flight at once are
+// bounded by the ranks' completion rings, far fewer than 2^22;
+// cluster_job_direct.cc).
 static_assert(kMaxSegments == uint64_t{1} << 12);
 
-uint64_t RunTagBase(uint64_t seq) { return (seq & 0x7fffff) << 24; }
+uint64_t RunTagBase(uint64_t seq) { return (seq & 0x3fffff) << 24; }
 
 uint64_t SegmentTagBase(uint64_t seq, size_t segment) {
   return (uint64_t{1} << 47) | ((seq & 0x7ff) << 36) | ((segment & 0xfff) << 24);
@@ -194,7 +197,13 @@ struct ClusterJob::Event {
   // occurrence of op.name before the first held one was announced or
   // failed, so that one is readied now.
   // kHeartbeat: time to tell the coordinator this node is alive.
-  enum Kind { kSubmit, kCoordinator, kBroken, kRunFailed, kAbort, kReadyHeld, kHeartbeat } kind;
+  // kDirectEnd: a staged direct op's exchange ended (staged_direct_ends_),
+  // its result to be stored on its device. kDirectExpired: a direct op's
+  // deadline passed.
+  enum Kind {
+    kSubmit, kCoordinator, kBroken, kRunFailed, kAbort, kReadyHeld, kHeartbeat, kDirectEnd,
+    kDirectExpired
+  } kind;
   ClusterOp op;
   proto::CoordinatorEvent coordinator;
   absl::Status status;
@@ -278,7 +287,19 @@ void ClusterJob::Push(Event e) {
   cv_.notify_all();
 }
 
+void ClusterJob::PushRunFailed(absl::Status status) {
+  Push(Event{Event::kRunFailed, {}, {}, std::move(status)});
+}
+
+void ClusterJob::PushDirectEnd() { Push(Event{Event::kDirectEnd, {}, {}, {}}); }
+
 void ClusterJob::Submit(ClusterOp op) {
+  // A direct op on host buffers starts here, on the caller's thread (the
+  // engine's loop): its local phase, then the first messages. Before the
+  // job has formed (direct_max_bytes_ 0), or on GPU buffers, it goes to
+  // the ClusterJob's thread.
+  uint64_t number = 0;
+  if (!op.staged && IsDirect(op, &number) && StartDirect(op, number)) return;
   Event e{Event::kSubmit, {}, {}, {}};
   e.op = std::move(op);
   Push(std::move(e));
@@ -443,7 +464,10 @@ absl::Status ClusterJob::Form() {
     transport_ = std::make_unique<CountingTransport>(std::move(*connected));
     peers_ = std::move(rows);
     state_ = State::kRunning;
+    std::lock_guard<std::mutex> direct_lock(direct_mu_);
+    direct_transport_ = transport_.get();
   }
+  direct_max_bytes_.store(membership.direct_max_bytes());
   // The ordering stream, read by its own thread: in-process when this
   // daemon is the job's coordinator, else the client's (over TCP to the
   // coordinator's ordering listener where it can).
@@ -524,6 +548,7 @@ void ClusterJob::FailAll(const absl::Status& why) {
   for (auto& a : unstarted) {
     for (auto& op : a.ops) Done(op, why);
   }
+  for (DirectOp& d : TakeDirect()) Done(d.op, why);
 }
 
 void ClusterJob::Done(ClusterOp& op, const absl::Status& status) {
@@ -802,7 +827,12 @@ void ClusterJob::Run() {
       // is overdue.
       const bool alive_checks = formed.ok() && !left;
       while (events_->empty()) {
-        Clock::time_point next = NextOverdueLocked();
+        const Clock::time_point direct_deadline = NextDirectDeadline();
+        if (direct_deadline <= Clock::now()) {
+          events_->push_back(Event{Event::kDirectExpired, {}, {}, {}});
+          break;
+        }
+        Clock::time_point next = std::min(NextOverdueLocked(), direct_deadline);
         const auto interval = std::chrono::milliseconds(heartbeat_interval_ms_);
         const Clock::time_point heard{Clock::duration(heard_ns_.load(std::memory_order_relaxed))};
         if (alive_checks) {
@@ -831,6 +861,10 @@ void ClusterJob::Run() {
           events_->push_back(Event{Event::kHeartbeat, {}, {}, {}});
           break;
         }
+        if (NextDirectDeadline() <= now) {
+          events_->push_back(Event{Event::kDirectExpired, {}, {}, {}});
+          break;
+        }
         if (now < NextOverdueLocked()) continue;
         absl::Status overdue = OverdueLocked();
         if (overdue.ok()) continue;
@@ -841,6 +875,14 @@ void ClusterJob::Run() {
       events_->pop_front();
     }
     absl::Status job_failure;
+    if (e.kind == Event::kDirectEnd) {
+      FinishStagedDirect();
+      continue;
+    }
+    if (e.kind == Event::kDirectExpired) {
+      ExpireDirect();
+      continue;
+    }
     if (!formed.ok()) {
       if (e.kind == Event::kSubmit) Done(e.op, formed);
       if (e.kind == Event::kAbort) break;
@@ -853,6 +895,11 @@ void ClusterJob::Run() {
     switch (e.kind) {
       case Event::kSubmit:
       case Event::kReadyHeld: {
+        uint64_t number = 0;
+        if (e.kind == Event::kSubmit && IsDirect(e.op, &number)) {
+          if (!StartDirect(e.op, number)) Done(e.op, absl::CancelledError("job closed"));
+          break;
+        }
         {
           std::lock_guard<std::mutex> lock(mu_);
           if (e.kind == Event::kReadyHeld) {
@@ -913,7 +960,10 @@ void ClusterJob::Run() {
           // Runs that can still complete (the node that left had done its
           // part) end first; cut-off ones are failed below, through the
           // transport, rather than left to their deadline.
-          if (!c.job_failed().runs_cut_off()) WaitForAnnouncedRuns();
+          if (!c.job_failed().runs_cut_off()) {
+            WaitForAnnouncedRuns();
+            WaitForDirectOps();
+          }
           job_failure = absl::Status(static_cast<absl::StatusCode>(c.job_failed().code()),
                                      c.job_failed().message());
         }
@@ -932,6 +982,9 @@ void ClusterJob::Run() {
         heartbeat_misses_ = tuning.heartbeat_misses;
         break;
       }
+      case Event::kDirectEnd:
+      case Event::kDirectExpired:
+        break;  // handled above
       case Event::kBroken:
         WaitForAnnouncedRuns();
         job_failure = e.status;
@@ -987,6 +1040,7 @@ void ClusterJob::Run() {
     writes_closed_ = true;
     stream_.reset();
   }
+  CloseDirect();
   std::lock_guard<std::mutex> lock(mu_);
   transport_.reset();
 }

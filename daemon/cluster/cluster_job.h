@@ -53,6 +53,7 @@
 #include "absl/status/statusor.h"
 #include "cluster/coordinator.h"
 #include "cluster/coordinator_client.h"
+#include "cluster/direct_exchange.h"
 #include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
@@ -123,6 +124,7 @@ struct ClusterOp {
     uint64_t run_seq = 0;
     uint32_t fused_ops = 0;
     std::string codec;
+    bool direct = false;  // ran without the coordinator (DirectExchange)
   };
   std::shared_ptr<Timing> timing;
 };
@@ -179,6 +181,10 @@ class ClusterJob {
   // How long a run cut off by a peer waits for the coordinator's verdict
   // on the job (WithVerdict).
   static constexpr std::chrono::milliseconds kVerdictGrace{300};
+  // How long direct operations in flight may take to end when the job ends
+  // without cutting them off (WaitForDirectOps), and how long the job's end
+  // waits for their transfers' callbacks once cut off (CloseDirect).
+  static constexpr std::chrono::milliseconds kDirectGrace{2000};
 
   // Whether the ordering stream is in-process (Options::local_coordinator).
   bool ordering_in_process() const { return in_process_ordering_.load(); }
@@ -210,6 +216,11 @@ class ClusterJob {
     uint64_t runs = 0;  // fused allreduces they made
   };
   FusionCounters fusion() const;
+
+  // Operations that ran between the nodes without the coordinator
+  // (direct_exchange.h), and the bound the job formed with (0: none).
+  uint64_t direct_ops() const { return direct_ops_.load(std::memory_order_relaxed); }
+  uint64_t direct_max_bytes() const { return direct_max_bytes_.load(std::memory_order_relaxed); }
 
   struct StagingCounters {
     uint64_t ops = 0;    // operations whose node buffer was on a GPU (staged)
@@ -249,6 +260,47 @@ class ClusterJob {
   };
 
   void Run();
+  // Direct operations (README.md, "Direct operations"; direct_exchange.h).
+  struct DirectOp {
+    ClusterOp op;
+    std::shared_ptr<DirectExchange> exchange;
+    std::chrono::steady_clock::time_point start;
+    std::chrono::steady_clock::time_point deadline;
+    uint32_t timeout_ms = 0;
+  };
+  // Whether `op` runs direct (the same answer on every node: from its
+  // signature and the job's direct_max_bytes), and its number ("#N").
+  bool IsDirect(const ClusterOp& op, uint64_t* number) const;
+  // Reduces the local ranks' inputs and starts the exchange; false (op
+  // untouched) when the transport is not there yet, so that the op waits
+  // for the job to form. A staged op only on the ClusterJob's thread (its
+  // device copies block).
+  bool StartDirect(ClusterOp& op, uint64_t number);
+  // The exchange of operation `key` ended: its ranks get the result (or
+  // the error), unless it was ended already (its deadline, the job's end).
+  // On a transport thread; a staged op goes on through the ClusterJob's.
+  void EndDirect(uint64_t key, absl::Status status, uint8_t* result);
+  // Stores the ended staged direct ops' results on their devices and ends
+  // them (staged_direct_ends_). On the ClusterJob's thread.
+  void FinishStagedDirect();
+  // Push() of a kRunFailed and of a kDirectEnd event, for the files that do
+  // not see Event.
+  void PushRunFailed(absl::Status status);
+  void PushDirectEnd();
+  // The earliest deadline of the direct ops running (max: none).
+  std::chrono::steady_clock::time_point NextDirectDeadline();
+  // Ends the direct ops whose deadline has passed (DEADLINE_EXCEEDED naming
+  // the node not heard from). Their exchanges stay until the job ends.
+  void ExpireDirect();
+  // Takes every direct op still running, to be ended by the caller.
+  std::vector<DirectOp> TakeDirect();
+  // At the job's end, before the transport goes: cuts off the transfers of
+  // exchanges still in flight and waits for their last callback.
+  void CloseDirect();
+  // A job failure that cuts nothing off (the node that ended it had done
+  // its part): direct ops in flight get up to kDirectGrace to end with
+  // their data.
+  void WaitForDirectOps();
   // When the next operation readied here becomes overdue (max: none), and
   // the error that ends the job once one is (OK: none is). mu_ held.
   std::chrono::steady_clock::time_point NextOverdueLocked() const;
@@ -409,6 +461,26 @@ class ClusterJob {
   std::atomic<uint64_t> fused_ops_{0};
   std::atomic<uint64_t> fused_runs_{0};
   std::atomic<uint64_t> staged_ops_{0};
+  std::atomic<uint64_t> direct_ops_{0};
+  // The job's direct_max_bytes (Membership), set once it formed.
+  std::atomic<uint64_t> direct_max_bytes_{0};
+  std::mutex direct_mu_;  // never held while taking mu_ or calling the transport
+  std::condition_variable direct_cv_;  // with direct_mu_: live_exchanges_ fell
+  // The transport while direct ops may start on it (guarded by direct_mu_).
+  Transport* direct_transport_ = nullptr;
+  std::map<uint64_t, DirectOp> direct_;  // guarded by direct_mu_: running, by key
+  int live_exchanges_ = 0;  // guarded by direct_mu_: started, last callback not yet run
+  // guarded by direct_mu_: staged direct ops whose exchange ended, with its
+  // status and result, for the ClusterJob's thread (Event::kDirectEnd).
+  struct StagedDirectEnd {
+    ClusterOp op;
+    absl::Status status;
+    std::vector<uint8_t> result;
+  };
+  std::deque<StagedDirectEnd> staged_direct_ends_;
+  // When the ClusterJob's thread looks at the direct deadlines next (ns of
+  // steady_clock): an op due earlier wakes it.
+  std::atomic<int64_t> direct_wake_ns_{0};
   std::atomic<uint64_t> staged_bytes_{0};
   std::map<std::string, ClusterOp> awaiting_;  // guarded by mu_: readied, awaiting Run/Fail
   // guarded by mu_: later occurrences of a name in awaiting_, in submission

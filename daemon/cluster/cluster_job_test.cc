@@ -89,8 +89,13 @@ class Nodes {
  public:
   // Each node has its own daemon tuning; node 0's daemon hosts the
   // coordinator (rank 0), so its tuning decides the runs' settings.
-  explicit Nodes(int n = 2, int per_node = 1, size_t feedback_bytes = ClusterJob::kFeedbackBytes)
+  // `tuning`: key=value settings of every daemon before the job forms.
+  explicit Nodes(int n = 2, int per_node = 1, size_t feedback_bytes = ClusterJob::kFeedbackBytes,
+                 const std::vector<std::pair<std::string, std::string>>& tuning = {})
       : tuning_(n), coordinator_(&tuning_[0]), hub_(n, 1), ends_(n) {
+    for (auto& t : tuning_) {
+      for (const auto& [key, value] : tuning) EXPECT_TRUE(t.Set(key, value).ok()) << key;
+    }
     for (int k = 0; k < n; ++k) {
       ClusterJob::Options o;
       o.job_id = "job";
@@ -260,6 +265,165 @@ TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
                                                     4 * send[k][o].size()) == 0)
           << "node " << k << " op " << o << ": fused and unfused results differ";
     }
+  }
+}
+
+// Unnamed allreduces ("#N") up to the job's direct_max_bytes (64K by
+// default) run without the coordinator (direct_exchange.h): float32 sum,
+// avg and max, sizes 0..16384 elements, and barriers, on 2 and 3 nodes of
+// 1 and 2 local ranks, every rank's result the plain loop's (small integer
+// values: exact in any order); the counter says they went direct, and one
+// over the bound (and a named one) still goes through the coordinator.
+TEST(ClusterJobDirectTest, UnnamedSmallOperationsGoDirectAndMatchThePlainLoop) {
+  for (const auto& [n, per_node] : {std::pair{2, 1}, {2, 2}, {3, 1}, {3, 2}}) {
+    SCOPED_TRACE(testing::Message() << n << " nodes x " << per_node << " ranks");
+    Nodes nodes(n, per_node);
+    const int world = n * per_node;
+    const std::vector<size_t> sizes = {0, 1, 7, 1001, 16384, 16385};  // the last: 64K + 4 bytes
+    const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg, wire::ReduceOp::kMax};
+    struct Case {
+      size_t count;
+      wire::ReduceOp op;
+      std::string name;
+    };
+    std::vector<Case> cases;
+    for (wire::ReduceOp op : ops) {
+      for (size_t count : sizes) {
+        cases.push_back({count, op, "#" + std::to_string(cases.size())});
+      }
+    }
+    cases.push_back({100, wire::ReduceOp::kSum, "named"});
+    auto value = [](int rank, size_t c, size_t i) {
+      return static_cast<float>(static_cast<int>((rank * 7 + c * 5 + i * 3) % 13) - 6);
+    };
+    std::vector<std::vector<std::vector<float>>> send(world), recv(world);
+    for (int r = 0; r < world; ++r) {
+      for (size_t c = 0; c < cases.size(); ++c) {
+        send[r].emplace_back(cases[c].count);
+        for (size_t i = 0; i < cases[c].count; ++i) send[r][c][i] = value(r, c, i);
+        recv[r].emplace_back(cases[c].count, -100.0f);
+      }
+    }
+    for (int k = 0; k < n; ++k) {
+      for (size_t c = 0; c < cases.size(); ++c) {
+        ClusterOp op = Allreduce(c, cases[c].name, wire::DataType::kFloat32, cases[c].op,
+                                 cases[c].count, k * per_node, send[k * per_node][c].data(),
+                                 recv[k * per_node][c].data());
+        for (int i = 1; i < per_node; ++i) {
+          const int r = k * per_node + i;
+          op.parts.push_back(ClusterOp::Part{r, reinterpret_cast<const uint8_t*>(send[r][c].data()),
+                                             reinterpret_cast<uint8_t*>(recv[r][c].data())});
+        }
+        nodes.job(k).Submit(std::move(op));
+      }
+      ClusterOp barrier = Allreduce(1000, "#" + std::to_string(cases.size()),
+                                    wire::DataType::kFloat32, wire::ReduceOp::kSum, 0, k * per_node,
+                                    nullptr, nullptr);
+      barrier.sig.collective = static_cast<uint32_t>(wire::Collective::kBarrier);
+      barrier.sig.reduce_op = 0;
+      nodes.job(k).Submit(std::move(barrier));
+    }
+    nodes.ExpectEndsOk(cases.size() + 1);
+    for (int r = 0; r < world; ++r) {
+      for (size_t c = 0; c < cases.size(); ++c) {
+        for (size_t i = 0; i < cases[c].count; ++i) {
+          float want = value(0, c, i);
+          for (int q = 1; q < world; ++q) {
+            want = cases[c].op == wire::ReduceOp::kMax ? std::max(want, value(q, c, i))
+                                                       : want + value(q, c, i);
+          }
+          if (cases[c].op == wire::ReduceOp::kAvg) want /= static_cast<float>(world);
+          ASSERT_EQ(recv[r][c][i], want) << "rank " << r << ", " << cases[c].name << " element " << i;
+        }
+      }
+    }
+    // Direct: every unnamed case but the three over 64K, and the barrier.
+    const uint64_t direct = cases.size() - 1 - 3 + 1;
+    for (int k = 0; k < n; ++k) {
+      EXPECT_EQ(nodes.job(k).direct_ops(), direct) << "node " << k;
+      EXPECT_EQ(nodes.job(k).direct_max_bytes(), 64u << 10);
+    }
+  }
+}
+
+// A direct op whose ranks disagree across nodes (another count, another
+// dtype of the same size) fails on every node with INVALID_ARGUMENT naming
+// both signatures; the job goes on, and the next operation is right.
+TEST(ClusterJobDirectTest, AMismatchFailsEveryNodeAndTheJobGoesOn) {
+  Nodes nodes(2);
+  std::vector<float> send[2] = {std::vector<float>(6, 1.0f), std::vector<float>(6, 2.0f)};
+  std::vector<float> recv[2] = {std::vector<float>(6, 0.0f), std::vector<float>(6, 0.0f)};
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(0, "#0", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                  k == 0 ? 4 : 6, k, send[k].data(), recv[k].data()));
+    nodes.job(k).Submit(Allreduce(1, "#1", k == 0 ? wire::DataType::kFloat32 : wire::DataType::kInt32,
+                                  wire::ReduceOp::kSum, 6, k, send[k].data(), recv[k].data()));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(2));
+    std::lock_guard<std::mutex> lock(nodes.ends(k).mu);
+    for (auto& [key, s] : nodes.ends(k).ends) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "node " << k << ": " << s;
+      EXPECT_NE(s.message().find("mismatched across nodes"), std::string::npos) << s;
+      if (key == 1) {
+        EXPECT_NE(s.message().find("float32"), std::string::npos) << s;
+        EXPECT_NE(s.message().find("int32"), std::string::npos) << s;
+      }
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(2, "#2", wire::DataType::kFloat32, wire::ReduceOp::kSum, 6, k,
+                                  send[k].data(), recv[k].data()));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(3));
+    EXPECT_TRUE(nodes.ends(k).ends.back().second.ok()) << nodes.ends(k).ends.back().second;
+    EXPECT_EQ(recv[k], std::vector<float>(6, 3.0f));
+  }
+}
+
+// A direct op that another node never submits ends at its deadline with
+// DEADLINE_EXCEEDED naming that node, not later; the job goes on.
+TEST(ClusterJobDirectTest, AnOperationMissingOnANodeTimesOutNamingIt) {
+  Nodes nodes(2);
+  std::vector<float> a(3, 1.0f), out(3, 0.0f), b(3, 2.0f), out_b(3, 0.0f);
+  ClusterOp lonely = Allreduce(0, "#0", wire::DataType::kFloat32, wire::ReduceOp::kSum, 3, 0,
+                               a.data(), out.data());
+  lonely.timeout_ms = 300;
+  const auto start = std::chrono::steady_clock::now();
+  nodes.job(0).Submit(std::move(lonely));
+  ASSERT_TRUE(nodes.ends(0).WaitFor(1));
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(took, std::chrono::milliseconds(290));
+  EXPECT_LT(took, std::chrono::milliseconds(2000));
+  const absl::Status s = nodes.ends(0).ends[0].second;
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("nothing came from node n1"), std::string::npos) << s;
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(1, "#1", wire::DataType::kFloat32, wire::ReduceOp::kSum, 3, k,
+                                  k == 0 ? a.data() : b.data(), k == 0 ? out.data() : out_b.data()));
+  }
+  ASSERT_TRUE(nodes.ends(0).WaitFor(2));
+  ASSERT_TRUE(nodes.ends(1).WaitFor(1));
+  EXPECT_TRUE(nodes.ends(0).ends[1].second.ok()) << nodes.ends(0).ends[1].second;
+  EXPECT_EQ(out, std::vector<float>(3, 3.0f));
+  EXPECT_EQ(out_b, std::vector<float>(3, 3.0f));
+}
+
+// direct_max_bytes 0 on the coordinator's daemon: every operation goes
+// through the coordinator, results unchanged.
+TEST(ClusterJobDirectTest, DirectMaxBytesZeroOrdersEverythingAtTheCoordinator) {
+  Nodes nodes(2, 1, ClusterJob::kFeedbackBytes, {{"direct_max_bytes", "0"}});
+  std::vector<float> send[2] = {std::vector<float>(5, 1.5f), std::vector<float>(5, 2.0f)};
+  std::vector<float> recv[2] = {std::vector<float>(5, 0.0f), std::vector<float>(5, 0.0f)};
+  for (int k = 0; k < 2; ++k) {
+    nodes.job(k).Submit(Allreduce(0, "#0", wire::DataType::kFloat32, wire::ReduceOp::kSum, 5, k,
+                                  send[k].data(), recv[k].data()));
+  }
+  nodes.ExpectEndsOk(1);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(recv[k], std::vector<float>(5, 3.5f));
+    EXPECT_EQ(nodes.job(k).direct_ops(), 0u);
   }
 }
 
@@ -1177,7 +1341,8 @@ struct StagedCase {
 std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& staged,
                                                 const std::vector<StagedCase>& cases,
                                                 bool scatter = false,
-                                                ClusterJob::StagingCounters* counted = nullptr) {
+                                                ClusterJob::StagingCounters* counted = nullptr,
+                                                const std::string& prefix = "s") {
   Nodes nodes(n);
   EXPECT_TRUE(nodes.SetBoth("staging_segment_bytes", "4K").ok());
   EXPECT_TRUE(nodes.SetBoth("chunk_bytes", "4K").ok());
@@ -1194,7 +1359,7 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
       for (size_t i = 0; i < sent; ++i) {
         Put(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
       }
-      ClusterOp op = Allreduce(o, "s" + std::to_string(o), c.dtype, c.op, c.count, k,
+      ClusterOp op = Allreduce(o, prefix + std::to_string(o), c.dtype, c.op, c.count, k,
                                send[k][o].data(), recv[k][o].data());
       if (scatter) op.sig.collective = static_cast<uint32_t>(wire::Collective::kReduceScatter);
       if (gpu) {
@@ -1237,6 +1402,24 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
   std::vector<std::vector<std::string>> logs;
   for (auto& b : buffers) logs.push_back(b->calls());
   return logs;
+}
+
+// Direct ops ("#N", up to 64K) whose buffers are on a GPU on some nodes:
+// fetched whole, exchanged, stored; every dtype x reduce op, sizes 0, 1,
+// odd and several pages, on two nodes (one staged) and three (two staged).
+TEST(ClusterJobStagedTest, DirectOperationsOnGpuBuffersMatchThePlainLoop) {
+  std::vector<StagedCase> cases;
+  for (auto t : wire::kAllDataTypes) {
+    for (auto op : wire::kAllReduceOps) {
+      for (size_t count : {0, 1, 7, 3001}) cases.push_back({t, op, count});
+    }
+  }
+  ClusterJob::StagingCounters counted;
+  RunStaged(2, {1}, cases, false, &counted, "#");
+  // Those with bytes to stage (0 elements: nothing to copy).
+  EXPECT_EQ(counted.ops, static_cast<uint64_t>(std::count_if(
+                             cases.begin(), cases.end(), [](auto& c) { return c.count > 0; })));
+  RunStaged(3, {0, 2}, cases, false, nullptr, "#");
 }
 
 // Every dtype x reduce op, sizes 0, 1, odd, not a multiple of the 4 KiB

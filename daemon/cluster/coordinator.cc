@@ -262,6 +262,17 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
     job->membership.set_coordinator(id_);
     job->membership.set_ordering_port(static_cast<uint32_t>(ordering_port_.load()));
     job->membership.set_channels(job->channels);
+    {
+      // Direct operations are never compressed: while compression is on,
+      // only those that compression would leave alone go direct.
+      const config::Tuning tuning = tuning_ ? tuning_->Snapshot() : config::Tuning{};
+      uint64_t direct = tuning.direct_max_bytes;
+      if (tuning.compression != "none") {
+        direct = std::min<uint64_t>(direct, tuning.min_compress_bytes > 0
+                                                ? tuning.min_compress_bytes - 1 : 0);
+      }
+      job->membership.set_direct_max_bytes(direct);
+    }
     for (auto* reg : order) {
       auto* n = job->membership.add_nodes();
       n->set_node_name(reg->node_name());

@@ -190,6 +190,11 @@ const std::vector<Field>& Table() {
                    "How long the coordinator holds an operation that could start at once, to "
                    "fuse and order it with others (0: never wait)",
                    "microseconds", &Tuning::cycle_time_us, 0, 1000000),
+      SizeField("direct_max_bytes",
+                "Unnamed allreduces and barriers up to this payload run between the nodes "
+                "without the coordinator, never compressed (0 = off; the coordinator's setting "
+                "when the job forms decides for the job)",
+                &Tuning::direct_max_bytes, 0, kMiB),
       SizeField("staging_segment_bytes",
                 "Multi-node operations on GPU buffers cross the network in pieces of this size, "
                 "staged through host memory while the previous piece travels (the coordinator's "

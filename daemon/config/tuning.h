@@ -76,6 +76,14 @@ struct Tuning {
   // 0: never wait (an isolated operation starts at once; only operations
   // that queue behind running ones are fused and ordered). 0..1000000.
   uint32_t cycle_time_us = 0;
+  // Unnamed allreduces and barriers (matched by submission order) of at most
+  // this many payload bytes go between the nodes of a multi-node job
+  // without the coordinator: each node starts one as soon as its own ranks
+  // have submitted it, and the exchange itself carries the signatures that
+  // detect a mismatch. Never compressed. The coordinator's setting when the
+  // job forms decides for the job (while its compression is on, only
+  // operations under min_compress_bytes). 0 = off. 0..1M.
+  uint64_t direct_max_bytes = uint64_t{64} << 10;
   // Multi-node operations whose buffers are in GPU memory on some node go
   // between the nodes in pieces of about this many bytes, each one an
   // operation of its own (decided by the coordinator, for every node

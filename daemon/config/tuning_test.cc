@@ -53,10 +53,11 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
               ElementsAre("chunk_bytes", "small_op_bytes", "spin_us", "op_timeout_ms", "channels",
                           "chunks_in_flight", "algorithm", "compression", "min_compress_bytes",
                           "error_feedback", "compression_strict", "fast_path_bytes",
-                          "fusion_threshold_bytes", "cycle_time_us", "staging_segment_bytes",
+                          "fusion_threshold_bytes", "cycle_time_us", "direct_max_bytes",
+                          "staging_segment_bytes",
                           "trace_ops", "heartbeat_interval_ms", "heartbeat_misses"));
   EXPECT_THAT(values, ElementsAre("1M", "256K", "50", "60000", "2", "8", "auto", "none", "64K",
-                                  "on", "off", "4K", "4M", "0", "16M", "4096", "2000", "4"));
+                                  "on", "off", "4K", "4M", "0", "64K", "16M", "4096", "2000", "4"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
   EXPECT_THAT((*entries)[0].description, HasSubstr("default 1M"));

@@ -1,0 +1,284 @@
+// ClusterJob's direct operations: unnamed allreduces and barriers of at
+// most the job's direct_max_bytes, run between the nodes without the
+// coordinator (direct_exchange.h; README.md, "Direct operations").
+//
+// Threads: an op starts on Submit's caller (the engine's loop), or on the
+// ClusterJob's thread when it came before the job formed or has GPU
+// buffers; its exchange ends on a transport thread, which writes the
+// result to the ranks' buffers (a GPU op's goes back to the ClusterJob's
+// thread to be stored). The table direct_ decides who ends an op: whoever
+// takes it out (the exchange's end, its deadline, the job's failure).
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "cluster/cluster_job.h"
+#include "reduce/reduce.h"
+#include "spdlog/spdlog.h"
+
+namespace ciuic::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Tags of direct op "#N" (the layout: cluster_job.cc, RunTagBase).
+uint64_t DirectTagBase(uint64_t number) {
+  return (uint64_t{1} << 46) | ((number & 0x3fffff) << 24);
+}
+
+wire::ReduceOp BetweenNodes(const OpSignature& sig) {
+  const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
+  return op == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : op;
+}
+
+bool IsAvg(const OpSignature& sig) {
+  return sig.collective == static_cast<uint32_t>(wire::Collective::kAllreduce) &&
+         static_cast<wire::ReduceOp>(sig.reduce_op) == wire::ReduceOp::kAvg;
+}
+
+size_t PayloadBytes(const OpSignature& sig) {
+  if (sig.collective == static_cast<uint32_t>(wire::Collective::kBarrier)) return 0;
+  return sig.count * sig.element_bytes();
+}
+
+}  // namespace
+
+bool ClusterJob::IsDirect(const ClusterOp& op, uint64_t* number) const {
+  const uint64_t max = direct_max_bytes_.load(std::memory_order_relaxed);
+  if (max == 0 || op.name.size() < 2 || op.name[0] != '#') return false;
+  const auto collective = static_cast<wire::Collective>(op.sig.collective);
+  if (collective != wire::Collective::kAllreduce && collective != wire::Collective::kBarrier) {
+    return false;
+  }
+  // An operation that asks for a codec goes through the coordinator, which
+  // applies it; the count bounds the bytes before they are multiplied.
+  if (op.sig.codec != 0 || op.sig.count > max) return false;
+  if (PayloadBytes(op.sig) > max) return false;
+  return absl::SimpleAtoi(absl::string_view(op.name).substr(1), number);
+}
+
+bool ClusterJob::StartDirect(ClusterOp& op, uint64_t number) {
+  const Clock::time_point now = Clock::now();
+  const uint32_t timeout_ms =
+      op.timeout_ms ? op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms;
+  DirectExchange::Params params;
+  params.channel = 0;
+  params.tag_base = DirectTagBase(number);
+  params.name = op.name;
+  params.sig = op.sig;
+  params.op = BetweenNodes(op.sig);
+  const uint64_t key = op.key;
+  std::shared_ptr<DirectExchange> exchange;
+  {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    if (direct_transport_ == nullptr) return false;
+    params.transport = direct_transport_;
+    exchange = DirectExchange::Create(std::move(params), [this, key](absl::Status s, uint8_t* r) {
+      EndDirect(key, std::move(s), r);
+    });
+    ++live_exchanges_;
+  }
+  // The local phase: the node's ranks reduced into the exchange's value.
+  const size_t bytes = PayloadBytes(op.sig);
+  if (bytes > 0) {
+    uint8_t* value = exchange->payload();
+    if (op.staged) {
+      staged_ops_.fetch_add(1, std::memory_order_relaxed);
+      StagedNodeBuffer& device = *op.staged;
+      absl::Status s = device.ReduceLocal(BetweenNodes(op.sig));
+      absl::StatusOr<uint8_t*> slot = s.ok() ? device.Slot(0, bytes) : s;
+      if (slot.ok()) s = device.Fetch(0, 0, 0, bytes);
+      if (slot.ok() && s.ok()) s = device.Wait(0);
+      if (!slot.ok()) s = slot.status();
+      if (s.ok()) {
+        std::memcpy(value, *slot, bytes);
+        staged_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+      } else {
+        exchange->FailLocally(s);
+      }
+    } else if (op.parts.size() == 1) {
+      std::memcpy(value, op.parts.front().send, bytes);
+    } else {
+      std::vector<const void*> inputs;
+      for (const auto& p : op.parts) inputs.push_back(p.send);
+      reduce::Reduce(static_cast<wire::DataType>(op.sig.dtype), BetweenNodes(op.sig),
+                     inputs.data(), static_cast<int>(inputs.size()), value, op.sig.count);
+    }
+  }
+  if (ClusterOp::Timing* t = op.timing.get()) {
+    t->ready = t->announced = t->run_start = now;
+    t->fused_ops = 1;
+    t->direct = true;
+  }
+  direct_ops_.fetch_add(1, std::memory_order_relaxed);
+  const Clock::time_point deadline = now + std::chrono::milliseconds(timeout_ms);
+  {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    direct_.emplace(key, DirectOp{std::move(op), exchange, now, deadline, timeout_ms});
+  }
+  exchange->Start();
+  // The ClusterJob's thread watches the deadlines: it may be asleep until
+  // a later one.
+  if (deadline < Clock::time_point(Clock::duration(direct_wake_ns_.load()))) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cv_.notify_all();
+  }
+  return true;
+}
+
+void ClusterJob::EndDirect(uint64_t key, absl::Status status, uint8_t* result) {
+  std::optional<DirectOp> d;
+  {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    auto it = direct_.find(key);
+    if (it != direct_.end()) {
+      d.emplace(std::move(it->second));
+      direct_.erase(it);
+    }
+  }
+  if (d) {
+    if (ClusterOp::Timing* t = d->op.timing.get()) t->run_end = Clock::now();
+    const size_t bytes = PayloadBytes(d->op.sig);
+    if (d->op.staged) {
+      StagedDirectEnd end{std::move(d->op), status, {}};
+      if (status.ok()) end.result.assign(result, result + bytes);
+      {
+        std::lock_guard<std::mutex> lock(direct_mu_);
+        staged_direct_ends_.push_back(std::move(end));
+      }
+      PushDirectEnd();
+    } else {
+      if (status.ok() && bytes > 0) {
+        if (IsAvg(d->op.sig)) {
+          DivideInPlace(static_cast<wire::DataType>(d->op.sig.dtype), result, d->op.sig.count,
+                        options_.world_size);
+        }
+        for (const auto& p : d->op.parts) std::memcpy(p.recv, result, bytes);
+      }
+      Done(d->op, status);
+    }
+    // A lost peer ends the job, as a run cut off does.
+    if (status.code() == absl::StatusCode::kUnavailable) {
+      PushRunFailed(status);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    --live_exchanges_;
+  }
+  direct_cv_.notify_all();
+}
+
+void ClusterJob::FinishStagedDirect() {
+  while (true) {
+    StagedDirectEnd end;
+    {
+      std::lock_guard<std::mutex> lock(direct_mu_);
+      if (staged_direct_ends_.empty()) return;
+      end = std::move(staged_direct_ends_.front());
+      staged_direct_ends_.pop_front();
+    }
+    ClusterOp& op = end.op;
+    absl::Status s = end.status;
+    const size_t bytes = PayloadBytes(op.sig);
+    if (s.ok() && bytes > 0) {
+      StagedNodeBuffer& device = *op.staged;
+      if (IsAvg(op.sig)) {
+        DivideInPlace(static_cast<wire::DataType>(op.sig.dtype), end.result.data(), op.sig.count,
+                      options_.world_size);
+      }
+      absl::StatusOr<uint8_t*> slot = device.Slot(0, bytes);
+      if (!slot.ok()) s = slot.status();
+      if (s.ok()) {
+        std::memcpy(*slot, end.result.data(), bytes);
+        s = device.Store(0, 0, 0, bytes);
+        staged_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+      }
+      if (s.ok()) s = device.Finish();
+    }
+    if (!s.ok()) op.staged->Drain().IgnoreError();
+    Done(op, s);
+  }
+}
+
+Clock::time_point ClusterJob::NextDirectDeadline() {
+  std::lock_guard<std::mutex> lock(direct_mu_);
+  Clock::time_point next = Clock::time_point::max();
+  for (const auto& [key, d] : direct_) next = std::min(next, d.deadline);
+  direct_wake_ns_.store(next.time_since_epoch().count());
+  return next;
+}
+
+void ClusterJob::ExpireDirect() {
+  const Clock::time_point now = Clock::now();
+  std::vector<DirectOp> expired;
+  {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    for (auto it = direct_.begin(); it != direct_.end();) {
+      if (it->second.deadline <= now) {
+        expired.push_back(std::move(it->second));
+        it = direct_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (DirectOp& d : expired) {
+    const int waiting = d.exchange->Waiting();
+    std::string from = "the other nodes";
+    if (waiting >= 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      from = absl::StrCat("node ", waiting < static_cast<int>(peers_.size())
+                                       ? peers_[static_cast<size_t>(waiting)].node_name
+                                       : std::to_string(waiting));
+    }
+    absl::Status late = absl::DeadlineExceededError(absl::StrCat(
+        "operation '", d.op.name, "' of job '", options_.job_id, "' timed out after ",
+        d.timeout_ms, " ms: nothing came from ", from,
+        " for it (its ranks have not submitted it, or submitted other operations first: unnamed "
+        "operations are matched by submission order)"));
+    spdlog::warn("job '{}': {}", options_.job_id, std::string(late.message()));
+    if (d.op.staged) d.op.staged->Drain().IgnoreError();
+    Done(d.op, late);
+  }
+}
+
+std::vector<ClusterJob::DirectOp> ClusterJob::TakeDirect() {
+  std::vector<DirectOp> taken;
+  std::lock_guard<std::mutex> lock(direct_mu_);
+  for (auto& [key, d] : direct_) taken.push_back(std::move(d));
+  direct_.clear();
+  return taken;
+}
+
+void ClusterJob::WaitForDirectOps() {
+  std::unique_lock<std::mutex> lock(direct_mu_);
+  direct_cv_.wait_for(lock, kDirectGrace, [&] { return direct_.empty(); });
+}
+
+void ClusterJob::CloseDirect() {
+  Transport* transport = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    transport = direct_transport_;
+    direct_transport_ = nullptr;
+    if (live_exchanges_ == 0 || transport == nullptr) return;
+  }
+  for (int p = 0; p < transport->num_peers(); ++p) {
+    if (p != transport->self()) transport->FailPeer(p, absl::CancelledError("job closed"));
+  }
+  std::unique_lock<std::mutex> lock(direct_mu_);
+  if (direct_cv_.wait_for(lock, kDirectGrace, [&] { return live_exchanges_ == 0; })) return;
+  // A transport that never completes a transfer: its callbacks would run
+  // into a destroyed ClusterJob. Leaked rather than destroyed.
+  spdlog::error("job '{}': {} direct exchange(s) still in flight {} ms after their transfers "
+                "were cut off; the job's transport is left open",
+                options_.job_id, live_exchanges_, kDirectGrace.count());
+  lock.unlock();
+  std::lock_guard<std::mutex> job_lock(mu_);
+  (void)transport_.release();  // NOLINT: deliberately leaked
+}
+
+}  // namespace ciuic::daemon

@@ -1,0 +1,116 @@
+// One small allreduce (or a barrier) between the nodes of a job without the
+// coordinator: a "direct operation" (README.md, "Direct operations").
+//
+// Each node starts its DirectExchange as soon as its own ranks have
+// submitted the operation, with the node's reduced value in payload(). The
+// nodes then run recursive doubling over the job's transport: with P the
+// largest power of two <= N nodes, node P + i first hands its value to node
+// i (i < N - P), which folds it in; nodes 0..P-1 exchange their whole value
+// with node self ^ d for d = 1, 2, .. P/2, each folding what it gets; node i
+// finally sends the result to node P + i. Every fold is op(lower node's
+// value, higher node's value), so every node ends with the same bits.
+//
+// Every message is a DirectHeader followed by the value. The header carries
+// the sender's operation signature and a signature different from it that
+// the sender has seen (if any), and a flag when the sender's exchange has
+// failed: after the last step every node has heard, directly or through
+// others, from every node, so a mismatch or failure anywhere ends the
+// operation on every node with the same kind of error (INVALID_ARGUMENT
+// naming both signatures, or the failure), never with a partial result.
+// A node whose transfer fails still sends its later steps (flagged), so
+// that the others' receives complete instead of waiting for a deadline.
+//
+// The exchange is driven by the transport's completion callbacks: it never
+// blocks and owns no thread. Start() posts the first step; the callback that
+// completes a step posts the next; the last one calls `finished` (on a
+// transport thread). A transport's callbacks must not run inline in
+// Send/Recv (transport.h); they may run concurrently for one step's send and
+// receive. The object stays alive until its last callback has run.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "ciuic/shm_layout.h"
+#include "collectives/op.h"
+#include "transport/transport.h"
+
+namespace ciuic::daemon {
+
+class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
+ public:
+  struct Params {
+    Transport* transport = nullptr;  // must outlive every callback
+    int channel = 0;
+    uint64_t tag_base = 0;  // low 24 bits zero; distinct per operation in flight
+    std::string name;       // for error messages
+    OpSignature sig;        // compared across nodes (sig.device is not)
+    // The reduction between nodes (avg: kSum, the caller divides).
+    wire::ReduceOp op = wire::ReduceOp::kSum;
+  };
+  // `result` points to the reduced value (payload bytes) when `status` is
+  // OK (the receiver may change it in place); valid during the call only.
+  using Finished = std::function<void(absl::Status status, uint8_t* result)>;
+
+  static std::shared_ptr<DirectExchange> Create(Params params, Finished finished);
+
+  // The node's value, payload_bytes() long: fill it before Start().
+  uint8_t* payload() { return value_.data() + kHeaderBytes; }
+  size_t payload_bytes() const { return value_.size() - kHeaderBytes; }
+  // Before Start(): this node cannot take part (its local phase failed).
+  // It still runs every step, its messages flagged, so that every node
+  // ends the operation at once with an error instead of waiting for it.
+  void FailLocally(absl::Status why);
+  void Start();
+  // The node whose message of the current step has not arrived (-1: none),
+  // for a deadline's error message.
+  int Waiting() const;
+
+  static constexpr size_t kHeaderBytes = 96;
+
+ private:
+  struct Step {
+    int send_to = -1;    // -1: none
+    int recv_from = -1;  // -1: none
+    bool fold = false;   // fold what arrives into the value (else: it is the result)
+    uint64_t tag = 0;    // the phase, alike on both ends: 0 fold-in, 1.. doubling, last hand-back
+  };
+
+  DirectExchange(Params params, Finished finished);
+  void RunStep();
+  void StepDone();
+  // Folds or takes step `step_`'s message. Only the thread that completed
+  // the step calls it.
+  void Absorb(const Step& step, uint8_t* message);
+  absl::Status Outcome() const;
+
+  Params params_;
+  Finished finished_;
+  int nodes_ = 0;
+  int self_ = 0;
+  size_t payload_bytes_ = 0;
+  std::vector<Step> steps_;
+  // The step in progress: written by the thread that completes the one
+  // before (each step's completion happens after its posting).
+  std::atomic<size_t> step_{0};
+  std::vector<uint8_t> value_;  // header + value
+  std::vector<uint8_t> inbox_;  // header + value, one step's message
+  std::atomic<int> outstanding_{0};
+  mutable std::mutex mu_;        // the fields below, written from transport threads
+  absl::Status transfer_error_;  // the first of this node's failed transfers
+  absl::Status step_error_;      // this step's receive
+  bool mismatch_ = false;
+  OpSignature other_;        // with mismatch_ and other_known_: another node's signature
+  bool other_known_ = false; // false: it sent a message of another size only
+  int other_node_ = -1;      // who, when heard directly
+  bool peer_failed_ = false; // a node flagged its exchange as failed
+  int failed_node_ = -1;
+};
+
+}  // namespace ciuic::daemon

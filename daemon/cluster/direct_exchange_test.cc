@@ -1,0 +1,251 @@
+// DirectExchange between "nodes" that are threads of one process
+// (InProcessHub): every dtype, reduce op, size class and node count 1..5
+// against a plain loop, the same bits on every node; mismatches of every
+// kind fail every node naming both signatures; a node that cannot take part
+// or is lost fails everyone at once, without waiting for a deadline.
+#include "cluster/direct_exchange.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "collectives/internode/in_process_transport.h"
+#include "reduce/half.h"
+
+namespace ciuic::daemon {
+namespace {
+
+using wire::DataType;
+using wire::ReduceOp;
+
+// Small integers, so that every dtype holds every partial result exactly
+// and the plain loop needs no tolerance; prod takes factors of 1 and 2 with
+// signs (unsigned: no sign).
+double Value(int node, size_t i, ReduceOp op, DataType t) {
+  const bool unsigned_type = t == DataType::kUInt8;
+  if (op == ReduceOp::kProd) {
+    const int f = static_cast<int>((node * 5 + i * 3) % 4);
+    const double v = f < 2 ? 1 : 2;
+    return (!unsigned_type && f % 2 == 1) ? -v : v;
+  }
+  const double v = static_cast<double>((node * 7 + i * 3) % 11);
+  return unsigned_type ? v : v - 5;
+}
+
+void Store(DataType t, uint8_t* p, size_t i, double v) {
+  switch (t) {
+    case DataType::kFloat32: reinterpret_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case DataType::kFloat64: reinterpret_cast<double*>(p)[i] = v; break;
+    case DataType::kFloat16:
+      reinterpret_cast<uint16_t*>(p)[i] = FloatToHalf(static_cast<float>(v));
+      break;
+    case DataType::kBFloat16:
+      reinterpret_cast<uint16_t*>(p)[i] = FloatToBFloat16(static_cast<float>(v));
+      break;
+    case DataType::kInt8: reinterpret_cast<int8_t*>(p)[i] = static_cast<int8_t>(v); break;
+    case DataType::kUInt8: reinterpret_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
+    case DataType::kInt32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
+    case DataType::kInt64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
+  }
+}
+
+double Load(DataType t, const uint8_t* p, size_t i) {
+  switch (t) {
+    case DataType::kFloat32: return reinterpret_cast<const float*>(p)[i];
+    case DataType::kFloat64: return reinterpret_cast<const double*>(p)[i];
+    case DataType::kFloat16: return HalfToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DataType::kBFloat16: return BFloat16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DataType::kInt8: return reinterpret_cast<const int8_t*>(p)[i];
+    case DataType::kUInt8: return reinterpret_cast<const uint8_t*>(p)[i];
+    case DataType::kInt32: return reinterpret_cast<const int32_t*>(p)[i];
+    case DataType::kInt64: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
+  }
+  return 0;
+}
+
+double Fold(ReduceOp op, double a, double b) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: return a + b;
+    case ReduceOp::kMin: return std::min(a, b);
+    case ReduceOp::kMax: return std::max(a, b);
+    case ReduceOp::kProd: return a * b;
+  }
+  return 0;
+}
+
+OpSignature Sig(DataType t, ReduceOp op, uint64_t count) {
+  OpSignature s;
+  s.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
+  s.dtype = static_cast<uint32_t>(t);
+  s.reduce_op = static_cast<uint32_t>(op);
+  s.count = count;
+  return s;
+}
+
+struct Result {
+  absl::Status status;
+  std::vector<uint8_t> bytes;
+  bool done = false;
+};
+
+// Runs one exchange on `nodes` nodes: node k with signature sigs[k] and
+// the Value()s; fail_local[k] makes node k fail its local phase. Waits for
+// every node's end (at most 20 s) and returns them.
+std::vector<Result> Exchange(int nodes, const std::vector<OpSignature>& sigs,
+                             const std::vector<bool>& fail_local = {}, int kill_node = -1) {
+  InProcessHub hub(nodes, 1);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Result> results(static_cast<size_t>(nodes));
+  std::vector<std::shared_ptr<DirectExchange>> exchanges;
+  for (int k = 0; k < nodes; ++k) {
+    DirectExchange::Params p;
+    p.transport = hub.transport(k);
+    p.tag_base = uint64_t{5} << 24;
+    p.name = "#5";
+    p.sig = sigs[static_cast<size_t>(k)];
+    const auto op = static_cast<ReduceOp>(p.sig.reduce_op);
+    p.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    const size_t bytes = p.sig.count * p.sig.element_bytes();
+    auto ex = DirectExchange::Create(p, [&mu, &cv, &results, k, bytes](absl::Status s, uint8_t* r) {
+      std::lock_guard<std::mutex> lock(mu);
+      Result& res = results[static_cast<size_t>(k)];
+      res.status = s;
+      if (s.ok()) res.bytes.assign(r, r + bytes);
+      res.done = true;
+      cv.notify_all();
+    });
+    const auto t = static_cast<DataType>(p.sig.dtype);
+    for (size_t i = 0; i < p.sig.count; ++i) Store(t, ex->payload(), i, Value(k, i, op, t));
+    if (static_cast<size_t>(k) < fail_local.size() && fail_local[static_cast<size_t>(k)]) {
+      ex->FailLocally(absl::InternalError("device fault in the local phase"));
+    }
+    exchanges.push_back(ex);
+  }
+  if (kill_node >= 0) hub.KillNode(kill_node);
+  for (auto& ex : exchanges) ex->Start();
+  std::unique_lock<std::mutex> lock(mu);
+  const bool all = cv.wait_for(lock, std::chrono::seconds(20), [&] {
+    for (int k = 0; k < nodes; ++k) {
+      if (k != kill_node && !results[static_cast<size_t>(k)].done) return false;
+    }
+    return true;
+  });
+  EXPECT_TRUE(all) << "an exchange did not end";
+  return results;
+}
+
+TEST(DirectExchangeTest, EveryDtypeOpSizeAndNodeCountMatchesThePlainLoop) {
+  for (int nodes = 1; nodes <= 5; ++nodes) {
+    for (DataType t : wire::kAllDataTypes) {
+      for (ReduceOp op : wire::kAllReduceOps) {
+        if (op == ReduceOp::kAvg) continue;  // the caller's division (ClusterJob)
+        for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1001}, size_t{16384}}) {
+          SCOPED_TRACE(testing::Message() << nodes << " nodes, " << Sig(t, op, count).ToString());
+          std::vector<OpSignature> sigs(static_cast<size_t>(nodes), Sig(t, op, count));
+          std::vector<Result> got = Exchange(nodes, sigs);
+          for (int k = 0; k < nodes; ++k) {
+            const Result& r = got[static_cast<size_t>(k)];
+            ASSERT_TRUE(r.status.ok()) << r.status;
+            ASSERT_EQ(r.bytes.size(), count * wire::DataTypeSize(static_cast<uint32_t>(t)));
+            // Every node ends with the same bits.
+            EXPECT_EQ(r.bytes, got[0].bytes) << "node " << k;
+          }
+          for (size_t i = 0; i < count; ++i) {
+            double want = Value(0, i, op, t);
+            for (int k = 1; k < nodes; ++k) want = Fold(op, want, Value(k, i, op, t));
+            ASSERT_EQ(Load(t, got[0].bytes.data(), i), want) << "element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(DirectExchangeTest, AMismatchFailsEveryNodeNamingBothSignatures) {
+  const OpSignature base = Sig(DataType::kFloat32, ReduceOp::kSum, 6);
+  OpSignature bigger = base;
+  bigger.count = 9;
+  OpSignature smaller = base;
+  smaller.count = 2;
+  OpSignature other_type = base;
+  other_type.dtype = static_cast<uint32_t>(DataType::kInt32);  // same bytes
+  OpSignature other_op = base;
+  other_op.reduce_op = static_cast<uint32_t>(ReduceOp::kMax);
+  for (int nodes : {2, 3, 4, 5}) {
+    for (const OpSignature& odd : {bigger, smaller, other_type, other_op}) {
+      for (int at = 0; at < nodes; ++at) {
+        SCOPED_TRACE(testing::Message() << nodes << " nodes, node " << at << " submits "
+                                        << odd.ToString());
+        std::vector<OpSignature> sigs(static_cast<size_t>(nodes), base);
+        sigs[static_cast<size_t>(at)] = odd;
+        std::vector<Result> got = Exchange(nodes, sigs);
+        for (int k = 0; k < nodes; ++k) {
+          const absl::Status& s = got[static_cast<size_t>(k)].status;
+          EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "node " << k << ": " << s;
+          const std::string msg(s.message());
+          EXPECT_NE(msg.find("operation '#5' mismatched across nodes"), std::string::npos) << msg;
+          EXPECT_NE(msg.find(sigs[static_cast<size_t>(k)].ToString()), std::string::npos) << msg;
+          // Same size: every node read the other signature.
+          if (odd.count == base.count) {
+            EXPECT_NE(msg.find(base.ToString()), std::string::npos) << msg;
+            EXPECT_NE(msg.find(odd.ToString()), std::string::npos) << msg;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(DirectExchangeTest, ANodeThatCannotTakePartFailsEveryoneAtOnce) {
+  for (int nodes : {2, 3, 5}) {
+    for (int at = 0; at < nodes; ++at) {
+      std::vector<OpSignature> sigs(static_cast<size_t>(nodes),
+                                    Sig(DataType::kFloat32, ReduceOp::kSum, 3));
+      std::vector<bool> fail(static_cast<size_t>(nodes), false);
+      fail[static_cast<size_t>(at)] = true;
+      const auto start = std::chrono::steady_clock::now();
+      std::vector<Result> got = Exchange(nodes, sigs, fail);
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+      for (int k = 0; k < nodes; ++k) {
+        const absl::Status& s = got[static_cast<size_t>(k)].status;
+        ASSERT_FALSE(s.ok()) << nodes << " nodes, node " << at << " failed; node " << k;
+        if (k == at) {
+          EXPECT_NE(s.message().find("device fault"), std::string::npos) << s;
+        } else {
+          EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+          EXPECT_NE(s.message().find("could not take part"), std::string::npos) << s;
+        }
+      }
+    }
+  }
+}
+
+TEST(DirectExchangeTest, ALostNodeEndsTheOthersExchangesWithAnError) {
+  for (int nodes : {2, 3, 4}) {
+    std::vector<OpSignature> sigs(static_cast<size_t>(nodes),
+                                  Sig(DataType::kInt64, ReduceOp::kMax, 100));
+    std::vector<Result> got = Exchange(nodes, sigs, {}, /*kill_node=*/nodes - 1);
+    for (int k = 0; k + 1 < nodes; ++k) {
+      EXPECT_FALSE(got[static_cast<size_t>(k)].status.ok()) << nodes << " nodes, node " << k;
+    }
+  }
+}
+
+TEST(DirectExchangeTest, ABarrierCarriesHeadersOnly) {
+  OpSignature barrier;
+  barrier.collective = static_cast<uint32_t>(wire::Collective::kBarrier);
+  for (int nodes = 1; nodes <= 5; ++nodes) {
+    std::vector<Result> got = Exchange(nodes, std::vector<OpSignature>(nodes, barrier));
+    for (const Result& r : got) EXPECT_TRUE(r.status.ok()) << r.status;
+  }
+}
+
+}  // namespace
+}  // namespace ciuic::daemon
