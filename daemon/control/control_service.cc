@@ -138,6 +138,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* ctx, const proto::St
     out->set_feedback_evictions(j.feedback_evictions);
     out->set_feedback_resets(j.feedback_resets);
     out->set_feedback_too_large(j.feedback_too_large);
+    out->set_ops_direct(j.ops_direct);
     for (const auto& p : j.pending) {
       auto* po = out->add_pending();
       po->set_name(p.name);
@@ -245,6 +246,7 @@ grpc::Status ControlService::GetTrace(grpc::ServerContext* ctx, const proto::Tra
     out->set_queued_us(row.queued_us);
     out->set_run_seq(row.run_seq);
     out->set_fused_ops(row.fused_ops);
+    out->set_direct(row.direct);
     out->set_codec(row.codec);
     out->set_done_us(row.done_us);
     out->set_code(row.code);

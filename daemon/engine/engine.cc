@@ -1217,6 +1217,7 @@ EngineStatus Engine::StatusOnLoop() {
       row.feedback_evictions = e.host.evictions + e.device.evictions;
       row.feedback_resets = e.host.size_resets + e.device.size_resets;
       row.feedback_too_large = e.too_large_ops;
+      row.ops_direct = job->cluster->direct_ops();
     }
     row.duration_counts = job->duration_counts;
     row.duration_sum_seconds = job->duration_sum_seconds;

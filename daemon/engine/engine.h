@@ -133,6 +133,7 @@ struct EngineStatus {
     uint64_t feedback_evictions = 0;
     uint64_t feedback_resets = 0;
     uint64_t feedback_too_large = 0;
+    uint64_t ops_direct = 0;  // multi-node: ran without the coordinator
     // Completed operations (not those of the fast path) by duration:
     // per bucket of kOpDurationBounds, not cumulative (the last: longer).
     std::array<uint64_t, kOpDurationBuckets> duration_counts{};

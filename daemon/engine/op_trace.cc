@@ -48,6 +48,7 @@ OpTraceRow RowOf(const OpRecord& r, Clock::time_point origin) {
     row.queued_us = t->queued_us;
     row.run_seq = t->run_seq;
     row.fused_ops = t->fused_ops;
+    row.direct = t->direct;
     row.codec = t->codec;
   }
   row.done_us = Micros(r.done - r.submitted);

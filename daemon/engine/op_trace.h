@@ -65,6 +65,7 @@ struct OpTraceRow {
   uint64_t queued_us = 0;
   uint64_t run_seq = 0;
   uint32_t fused_ops = 0;
+  bool direct = false;
   std::string codec;
   uint64_t done_us = 0;
   int code = 0;

@@ -125,6 +125,10 @@ std::string FormatNetworkSavings(const proto::StatusReply& status) {
       absl::StrAppend(&out, "fusion: job ", Sanitize(job.job_id()), ": ", job.ops_fused(),
                       " operations fused into ", job.fused_runs(), " allreduces\n");
     }
+    if (job.ops_direct() != 0) {
+      absl::StrAppend(&out, "direct: job ", Sanitize(job.job_id()), ": ", job.ops_direct(),
+                      " operations ran between the nodes without the coordinator\n");
+    }
     if (job.ops_staged() != 0) {
       absl::StrAppend(&out, "gpu: job ", Sanitize(job.job_id()), ": ", job.ops_staged(),
                       " operations on GPU buffers, ", HumanBytes(job.bytes_staged()),
@@ -374,6 +378,7 @@ std::string FormatTrace(const proto::TraceReply& reply) {
     std::string collective = Lower(op.collective());
     if (op.device()) absl::StrAppend(&collective, " (gpu)");
     if (op.fused_ops() > 1) absl::StrAppend(&collective, " fused x", op.fused_ops());
+    if (op.direct()) absl::StrAppend(&collective, " direct");
     if (!op.codec().empty()) absl::StrAppend(&collective, " ", op.codec());
     table.AddRow({OrDash(op.job_id()), OrDash(op.name()), collective, HumanBytes(op.bytes()),
                   op.has_launched_us() ? HumanMicros(op.launched_us()) : "-",

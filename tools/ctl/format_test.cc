@@ -202,10 +202,13 @@ TEST(FormatStatusTest, CompressionAndFusionCountersOfMultiNodeJobs) {
   job->set_feedback_evictions(2);
   job->set_feedback_resets(1);
   job->set_feedback_too_large(5);
+  job->set_ops_direct(40);
   for (const std::string& text : {FormatStatus(status), FormatJobs(status)}) {
     EXPECT_THAT(text, HasSubstr("compression: job resnet: 10 operations, 64.0 MiB -> 16.0 MiB on "
                                 "the wire\n"));
     EXPECT_THAT(text, HasSubstr("fusion: job resnet: 96 operations fused into 7 allreduces\n"));
+    EXPECT_THAT(text, HasSubstr("direct: job resnet: 40 operations ran between the nodes without "
+                                "the coordinator\n"));
     EXPECT_THAT(text, HasSubstr("gpu: job resnet: 12 operations on GPU buffers, 48.0 MiB copied "
                                 "between the GPU and host memory\n"));
     EXPECT_THAT(text, HasSubstr("error feedback: job resnet: 3 residuals, 12.0 MiB in host "
@@ -295,6 +298,7 @@ proto::TraceReply SampleTrace() {
       op->set_run_seq(i);
       op->set_fused_ops(i == 1 ? 3 : 1);
       op->set_codec(i == 1 ? "int8" : "");
+      op->set_direct(i == 0);
     } else {
       op->set_code(4);
       op->set_error("operation 'grad.bad' timed out waiting for node b");
@@ -312,6 +316,7 @@ TEST(FormatTest, TraceRowsMediansAndWhoCameLast) {
   EXPECT_THAT(out, HasSubstr("grad.0"));
   EXPECT_THAT(out, HasSubstr("grad?.bad"));  // sanitized
   EXPECT_THAT(out, HasSubstr("allreduce fused x3 int8"));
+  EXPECT_THAT(out, HasSubstr("allreduce direct"));
   EXPECT_THAT(out, HasSubstr("4.0 MiB"));
   EXPECT_THAT(out, HasSubstr("2.00ms"));  // the run
   EXPECT_THAT(out, HasSubstr("code 4: operation 'grad.bad' timed out waiting for node b"));
