@@ -40,8 +40,14 @@ import itertools
 import torch
 
 import ciuic
+from ciuic.torch_backend import (BACKEND, ProcessGroupCiuic, close_all,  # noqa: F401
+                                 communicator, register)
 
-__all__ = ["CiuicHookState", "allreduce_hook"]
+__all__ = ["CiuicHookState", "allreduce_hook", "register", "communicator", "close_all",
+           "ProcessGroupCiuic", "BACKEND"]
+
+# `import ciuic.torch` makes dist.init_process_group("ciuic") work.
+register()
 
 _state_ids = itertools.count()
 
