@@ -297,8 +297,10 @@ class ProcessGroupCiuic(_ProcessGroup):
 
     # -- plumbing
     def _op(self, collective, opts):
-        """(operation name, timeout in seconds) of the next operation."""
-        name = f"torch.{collective}.{next(self._seq)}"
+        """(operation name, timeout in seconds) of the next operation: taken
+        first in every collective, refused or not, so that a call refused
+        on one rank only leaves the names of the later ones aligned."""
+        name = f"torch.{next(self._seq)}"
         timeout = self._timeout
         t = getattr(opts, "timeout", None) if opts is not None else None
         if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
@@ -334,49 +336,50 @@ class ProcessGroupCiuic(_ProcessGroup):
 
     # -- collectives
     def allreduce(self, tensors, opts=None):
+        name, timeout = self._op("allreduce", opts)
         t = _single(tensors, "allreduce")
         op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
         _check_reducible(t, "allreduce")
-        name, timeout = self._op("allreduce", opts)
         buf, back = _inplace(t)
         w = self.comm.allreduce_async(buf, op=op, name=name, timeout=timeout)
         return self._work(name, [w], [t], [back])
 
     def allreduce_coalesced(self, tensors, opts=None):
+        base, timeout = self._op("allreduce_coalesced", opts)
         op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
                         "allreduce_coalesced")
         works, finish = [], []
         for t in tensors:
             _check_tensor(t, "allreduce_coalesced")
             _check_reducible(t, "allreduce_coalesced")
-        for t in tensors:
-            name, timeout = self._op("allreduce_coalesced", opts)
+        for i, t in enumerate(tensors):
+            name = f"{base}.{i}"
             buf, back = _inplace(t)
             works.append(self.comm.allreduce_async(buf, op=op, name=name, timeout=timeout))
             finish.append(back)
         return self._work("allreduce_coalesced", works, list(tensors), finish)
 
     def broadcast(self, tensors, opts=None):
+        name, timeout = self._op("broadcast", opts)
         t = _single(tensors, "broadcast")
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         if opts is not None and opts.rootTensor != 0:
             raise InvalidArgumentError(f"broadcast: root tensor {opts.rootTensor}; one tensor "
                                        "per process")
-        name, timeout = self._op("broadcast", opts)
         buf, back = _inplace(t)
         w = self.comm.broadcast_async(_movable(buf.view(-1)), root=root, name=name,
                                       timeout=timeout)
         return self._work(name, [w], [t], [back])
 
-    def _allgather_flat(self, collective, inp, opts):
-        """Allgather of ``inp`` into a new flat tensor: (name, work, flat)."""
-        name, timeout = self._op(collective, opts)
+    def _allgather_flat(self, name, timeout, inp):
+        """Allgather of ``inp`` into a new flat tensor: (work, flat)."""
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
         w = self.comm.allgather_async(_movable(flat), _movable(_flat(inp)), name=name,
                                       timeout=timeout)
-        return name, w, flat
+        return w, flat
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        name, timeout = self._op("allgather", opts)
         if len(output_tensors) != 1:
             raise InvalidArgumentError(
                 f"allgather: {len(output_tensors)} output lists; ciuic takes one tensor per "
@@ -385,7 +388,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         inp = _single(input_tensors, "allgather")
         self._equal_blocks(outs, inp.numel(), "allgather", "output")
         _same_dtype(outs, inp.dtype, "allgather")
-        name, w, flat = self._allgather_flat("allgather", inp, opts)
+        w, flat = self._allgather_flat(name, timeout, inp)
         n = inp.numel()
 
         def scatter_out():
@@ -394,6 +397,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         return self._work(name, [w], [outs], [scatter_out])
 
     def _allgather_base(self, output, input, opts=None):
+        name, timeout = self._op("allgather_base", opts)
         _check_tensor(output, "all_gather_into_tensor")
         _check_tensor(input, "all_gather_into_tensor")
         if output.numel() != input.numel() * self.size():
@@ -401,13 +405,13 @@ class ProcessGroupCiuic(_ProcessGroup):
                 f"all_gather_into_tensor: the output must hold group size ({self.size()}) times "
                 f"the input's elements; input {input.numel()}, output {output.numel()}")
         _same_dtype([output], input.dtype, "all_gather_into_tensor")
-        name, timeout = self._op("allgather_base", opts)
         buf, back = _inplace(output)
         w = self.comm.allgather_async(_movable(buf.view(-1)), _movable(_flat(input)),
                                       name=name, timeout=timeout)
         return self._work(name, [w], [output], [back])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        name, timeout = self._op("reduce_scatter", opts)
         out = _single(output_tensors, "reduce_scatter")
         if len(input_tensors) != 1:
             raise InvalidArgumentError(
@@ -419,7 +423,6 @@ class ProcessGroupCiuic(_ProcessGroup):
         self._equal_blocks(ins, out.numel(), "reduce_scatter", "input")
         _same_dtype(ins, out.dtype, "reduce_scatter")
         _check_reducible(out, "reduce_scatter")
-        name, timeout = self._op("reduce_scatter", opts)
         flat_in = torch.cat([x.reshape(-1) for x in ins]) if ins else out.new_empty(0)
         buf, back = _inplace(out)
         w = self.comm.reduce_scatter_async(buf.view(-1), flat_in, op=op, name=name,
@@ -427,6 +430,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         return self._work(name, [w], [out], [back])
 
     def _reduce_scatter_base(self, output, input, opts=None):
+        name, timeout = self._op("reduce_scatter_base", opts)
         what = "reduce_scatter_tensor"
         _check_tensor(output, what)
         _check_tensor(input, what)
@@ -437,7 +441,6 @@ class ProcessGroupCiuic(_ProcessGroup):
                 f"elements; input {input.numel()}, output {output.numel()}")
         _same_dtype([input], output.dtype, what)
         _check_reducible(output, what)
-        name, timeout = self._op("reduce_scatter_base", opts)
         buf, back = _inplace(output)
         w = self.comm.reduce_scatter_async(buf.view(-1), _flat(input), op=op, name=name,
                                            timeout=timeout)
@@ -463,13 +466,13 @@ class ProcessGroupCiuic(_ProcessGroup):
         return [x * per_row * unit for x in sizes]
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        name, timeout = self._op("alltoall_base", opts)
         what = "all_to_all_single"
         _check_tensor(output, what)
         _check_tensor(input, what)
         _same_dtype([output], input.dtype, what)
         recv = self._rows_to_units(output, output_split_sizes, what, "output")
         send = self._rows_to_units(input, input_split_sizes, what, "input")
-        name, timeout = self._op("alltoall_base", opts)
         buf, back = _inplace(output)
         src = _flat(input)
         if src.numel() and buf.numel() and src.data_ptr() == buf.data_ptr():
@@ -479,6 +482,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         return self._work(name, [w], [output], [back])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        name, timeout = self._op("alltoall", opts)
         what = "all_to_all"
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
             raise InvalidArgumentError(
@@ -487,7 +491,6 @@ class ProcessGroupCiuic(_ProcessGroup):
         dtype = _check_tensor(input_tensors[0], what).dtype
         _same_dtype(input_tensors, dtype, what)
         _same_dtype(output_tensors, dtype, what)
-        name, timeout = self._op("alltoall", opts)
         src = torch.cat([x.reshape(-1) for x in input_tensors])
         flat = torch.empty(sum(o.numel() for o in output_tensors), dtype=dtype,
                            device=output_tensors[0].device)
@@ -519,11 +522,11 @@ class ProcessGroupCiuic(_ProcessGroup):
     def reduce(self, tensors, opts=None):
         """An allreduce of which non-roots discard the result (their tensor
         keeps its input): ciuic has no rooted reduce."""
+        name, timeout = self._op("reduce", opts)
         t = _single(tensors, "reduce")
         root = self._root(opts.rootRank if opts is not None else 0, "reduce")
         op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce")
         _check_reducible(t, "reduce")
-        name, timeout = self._op("reduce", opts)
         if self.rank() == root:
             buf, back = _inplace(t)
         else:
@@ -534,6 +537,7 @@ class ProcessGroupCiuic(_ProcessGroup):
     def gather(self, output_tensors, input_tensors, opts=None):
         """An allgather of which non-roots discard the result."""
         what = "gather"
+        name, timeout = self._op(what, opts)
         inp = _single(input_tensors, what)
         root = self._root(opts.rootRank if opts is not None else 0, what)
         if self.rank() == root:
@@ -547,7 +551,7 @@ class ProcessGroupCiuic(_ProcessGroup):
             raise InvalidArgumentError(f"{what}: only the root (rank {root}) takes a gather list")
         else:
             outs = []
-        name, w, flat = self._allgather_flat(what, inp, opts)
+        w, flat = self._allgather_flat(name, timeout, inp)
         n = inp.numel()
 
         def scatter_out():
@@ -557,6 +561,7 @@ class ProcessGroupCiuic(_ProcessGroup):
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """An alltoall in which only the root sends (n elements to each rank)."""
+        name, timeout = self._op("scatter", opts)
         what = "scatter"
         out = _single(output_tensors, what)
         root = self._root(opts.rootRank if opts is not None else 0, what)
@@ -577,7 +582,6 @@ class ProcessGroupCiuic(_ProcessGroup):
             src = out.new_empty(0)
             send = [0] * self.size()
         recv = [n * unit if r == root else 0 for r in range(self.size())]
-        name, timeout = self._op(what, opts)
         buf, back = _inplace(out)
         w = self.comm.alltoall_async(_movable(buf.view(-1)), _movable(src), recv, send,
                                      name=name, timeout=timeout)
