@@ -511,14 +511,6 @@ class ProcessGroupCiuic(_ProcessGroup):
         name, timeout = self._op("barrier", opts)
         return self._work(name, [self.comm.barrier_async(name=name, timeout=timeout)], [])
 
-    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        """A barrier with a timeout; a rank missing makes the daemon fail
-        it on every rank (its error names the operation)."""
-        opts = dist.BarrierOptions()
-        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            opts.timeout = timeout
-        self.barrier(opts).wait()
-
     def reduce(self, tensors, opts=None):
         """An allreduce of which non-roots discard the result (their tensor
         keeps its input): ciuic has no rooted reduce."""
