@@ -20,7 +20,8 @@ Collectives run as ciuic operations named "torch.<collective>.<n>", n
 counting the group's calls (the same on every rank, as torch requires the
 same sequence of collectives on every member), with the group's timeout, or
 the call's when it gives one, as the operation's timeout. Tensors: CPU or
-CUDA, one per call (torch's per-device lists must have length 1).
+CUDA (the SDK's device path; not yet run on a GPU through this backend), one
+per call (torch's per-device lists must have length 1).
 Reductions take the ciuic dtypes (float32, float64, float16, bfloat16, int8,
 uint8, int32, int64); the collectives that only move data take any dtype
 (moved as bytes). See the README's table for what is refused and why.
@@ -645,11 +646,10 @@ def _create(opts, pg_options=None):
         _world.update(job=job, socket=socket_path, coordinator=comm.coordinator)
     else:
         world = dict(_world)
-        if not world:  # the default group is another backend's
-            world = dict(job=launched["job"] or "torch", socket=socket_path,
-                         coordinator=None)
+        if not world:  # the default group is another backend's: the environment's job
+            world = dict(job=launched["job"], socket=socket_path, coordinator=None)
         local_rank, local_size = _layout(store, rank, size, world["socket"])
-        job = f"{world['job']}.g{group_id}"
+        job = f"{world['job']}.g{group_id}" if world["job"] else _store_job(store, rank)
         coordinator = ""
         if local_size < size:
             coordinator = world["coordinator"] or ciuic.resolve_coordinator(None, size,
