@@ -24,7 +24,7 @@ from ranks import expect_equal, make, mn_values, reference, values
 
 OPS = ("sum", "avg", "prod", "min", "max")
 SIZES = (0, 1, 7)
-BIG = (1 << 17) + 1  # elements: odd, 256 KiB to 1 MiB by dtype
+BIG = (1 << 19) + 1  # elements: odd, 0.5 to 4 MiB by dtype (several chunks between nodes)
 
 
 def worker_main(proc, inq, outq):
@@ -279,6 +279,9 @@ def async_and_refusals():
     import torch
     import torch.distributed as dist
     import ciuic
+    import ciuic.torch as ct
+    ct.register()  # again: idempotent (torch asserts on a second registration)
+    ct.register()
     rank, world = _init()
     t = torch.full((1000,), float(rank + 1))
     work = dist.all_reduce(t, async_op=True)

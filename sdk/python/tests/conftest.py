@@ -367,7 +367,7 @@ def mn_pool(cluster, _mn_pool_holder):
 # CIUIC_PEER_PORT. ``env(rank, node, local)`` returns variables to add (a
 # value of None removes one).
 
-TORCH_ARENA_BYTES = 48 << 20
+TORCH_ARENA_BYTES = 64 << 20
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "CIUIC_JOB", "CIUIC_COORDINATOR", "CIUIC_PEER_PORT",
                 "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
