@@ -1,7 +1,12 @@
 #!/usr/bin/python3
 """ZeRO-2-style data-parallel training on plain torch.distributed calls.
 
-    # one node, 4 ranks (ciuicd running; its socket in $CIUIC_SOCKET)
+    # one node, 4 ranks started by the example itself (ciuicd running; its
+    # socket in $CIUIC_SOCKET)
+    PYTHONPATH=build/python /usr/bin/python3 examples/train_zero2.py --nprocs 4 --check
+
+    # or torchrun (Debian's torchrun of torch 1.13 fails in its own launcher
+    # on Python 3.11: AttributeError in elastic/multiprocessing/api.py to_map)
     PYTHONPATH=build/python torchrun --nproc_per_node 4 examples/train_zero2.py --check
 
     # Slurm: srun starts the ranks (see the README's srun example)
@@ -36,6 +41,10 @@ a JSON object: {"backend", "ranks", "steps", "final_loss", "max_rel_diff"}.
 import argparse
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -127,7 +136,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="samples per rank per step")
     p.add_argument("--check", action="store_true",
                    help="rank 0: compare with one process on the concatenated batches")
+    p.add_argument("--nprocs", type=int, default=0,
+                   help="start this many ranks on this machine (torchrun's variables set "
+                        "for each); 0: this process is one rank of a launcher's job")
     args = p.parse_args(argv)
+    if args.nprocs:
+        return launch(args.nprocs, [a for a in (argv if argv is not None else sys.argv[1:])])
     if args.backend == "ciuic":
         import ciuic
         import ciuic.torch  # noqa: F401  (registers the backend)
@@ -154,5 +168,30 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
+def launch(nprocs, argv):
+    """Runs this script as `nprocs` ranks of one job on this machine, with
+    torchrun's variables (a free MASTER_PORT); returns the worst exit code."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rest = []
+    skip = False
+    for a in argv:  # drop --nprocs N / --nprocs=N
+        if skip:
+            skip = False
+        elif a == "--nprocs":
+            skip = True
+        elif not a.startswith("--nprocs="):
+            rest.append(a)
+    procs = []
+    for rank in range(nprocs):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + rest,
+                                      env=env))
+    return max(p.wait() for p in procs)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
