@@ -231,7 +231,9 @@ class CiuicWork(_TorchWork):
                                  "which ciuic does not have")
 
     def synchronize(self):
-        pass  # the daemon orders its CUDA work after the tensors' streams itself
+        """Nothing to order on a stream: the SDK orders the daemon's device
+        work after torch's current stream at submission, and wait() returns
+        once that work has finished."""
 
     def get_future(self):
         with self._future_lock:
