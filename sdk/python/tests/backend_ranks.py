@@ -558,3 +558,20 @@ def store_layout():
     assert t.tolist() == [sum(range(world))] * 2
     return c.rank, c.world_size, c.local_rank, c.local_size, c.job_id
 
+
+
+def ciuic_group_under_gloo():
+    """The default group on gloo, a new_group(backend="ciuic") beside it:
+    its job id from the environment, its coordinator (several nodes) from
+    MASTER_ADDR and CIUIC_PEER_PORT, its layout from the store."""
+    import torch
+    import torch.distributed as dist
+    import ciuic.torch as ct
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = dist.new_group(backend="ciuic")
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=g)
+    assert t.tolist() == [float(sum(range(world)))] * 3, t
+    c = ct.communicator(g)
+    return c.job_id, c.local_rank, c.local_size, dist.get_backend(g)

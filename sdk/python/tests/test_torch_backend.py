@@ -119,3 +119,13 @@ def test_layout_from_store(torch_pool):
     jobs = {r[4] for r in results}
     assert len(jobs) == 1 and jobs.pop().startswith("torch-")
     assert [r[:4] for r in results] == [(r, 4, r % 2, 2) for r in range(4)], results
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_ciuic_group_under_gloo(torch_pool, shape):
+    results = torch_pool.run(shape, br.ciuic_group_under_gloo)
+    per_node = shape[1]
+    for rank, (job, local_rank, local_size, backend) in enumerate(results):
+        assert backend == "ciuic"
+        assert job.startswith("127.0.0.1:") and job.endswith(".g1"), job
+        assert (local_rank, local_size) == (rank % per_node, per_node)
