@@ -69,7 +69,6 @@ _REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch
 _KEEP_COMPLETED = 32
 
 _register_lock = threading.Lock()
-_world = {}  # the ciuic world group of this process: job, socket, coordinator
 _groups = weakref.WeakSet()
 
 
@@ -268,7 +267,7 @@ class ProcessGroupCiuic(_ProcessGroup):
     ciuic job (``self.comm``, a ciuic.Communicator). Made by the backend's
     creator: ``dist.init_process_group("ciuic")``, ``dist.new_group(...)``."""
 
-    def __init__(self, comm, rank, size, timeout, group_name=""):
+    def __init__(self, comm, rank, size, timeout, group_name="", socket_path=None):
         super().__init__(rank, size)
         if comm.rank != rank or comm.world_size != size:
             raise InvalidArgumentError(
@@ -276,6 +275,7 @@ class ProcessGroupCiuic(_ProcessGroup):
                 f"{comm.rank} of {comm.world_size}")
         self.comm = comm
         self.group_name = group_name
+        self.socket_path = socket_path  # the daemon's, for the groups made under this one
         self._timeout = timeout.total_seconds() if timeout else None
         self._seq = itertools.count()
         self._live = collections.deque()
@@ -644,11 +644,12 @@ def _create(opts, pg_options=None):
         comm = ciuic.init(rank=rank, world_size=size, local_rank=local_rank,
                           local_size=local_size, job=job, socket=socket_path,
                           coordinator=coordinator)
-        _world.clear()
-        _world.update(job=job, socket=socket_path, coordinator=comm.coordinator)
     else:
-        world = dict(_world)
-        if not world:  # the default group is another backend's: the environment's job
+        default = dist.distributed_c10d._get_default_group()
+        if isinstance(default, ProcessGroupCiuic):
+            world = dict(job=default.comm.job_id, socket=default.socket_path,
+                         coordinator=default.comm.coordinator)
+        else:  # the default group is another backend's: the environment's job
             world = dict(job=launched["job"], socket=socket_path, coordinator=None)
         local_rank, local_size = _layout(store, rank, size, world["socket"])
         job = f"{world['job']}.g{group_id}" if world["job"] else _store_job(store, rank)
@@ -659,7 +660,8 @@ def _create(opts, pg_options=None):
         comm = ciuic.init(rank=rank, world_size=size, local_rank=local_rank,
                           local_size=local_size, job=job, socket=world["socket"],
                           coordinator=coordinator)
-    return ProcessGroupCiuic(comm, rank, size, timeout, group_name=group_id)
+    return ProcessGroupCiuic(comm, rank, size, timeout, group_name=group_id,
+                             socket_path=socket_path if not members else world["socket"])
 
 
 def register():
