@@ -148,23 +148,24 @@ def collectives(dtypes, seed, big):
                    f"all_to_all_single {dtype} n={n}")
             checks += 1
         checks += _alltoall_splits(dtype, seed, rank, world)
-        # reduce: the root gets the reduction, the others keep their input.
-        inputs = [values(seed + 4, r, 7, dtype) for r in range(world)]
-        t = _t(inputs[rank], dtype)
-        dist.reduce(t, dst=last, op=R.SUM)
-        _check(t, reference(inputs, "sum") if rank == last else inputs[rank], dtype,
-               f"reduce {dtype}")
-        # gather to rank 0, scatter from the last rank.
-        gl = [torch.zeros(7, dtype=_torch_dtype(dtype)) for _ in range(world)] if rank == 0 \
-            else None
-        dist.gather(_t(inputs[rank], dtype), gather_list=gl, dst=0)
-        if rank == 0:
-            _check(torch.cat(gl), np.concatenate(inputs), dtype, f"gather {dtype}")
-        out = torch.zeros(7, dtype=_torch_dtype(dtype))
-        dist.scatter(out, scatter_list=list(_t(np.concatenate(inputs), dtype).chunk(world))
-                     if rank == last else None, src=last)
-        _check(out, inputs[rank], dtype, f"scatter {dtype}")
-        checks += 3
+        for n in sizes:
+            # reduce: the root gets the reduction, the others keep their input.
+            inputs = [values(seed + 4 + n, r, n, dtype) for r in range(world)]
+            t = _t(inputs[rank], dtype)
+            dist.reduce(t, dst=last, op=R.SUM)
+            _check(t, reference(inputs, "sum") if rank == last else inputs[rank], dtype,
+                   f"reduce {dtype} n={n}")
+            # gather to rank 0, scatter from the last rank.
+            gl = [torch.zeros(n, dtype=_torch_dtype(dtype)) for _ in range(world)] \
+                if rank == 0 else None
+            dist.gather(_t(inputs[rank], dtype), gather_list=gl, dst=0)
+            if rank == 0:
+                _check(torch.cat(gl), np.concatenate(inputs), dtype, f"gather {dtype} n={n}")
+            out = torch.zeros(n, dtype=_torch_dtype(dtype))
+            pieces = [_t(x, dtype) for x in inputs]
+            dist.scatter(out, scatter_list=pieces if rank == last else None, src=last)
+            _check(out, inputs[rank], dtype, f"scatter {dtype} n={n}")
+            checks += 3
     return checks
 
 

@@ -47,9 +47,10 @@ def test_mismatch_raised_on_every_rank(torch_pool, shape):
                 assert cls == "InvalidArgumentError", (how, cls)
 
 
-def test_timeout_raised_not_hung(torch_pool):
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_timeout_raised_not_hung(torch_pool, shape):
     timeout_s = 2
-    results = torch_pool.run((1, 2), br.timeout_raised, timeout_s)
+    results = torch_pool.run(shape, br.timeout_raised, timeout_s)
     took, _ = results[0]
     assert timeout_s * 0.9 <= took <= timeout_s + 10, took
     assert results[0][1] is True  # Work.wait(timeout) raised while the op went on
