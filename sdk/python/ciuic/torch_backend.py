@@ -16,9 +16,10 @@ which members share a node (each member writes "<host>|<daemon socket>"),
 where the launcher's environment does not say it, and for a job id when the
 environment names none.
 
-Collectives run as ciuic operations named "torch.<collective>.<n>", n
-counting the group's calls (the same on every rank, as torch requires the
-same sequence of collectives on every member), with the group's timeout, or
+Collectives run as ciuic operations named "torch.<n>", n counting the
+group's calls (the same on every rank, as torch requires the same sequence
+of collectives on every member; a rank calling another collective than the
+others then gets the daemon's mismatch error), with the group's timeout, or
 the call's when it gives one, as the operation's timeout. Tensors: CPU or
 CUDA (the SDK's device path; not yet run on a GPU through this backend), one
 per call (torch's per-device lists must have length 1).
@@ -53,7 +54,7 @@ import ciuic
 from ciuic.errors import (CancelledError, DeadlineExceededError, InvalidArgumentError,
                           UnimplementedError)
 
-__all__ = ["BACKEND", "register", "ProcessGroupCiuic", "CiuicWork", "communicator"]
+__all__ = ["BACKEND", "register", "ProcessGroupCiuic", "CiuicWork", "communicator", "close_all"]
 
 BACKEND = "ciuic"
 
@@ -191,8 +192,8 @@ class CiuicWork(_TorchWork):
             left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
             if not w.wait(left):
                 raise DeadlineExceededError(
-                    f"{self._what}: still running after the wait's timeout of {limit} s "
-                    "(the operation goes on)")
+                    f"operation '{self._what}': still running after Work.wait's timeout of "
+                    f"{limit} s (the operation goes on)")
         self._complete()
         return True
 
