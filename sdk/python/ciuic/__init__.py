@@ -36,8 +36,8 @@ from .errors import Error, InvalidArgumentError, StatusCode, _make_error, error_
 _ciuic._set_error_factory(_make_error)
 
 __all__ = ["init", "Communicator", "Work", "Error", "StatusCode", "error_class",
-           "default_socket_path", "resolve_coordinator", "launch_env", "DEFAULT_PEER_PORT", "DTYPES",
-           "REDUCE_OPS"]
+           "default_socket_path", "resolve_coordinator", "launch_env", "DEFAULT_PEER_PORT",
+           "DTYPES", "REDUCE_OPS"]
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")

@@ -2,8 +2,6 @@
 daemons and rank processes (conftest.TorchPool), 1 node x 2 ranks and 2
 nodes x 2 ranks."""
 
-import datetime  # noqa: F401
-
 import pytest
 
 import backend_ranks as br
