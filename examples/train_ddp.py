@@ -5,6 +5,7 @@
     # own unless --socket or $CIUIC_SOCKET names one)
     PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --nprocs 2 --backend ciuic
     PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --nprocs 2 --backend gloo
+    PYTHONPATH=build/python /usr/bin/python3 examples/train_ddp.py --nprocs 2 --backend ciuic-pg
 
     # "nodes" on this machine: --nodes N starts N ciuicd (each its own socket
     # and peer port, UCX over TCP between them) and --nprocs ranks on each,
@@ -24,15 +25,18 @@ own slice of the dataset. With the same seed, --backend gloo and --backend
 ciuic print the same losses (within float tolerance: for 2 ranks the
 averaged gradients are bit-identical).
 
-gloo is the process group in both cases (DDP needs one for its setup: the
-broadcast of the parameters); with --backend ciuic the gradient allreduce
-goes through ciuic.torch.allreduce_hook instead.
+With --backend gloo and --backend ciuic, gloo is the process group (DDP
+needs one for its setup: the broadcast of the parameters); with --backend
+ciuic the gradient allreduce goes through ciuic.torch.allreduce_hook
+instead. With --backend ciuic-pg the process group is the torch.distributed
+backend "ciuic" itself (ciuic/torch_backend.py): DDP's setup and its
+gradient buckets both go through ciuicd, without a hook.
 
 Prints rank 0's loss and the step time per step, then the median step time
 (the first step, which includes DDP's bucket rebuild and first-touch costs,
 is reported apart) and the final loss averaged over the ranks. The last line
 on stdout is one JSON object for benchmark drivers:
-{"backend": "gloo"|"ciuic"|"none", "nodes", "ranks", "median_step_s",
+{"backend": "gloo"|"ciuic"|"ciuic-pg"|"none", "nodes", "ranks", "median_step_s",
 "final_loss", ...} (also "hook_mode", "params", "steps", "first_step_s",
 "threads", "rank0_losses").
 """
@@ -61,7 +65,10 @@ MODEL_SIZES = {"small": (512, 2), "base": (1536, 3), "large": (2048, 7)}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=("gloo", "ciuic"), default="ciuic")
+    p.add_argument("--backend", choices=("gloo", "ciuic", "ciuic-pg"), default="ciuic",
+                   help="gloo: DDP over gloo; ciuic: DDP over gloo with the ciuic hook for "
+                        "gradients; ciuic-pg: DDP over the torch.distributed backend "
+                        "\"ciuic\" (no hook, no gloo)")
     p.add_argument("--compression", default=None,
                    help="ciuic backend: codec for gradients crossing the network between "
                         "nodes (fp16, bf16, int8, topk:RATIO, none), with error feedback")
@@ -205,7 +212,15 @@ def train(args):
     nodes = world // local_world if world % local_world == 0 else None
     threads = args.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.backend == "ciuic-pg":
+        import ciuic.torch  # noqa: F401  (registers the backend "ciuic")
+        if args.socket:
+            os.environ["CIUIC_SOCKET"] = args.socket
+        if args.arena_mb:
+            os.environ["CIUIC_ARENA_BYTES"] = str(args.arena_mb << 20)
+        dist.init_process_group("ciuic", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
 
     x, y = make_dataset(args)
     torch.manual_seed(args.seed)
@@ -369,7 +384,7 @@ def launch(args):
     daemons, sockets = [], [None] * args.nodes
     rc = 0
     try:
-        if args.backend == "ciuic":
+        if args.backend in ("ciuic", "ciuic-pg"):
             base["CIUIC_JOB"] = f"train-ddp-{os.getpid()}-{base['MASTER_PORT']}"
             if args.nodes > 1:
                 binary = find_ciuicd(args)

@@ -23,6 +23,7 @@ the daemon frees a session when its process exits, whatever the way.
 import atexit
 import collections
 import os
+import re
 import threading
 import weakref
 
@@ -35,8 +36,8 @@ from .errors import Error, InvalidArgumentError, StatusCode, _make_error, error_
 _ciuic._set_error_factory(_make_error)
 
 __all__ = ["init", "Communicator", "Work", "Error", "StatusCode", "error_class",
-           "default_socket_path", "resolve_coordinator", "DEFAULT_PEER_PORT", "DTYPES",
-           "REDUCE_OPS"]
+           "default_socket_path", "resolve_coordinator", "launch_env", "DEFAULT_PEER_PORT",
+           "DTYPES", "REDUCE_OPS"]
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
@@ -764,12 +765,96 @@ class Communicator:
         return False
 
 
-def _env_int(name):
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else None
+def _env_int(name, environ=None):
+    env = os.environ if environ is None else environ
+    v = env.get(name)
+    if v in (None, ""):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise InvalidArgumentError(f"${name} is {v!r}, not an integer") from None
 
 
 DEFAULT_PEER_PORT = 7361
+
+
+def _slurm_tasks_on_node(spec, node_id):
+    """Tasks on node ``node_id`` from Slurm's SLURM_TASKS_PER_NODE syntax:
+    comma-separated counts, each optionally repeated, "2(x3),1" meaning
+    nodes 0-2 run 2 tasks and node 3 runs 1."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise InvalidArgumentError(
+                f"$SLURM_TASKS_PER_NODE {spec!r} is not Slurm's syntax (e.g. \"2(x3),1\")")
+        counts += [int(m[1])] * int(m[2] or 1)
+    if not 0 <= node_id < len(counts):
+        raise InvalidArgumentError(
+            f"$SLURM_NODEID {node_id} is not one of the {len(counts)} nodes of "
+            f"$SLURM_TASKS_PER_NODE {spec!r}")
+    return counts[node_id]
+
+
+def _slurm_first_host(nodelist):
+    """The first host of a Slurm host list ("gpu[07-09,12],cpu1" -> "gpu07"):
+    rank 0's node under Slurm's default (block) distribution."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first entry: up to a comma outside brackets
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    if not first or first.count("[") != first.count("]"):
+        raise InvalidArgumentError(f"Slurm host list {nodelist!r} is malformed")
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m[1])[0], first)
+
+
+def launch_env(environ=None):
+    """The job layout a launcher put in the environment, as a dict with
+    rank, world_size, local_rank, local_size (each None where not given),
+    job (None where not given) and launcher ("torchrun", "slurm" or None).
+
+    torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)
+    win where present. Otherwise Slurm's (a task started by srun):
+    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and the tasks of this node
+    from SLURM_TASKS_PER_NODE at SLURM_NODEID (e.g. "2(x3),1"), else the
+    uniform SLURM_NTASKS_PER_NODE. The job id is $CIUIC_JOB, else
+    $TORCHELASTIC_RUN_ID, else under Slurm "slurm-$SLURM_JOB_ID.$SLURM_STEP_ID"
+    (each srun step its own job), else "$MASTER_ADDR:$MASTER_PORT".
+    """
+    env = os.environ if environ is None else environ
+    out = dict(rank=None, world_size=None, local_rank=None, local_size=None, job=None,
+               launcher=None)
+    if any(env.get(k) not in (None, "") for k in ("RANK", "WORLD_SIZE")):
+        out.update(launcher="torchrun", rank=_env_int("RANK", env),
+                   world_size=_env_int("WORLD_SIZE", env),
+                   local_rank=_env_int("LOCAL_RANK", env),
+                   local_size=_env_int("LOCAL_WORLD_SIZE", env))
+    elif env.get("SLURM_PROCID") not in (None, ""):
+        out.update(launcher="slurm", rank=_env_int("SLURM_PROCID", env),
+                   world_size=_env_int("SLURM_NTASKS", env),
+                   local_rank=_env_int("SLURM_LOCALID", env))
+        per_node, node_id = env.get("SLURM_TASKS_PER_NODE"), _env_int("SLURM_NODEID", env)
+        if per_node and node_id is not None:
+            out["local_size"] = _slurm_tasks_on_node(per_node, node_id)
+        else:
+            out["local_size"] = _env_int("SLURM_NTASKS_PER_NODE", env)
+        if out["world_size"] is None:
+            raise InvalidArgumentError("$SLURM_PROCID is set but $SLURM_NTASKS is not")
+    else:
+        out.update(local_rank=_env_int("LOCAL_RANK", env),
+                   local_size=_env_int("LOCAL_WORLD_SIZE", env))
+    job = env.get("CIUIC_JOB") or env.get("TORCHELASTIC_RUN_ID")
+    if not job and out["launcher"] == "slurm" and env.get("SLURM_JOB_ID"):
+        job = f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID') or '0'}"
+    if not job and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        job = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    out["job"] = job
+    return out
 
 
 def resolve_coordinator(coordinator=None, world_size=1, local_size=None, environ=None):
@@ -777,9 +862,11 @@ def resolve_coordinator(coordinator=None, world_size=1, local_size=None, environ
 
     ``coordinator`` if given (any job); otherwise, only for a job spanning
     several nodes (``local_size < world_size``): $CIUIC_COORDINATOR, else
-    $MASTER_ADDR + ":" + ($CIUIC_PEER_PORT or 7361). "" for a one-node job,
-    which needs none. A multi-node job with none of these raises
-    InvalidArgumentError.
+    $MASTER_ADDR + ":" + ($CIUIC_PEER_PORT or 7361), else under Slurm the
+    first host of $SLURM_STEP_NODELIST (or $SLURM_JOB_NODELIST), which runs
+    rank 0 under Slurm's default block distribution, with the same port.
+    "" for a one-node job, which needs none. A multi-node job with none of
+    these raises InvalidArgumentError.
     """
     if coordinator:
         return str(coordinator)
@@ -789,9 +876,13 @@ def resolve_coordinator(coordinator=None, world_size=1, local_size=None, environ
     c = env.get("CIUIC_COORDINATOR")
     if c:
         return c
+    port = env.get("CIUIC_PEER_PORT") or DEFAULT_PEER_PORT
     addr = env.get("MASTER_ADDR")
     if addr:
-        return f"{addr}:{env.get('CIUIC_PEER_PORT') or DEFAULT_PEER_PORT}"
+        return f"{addr}:{port}"
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodelist:
+        return f"{_slurm_first_host(nodelist)}:{port}"
     raise InvalidArgumentError(
         f"the job spans several nodes (world size {world_size}, local size {local_size}) but "
         f"names no coordinator: pass coordinator='host:port', or set CIUIC_COORDINATOR=host:port, "
@@ -803,9 +894,11 @@ def init(rank=None, world_size=None, local_rank=None, local_size=None, job=None,
     """Joins a job through the node's ciuicd; returns a :class:`Communicator`.
 
     Defaults come from torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK,
-    LOCAL_WORLD_SIZE (else rank 0 of 1, local = global). The job id is
-    ``job``, else $CIUIC_JOB, else $TORCHELASTIC_RUN_ID, else
-    "$MASTER_ADDR:$MASTER_PORT". The socket is ``socket``, else
+    LOCAL_WORLD_SIZE, else from Slurm's (srun: SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID, SLURM_TASKS_PER_NODE), else rank 0 of 1, local = global;
+    see :func:`launch_env`. The job id is ``job``, else $CIUIC_JOB, else
+    $TORCHELASTIC_RUN_ID, else under Slurm "slurm-$SLURM_JOB_ID.$SLURM_STEP_ID",
+    else "$MASTER_ADDR:$MASTER_PORT". The socket is ``socket``, else
     $CIUIC_SOCKET, else /run/ciuic/ciuicd.sock. ``arena_bytes``: shared memory
     of this communicator (else $CIUIC_ARENA_BYTES, else 512 MiB), mapped and
     populated at once.
@@ -817,25 +910,24 @@ def init(rank=None, world_size=None, local_rank=None, local_size=None, job=None,
     :func:`resolve_coordinator`. Every rank of a job must name the same one.
     """
     env = os.environ
-    rank = _env_int("RANK") if rank is None else rank
-    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    launched = launch_env(env)
+    rank = launched["rank"] if rank is None else rank
+    world_size = launched["world_size"] if world_size is None else world_size
     rank = 0 if rank is None else int(rank)
     world_size = 1 if world_size is None else int(world_size)
     if local_rank is None:
-        local_rank = _env_int("LOCAL_RANK")
+        local_rank = launched["local_rank"]
     if local_size is None:
-        local_size = _env_int("LOCAL_WORLD_SIZE")
+        local_size = launched["local_size"]
     if job is None:
-        job = env.get("CIUIC_JOB") or env.get("TORCHELASTIC_RUN_ID")
-        if not job and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-            job = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        job = launched["job"]
         if not job:
             if world_size == 1:
                 job = f"local-{os.getpid()}"
             else:
                 raise InvalidArgumentError(
-                    "no job id: pass job=, or set CIUIC_JOB, TORCHELASTIC_RUN_ID or "
-                    "MASTER_ADDR and MASTER_PORT")
+                    "no job id: pass job=, or set CIUIC_JOB, TORCHELASTIC_RUN_ID, "
+                    "SLURM_JOB_ID (under srun) or MASTER_ADDR and MASTER_PORT")
     if socket is None:
         socket = env.get("CIUIC_SOCKET") or ""
     coordinator = resolve_coordinator(coordinator, world_size, local_size)

@@ -1,9 +1,17 @@
-"""DDP gradient allreduce through ciuicd: a communication hook for
-``torch.nn.parallel.DistributedDataParallel.register_comm_hook``.
+"""ciuic for torch: the torch.distributed backend "ciuic" and a DDP
+communication hook.
 
-    import torch.distributed as dist, ciuic, ciuic.torch
-    dist.init_process_group("gloo")          # DDP still needs one for its setup
-    comm = ciuic.init()
+Importing this module registers the backend (ciuic/torch_backend.py):
+
+    import torch.distributed as dist, ciuic.torch
+    dist.init_process_group("ciuic")         # every collective through ciuicd
+    model = DDP(net)                         # no hook needed
+
+The hook, for ``DistributedDataParallel.register_comm_hook``, sends DDP's
+gradient buckets through a ciuic communicator under any process group:
+
+    dist.init_process_group("gloo")          # DDP's setup traffic
+    comm = ciuic.init()                      # or ciuic.torch.communicator() under "ciuic"
     model = DDP(net)
     model.register_comm_hook(ciuic.torch.CiuicHookState(comm), ciuic.torch.allreduce_hook)
 
@@ -40,8 +48,14 @@ import itertools
 import torch
 
 import ciuic
+from ciuic.torch_backend import (BACKEND, ProcessGroupCiuic, close_all,  # noqa: F401
+                                 communicator, register)
 
-__all__ = ["CiuicHookState", "allreduce_hook"]
+__all__ = ["CiuicHookState", "allreduce_hook", "register", "communicator", "close_all",
+           "ProcessGroupCiuic", "BACKEND"]
+
+# `import ciuic.torch` makes dist.init_process_group("ciuic") work.
+register()
 
 _state_ids = itertools.count()
 

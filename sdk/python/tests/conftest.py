@@ -354,3 +354,84 @@ def mn_pool(cluster, _mn_pool_holder):
         p = MultiNodePool(cluster)
         _mn_pool_holder["pool"] = p
     return p
+
+
+# ------------------------------------------------------- torch backend
+#
+# ``torch_pool``: 4 processes (tests/backend_ranks.py) that run tasks under
+# torch.distributed with the "ciuic" backend. ``torch_pool.run(shape, fn,
+# *args)`` gives the processes of that shape torchrun's environment (a fresh
+# MASTER_PORT, hence a fresh job, per task), each with the socket of its node:
+# (1, 2): processes 0 and 1 on the session daemon; (2, 2): all four on the
+# cluster's two daemons, the coordinator found through MASTER_ADDR and
+# CIUIC_PEER_PORT. ``env(rank, node, local)`` returns variables to add (a
+# value of None removes one).
+
+TORCH_ARENA_BYTES = 64 << 20
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "CIUIC_JOB", "CIUIC_COORDINATOR", "CIUIC_PEER_PORT",
+                "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                "SLURM_NODEID", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
+                "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+
+
+class TorchPool(MultiNodePool):
+    def __init__(self, daemon, cluster):
+        import backend_ranks
+        self.daemon, self.cluster = daemon, cluster
+        self.broken = False
+        ctx = mp.get_context("spawn")
+        n = MN_NODES * MN_MAX_RANKS_PER_NODE
+        self.where = [(p // MN_MAX_RANKS_PER_NODE, p % MN_MAX_RANKS_PER_NODE) for p in range(n)]
+        self.inq = [ctx.Queue() for _ in range(n)]
+        self.outq = ctx.Queue()
+        self.procs = [ctx.Process(target=backend_ranks.worker_main,
+                                  args=(p, self.inq[p], self.outq), daemon=True,
+                                  name=f"torch.node{node}.local{local}")
+                      for p, (node, local) in enumerate(self.where)]
+        for p in self.procs:
+            p.start()
+        self._collect("start", {p: p for p in range(n)}, TASK_TIMEOUT_S)
+
+    def run(self, shape, fn, *args, env=None, timeout=TASK_TIMEOUT_S):
+        nodes, per_node = shape
+        assert nodes <= MN_NODES and per_node <= MN_MAX_RANKS_PER_NODE
+        port = free_port()
+        coord_port = self.cluster.coordinator.rsplit(":", 1)[1]
+        rank_of = {}
+        for p, (node, local) in enumerate(self.where):
+            if node >= nodes or local >= per_node:
+                continue
+            rank = node * per_node + local
+            rank_of[p] = rank
+            e = {k: None for k in _LAUNCH_VARS}
+            e.update(RANK=str(rank), WORLD_SIZE=str(nodes * per_node), LOCAL_RANK=str(local),
+                     LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port), CIUIC_ARENA_BYTES=str(TORCH_ARENA_BYTES),
+                     CIUIC_SOCKET=self.daemon.socket if nodes == 1 else
+                     self.cluster.sockets[node])
+            if nodes > 1:
+                e["CIUIC_PEER_PORT"] = coord_port
+            if env is not None:
+                e.update(env(rank, node, local))
+            self.inq[p].put((e, fn.__name__, args))
+        return self._collect(f"{fn.__name__} on {nodes}x{per_node}", rank_of, timeout)
+
+
+@pytest.fixture(scope="session")
+def _torch_pool_holder(daemon, cluster):
+    holder = {}
+    yield holder
+    if holder.get("pool"):
+        holder["pool"].close()
+
+
+@pytest.fixture
+def torch_pool(daemon, cluster, _torch_pool_holder):
+    p = _torch_pool_holder.get("pool")
+    if p is None or p.broken:
+        if p is not None:
+            p.close()
+        p = TorchPool(daemon, cluster)
+        _torch_pool_holder["pool"] = p
+    return p
