@@ -16,11 +16,14 @@ which members share a node (each member writes "<host>|<daemon socket>"),
 where the launcher's environment does not say it, and for a job id when the
 environment names none.
 
-Collectives run as ciuic operations named "torch.<n>", n counting the
-group's calls (the same on every rank, as torch requires the same sequence
-of collectives on every member; a rank calling another collective than the
-others then gets the daemon's mismatch error), with the group's timeout, or
-the call's when it gives one, as the operation's timeout. Tensors: CPU or
+Collectives run as unnamed ciuic operations, matched by submission order
+as torch matches collectives (the same sequence on every member; a rank
+calling another collective than the others gets the daemon's mismatch
+error), so that small allreduces and barriers between nodes run without the
+daemons' coordinator (daemon/cluster/README.md, "Direct operations"). Each
+call is labelled "torch.<n>", n counting the group's calls, in the errors
+its Work raises. The group's timeout, or the call's when it gives one, is
+the operation's timeout. Tensors: CPU or
 CUDA (the SDK's device path; not yet run on a GPU through this backend), one
 per call (torch's per-device lists must have length 1).
 Reductions take the ciuic dtypes (float32, float64, float16, bfloat16, int8,
@@ -185,12 +188,21 @@ class CiuicWork(_TorchWork):
                 self._finish = []
                 self._finished = True
 
+    def _labelled(self, e):
+        """`e` with this call's label first: the daemon names the unnamed
+        operation "#N", which does not say which torch call it was."""
+        return type(e)(f"{self._what}: {e.message}", code=e.code)
+
     def wait(self, timeout=None):
         limit = _seconds(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         for w in self._works:
             left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-            if not w.wait(left):
+            try:
+                done = w.wait(left)
+            except ciuic.Error as e:
+                raise self._labelled(e) from e
+            if not done:
                 raise DeadlineExceededError(
                     f"operation '{self._what}': still running after Work.wait's timeout of "
                     f"{limit} s (the operation goes on)")
@@ -245,9 +257,12 @@ class CiuicWork(_TorchWork):
         futs = [w.get_future() for w in self._works]
 
         def done(fut):
-            values = fut.value()  # raises the error of a single operation
-            for f in (values if isinstance(values, list) and len(futs) > 1 else ()):
-                f.value()  # collect_all: raises the first operation's error
+            try:
+                values = fut.value()  # raises the error of a single operation
+                for f in (values if isinstance(values, list) and len(futs) > 1 else ()):
+                    f.value()  # collect_all: raises the first operation's error
+            except ciuic.Error as e:
+                raise self._labelled(e) from e
             self._complete()
             return self._outputs
 
@@ -301,9 +316,9 @@ class ProcessGroupCiuic(_ProcessGroup):
 
     # -- plumbing
     def _op(self, collective, opts):
-        """(operation name, timeout in seconds) of the next operation: taken
-        first in every collective, refused or not, so that a call refused
-        on one rank only leaves the names of the later ones aligned."""
+        """(label for errors, timeout in seconds) of the next call: taken
+        first in every collective, refused or not, so that the labels count
+        the group's calls alike on every rank."""
         name = f"torch.{next(self._seq)}"
         timeout = self._timeout
         t = getattr(opts, "timeout", None) if opts is not None else None
@@ -345,7 +360,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
         _check_reducible(t, "allreduce")
         buf, back = _inplace(t)
-        w = self.comm.allreduce_async(buf, op=op, name=name, timeout=timeout)
+        w = self.comm.allreduce_async(buf, op=op, name=None, timeout=timeout)
         return self._work(name, [w], [t], [back])
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -359,7 +374,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         for i, t in enumerate(tensors):
             name = f"{base}.{i}"
             buf, back = _inplace(t)
-            works.append(self.comm.allreduce_async(buf, op=op, name=name, timeout=timeout))
+            works.append(self.comm.allreduce_async(buf, op=op, name=None, timeout=timeout))
             finish.append(back)
         return self._work("allreduce_coalesced", works, list(tensors), finish)
 
@@ -371,14 +386,14 @@ class ProcessGroupCiuic(_ProcessGroup):
             raise InvalidArgumentError(f"broadcast: root tensor {opts.rootTensor}; one tensor "
                                        "per process")
         buf, back = _inplace(t)
-        w = self.comm.broadcast_async(_movable(buf.view(-1)), root=root, name=name,
+        w = self.comm.broadcast_async(_movable(buf.view(-1)), root=root, name=None,
                                       timeout=timeout)
         return self._work(name, [w], [t], [back])
 
     def _allgather_flat(self, name, timeout, inp):
         """Allgather of ``inp`` into a new flat tensor: (work, flat)."""
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
-        w = self.comm.allgather_async(_movable(flat), _movable(_flat(inp)), name=name,
+        w = self.comm.allgather_async(_movable(flat), _movable(_flat(inp)), name=None,
                                       timeout=timeout)
         return w, flat
 
@@ -411,7 +426,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         _same_dtype([output], input.dtype, "all_gather_into_tensor")
         buf, back = _inplace(output)
         w = self.comm.allgather_async(_movable(buf.view(-1)), _movable(_flat(input)),
-                                      name=name, timeout=timeout)
+                                      name=None, timeout=timeout)
         return self._work(name, [w], [output], [back])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -429,7 +444,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         _check_reducible(out, "reduce_scatter")
         flat_in = torch.cat([x.reshape(-1) for x in ins]) if ins else out.new_empty(0)
         buf, back = _inplace(out)
-        w = self.comm.reduce_scatter_async(buf.view(-1), flat_in, op=op, name=name,
+        w = self.comm.reduce_scatter_async(buf.view(-1), flat_in, op=op, name=None,
                                            timeout=timeout)
         return self._work(name, [w], [out], [back])
 
@@ -446,7 +461,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         _same_dtype([input], output.dtype, what)
         _check_reducible(output, what)
         buf, back = _inplace(output)
-        w = self.comm.reduce_scatter_async(buf.view(-1), _flat(input), op=op, name=name,
+        w = self.comm.reduce_scatter_async(buf.view(-1), _flat(input), op=op, name=None,
                                            timeout=timeout)
         return self._work(name, [w], [output], [back])
 
@@ -482,7 +497,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         if src.numel() and buf.numel() and src.data_ptr() == buf.data_ptr():
             src = src.clone()  # in place is allowed by torch; the SDK never works in place
         w = self.comm.alltoall_async(_movable(buf.view(-1)), _movable(src), recv, send,
-                                     name=name, timeout=timeout)
+                                     name=None, timeout=timeout)
         return self._work(name, [w], [output], [back])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -501,7 +516,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         unit = 1 if dtype in _REDUCIBLE else flat.element_size()
         send = [x.numel() * unit for x in input_tensors]
         recv = [o.numel() * unit for o in output_tensors]
-        w = self.comm.alltoall_async(_movable(flat), _movable(src), recv, send, name=name,
+        w = self.comm.alltoall_async(_movable(flat), _movable(src), recv, send, name=None,
                                      timeout=timeout)
 
         def scatter_out():
@@ -513,7 +528,7 @@ class ProcessGroupCiuic(_ProcessGroup):
 
     def barrier(self, opts=None):
         name, timeout = self._op("barrier", opts)
-        return self._work(name, [self.comm.barrier_async(name=name, timeout=timeout)], [])
+        return self._work(name, [self.comm.barrier_async(name=None, timeout=timeout)], [])
 
     def reduce(self, tensors, opts=None):
         """An allreduce of which non-roots discard the result (their tensor
@@ -527,7 +542,7 @@ class ProcessGroupCiuic(_ProcessGroup):
             buf, back = _inplace(t)
         else:
             buf, back = t.clone(memory_format=torch.contiguous_format), None
-        w = self.comm.allreduce_async(buf, op=op, name=name, timeout=timeout)
+        w = self.comm.allreduce_async(buf, op=op, name=None, timeout=timeout)
         return self._work(name, [w], [t], [back])
 
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -580,7 +595,7 @@ class ProcessGroupCiuic(_ProcessGroup):
         recv = [n * unit if r == root else 0 for r in range(self.size())]
         buf, back = _inplace(out)
         w = self.comm.alltoall_async(_movable(buf.view(-1)), _movable(src), recv, send,
-                                     name=name, timeout=timeout)
+                                     name=None, timeout=timeout)
         return self._work(name, [w], [out], [back])
 
     def send(self, tensors, dst, tag=0):
