@@ -360,8 +360,8 @@ proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
       r->add_split_out(out[static_cast<size_t>(m)]);
       r->add_split_in(in[static_cast<size_t>(m)]);
     }
-    r->set_splits_error(op.splits_error);
   }
+  r->set_splits_error(op.splits_error);
   return ready;
 }
 
@@ -1589,6 +1589,12 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
   const config::Tuning tuning = options_.tuning->Snapshot();
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto collective = static_cast<wire::Collective>(op.sig.collective);
+  if (op.parts.empty() && !op.splits_error.empty()) {
+    // Failed here before it ran (its ranks disagree); a coordinator that
+    // runs it anyway is of an older version.
+    return absl::InvalidArgumentError(absl::StrCat("operation '", op.name,
+                                                   "' mismatched across ranks: ", op.splits_error));
+  }
   if (collective == wire::Collective::kBarrier) return absl::OkStatus();  // Run means all arrived
   const size_t es = op.sig.element_bytes();
   const int world = options_.world_size;

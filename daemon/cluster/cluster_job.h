@@ -103,8 +103,11 @@ struct ClusterOp {
     std::vector<uint64_t> recv_counts;
   };
   std::vector<Part> parts;  // one per local rank
-  // alltoallv whose local ranks' counts disagree (the engine's words): the
-  // Ready carries it, and the coordinator fails the operation everywhere.
+  // An operation whose local ranks disagree (the engine's words: alltoallv
+  // counts, or signatures): the Ready carries it, and the coordinator fails
+  // the operation on every node; a direct one's exchange does. With
+  // signatures that disagree the engine hands it over without parts (its
+  // ranks have been told) and ignores its end.
   std::string splits_error;
   // An operation on GPU buffers: the node buffer lives on the device and is
   // staged through host memory (parts' send and recv are then null).

@@ -82,7 +82,11 @@ bool ClusterJob::StartDirect(ClusterOp& op, uint64_t number) {
   }
   // The local phase: the node's ranks reduced into the exchange's value.
   const size_t bytes = PayloadBytes(op.sig);
-  if (bytes > 0) {
+  if (!op.splits_error.empty()) {
+    exchange->FailLocally(absl::InvalidArgumentError(absl::StrCat(
+        "operation '", op.name, "' mismatched across ranks: ", op.splits_error, " (on ",
+        options_.node_name, ")")));
+  } else if (bytes > 0) {
     uint8_t* value = exchange->payload();
     if (op.staged) {
       staged_ops_.fetch_add(1, std::memory_order_relaxed);

@@ -505,6 +505,15 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     for (int n = 0; n < nodes; ++n) {
       if (run.ready[n]) send_fail(n, run.failure);
     }
+  } else if (!ready.splits_error().empty()) {
+    // The node's own ranks disagree: every node fails the operation now,
+    // those that ready it later as they do.
+    run.failure = absl::InvalidArgumentError(absl::StrCat(
+        "operation '", ready.name(), "' mismatched across ranks: ", ready.splits_error(),
+        " (on ", NodeLabel(job, node), ")"));
+    for (int n = 0; n < nodes; ++n) {
+      if (run.ready[n]) send_fail(n, run.failure);
+    }
   } else {
     run.deadline = std::min(run.deadline, now + timeout);
     if (run.ready_count == nodes &&

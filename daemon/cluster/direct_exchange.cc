@@ -1,5 +1,6 @@
 #include "cluster/direct_exchange.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -12,6 +13,9 @@ namespace {
 constexpr uint32_t kMagic = 0x58444943;  // "CIDX"
 constexpr uint32_t kFlagFailed = 1;
 constexpr uint32_t kFlagOther = 2;
+// Tag bit of a step's second message (the value, when not inline); step
+// tags are small.
+constexpr uint64_t kBulkTag = uint64_t{1} << 23;
 
 struct WireSignature {
   uint32_t collective;
@@ -31,7 +35,9 @@ struct DirectHeader {
   int32_t sender;
   WireSignature own;
   WireSignature other;  // with kFlagOther
-  uint8_t reserved[16];
+  int32_t failed_code;  // with kFlagFailed: that node's status code
+  uint32_t failed_text_bytes;
+  char failed_text[DirectExchange::kMaxFailureText];  // and message (cut)
 };
 static_assert(sizeof(DirectHeader) == DirectExchange::kHeaderBytes);
 
@@ -59,11 +65,6 @@ bool SameSignature(const OpSignature& a, const OpSignature& b) {
   return x == y;
 }
 
-// A size mismatch, as the transports report it (UCX: INVALID_ARGUMENT;
-// the in-process hub: DATA_LOSS).
-bool IsSizeMismatch(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kDataLoss;
-}
 
 }  // namespace
 
@@ -79,8 +80,10 @@ DirectExchange::DirectExchange(Params params, Finished finished)
   if (params_.sig.collective == static_cast<uint32_t>(wire::Collective::kBarrier)) {
     payload_bytes_ = 0;
   }
-  value_.assign(kHeaderBytes + payload_bytes_, 0);
-  inbox_.assign(kHeaderBytes + payload_bytes_, 0);
+  value_.assign(payload_bytes_, 0);
+  out_.assign(kMessageBytes, 0);
+  in_.assign(kMessageBytes, 0);
+  if (payload_bytes_ > kInlineBytes) bulk_in_.assign(payload_bytes_, 0);
   int p = 1;
   while (p * 2 <= nodes_) p *= 2;
   const int extra = nodes_ - p;
@@ -112,106 +115,158 @@ void DirectExchange::Start() {
 void DirectExchange::RunStep() {
   const size_t at = step_.load();
   const Step step = steps_[at];
+  bool failed = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     step_error_ = absl::OkStatus();
+    value_in_ = false;
     DirectHeader h{};
     h.magic = kMagic;
     h.sender = self_;
     h.failed_node = failed_node_;
-    if (!transfer_error_.ok() || peer_failed_) h.flags |= kFlagFailed;
-    if (!transfer_error_.ok() && failed_node_ < 0) h.failed_node = self_;
+    failed = !transfer_error_.ok() || peer_failed_;
+    if (failed) h.flags |= kFlagFailed;
+    if (peer_failed_) {
+      h.failed_code = failed_code_;
+      h.failed_text_bytes = static_cast<uint32_t>(failed_text_.size());
+      std::memcpy(h.failed_text, failed_text_.data(), failed_text_.size());
+    } else if (!transfer_error_.ok()) {
+      h.failed_node = self_;
+      h.failed_code = static_cast<int32_t>(transfer_error_.code());
+      const size_t n = std::min(transfer_error_.message().size(), kMaxFailureText);
+      h.failed_text_bytes = static_cast<uint32_t>(n);
+      std::memcpy(h.failed_text, transfer_error_.message().data(), n);
+    }
     h.own = ToWire(params_.sig);
     if (mismatch_) {
       h.flags |= kFlagOther;
       h.other = ToWire(other_);
     }
-    std::memcpy(value_.data(), &h, sizeof(h));
+    std::memcpy(out_.data(), &h, sizeof(h));
   }
-  outstanding_.store((step.send_to >= 0 ? 1 : 0) + (step.recv_from >= 0 ? 1 : 0));
+  // A failed node's messages carry no value (nobody folds it).
+  bulk_sent_ = !failed && payload_bytes_ > kInlineBytes;
+  if (!failed && !bulk_sent_ && payload_bytes_ > 0) {
+    std::memcpy(out_.data() + kHeaderBytes, value_.data(), payload_bytes_);
+  }
+  const bool sends = step.send_to >= 0;
+  outstanding_.store((sends ? (bulk_sent_ ? 2 : 1) : 0) + (step.recv_from >= 0 ? 1 : 0));
   auto self = shared_from_this();
   const uint64_t tag = params_.tag_base | step.tag;
   if (step.recv_from >= 0) {
-    std::memset(inbox_.data(), 0, kHeaderBytes);  // a failed receive leaves no stale header
-    params_.transport->Recv(step.recv_from, params_.channel, tag, inbox_.data(), inbox_.size(),
-                            [self](absl::Status s) {
+    std::memset(in_.data(), 0, kHeaderBytes);  // a failed receive leaves no stale header
+    params_.transport->Recv(step.recv_from, params_.channel, tag, in_.data(), in_.size(),
+                            [self, step, tag](absl::Status s) {
+                              self->HeaderArrived(step, tag, std::move(s));
+                            });
+  }
+  if (sends) {
+    auto sent = [self](absl::Status s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        if (self->transfer_error_.ok()) self->transfer_error_ = std::move(s);
+      }
+      self->Transferred();
+    };
+    params_.transport->Send(step.send_to, params_.channel, tag, out_.data(), out_.size(), sent);
+    if (bulk_sent_) {
+      params_.transport->Send(step.send_to, params_.channel, tag | kBulkTag, value_.data(),
+                              payload_bytes_, sent);
+    }
+  }
+}
+
+void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status received) {
+  // Set under mu_ below: where the value that follows goes, if one does.
+  uint8_t* into = nullptr;
+  size_t bulk = 0;
+  std::shared_ptr<std::vector<uint8_t>> drain;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    DirectHeader h;
+    std::memcpy(&h, in_.data(), sizeof(h));
+    if (!received.ok()) {
+      step_error_ = std::move(received);
+    } else if (h.magic != kMagic || h.sender != step.recv_from) {
+      step_error_ = absl::DataLossError(absl::StrCat(
+          "node ", step.recv_from, " sent a message that is not a direct exchange's"));
+    } else if (!(h.flags & kFlagFailed)) {
+      // The value that follows: as the sender's signature says (bounded
+      // before it is multiplied; larger than any direct operation: left
+      // unreceived, the operation fails on the mismatch anyway).
+      const OpSignature theirs = FromWire(h.own);
+      const bool barrier = theirs.collective == static_cast<uint32_t>(wire::Collective::kBarrier);
+      const size_t their_bytes = barrier || theirs.count > kMaxBulkBytes
+                                     ? 0
+                                     : static_cast<size_t>(theirs.count) *
+                                           wire::DataTypeSize(theirs.dtype);
+      if (their_bytes > kInlineBytes && their_bytes <= kMaxBulkBytes) {
+        bulk = their_bytes;
+        if (SameSignature(theirs, params_.sig)) {
+          into = bulk_in_.data();
+        } else {
+          drain = std::make_shared<std::vector<uint8_t>>(bulk);  // theirs, not ours to fold
+          into = drain->data();
+        }
+      }
+    }
+  }
+  if (into != nullptr) {
+    outstanding_.fetch_add(1);
+    auto self = shared_from_this();
+    params_.transport->Recv(step.recv_from, params_.channel, tag | kBulkTag, into, bulk,
+                            [self, drain](absl::Status s) {
                               if (!s.ok()) {
                                 std::lock_guard<std::mutex> lock(self->mu_);
-                                self->step_error_ = std::move(s);
+                                if (self->step_error_.ok()) self->step_error_ = std::move(s);
                               }
-                              if (self->outstanding_.fetch_sub(1) == 1) self->StepDone();
+                              self->Transferred();
                             });
   }
-  if (step.send_to >= 0) {
-    params_.transport->Send(step.send_to, params_.channel, tag, value_.data(), value_.size(),
-                            [self](absl::Status s) {
-                              // A size mismatch is the receiver's to report
-                              // (it may read the sender's header).
-                              if (!s.ok() && !IsSizeMismatch(s)) {
-                                std::lock_guard<std::mutex> lock(self->mu_);
-                                if (self->transfer_error_.ok()) self->transfer_error_ = std::move(s);
-                              }
-                              if (self->outstanding_.fetch_sub(1) == 1) self->StepDone();
-                            });
-  }
+  Transferred();
+}
+
+void DirectExchange::Transferred() {
+  if (outstanding_.fetch_sub(1) == 1) StepDone();
 }
 
 void DirectExchange::StepDone() {
   const Step step = steps_[step_.load()];
-  if (step.recv_from >= 0) Absorb(step, inbox_.data());
+  if (step.recv_from >= 0) Absorb(step);
   if (step_.fetch_add(1) + 1 < steps_.size()) return RunStep();
   absl::Status s = Outcome();
   finished_(s, s.ok() ? payload() : nullptr);
 }
 
-void DirectExchange::Absorb(const Step& step, uint8_t* message) {
+void DirectExchange::Absorb(const Step& step) {
   std::lock_guard<std::mutex> lock(mu_);
-  DirectHeader h;
-  std::memcpy(&h, message, sizeof(h));
-  const bool header = h.magic == kMagic && h.sender == step.recv_from;
   if (!step_error_.ok()) {
-    if (!IsSizeMismatch(step_error_)) {
-      if (transfer_error_.ok()) transfer_error_ = step_error_;
-      return;
-    }
-    // Another size: the operations differ. A shorter message has landed
-    // (header first) and names the sender's signature.
-    if (!mismatch_) {
-      mismatch_ = true;
-      other_node_ = step.recv_from;
-      other_known_ = header;
-      if (header) other_ = FromWire(h.own);
-    }
+    if (transfer_error_.ok()) transfer_error_ = step_error_;
     return;
   }
-  if (!header) {
-    if (transfer_error_.ok()) {
-      transfer_error_ = absl::DataLossError(
-          absl::StrCat("node ", step.recv_from, " sent a message that is not a direct exchange's"));
-    }
-    return;
-  }
+  DirectHeader h;
+  std::memcpy(&h, in_.data(), sizeof(h));
   const OpSignature theirs = FromWire(h.own);
   if (!mismatch_) {
     if (!SameSignature(theirs, params_.sig)) {
       mismatch_ = true;
       other_ = theirs;
-      other_known_ = true;
       other_node_ = step.recv_from;
     } else if (h.flags & kFlagOther) {
       mismatch_ = true;
       other_ = FromWire(h.other);
-      other_known_ = true;
       other_node_ = -1;
     }
   }
   if ((h.flags & kFlagFailed) && !peer_failed_) {
     peer_failed_ = true;
     failed_node_ = h.failed_node >= 0 ? h.failed_node : step.recv_from;
+    failed_code_ = h.failed_code;
+    failed_text_.assign(h.failed_text, std::min<size_t>(h.failed_text_bytes, kMaxFailureText));
   }
   if (mismatch_ || peer_failed_ || !transfer_error_.ok() || payload_bytes_ == 0) return;
   uint8_t* mine = payload();
-  const uint8_t* got = message + kHeaderBytes;
+  const uint8_t* got = payload_bytes_ > kInlineBytes ? bulk_in_.data() : in_.data() + kHeaderBytes;
   if (!step.fold) {
     std::memcpy(mine, got, payload_bytes_);
     return;
@@ -228,8 +283,7 @@ absl::Status DirectExchange::Outcome() const {
   if (mismatch_) {
     const std::string who =
         other_node_ >= 0 ? absl::StrCat("node ", other_node_) : std::string("another node");
-    const std::string theirs =
-        other_known_ ? other_.ToString() : std::string("an operation of another size");
+    const std::string theirs = other_.ToString();
     return absl::InvalidArgumentError(absl::StrCat(
         "operation '", params_.name, "' mismatched across nodes: node ", self_, " submitted ",
         params_.sig.ToString(), ", ", who, " submitted ", theirs,
@@ -238,8 +292,17 @@ absl::Status DirectExchange::Outcome() const {
   }
   if (!transfer_error_.ok()) return transfer_error_;
   if (peer_failed_) {
+    // The failing node's code: a mismatch among its ranks is INVALID_ARGUMENT
+    // on every node, as the coordinator makes it; anything else says that
+    // node could not take part (UNAVAILABLE).
+    const bool invalid = failed_code_ == static_cast<int>(absl::StatusCode::kInvalidArgument);
+    const std::string why = failed_text_.empty() ? "" : absl::StrCat(": ", failed_text_);
+    if (invalid) {
+      return absl::InvalidArgumentError(absl::StrCat("operation '", params_.name,
+                                                     "' failed on node ", failed_node_, why));
+    }
     return absl::UnavailableError(absl::StrCat("operation '", params_.name, "': node ",
-                                               failed_node_, " could not take part in it"));
+                                               failed_node_, " could not take part in it", why));
   }
   return absl::OkStatus();
 }

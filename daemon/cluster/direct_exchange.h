@@ -10,15 +10,23 @@
 // finally sends the result to node P + i. Every fold is op(lower node's
 // value, higher node's value), so every node ends with the same bits.
 //
-// Every message is a DirectHeader followed by the value. The header carries
-// the sender's operation signature and a signature different from it that
-// the sender has seen (if any), and a flag when the sender's exchange has
-// failed: after the last step every node has heard, directly or through
-// others, from every node, so a mismatch or failure anywhere ends the
-// operation on every node with the same kind of error (INVALID_ARGUMENT
-// naming both signatures, or the failure), never with a partial result.
-// A node whose transfer fails still sends its later steps (flagged), so
-// that the others' receives complete instead of waiting for a deadline.
+// Each step's message is kMessageBytes long whatever the operation: a
+// DirectHeader, then the value itself when it fits (kInlineBytes), so that
+// an 8-byte allreduce costs one message per step. A larger value follows as
+// a second message whose size the header announces (the sender's own
+// signature); the receiver posts its receive once it has read the header,
+// so no receive ever disagrees with its send in size, even between nodes
+// whose operations differ (a transport receive of the wrong size fails, and
+// UCX over TCP was seen to drop the connection after one). The header also
+// carries a signature different from the sender's that it has seen (if
+// any), and, when the sender's exchange has failed, that failure's code and
+// message (no value follows then): after the last step every node has
+// heard, directly or through others, from every node, so a mismatch or
+// failure anywhere ends the operation on every node with the same kind of
+// error (INVALID_ARGUMENT naming both signatures or the failing node's
+// words, or UNAVAILABLE), never with a partial result. A node whose
+// transfer fails still sends its later steps (flagged), so that the
+// others' receives complete instead of waiting for a deadline.
 //
 // The exchange is driven by the transport's completion callbacks: it never
 // blocks and owns no thread. Start() posts the first step; the callback that
@@ -61,8 +69,8 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   static std::shared_ptr<DirectExchange> Create(Params params, Finished finished);
 
   // The node's value, payload_bytes() long: fill it before Start().
-  uint8_t* payload() { return value_.data() + kHeaderBytes; }
-  size_t payload_bytes() const { return value_.size() - kHeaderBytes; }
+  uint8_t* payload() { return value_.data(); }
+  size_t payload_bytes() const { return payload_bytes_; }
   // Before Start(): this node cannot take part (its local phase failed).
   // It still runs every step, its messages flagged, so that every node
   // ends the operation at once with an error instead of waiting for it.
@@ -72,7 +80,14 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // for a deadline's error message.
   int Waiting() const;
 
-  static constexpr size_t kHeaderBytes = 96;
+  static constexpr size_t kHeaderBytes = 256;
+  static constexpr size_t kInlineBytes = 1024;
+  static constexpr size_t kMessageBytes = kHeaderBytes + kInlineBytes;
+  // A value announced larger than this is not drained (no direct operation
+  // is: direct_max_bytes <= 1M).
+  static constexpr size_t kMaxBulkBytes = size_t{1} << 20;
+  // The most of a failing node's message its header carries.
+  static constexpr size_t kMaxFailureText = 168;
 
  private:
   struct Step {
@@ -84,10 +99,17 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
 
   DirectExchange(Params params, Finished finished);
   void RunStep();
+  // One transfer of the step ended.
+  void Transferred();
   void StepDone();
-  // Folds or takes step `step_`'s message. Only the thread that completed
-  // the step calls it.
-  void Absorb(const Step& step, uint8_t* message);
+  // The header of step `step`'s message has arrived (`received`: its
+  // receive's status): records what it says and, if a value follows,
+  // posts its receive (into bulk_in_, or a drain buffer when it is not
+  // ours to fold) before the step can end.
+  void HeaderArrived(const Step& step, uint64_t tag, absl::Status received);
+  // Folds or takes the step's value. Only the thread that completed the
+  // step calls it.
+  void Absorb(const Step& step);
   absl::Status Outcome() const;
 
   Params params_;
@@ -99,18 +121,23 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // The step in progress: written by the thread that completes the one
   // before (each step's completion happens after its posting).
   std::atomic<size_t> step_{0};
-  std::vector<uint8_t> value_;  // header + value
-  std::vector<uint8_t> inbox_;  // header + value, one step's message
+  std::vector<uint8_t> value_;    // the node's value (payload_bytes_)
+  std::vector<uint8_t> out_;      // the step's first message: header (+ value inline)
+  std::vector<uint8_t> in_;       // the step's first message received
+  std::vector<uint8_t> bulk_in_;  // a value received apart (> kInlineBytes)
+  bool bulk_sent_ = false;        // this step sends the value apart
+  bool value_in_ = false;         // guarded by mu_: this step's value arrived, to absorb
   std::atomic<int> outstanding_{0};
   mutable std::mutex mu_;        // the fields below, written from transport threads
   absl::Status transfer_error_;  // the first of this node's failed transfers
   absl::Status step_error_;      // this step's receive
   bool mismatch_ = false;
-  OpSignature other_;        // with mismatch_ and other_known_: another node's signature
-  bool other_known_ = false; // false: it sent a message of another size only
+  OpSignature other_;        // with mismatch_: a signature another node submitted
   int other_node_ = -1;      // who, when heard directly
   bool peer_failed_ = false; // a node flagged its exchange as failed
   int failed_node_ = -1;
+  int failed_code_ = 0;      // its status code and message, as its header said
+  std::string failed_text_;
 };
 
 }  // namespace ciuic::daemon

@@ -178,8 +178,10 @@ TEST(DirectExchangeTest, AMismatchFailsEveryNodeNamingBothSignatures) {
   other_type.dtype = static_cast<uint32_t>(DataType::kInt32);  // same bytes
   OpSignature other_op = base;
   other_op.reduce_op = static_cast<uint32_t>(ReduceOp::kMax);
+  OpSignature large = base;  // its value goes apart from the header
+  large.count = 5000;
   for (int nodes : {2, 3, 4, 5}) {
-    for (const OpSignature& odd : {bigger, smaller, other_type, other_op}) {
+    for (const OpSignature& odd : {bigger, smaller, other_type, other_op, large}) {
       for (int at = 0; at < nodes; ++at) {
         SCOPED_TRACE(testing::Message() << nodes << " nodes, node " << at << " submits "
                                         << odd.ToString());
@@ -192,11 +194,9 @@ TEST(DirectExchangeTest, AMismatchFailsEveryNodeNamingBothSignatures) {
           const std::string msg(s.message());
           EXPECT_NE(msg.find("operation '#5' mismatched across nodes"), std::string::npos) << msg;
           EXPECT_NE(msg.find(sigs[static_cast<size_t>(k)].ToString()), std::string::npos) << msg;
-          // Same size: every node read the other signature.
-          if (odd.count == base.count) {
-            EXPECT_NE(msg.find(base.ToString()), std::string::npos) << msg;
-            EXPECT_NE(msg.find(odd.ToString()), std::string::npos) << msg;
-          }
+          // Every node read the other signature (headers are never cut).
+          EXPECT_NE(msg.find(base.ToString()), std::string::npos) << msg;
+          EXPECT_NE(msg.find(odd.ToString()), std::string::npos) << msg;
         }
       }
     }
@@ -224,6 +224,37 @@ TEST(DirectExchangeTest, ANodeThatCannotTakePartFailsEveryoneAtOnce) {
         }
       }
     }
+  }
+}
+
+// A node whose own ranks disagree fails its local phase with
+// INVALID_ARGUMENT: every node gets INVALID_ARGUMENT with that node's words.
+TEST(DirectExchangeTest, AMismatchAmongOneNodesRanksReachesEveryNode) {
+  InProcessHub hub(3, 1);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<absl::Status> ends(3);
+  int ended = 0;
+  std::vector<std::shared_ptr<DirectExchange>> exchanges;
+  for (int k = 0; k < 3; ++k) {
+    DirectExchange::Params p;
+    p.transport = hub.transport(k);
+    p.name = "#9";
+    p.sig = Sig(DataType::kFloat32, ReduceOp::kSum, 4);
+    exchanges.push_back(DirectExchange::Create(p, [&, k](absl::Status s, uint8_t*) {
+      std::lock_guard<std::mutex> lock(mu);
+      ends[static_cast<size_t>(k)] = s;
+      ++ended;
+      cv.notify_all();
+    }));
+  }
+  exchanges[2]->FailLocally(absl::InvalidArgumentError("rank 4 submitted count=4, rank 5 count=6"));
+  for (auto& ex : exchanges) ex->Start();
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return ended == 3; }));
+  for (const absl::Status& s : ends) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("rank 4 submitted count=4, rank 5 count=6"), std::string::npos) << s;
   }
 }
 

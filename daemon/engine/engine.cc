@@ -869,6 +869,21 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
     ++job.ops_failed;
     CompleteOnLoop(*s, v.op_id, mismatch);
     FailPendingOnLoop(job, *op, mismatch);
+    if (job.cluster) {
+      // The other nodes' ranks must hear of it too, at once rather than at
+      // the operation's deadline: the operation goes on without buffers,
+      // carrying the mismatch (the coordinator fails it on every node; a
+      // direct one fails everywhere through its exchange). Nobody here
+      // waits for its end.
+      ClusterOp c;
+      c.key = job.next_cluster_key++;
+      c.name = op->name;
+      c.sig = op->sig;
+      c.splits_error = absl::StrCat(
+          "rank ", other, " submitted ", op->sig.ToString(), ", rank ", s->rank, " submitted ",
+          v.sig.ToString());
+      job.cluster->Submit(std::move(c));
+    }
     return forget_if_all_seen();
   }
   op->priority = std::max(op->priority, v.priority);

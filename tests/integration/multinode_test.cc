@@ -200,6 +200,45 @@ TEST(MultiNodeSemanticsTest, OutOfOrderNamesLargeBuffersAndMismatch) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// The ranks of one node disagree (rank 1's count differs from every other
+// rank's), for a named operation (ordered by the coordinator) and an
+// unnamed one (direct): every rank of both nodes gets INVALID_ARGUMENT within
+// seconds, far before the 30 s timeout, the other node's naming the
+// disagreement; the job goes on.
+TEST(MultiNodeSemanticsTest, AMismatchAmongOneNodesRanksFailsEveryNodeAtOnce) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("localmismatch");
+  auto codes = RunRanks(4, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    CHILD_CHECK(comm->Barrier().Wait().ok(), "barrier");
+    std::vector<float> v(64, 1.0f);
+    const size_t count = rank == 1 ? 24 : 16;
+    for (bool named : {true, false}) {
+      OpOptions o;
+      o.timeout_ms = 30000;
+      if (named) o.name = "grad.local";
+      const auto t0 = std::chrono::steady_clock::now();
+      Status s = comm->Allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kSum, o)
+                     .Wait();
+      const auto took = std::chrono::steady_clock::now() - t0;
+      CHILD_CHECK(s.code() == StatusCode::kInvalidArgument && Contains(s.message(), "mismatched") &&
+                      Contains(s.message(), "count=16") &&
+                      (rank < 2 || Contains(s.message(), "count=24")),
+                  "%s: %s", named ? "named" : "unnamed", s.ToString().c_str());
+      CHILD_CHECK(took < std::chrono::seconds(10), "%s: took %lld ms", named ? "named" : "unnamed",
+                  (long long)std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+    }
+    std::vector<float> w(8, 1.0f);
+    Status s = comm->Allreduce(w.data(), w.data(), w.size(), DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok() && w[0] == 4.0f, "after: %s", s.ToString().c_str());  // the job goes on
+    return 0;
+  }, std::chrono::seconds(120));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 // One name submitted again and again before its earlier occurrences have
 // run (node 1 comes late, so node 0 holds all of them): every occurrence
 // runs, in submission order, with its own buffers.
