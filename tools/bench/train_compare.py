@@ -41,11 +41,13 @@ import compare
 import netns
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# "ciuic": DDP over gloo with the ciuic hook for its gradients; "ciuic-pg":
+# DDP over the torch.distributed backend "ciuic" (no hook, no gloo).
 ROWS = ("compute", "gloo", "gloo+fp16", "gloo+powerSGD", "ciuic", "ciuic+fp16", "ciuic+int8",
-        "ciuic+topk:0.01")
+        "ciuic+topk:0.01", "ciuic-pg")
 MODE = {"compute": "compute", "gloo": "plain", "gloo+fp16": "fp16",
         "gloo+powerSGD": "powersgd", "ciuic": "plain", "ciuic+fp16": "plain",
-        "ciuic+int8": "plain", "ciuic+topk:0.01": "plain"}
+        "ciuic+int8": "plain", "ciuic+topk:0.01": "plain", "ciuic-pg": "plain"}
 
 
 def log(msg):
@@ -87,7 +89,8 @@ def run_row(row, args, topo, sockets, flags, port, rep, timeout):
     world = 1 if row == "compute" else 2
     base = [args.python, os.path.join(HERE, "train_hooks.py"), "--mode", MODE[row],
             "--script", args.train_script, "--"]
-    targs = ["--backend", "ciuic" if row.startswith("ciuic") else "gloo", "--steps", str(args.steps),
+    backend = "ciuic-pg" if row == "ciuic-pg" else "ciuic" if row.startswith("ciuic") else "gloo"
+    targs = ["--backend", backend, "--steps", str(args.steps),
              "--seed", str(args.seed)]
     for flag, value in (("--hidden", args.hidden), ("--layers", args.layers),
                         ("--threads", args.train_threads), ("--bucket-cap-mb", args.bucket_cap_mb)):
