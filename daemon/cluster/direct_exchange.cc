@@ -119,7 +119,6 @@ void DirectExchange::RunStep() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     step_error_ = absl::OkStatus();
-    value_in_ = false;
     DirectHeader h{};
     h.magic = kMagic;
     h.sender = self_;

@@ -126,7 +126,6 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   std::vector<uint8_t> in_;       // the step's first message received
   std::vector<uint8_t> bulk_in_;  // a value received apart (> kInlineBytes)
   bool bulk_sent_ = false;        // this step sends the value apart
-  bool value_in_ = false;         // guarded by mu_: this step's value arrived, to absorb
   std::atomic<int> outstanding_{0};
   mutable std::mutex mu_;        // the fields below, written from transport threads
   absl::Status transfer_error_;  // the first of this node's failed transfers
