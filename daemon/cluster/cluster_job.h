@@ -188,6 +188,12 @@ class ClusterJob {
   // without cutting them off (WaitForDirectOps), and how long the job's end
   // waits for their transfers' callbacks once cut off (CloseDirect).
   static constexpr std::chrono::milliseconds kDirectGrace{2000};
+  // A direct op that times out leaves its exchange waiting (a transport
+  // receive cannot be taken back), holding its buffers until the job ends.
+  // This many such exchanges end the job: its nodes' unnamed operations are
+  // out of step, and a trainer must not make the daemon hold memory without
+  // bound.
+  static constexpr int kMaxStaleExchanges = 64;
 
   // Whether the ordering stream is in-process (Options::local_coordinator).
   bool ordering_in_process() const { return in_process_ordering_.load(); }

@@ -218,6 +218,7 @@ Clock::time_point ClusterJob::NextDirectDeadline() {
 void ClusterJob::ExpireDirect() {
   const Clock::time_point now = Clock::now();
   std::vector<DirectOp> expired;
+  int stale = 0;  // exchanges whose op has ended and whose transfers have not
   {
     std::lock_guard<std::mutex> lock(direct_mu_);
     for (auto it = direct_.begin(); it != direct_.end();) {
@@ -228,6 +229,7 @@ void ClusterJob::ExpireDirect() {
         ++it;
       }
     }
+    stale = live_exchanges_ - static_cast<int>(direct_.size());
   }
   for (DirectOp& d : expired) {
     const int waiting = d.exchange->Waiting();
@@ -246,6 +248,13 @@ void ClusterJob::ExpireDirect() {
     spdlog::warn("job '{}': {}", options_.job_id, std::string(late.message()));
     if (d.op.staged) d.op.staged->Drain().IgnoreError();
     Done(d.op, late);
+  }
+  if (!expired.empty() && stale >= kMaxStaleExchanges) {
+    PushRunFailed(absl::DeadlineExceededError(absl::StrCat(
+        stale, " direct operations of job '", options_.job_id,
+        "' have timed out with other nodes never sending their part: the nodes' unnamed "
+        "operations are out of step, and the job ends (each such exchange holds memory until "
+        "it does)")));
   }
 }
 

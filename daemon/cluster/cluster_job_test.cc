@@ -29,10 +29,15 @@
 #include "cuda/device_plan.h"
 #include "reduce/half.h"
 #include "reduce/reduce.h"
+#include "reduce/testing/elements.h"
 #include "transport/forwarding_transport.h"
 
 namespace ciuic::daemon {
 namespace {
+
+using reduce::testing::GetElement;
+using reduce::testing::PutElement;
+using reduce::testing::Stored;
 
 using Clock = std::chrono::steady_clock;
 
@@ -408,6 +413,37 @@ TEST(ClusterJobDirectTest, AnOperationMissingOnANodeTimesOutNamingIt) {
   EXPECT_TRUE(nodes.ends(0).ends[1].second.ok()) << nodes.ends(0).ends[1].second;
   EXPECT_EQ(out, std::vector<float>(3, 3.0f));
   EXPECT_EQ(out_b, std::vector<float>(3, 3.0f));
+}
+
+// Direct ops that time out one after another (their exchanges stay,
+// waiting): kMaxStaleExchanges of them end the job, naming why, so that a
+// trainer cannot make the daemon hold ever more memory.
+TEST(ClusterJobDirectTest, TimedOutExchangesPilingUpEndTheJob) {
+  Nodes nodes(2);
+  std::vector<float> a(4, 1.0f), out(4, 0.0f);
+  const int n = ClusterJob::kMaxStaleExchanges;
+  for (int i = 0; i < n; ++i) {
+    ClusterOp lonely = Allreduce(i, "#" + std::to_string(i), wire::DataType::kFloat32,
+                                 wire::ReduceOp::kSum, 4, 0, a.data(), out.data());
+    lonely.timeout_ms = 100;
+    nodes.job(0).Submit(std::move(lonely));
+    if (i == n - 2) {
+      ASSERT_TRUE(nodes.ends(0).WaitFor(n - 1));
+      EXPECT_EQ(nodes.job(0).state(), ClusterJob::State::kRunning);  // one short of the bound
+    }
+  }
+  ASSERT_TRUE(nodes.ends(0).WaitFor(n));
+  for (auto& [key, s] : nodes.ends(0).ends) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (nodes.job(0).state() != ClusterJob::State::kFailed &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(nodes.job(0).state(), ClusterJob::State::kFailed);
+  EXPECT_NE(nodes.job(0).StateText().find("out of step"), std::string::npos)
+      << nodes.job(0).StateText();
 }
 
 // direct_max_bytes 0 on the coordinator's daemon: every operation goes
@@ -1211,35 +1247,6 @@ double SmallValue(wire::DataType t, int node, size_t op, size_t i) {
          (is_unsigned ? 0 : 2);
 }
 
-void Put(wire::DataType t, void* buf, size_t i, double v) {
-  switch (t) {
-    case wire::DataType::kFloat32:
-      static_cast<float*>(buf)[i] = static_cast<float>(v);
-      break;
-    case wire::DataType::kFloat64:
-      static_cast<double*>(buf)[i] = v;
-      break;
-    case wire::DataType::kFloat16:
-      static_cast<uint16_t*>(buf)[i] = reduce::FloatToHalf(static_cast<float>(v));
-      break;
-    case wire::DataType::kBFloat16:
-      static_cast<uint16_t*>(buf)[i] = reduce::FloatToBFloat16(static_cast<float>(v));
-      break;
-    case wire::DataType::kInt8:
-      static_cast<int8_t*>(buf)[i] = static_cast<int8_t>(v);
-      break;
-    case wire::DataType::kUInt8:
-      static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v);
-      break;
-    case wire::DataType::kInt32:
-      static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v);
-      break;
-    case wire::DataType::kInt64:
-      static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v);
-      break;
-  }
-}
-
 // The plain loop: the exact result of `op` over the nodes' values, with
 // avg's documented division (reduce.h): float32 arithmetic for 16-bit floats
 // and float32, double for float64, truncation toward zero for integers.
@@ -1276,53 +1283,7 @@ double Expected(wire::DataType t, wire::ReduceOp op, size_t o, size_t i, int nod
   }
 }
 
-// The value stored as `t` (a float32 quotient rounded to 16 bits, say), back
-// as a double, for comparison.
-double Stored(wire::DataType t, double v) {
-  uint8_t b[8];
-  Put(t, b, 0, v);
-  switch (t) {
-    case wire::DataType::kFloat32:
-      return *reinterpret_cast<float*>(b);
-    case wire::DataType::kFloat64:
-      return *reinterpret_cast<double*>(b);
-    case wire::DataType::kFloat16:
-      return reduce::HalfToFloat(*reinterpret_cast<uint16_t*>(b));
-    case wire::DataType::kBFloat16:
-      return reduce::BFloat16ToFloat(*reinterpret_cast<uint16_t*>(b));
-    case wire::DataType::kInt8:
-      return *reinterpret_cast<int8_t*>(b);
-    case wire::DataType::kUInt8:
-      return *reinterpret_cast<uint8_t*>(b);
-    case wire::DataType::kInt32:
-      return *reinterpret_cast<int32_t*>(b);
-    case wire::DataType::kInt64:
-      return *reinterpret_cast<int64_t*>(b);
-  }
-  return 0;
-}
 
-double Get(wire::DataType t, const void* buf, size_t i) {
-  switch (t) {
-    case wire::DataType::kFloat32:
-      return static_cast<const float*>(buf)[i];
-    case wire::DataType::kFloat64:
-      return static_cast<const double*>(buf)[i];
-    case wire::DataType::kFloat16:
-      return reduce::HalfToFloat(static_cast<const uint16_t*>(buf)[i]);
-    case wire::DataType::kBFloat16:
-      return reduce::BFloat16ToFloat(static_cast<const uint16_t*>(buf)[i]);
-    case wire::DataType::kInt8:
-      return static_cast<const int8_t*>(buf)[i];
-    case wire::DataType::kUInt8:
-      return static_cast<const uint8_t*>(buf)[i];
-    case wire::DataType::kInt32:
-      return static_cast<const int32_t*>(buf)[i];
-    case wire::DataType::kInt64:
-      return static_cast<const int64_t*>(buf)[i];
-  }
-  return 0;
-}
 
 struct StagedCase {
   wire::DataType dtype;
@@ -1357,7 +1318,7 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
       send[k].emplace_back(sent * es + 1);
       recv[k].emplace_back(c.count * es + 1, 0xee);
       for (size_t i = 0; i < sent; ++i) {
-        Put(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
+        PutElement(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
       }
       ClusterOp op = Allreduce(o, prefix + std::to_string(o), c.dtype, c.op, c.count, k,
                                send[k][o].data(), recv[k][o].data());
@@ -1387,7 +1348,7 @@ std::vector<std::vector<std::string>> RunStaged(int n, const std::vector<int>& s
       for (size_t i = 0; i < c.count; ++i) {
         const size_t at = scatter ? static_cast<size_t>(k) * c.count + i : i;
         const double want = Stored(c.dtype, Expected(c.dtype, c.op, o, at, n));
-        const double got = Get(c.dtype, recv[k][o].data(), i);
+        const double got = GetElement(c.dtype, recv[k][o].data(), i);
         if (got != want) {
           ADD_FAILURE() << n << " nodes, node " << k << ", dtype " << static_cast<int>(c.dtype)
                         << " op " << static_cast<int>(c.op) << " count " << c.count << " [" << i
@@ -1525,7 +1486,7 @@ TEST(ClusterJobStagedTest, AllgatherAndBroadcastMoveTheBytes) {
         send[k].emplace_back(c.count * es + 1);
         recv[k].emplace_back(out * es + 1, 0xee);
         for (size_t i = 0; i < c.count; ++i) {
-          Put(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
+          PutElement(c.dtype, send[k][o].data(), i, SmallValue(c.dtype, k, o, i));
         }
         ClusterOp op = Allreduce(o, "m" + std::to_string(o), c.dtype, wire::ReduceOp::kSum, c.count,
                                  k, send[k][o].data(), recv[k][o].data());
@@ -1632,7 +1593,7 @@ TEST(ClusterJobStagedTest, AlltoallMovesEveryBlock) {
         send[r].emplace_back(sum(o, r, true) * es + 1);
         recv[r].emplace_back(sum(o, r, false) * es + 1, 0xee);
         for (size_t i = 0; i < sum(o, r, true); ++i) {
-          Put(c.dtype, send[r][o].data(), i, SmallValue(c.dtype, r, o, i));
+          PutElement(c.dtype, send[r][o].data(), i, SmallValue(c.dtype, r, o, i));
         }
       }
     }

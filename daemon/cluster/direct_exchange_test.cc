@@ -15,11 +15,13 @@
 #include <vector>
 
 #include "collectives/internode/in_process_transport.h"
-#include "reduce/half.h"
+#include "reduce/testing/elements.h"
 
 namespace ciuic::daemon {
 namespace {
 
+using reduce::testing::GetElement;
+using reduce::testing::PutElement;
 using wire::DataType;
 using wire::ReduceOp;
 
@@ -35,37 +37,6 @@ double Value(int node, size_t i, ReduceOp op, DataType t) {
   }
   const double v = static_cast<double>((node * 7 + i * 3) % 11);
   return unsigned_type ? v : v - 5;
-}
-
-void Store(DataType t, uint8_t* p, size_t i, double v) {
-  switch (t) {
-    case DataType::kFloat32: reinterpret_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DataType::kFloat64: reinterpret_cast<double*>(p)[i] = v; break;
-    case DataType::kFloat16:
-      reinterpret_cast<uint16_t*>(p)[i] = FloatToHalf(static_cast<float>(v));
-      break;
-    case DataType::kBFloat16:
-      reinterpret_cast<uint16_t*>(p)[i] = FloatToBFloat16(static_cast<float>(v));
-      break;
-    case DataType::kInt8: reinterpret_cast<int8_t*>(p)[i] = static_cast<int8_t>(v); break;
-    case DataType::kUInt8: reinterpret_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
-    case DataType::kInt32: reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case DataType::kInt64: reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
-  }
-}
-
-double Load(DataType t, const uint8_t* p, size_t i) {
-  switch (t) {
-    case DataType::kFloat32: return reinterpret_cast<const float*>(p)[i];
-    case DataType::kFloat64: return reinterpret_cast<const double*>(p)[i];
-    case DataType::kFloat16: return HalfToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DataType::kBFloat16: return BFloat16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DataType::kInt8: return reinterpret_cast<const int8_t*>(p)[i];
-    case DataType::kUInt8: return reinterpret_cast<const uint8_t*>(p)[i];
-    case DataType::kInt32: return reinterpret_cast<const int32_t*>(p)[i];
-    case DataType::kInt64: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
-  }
-  return 0;
 }
 
 double Fold(ReduceOp op, double a, double b) {
@@ -122,7 +93,7 @@ std::vector<Result> Exchange(int nodes, const std::vector<OpSignature>& sigs,
       cv.notify_all();
     });
     const auto t = static_cast<DataType>(p.sig.dtype);
-    for (size_t i = 0; i < p.sig.count; ++i) Store(t, ex->payload(), i, Value(k, i, op, t));
+    for (size_t i = 0; i < p.sig.count; ++i) PutElement(t, ex->payload(), i, Value(k, i, op, t));
     if (static_cast<size_t>(k) < fail_local.size() && fail_local[static_cast<size_t>(k)]) {
       ex->FailLocally(absl::InternalError("device fault in the local phase"));
     }
@@ -160,7 +131,7 @@ TEST(DirectExchangeTest, EveryDtypeOpSizeAndNodeCountMatchesThePlainLoop) {
           for (size_t i = 0; i < count; ++i) {
             double want = Value(0, i, op, t);
             for (int k = 1; k < nodes; ++k) want = Fold(op, want, Value(k, i, op, t));
-            ASSERT_EQ(Load(t, got[0].bytes.data(), i), want) << "element " << i;
+            ASSERT_EQ(GetElement(t, got[0].bytes.data(), i), want) << "element " << i;
           }
         }
       }
