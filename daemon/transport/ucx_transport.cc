@@ -59,6 +59,24 @@ uint64_t WireTag(int source_peer, uint64_t tag) {
   return (static_cast<uint64_t>(source_peer) << Transport::kTagBits) | (tag & kUserTagMask);
 }
 
+// The channels' own messages to each other (the farewell below), apart from
+// every user tag: the wire tag's top bit (peer numbers stay below 2^15).
+constexpr uint64_t kControlBit = uint64_t{1} << 63;
+constexpr uint64_t kFarewell = 1;     // "I am closing; everything I sent you is before this"
+constexpr uint64_t kFarewellAck = 2;  // "everything you sent me before it has arrived"
+// Matches a control message from any peer.
+constexpr uint64_t kControlMask = kControlBit;
+uint64_t ControlTag(int source_peer, uint64_t kind) {
+  return kControlBit | (static_cast<uint64_t>(source_peer) << Transport::kTagBits) | kind;
+}
+int ControlSource(uint64_t wire_tag) {
+  return static_cast<int>((wire_tag & ~kControlBit) >> Transport::kTagBits);
+}
+// How long a closing channel waits for the acknowledgements of its
+// farewells (a live peer answers within milliseconds; one that is stopped
+// or gone never does).
+constexpr auto kFarewellGrace = std::chrono::seconds(1);
+
 std::string UcsError(ucs_status_t st) {
   return std::string(ucs_status_string(st)) + " (" + std::to_string(static_cast<int>(st)) + ")";
 }
@@ -280,6 +298,12 @@ class UcxTransport::Channel {
                                       " channel " + std::to_string(index_) + ": " + UcsError(st));
       }
     }
+    sent_to_.assign(addresses.size(), false);
+    departed_.assign(addresses.size(), false);
+    acked_.assign(addresses.size(), false);
+    control_open_ = true;
+    PostControlRecv();
+    ServiceControl();
     return absl::OkStatus();
   }
 
@@ -327,6 +351,7 @@ class UcxTransport::Channel {
       if (stop_.load()) break;
       unsigned progressed = 0;
       while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
+      worked = ServiceControl() || worked;
       ReapCloseRequests();
       if (worked || progressed != 0) {
         idle.Worked(Clock::now());
@@ -383,7 +408,8 @@ class UcxTransport::Channel {
     if (absl::Status s = shared.PeerStatus(op->peer); !s.ok()) {
       return Finish(std::move(owned), s);
     }
-    if (static_cast<size_t>(op->peer) < ep_failed_.size() && !ep_failed_[op->peer].ok()) {
+    if (static_cast<size_t>(op->peer) < ep_failed_.size() && !ep_failed_[op->peer].ok() &&
+        !(op->kind == OpKind::kRecv && ArrivedBeforeFarewell(op->peer, op->tag))) {
       return Finish(std::move(owned), ep_failed_[op->peer]);
     }
     ucp_request_param_t param{};
@@ -403,6 +429,7 @@ class UcxTransport::Channel {
                       absl::FailedPreconditionError("transport not connected to peer"));
       }
       param.cb.send = &Channel::OnSendDone;
+      sent_to_[op->peer] = true;
       ptr = ucp_tag_send_nbx(ep, buffer, op->bytes, WireTag(owner_->self_, op->tag), &param);
     } else {
       // No immediate completion: the length then always comes through the
@@ -455,11 +482,35 @@ class UcxTransport::Channel {
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* ctx = static_cast<EpContext*>(arg);
     Channel* self = ctx->channel;
-    if (self->owner_->shared_->shutting_down.load()) return;
+    const int peer = ctx->peer;
+    const bool known = static_cast<size_t>(peer) < self->ep_failed_.size();
+    if (self->owner_->shared_->shutting_down.load()) {
+      // Shutdown closes every endpoint; its farewell stops waiting for this one.
+      if (known && self->ep_failed_[peer].ok()) {
+        self->ep_failed_[peer] = absl::UnavailableError(ucs_status_string(status));
+      }
+      return;
+    }
+    if (known && self->departed_[peer]) {
+      // The peer said farewell on this channel, and all it sent here before
+      // that has arrived: a receive still waiting is for something it never
+      // sent, and what arrived stays receivable (ArrivedBeforeFarewell).
+      spdlog::info("ucx channel {}: peer {} closed its endpoint after its farewell", self->index_,
+                   peer);
+      absl::Status gone = absl::UnavailableError(
+          "lost peer " + std::to_string(peer) +
+          ": it ended its part of the job and closed its endpoint (channel " +
+          std::to_string(self->index_) + ")");
+      if (self->ep_failed_[peer].ok()) self->ep_failed_[peer] = gone;
+      self->RunOnThread([self, peer, gone] {
+        self->CancelInFlight([peer](const Op& op) { return op.peer == peer; }, gone);
+        self->ClosePeerEndpoint(peer);
+      });
+      return;
+    }
     // With transfers in flight the loss cuts them off: a warning. With none,
     // the peer has most likely ended its job and closed its endpoints before
     // the control plane told us; that plane says whether it was a failure.
-    const int peer = ctx->peer;
     const bool cut_off = std::any_of(self->in_flight_.begin(), self->in_flight_.end(),
                                      [peer](const Op* op) { return op->peer == peer; });
     spdlog::log(cut_off ? spdlog::level::warn : spdlog::level::info,
@@ -578,6 +629,145 @@ class UcxTransport::Channel {
     if (req != nullptr && !UCS_PTR_IS_ERR(req)) close_requests_.push_back(req);
   }
 
+  // --- the farewell ---
+  //
+  // An eager send is complete here once UCX has copied it, and over TCP a
+  // peer can see this side's endpoint close (the socket it opened itself)
+  // before it has read the data sent on the socket this side opened: its
+  // endpoint then fails with "Endpoint timeout", taking that data with it.
+  // So a channel that closes first tells each peer it sent anything to
+  // (kFarewell, behind everything it sent) and waits, at most
+  // kFarewellGrace, for the peer's kFarewellAck: the peer's channel sends
+  // it on reading the farewell, when everything before it has arrived.
+  // Only then are the endpoints closed. The peer, having read the
+  // farewell, keeps what arrived receivable when the endpoint then fails
+  // (ArrivedBeforeFarewell), and fails a receive still waiting at once.
+
+  // Sends the farewells and waits for their acknowledgements, answering the
+  // peers' own farewells meanwhile. Peers with transfers in flight are
+  // left out: their endpoints are force-closed (their transfers are cut
+  // off anyway).
+  void SayFarewell() {
+    const Shared& shared = *owner_->shared_;
+    std::vector<int> waiting;
+    for (size_t p = 0; p < eps_.size(); ++p) {
+      const int peer = static_cast<int>(p);
+      if (peer == owner_->self_ || !sent_to_[p] || eps_[p] == nullptr || !ep_failed_[p].ok() ||
+          !shared.PeerStatus(peer).ok()) {
+        continue;
+      }
+      const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(),
+                                    [peer](const Op* op) { return op->peer == peer; });
+      if (!busy && SendControl(peer, kFarewell)) waiting.push_back(peer);
+    }
+    const auto deadline = Clock::now() + kFarewellGrace;
+    while (!waiting.empty() && Clock::now() < deadline) {
+      DrainQueue();
+      const bool progressed = ucp_worker_progress(worker_) != 0;
+      ServiceControl();
+      ReapCloseRequests();
+      std::erase_if(waiting, [&](int peer) {
+        return acked_[peer] || !ep_failed_[peer].ok() || !shared.PeerStatus(peer).ok();
+      });
+      if (!progressed) std::this_thread::yield();
+    }
+    if (!waiting.empty()) {
+      spdlog::info("ucx channel {}: {} peer(s) did not acknowledge the farewell within {} ms "
+                   "(first: peer {}); closing anyway",
+                   index_, waiting.size(),
+                   std::chrono::duration_cast<std::chrono::milliseconds>(kFarewellGrace).count(),
+                   waiting.front());
+    }
+  }
+
+  // A 0-byte control message to `peer`; false if it cannot go.
+  bool SendControl(int peer, uint64_t kind) {
+    if (static_cast<size_t>(peer) >= eps_.size() || eps_[peer] == nullptr ||
+        !ep_failed_[peer].ok()) {
+      return false;
+    }
+    static char empty;
+    ucp_request_param_t param{};
+    ucs_status_ptr_t ptr =
+        ucp_tag_send_nbx(eps_[peer], &empty, 0, ControlTag(owner_->self_, kind), &param);
+    if (UCS_PTR_IS_ERR(ptr)) return false;
+    if (ptr != nullptr) close_requests_.push_back(ptr);  // freed once complete
+    return true;
+  }
+
+  // The standing receive for control messages from any peer.
+  void PostControlRecv() {
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    param.cb.recv = &Channel::OnControlRecv;
+    param.user_data = this;
+    control_fired_ = false;
+    ucs_status_ptr_t ptr = ucp_tag_recv_nbx(worker_, &control_buf_, sizeof(control_buf_),
+                                            kControlBit, kControlMask, &param);
+    if (UCS_PTR_IS_ERR(ptr)) {
+      spdlog::error("ucx channel {}: cannot receive control messages: {}", index_,
+                    UcsError(UCS_PTR_STATUS(ptr)));
+      control_open_ = false;
+      return;
+    }
+    control_req_ = ptr;
+  }
+
+  static void OnControlRecv(void* /*request*/, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                            void* user_data) {
+    auto* self = static_cast<Channel*>(user_data);
+    self->control_fired_ = true;
+    self->control_status_ = status;
+    self->control_tag_ = status == UCS_OK && info != nullptr ? info->sender_tag : 0;
+  }
+
+  // Handles a control message that arrived and posts the next receive.
+  // Returns whether one did.
+  bool ServiceControl() {
+    bool any = false;
+    while (control_req_ != nullptr && control_fired_) {
+      ucp_request_free(control_req_);
+      control_req_ = nullptr;
+      any = true;
+      if (control_status_ == UCS_OK) {
+        const int peer = ControlSource(control_tag_);
+        const uint64_t kind = control_tag_ & kUserTagMask;
+        if (peer != owner_->self_ && static_cast<size_t>(peer) < eps_.size()) {
+          if (kind == kFarewell) {
+            departed_[peer] = true;
+            SendControl(peer, kFarewellAck);
+          } else if (kind == kFarewellAck) {
+            acked_[peer] = true;
+          }
+        }
+      } else if (control_status_ != UCS_ERR_CANCELED) {
+        spdlog::warn("ucx channel {}: control message: {}", index_, UcsError(control_status_));
+      }
+      if (control_open_) PostControlRecv();
+    }
+    return any;
+  }
+
+  void CloseControlRecv() {
+    control_open_ = false;
+    if (control_req_ == nullptr) return;
+    if (!control_fired_) ucp_request_cancel(worker_, control_req_);  // completes it now
+    ServiceControl();
+    if (control_req_ != nullptr) {  // not completed by the cancel: released anyway
+      ucp_request_free(control_req_);
+      control_req_ = nullptr;
+    }
+  }
+
+  // Whether a message from `peer` with `tag` has arrived unreceived, for a
+  // peer that said farewell here and whose endpoint has since failed.
+  bool ArrivedBeforeFarewell(int peer, uint64_t tag) {
+    if (!departed_[peer]) return false;
+    ucp_tag_recv_info_t info{};
+    return ucp_tag_probe_nb(worker_, WireTag(peer, tag), ~uint64_t{0}, 0, &info) != nullptr;
+  }
+
   void ReapCloseRequests() {
     if (close_requests_.empty()) return;
     std::erase_if(close_requests_, [](void* req) {
@@ -590,6 +780,8 @@ class UcxTransport::Channel {
   void Shutdown() {
     const absl::Status down = absl::UnavailableError("transport shut down");
     DrainQueue();  // ops fail (shutting_down is set), tasks run
+    SayFarewell();
+    CloseControlRecv();
     CancelInFlight([](const Op&) { return true; }, down);
     for (size_t peer = 0; peer < eps_.size(); ++peer) ClosePeerEndpoint(static_cast<int>(peer));
     const auto deadline = Clock::now() + kShutdownGrace;
@@ -696,7 +888,18 @@ class UcxTransport::Channel {
   std::vector<absl::Status> ep_failed_;
   std::vector<std::unique_ptr<EpContext>> ep_contexts_;
   std::list<Op*> in_flight_;  // owned
+  // Endpoint closes and control sends still in progress.
   std::vector<void*> close_requests_;
+  // Per peer: this channel sent it something (it gets a farewell); it said
+  // farewell here; it acknowledged this channel's farewell.
+  std::vector<bool> sent_to_, departed_, acked_;
+  // The standing control receive (written by its callback, on this thread).
+  bool control_open_ = false;
+  void* control_req_ = nullptr;
+  bool control_fired_ = false;
+  ucs_status_t control_status_ = UCS_OK;
+  uint64_t control_tag_ = 0;
+  uint64_t control_buf_ = 0;
 };
 
 // ---------------------------------------------------------------------------

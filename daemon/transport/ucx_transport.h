@@ -40,7 +40,9 @@ namespace ciuic::daemon {
 
 class UcxTransport final : public Transport {
  public:
-  static constexpr int kMaxPeers = 1 << (64 - kTagBits);
+  // The wire tag is (control bit, source peer, user tag): 1, 15 and
+  // kTagBits bits.
+  static constexpr int kMaxPeers = 1 << (63 - kTagBits);
 
   // Creates the ucp context and `num_channels` workers and starts their
   // progress threads. No endpoints yet: publish WorkerAddresses(), then

@@ -532,6 +532,59 @@ TEST(UcxTransportTest, EndpointsClosedWhileIdleFailLaterTransfersOnEveryChannel)
   }
 }
 
+// A peer that sent its last messages and closed (it ended its job first)
+// loses none of them, whenever this side gets round to receiving them:
+// before closing, its channels say farewell behind what they sent and wait
+// for this side's acknowledgement. A receive for something it never sent
+// fails at once, and so do sends to it.
+TEST(UcxTransportTest, APeersLastMessagesStayReceivableAfterItClosesFirst) {
+  UseTls("tcp");
+  for (int round = 0; round < 5; ++round) {
+    Ranks r = MakeRanks(2, 2);
+    ASSERT_EQ(r.t.size(), 2u);
+    const std::vector<size_t> sizes = {0, 8, 1280, 4000, 65536 + 3};
+    std::vector<std::vector<uint8_t>> sent(sizes.size() * 2);
+    Completions sends(sent.size());
+    for (size_t i = 0; i < sent.size(); ++i) {
+      sent[i].resize(sizes[i % sizes.size()]);
+      Fill(sent[i], 100 * round + i);
+      r[0].Send(1, static_cast<int>(i % 2), 10 + i, sent[i].data(), sent[i].size(), sends.Slot(i));
+    }
+    ASSERT_TRUE(sends.WaitAll(milliseconds(10000)));
+    for (size_t i = 0; i < sent.size(); ++i) ASSERT_TRUE(sends.status(i).ok()) << i;
+    const auto t0 = Clock::now();
+    r.t[0].reset();
+    EXPECT_LT(Seconds(Clock::now() - t0), 1.0) << "the farewell was not acknowledged";
+    std::this_thread::sleep_for(milliseconds(300));  // the closes arrive here
+    std::vector<std::vector<uint8_t>> got(sent.size());
+    Completions recvs(sent.size() + 3);
+    for (size_t i = 0; i < sent.size(); ++i) {
+      got[i].assign(sent[i].size(), 0xee);
+      r[1].Recv(0, static_cast<int>(i % 2), 10 + i, got[i].data(), got[i].size(), recvs.Slot(i));
+    }
+    uint64_t x = 0;
+    const size_t never = sent.size();
+    r[1].Recv(0, 0, 99, &x, 8, recvs.Slot(never));
+    r[1].Recv(0, 1, 99, &x, 8, recvs.Slot(never + 1));
+    r[1].Send(0, 0, 98, &x, 8, recvs.Slot(never + 2));
+    ASSERT_TRUE(recvs.WaitAll(milliseconds(2000)));
+    for (size_t i = 0; i < sent.size(); ++i) {
+      EXPECT_TRUE(recvs.status(i).ok()) << "round " << round << " message " << i << ": "
+                                        << recvs.status(i).ToString();
+      EXPECT_EQ(got[i], sent[i]) << "round " << round << " message " << i;
+    }
+    for (size_t i = never; i < never + 3; ++i) {
+      EXPECT_EQ(recvs.status(i).code(), absl::StatusCode::kUnavailable)
+          << recvs.status(i).ToString();
+      EXPECT_NE(recvs.status(i).message().find("lost peer 0"), absl::string_view::npos)
+          << recvs.status(i).ToString();
+    }
+    EXPECT_NE(recvs.status(never).message().find("ended its part of the job"),
+              absl::string_view::npos)
+        << recvs.status(never).ToString();
+  }
+}
+
 TEST(UcxTransportTest, BadArgumentsFailThroughTheCallback) {
   UseTls("tcp");
   auto t = UcxTransport::Create(1);
