@@ -218,7 +218,8 @@ grpc::Status ControlService::GetTrace(grpc::ServerContext* ctx, const proto::Tra
   if (!caller.ok()) return ToGrpc(caller.status());
   std::optional<uid_t> owner;
   if (!authorization_.IsAdmin(*caller)) owner = caller->uid;
-  EngineTrace trace = engine_->Trace(req->job_id(), req->last(), owner);
+  EngineTrace trace = engine_->Trace(req->job_id(), req->last(), owner, req->in_flight());
+  reply->set_now_us(trace.now_us);
   reply->set_capacity(trace.capacity);
   reply->set_recorded(trace.recorded);
   reply->set_other_users_ops(trace.other_users);
@@ -251,6 +252,11 @@ grpc::Status ControlService::GetTrace(grpc::ServerContext* ctx, const proto::Tra
     out->set_done_us(row.done_us);
     out->set_code(row.code);
     out->set_error(row.error);
+    out->set_job_seq(row.job_seq);
+    out->set_count(row.count);
+    out->set_world_size(row.world_size);
+    out->set_timeout_ms(row.timeout_ms);
+    out->set_state(row.state);
   }
   return grpc::Status::OK;
 }

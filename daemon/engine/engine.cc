@@ -99,6 +99,7 @@ struct Job {
   std::unique_ptr<FastPathSegment> fast;  // single-node jobs with fast_path_bytes > 0
   std::map<uint64_t, std::shared_ptr<PendingOp>> in_cluster;  // handed to `cluster`
   uint64_t next_cluster_key = 1;
+  uint64_t next_trace_seq = 0;  // OpRecord::job_seq
   std::map<int, std::shared_ptr<Session>> ranks;
   absl::Status failure;  // sticky once set
   std::map<std::string, std::shared_ptr<PendingOp>> pending;
@@ -832,6 +833,9 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
     slot->trace.sig = v.sig;
     slot->trace.bytes = OpBytes(v.sig, job.world_size);
     slot->trace.submitted = now;
+    slot->trace.job_seq = job.next_trace_seq++;
+    slot->trace.world_size = job.world_size;
+    slot->trace.timeout_ms = timeout_ms;
   }
   std::shared_ptr<PendingOp> op = slot;
   auto forget_if_all_seen = [&] {
@@ -1156,10 +1160,30 @@ void Engine::RecordOnLoop(PendingOp& op, const absl::Status& status) {
 // ------------------------------------------------------------ status, stop
 
 EngineTrace Engine::Trace(const std::string& job_id, uint32_t last,
-                          std::optional<uint32_t> owner) {
+                          std::optional<uint32_t> owner, bool in_flight) {
   if (shutdown_started_.load()) return EngineTrace{};
-  return RunOnLoop<EngineTrace>([this, job_id, last, owner] {
-    return trace_.Select(job_id, last, started_, options_.tuning->Snapshot().trace_ops, owner);
+  return RunOnLoop<EngineTrace>([this, job_id, last, owner, in_flight] {
+    EngineTrace trace =
+        trace_.Select(job_id, last, started_, options_.tuning->Snapshot().trace_ops, owner);
+    trace.now_us = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - started_).count());
+    if (!in_flight) return trace;
+    for (const auto& [key, job] : jobs_) {
+      if ((owner && job->uid != *owner) || (!job_id.empty() && job->id != job_id)) continue;
+      std::vector<std::pair<const PendingOp*, const char*>> live;
+      for (const auto& [name, op] : job->pending) live.emplace_back(op.get(), "scheduled");
+      for (const auto& [k, op] : job->in_cluster) live.emplace_back(op.get(), "started");
+      std::sort(live.begin(), live.end(), [](const auto& a, const auto& b) {
+        return a.first->trace.job_seq < b.first->trace.job_seq;
+      });
+      for (const auto& [op, state] : live) {
+        OpTraceRow row = RowOf(op->trace, started_);
+        row.done_us = 0;
+        row.state = state;
+        trace.ops.push_back(std::move(row));
+      }
+    }
+    return trace;
   });
 }
 

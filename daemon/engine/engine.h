@@ -197,9 +197,12 @@ class Engine {
   EnginePeers Peers();
   // The last `last` operations (0: all recorded) of job `job_id` (empty:
   // every job), oldest first (op_trace.h); with `owner`, of that uid's jobs
-  // only.
+  // only. With `in_flight`, then the operations not ended yet, in each
+  // job's submission order: "scheduled" while a local rank has not
+  // submitted, "started" while the nodes run it (a single-node job's
+  // running operations are not listed: they wait for nobody).
   EngineTrace Trace(const std::string& job_id, uint32_t last,
-                    std::optional<uint32_t> owner = std::nullopt);
+                    std::optional<uint32_t> owner = std::nullopt, bool in_flight = false);
 
   // Drains: refuses new sessions, ends pending operations with UNAVAILABLE,
   // lets running ones finish, closes every session. Any thread but the loop.

@@ -51,6 +51,10 @@ OpTraceRow RowOf(const OpRecord& r, Clock::time_point origin) {
     row.direct = t->direct;
     row.codec = t->codec;
   }
+  row.job_seq = r.job_seq;
+  row.count = r.sig.count;
+  row.world_size = static_cast<uint32_t>(r.world_size);
+  row.timeout_ms = r.timeout_ms;
   row.done_us = Micros(r.done - r.submitted);
   row.code = static_cast<int>(r.status.code());
   row.error = std::string(r.status.message());

@@ -41,6 +41,9 @@ struct OpRecord {
   std::shared_ptr<ClusterOp::Timing> cluster;  // multi-node jobs
   Clock::time_point done;
   absl::Status status;
+  uint64_t job_seq = 0;  // the job's operations on this node, from 0
+  int world_size = 0;
+  uint32_t timeout_ms = 0;
 };
 
 // One record as the control service reports it: microseconds, `submitted`
@@ -70,6 +73,11 @@ struct OpTraceRow {
   uint64_t done_us = 0;
   int code = 0;
   std::string error;
+  uint64_t job_seq = 0;
+  uint64_t count = 0;
+  uint32_t world_size = 0;
+  uint32_t timeout_ms = 0;
+  std::string state = "completed";  // or "scheduled", "started" (not ended yet)
 };
 
 struct EngineTrace {
@@ -77,6 +85,7 @@ struct EngineTrace {
   uint32_t capacity = 0;
   uint64_t recorded = 0;
   uint32_t other_users = 0;  // records of other uids' jobs left out
+  uint64_t now_us = 0;       // since the daemon started, as submitted_us
 };
 
 class TraceLog {

@@ -776,6 +776,88 @@ TEST(MultiNodeOperabilityTest, TraceNamesTheLateNodeAndTheLateRank) {
   EXPECT_TRUE(cluster->StopAll());
 }
 
+// `ciuicctl trace --flight-recorder` on each node of a 2 x 2 job into one
+// directory: the four ranks' dumps list the same collectives under the same
+// numbers (each node counts the job's operations itself), and an operation
+// that waits for rank 3 shows as "started" on node0 (its ranks are in, the
+// nodes run it) and "scheduled" for rank 2 on node1.
+TEST(MultiNodeOperabilityTest, FlightRecorderDumpsOfEveryNodeLineUp) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("fr");
+  const std::string dir = cluster->nodes[0]->dir() + "/fr";
+  const auto dump = [&](int node) {
+    std::string out;
+    int code = RunCommand(std::string(CIUICCTL_PATH) + " --socket " +
+                              cluster->nodes[node]->socket() + " trace --job " + job +
+                              " --flight-recorder " + dir, &out);
+    return code == 0 ? std::string() : out;
+  };
+  const auto has = [&](int rank, const std::string& what) {
+    std::ifstream f(dir + "/rank_" + std::to_string(rank), std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    return bytes.find(what) != std::string::npos;
+  };
+  std::vector<int> codes = RunRanks(4, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(1000, 1.0f);
+    for (int i = 0; i < 3; ++i) {
+      Status s = comm->Allreduce(v.data(), v.data(), v.size() - i, DataType::kFloat32, ReduceOp::kSum).Wait();
+      CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    }
+    Status s = comm->Allgather(v.data(), v.data() + 100, 25, DataType::kFloat32).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    if (rank == 3) {
+      bool seen = false;
+      for (int attempt = 0; attempt < 100 && !seen; ++attempt) {
+        for (int node = 0; node < 2; ++node) {
+          std::string failed = dump(node);
+          CHILD_CHECK(failed.empty(), "ciuicctl: %s", failed.c_str());
+        }
+        seen = has(0, "started") && has(1, "started") && has(2, "scheduled");
+        if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      CHILD_CHECK(seen, "the waiting allreduce never showed as started and scheduled");
+    }
+    s = comm->Allreduce(v.data(), v.data(), 16, DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    return 0;
+  });
+  ASSERT_EQ(codes, std::vector<int>({0, 0, 0, 0}));
+  const std::string script = cluster->nodes[0]->dir() + "/check_fr.py";
+  std::ofstream(script) << R"PY(
+import os, pickle, sys
+d = sys.argv[1]
+dumps = {}
+for f in sorted(os.listdir(d)):
+    with open(os.path.join(d, f), "rb") as fh:
+        dumps[int(f[len("rank_"):])] = pickle.load(fh)
+assert sorted(dumps) == [0, 1, 2, 3], sorted(dumps)
+expected = [("nccl:all_reduce", 1000, 1000), ("nccl:all_reduce", 999, 999),
+            ("nccl:all_reduce", 998, 998), ("nccl:all_gather", 25, 100)]
+for rank, dump in dumps.items():
+    (pg, cfg), = dump["pg_config"].items()
+    assert eval(cfg["ranks"]) == [0, 1, 2, 3], cfg
+    e = dump["entries"]
+    assert len(e) == len(expected) + (0 if rank == 3 else 1), (rank, e)
+    for i, (name, n_in, n_out) in enumerate(expected):
+        assert e[i]["collective_seq_id"] == i and e[i]["profiling_name"] == name, (rank, i, e[i])
+        assert e[i]["input_sizes"] == [[n_in]] and e[i]["output_sizes"] == [[n_out]], (rank, i, e[i])
+        assert e[i]["state"] == "completed", (rank, i, e[i])
+    if rank < 3:
+        last = e[len(expected)]
+        assert last["collective_seq_id"] == len(expected), last
+        assert last["state"] == ("started" if rank < 2 else "scheduled"), (rank, last)
+        assert last["input_sizes"] == [[16]], last
+print("ok")
+)PY";
+  std::string out;
+  EXPECT_EQ(RunCommand("/usr/bin/python3 " + script + " " + dir, &out), 0) << out;
+  EXPECT_TRUE(Contains(out, "ok")) << out;
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 // Compression applies to what crosses the network: float sum/avg results
 // stay within the codec's bound and are the same bits on every rank; other
 // operations go uncompressed. `ciuicctl status` shows each node's error

@@ -191,6 +191,129 @@ TEST(OperabilityTest, TraceShowsTheLateRankFailuresAndKeepsTraceOps) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// `ciuicctl trace --flight-recorder DIR`: torch flight-recorder dumps, one
+// per rank, read back with Python's pickle and checked the way torch's
+// fr_trace analyzer matches them: every rank lists the same collectives in
+// the same order with the same sizes and dtypes (each collective's sizes
+// against a reference worked out here), and an operation one rank has not
+// submitted shows as "scheduled" on the others only.
+TEST(OperabilityTest, FlightRecorderDumpsMatchAcrossRanksAndShowTheMissingRank) {
+  auto daemon = DaemonProcess::Start("tuning:\n  fast_path_bytes: 0\n");
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("fr");
+  const std::string dir = daemon->dir() + "/fr";
+  constexpr int kRanks = 3;
+  std::vector<int> codes = RunRanks(kRanks, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, kRanks);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<uint8_t> a(4096), b(4096);
+    Status s = comm->Allreduce(a.data(), b.data(), 7, DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "allreduce %s", s.ToString().c_str());
+    s = comm->Broadcast(a.data(), b.data(), 5, DataType::kInt64, 0).Wait();
+    CHILD_CHECK(s.ok(), "broadcast %s", s.ToString().c_str());
+    s = comm->Allgather(a.data(), b.data(), 4, DataType::kFloat16).Wait();
+    CHILD_CHECK(s.ok(), "allgather %s", s.ToString().c_str());
+    s = comm->ReduceScatter(a.data(), b.data(), 2, DataType::kBFloat16, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "reduce_scatter %s", s.ToString().c_str());
+    s = comm->Alltoall(a.data(), b.data(), 3, DataType::kInt32).Wait();
+    CHILD_CHECK(s.ok(), "alltoall %s", s.ToString().c_str());
+    s = comm->Barrier().Wait();
+    CHILD_CHECK(s.ok(), "barrier %s", s.ToString().c_str());
+    if (rank == kRanks - 1) {
+      // The others are stuck in the next allreduce, waiting for this rank:
+      // dump (retried until both show it), then join them.
+      bool seen = false;
+      for (int attempt = 0; attempt < 100 && !seen; ++attempt) {
+        int code = 0;
+        std::string out = Ctl(*daemon, "trace --job " + job + " --flight-recorder " + dir, &code);
+        CHILD_CHECK(code == 0, "ciuicctl: %s", out.c_str());
+        seen = true;
+        for (int r = 0; r < kRanks - 1; ++r) {
+          std::ifstream f(dir + "/rank_" + std::to_string(r), std::ios::binary);
+          std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+          seen = seen && bytes.find("scheduled") != std::string::npos;
+        }
+        if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      CHILD_CHECK(seen, "the stuck allreduce never showed as scheduled");
+    }
+    s = comm->Allreduce(a.data(), b.data(), 16, DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "last allreduce %s", s.ToString().c_str());
+    return 0;
+  });
+  ASSERT_EQ(codes, std::vector<int>({0, 0, 0}));
+
+  const std::string script = daemon->dir() + "/check_fr.py";
+  std::ofstream(script) << R"PY(
+import os, pickle, sys
+d = sys.argv[1]
+files = sorted(os.listdir(d))
+assert files == ["rank_0", "rank_1", "rank_2"], files
+W = 3
+# (profiling name, dtype, input numel, output numel), by the collectives'
+# definitions: allgather's output is W inputs, reduce_scatter's input W outputs.
+expected = [("nccl:all_reduce", "Float", 7, 7), ("nccl:broadcast", "Long", 5, 5),
+            ("nccl:all_gather", "Half", 4, 4 * W), ("nccl:_reduce_scatter_base", "BFloat16", 2 * W, 2),
+            ("nccl:all_to_all", "Int", 3 * W, 3 * W), ("nccl:all_reduce", "Float", 0, 0)]
+dumps = {}
+for f in files:
+    with open(os.path.join(d, f), "rb") as fh:
+        dumps[int(f[len("rank_"):])] = pickle.load(fh)
+for rank, dump in dumps.items():
+    assert dump["version"] == "2.4", dump["version"]
+    (pg, cfg), = dump["pg_config"].items()
+    assert cfg["name"] == pg and eval(cfg["ranks"]) == [0, 1, 2], cfg
+    entries = dump["entries"]
+    want = len(expected) + (1 if rank < W - 1 else 0)
+    assert len(entries) == want, (rank, len(entries), entries)
+    for i, e in enumerate(entries):
+        for key in ("record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id",
+                    "op_id", "profiling_name", "time_created_ns", "duration_ms", "input_sizes",
+                    "input_dtypes", "output_sizes", "output_dtypes", "state",
+                    "time_discovered_started_ns", "time_discovered_completed_ns", "retired",
+                    "timeout_ms", "is_p2p", "frames"):
+            assert key in e, (rank, i, key)
+        assert e["record_id"] == i and e["collective_seq_id"] == i, (rank, i, e)
+        assert e["process_group"] == (pg, "ciuic job"), e["process_group"]
+        assert e["is_p2p"] is False and e["frames"] == [], e
+        assert e["timeout_ms"] > 0, e
+        if i < len(expected):
+            name, dtype, n_in, n_out = expected[i]
+            assert e["profiling_name"] == name, (rank, i, e["profiling_name"], name)
+            assert e["input_dtypes"] == [dtype] and e["output_dtypes"] == [dtype], (rank, i, e)
+            assert e["input_sizes"] == [[n_in]] and e["output_sizes"] == [[n_out]], (rank, i, e)
+            assert e["state"] == "completed" and e["retired"] is True, (rank, i, e)
+            assert e["duration_ms"] >= 0, e
+            assert e["time_discovered_completed_ns"] >= e["time_discovered_started_ns"] >= 0, e
+            if i > 0:
+                assert e["time_created_ns"] >= entries[i - 1]["time_created_ns"], (rank, i)
+        else:
+            assert e["state"] == "scheduled" and e["retired"] is False, (rank, e)
+            assert e["duration_ms"] is None and e["time_discovered_completed_ns"] is None, e
+            assert e["profiling_name"] == "nccl:all_reduce" and e["input_sizes"] == [[16]], e
+# What fr_trace matches across ranks: alike on every rank for every completed collective.
+keys = ("collective_seq_id", "profiling_name", "input_sizes", "output_sizes", "input_dtypes", "state")
+for i in range(len(expected)):
+    seen = {tuple(str(dumps[r]["entries"][i][k]) for k in keys) for r in dumps}
+    assert len(seen) == 1, (i, seen)
+status = dumps[0]["pg_status"][pg]
+assert status["last_enqueued_collective"] == len(expected), status
+assert status["last_completed_collective"] == len(expected) - 1, status
+print("ok")
+)PY";
+  std::string out;
+  EXPECT_EQ(RunCommand("/usr/bin/python3 " + script + " " + dir + " 2>&1", &out), 0) << out;
+  EXPECT_TRUE(Contains(out, "ok")) << out;
+
+  int code = 0;
+  out = Ctl(*daemon, "trace --flight-recorder " + dir + " --chrome x", &code);
+  EXPECT_EQ(code, 64) << out;
+  out = Ctl(*daemon, "trace --job nosuchjob --flight-recorder " + dir, &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_TRUE(Contains(out, "no operation of job 'nosuchjob'")) << out;
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 // Prometheus /metrics (metrics_listen, port 0: status names the port): the
 // daemon's and the job's counters, the duration histogram, while the job
 // runs; a bad address stops the daemon at start, naming the key.

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "ciuic/control.grpc.pb.h"
 #include "ciuic/control.pb.h"
+#include "flight_recorder.h"
 #include "format.h"
 #include "grpcpp/grpcpp.h"
 
@@ -51,12 +53,15 @@ commands:
   peers                       nodes of multi-node jobs: link state, bytes sent/received
   tune get [KEY]              show one tuning key, or all of them
   tune set KEY=VALUE...       change tuning keys (applies from the next operation)
-  trace [--job ID] [--last N] [--chrome FILE]
+  trace [--job ID] [--last N] [--chrome FILE] [--flight-recorder DIR]
                               the last N operations (default 20, 0: all the
                               daemon kept): when the ranks and the other nodes
                               came, which came last, how long each phase took;
                               --chrome writes them for chrome://tracing or
-                              ui.perfetto.dev
+                              ui.perfetto.dev; --flight-recorder writes one
+                              job's operations (all kept, and those not ended
+                              yet) as torch flight-recorder dumps DIR/rank_<R>
+                              for torch's fr_trace analyzer
   version                     print ciuicctl's version
 
 options:
@@ -82,6 +87,8 @@ struct Options {
   std::string job;
   uint32_t last = 20;
   std::string chrome;
+  std::string flight_recorder;
+  bool last_given = false;
   bool trace_options = false;
   std::vector<std::string> args;  // command and its arguments
 };
@@ -112,7 +119,8 @@ std::string ParseArgs(int argc, char** argv, Options& options) {
       options.socket_path = argv[++i];
     } else if (absl::StartsWith(arg, "--socket=")) {
       options.socket_path = arg.substr(std::strlen("--socket="));
-    } else if (arg == "--job" || arg == "--last" || arg == "--chrome") {
+    } else if (arg == "--job" || arg == "--last" || arg == "--chrome" ||
+               arg == "--flight-recorder") {
       if (i + 1 >= argc) return absl::StrCat(arg, " needs a value");
       const std::string value = argv[++i];
       options.trace_options = true;
@@ -121,8 +129,13 @@ std::string ParseArgs(int argc, char** argv, Options& options) {
       } else if (arg == "--chrome") {
         if (value.empty()) return "--chrome needs a FILE";
         options.chrome = value;
+      } else if (arg == "--flight-recorder") {
+        if (value.empty()) return "--flight-recorder needs a DIR";
+        options.flight_recorder = value;
       } else if (!absl::SimpleAtoi(value, &options.last)) {
         return absl::StrCat("--last needs a count (0 or more), got '", value, "'");
+      } else {
+        options.last_given = true;
       }
     } else {
       return absl::StrCat("unknown option '", arg, "'");
@@ -235,13 +248,63 @@ int RunPeers(const Options& options, Client& client) {
   return Print(options, reply, FormatPeers(reply));
 }
 
+// Writes the flight-recorder files (flight_recorder.h) into the directory.
+int WriteFlightRecorder(const Options& options, const proto::TraceReply& reply,
+                        int64_t wall_now_ns) {
+  auto files = FlightRecorderFiles(reply, options.job, wall_now_ns);
+  if (!files.ok()) {
+    std::cerr << "ciuicctl: " << files.status().message() << "\n";
+    return kExitDaemonError;
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(options.flight_recorder, ec);
+  if (ec) {
+    std::cerr << "ciuicctl: cannot create " << options.flight_recorder << ": " << ec.message()
+              << "\n";
+    return kExitDaemonError;
+  }
+  proto::TraceReply written;  // for --json: what went into the files
+  for (const auto& [rank, bytes] : *files) {
+    const std::string path =
+        (std::filesystem::path(options.flight_recorder) / absl::StrCat("rank_", rank)).string();
+    std::ofstream file(path, std::ios::binary | std::ios::trunc);
+    file << bytes;
+    file.close();
+    if (!file) {
+      std::cerr << "ciuicctl: cannot write " << path << ": " << std::strerror(errno) << "\n";
+      return kExitDaemonError;
+    }
+  }
+  for (const auto& op : reply.ops()) {
+    if (options.job.empty() || op.job_id() == options.job) *written.add_ops() = op;
+  }
+  written.set_now_us(reply.now_us());
+  std::string ranks;
+  for (const auto& [rank, bytes] : *files) absl::StrAppend(&ranks, ranks.empty() ? "" : " ", rank);
+  return Print(options, written,
+               absl::StrCat("wrote ", files->size(), " flight-recorder file(s) (ranks ", ranks,
+                            ") with ", written.ops_size(), " operation(s) to ",
+                            options.flight_recorder,
+                            "; read them with torch's tools/flight_recorder/fr_trace.py -d ",
+                            options.flight_recorder, "\n"));
+}
+
 int RunTrace(const Options& options, Client& client) {
   proto::TraceRequest request;
   request.set_job_id(options.job);
-  request.set_last(options.last);
+  const bool recorder = !options.flight_recorder.empty();
+  // The flight recorder takes all the daemon kept unless told otherwise.
+  request.set_last(recorder && !options.last_given ? 0 : options.last);
+  request.set_in_flight(recorder);
   proto::TraceReply reply;
   if (auto failure = client.Call(&proto::Control::Stub::GetTrace, request, reply)) {
     return Fail(*failure);
+  }
+  if (recorder) {
+    const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+    return WriteFlightRecorder(options, reply, now_ns);
   }
   if (!options.chrome.empty()) {
     std::ofstream file(options.chrome, std::ios::trunc);
@@ -320,7 +383,7 @@ int Run(int argc, char** argv) {
   // Check the command line completely before touching the network.
   enum class Action { kStatus, kJobs, kPeers, kTuneGet, kTuneSet, kTrace } action;
   if (options.trace_options && command != "trace") {
-    return UsageError("--job, --last and --chrome go with 'trace'");
+    return UsageError("--job, --last, --chrome and --flight-recorder go with 'trace'");
   }
   std::string get_key;
   std::vector<std::pair<std::string, std::string>> set_pairs;
@@ -331,6 +394,9 @@ int Run(int argc, char** argv) {
                                  : Action::kPeers;
   } else if (command == "trace") {
     if (args.size() != 1) return UsageError("'trace' takes no arguments, only options");
+    if (!options.chrome.empty() && !options.flight_recorder.empty()) {
+      return UsageError("--chrome and --flight-recorder: one at a time");
+    }
     action = Action::kTrace;
   } else if (command == "tune") {
     if (args.size() < 2) return UsageError("'tune' needs 'get' or 'set'");
