@@ -35,7 +35,9 @@ backend (``import ciuic.torch``) or NCCL; ``--backend`` picks it.
 concatenated batches of all ranks with torch.optim.SGD and prints the
 largest relative difference of the parameters (AVG of equal per-rank batch
 means is the mean over the concatenated batch). The last line on stdout is
-a JSON object: {"backend", "ranks", "steps", "final_loss", "max_rel_diff"}.
+a JSON object: {"backend", "ranks", "steps", "final_loss", "max_rel_diff",
+"params", "first_step_s", "median_step_s"} (the median over the steps after
+the first).
 """
 
 import argparse
@@ -43,8 +45,10 @@ import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -52,11 +56,11 @@ import torch.distributed as dist
 IN, HIDDEN, OUT = 24, 64, 6
 
 
-def build_model(seed):
+def build_model(seed, hidden=HIDDEN):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
-                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
-                               torch.nn.Linear(HIDDEN, OUT))
+    return torch.nn.Sequential(torch.nn.Linear(IN, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, OUT))
 
 
 def batch(seed, step, rank, size):
@@ -68,11 +72,12 @@ def batch(seed, step, rank, size):
 
 
 def train(steps=10, seed=0, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-3,
-          group=None):
+          group=None, hidden=HIDDEN):
     """ZeRO-2 training on `group` (None: the default group). Returns
-    {"params": {name: tensor}, "losses": [mean loss over ranks per step]}."""
+    {"params": {name: tensor}, "losses": [mean loss over ranks per step],
+    "step_s": [seconds per step]}."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    model = build_model(seed)
+    model = build_model(seed, hidden)
     named = list(model.named_parameters())
     numel = sum(p.numel() for _, p in named)
     shard = math.ceil(numel / world)
@@ -88,8 +93,9 @@ def train(steps=10, seed=0, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-
     mine = slice(rank * shard, (rank + 1) * shard)
     grad_shard = torch.zeros(shard)
     momentum_shard = torch.zeros(shard)
-    losses = []
+    losses, step_s = [], []
     for step in range(steps):
+        t0 = time.perf_counter()
         x, y = batch(seed, step, rank, batch_size)
         loss = torch.nn.functional.mse_loss(model(x), y)
         flat_grad.zero_()
@@ -106,14 +112,16 @@ def train(steps=10, seed=0, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-
         mean_loss = loss.detach().reshape(1)
         dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG, group=group)
         losses.append(float(mean_loss))
-    return {"params": {name: p.detach().clone() for name, p in named}, "losses": losses}
+        step_s.append(time.perf_counter() - t0)
+    return {"params": {name: p.detach().clone() for name, p in named}, "losses": losses,
+            "step_s": step_s}
 
 
 def train_single(world, steps=10, seed=0, batch_size=8, lr=0.1, momentum=0.9,
-                 weight_decay=1e-3):
+                 weight_decay=1e-3, hidden=HIDDEN):
     """The same training in one process on the concatenated batches of
     `world` ranks, with torch.optim.SGD."""
-    model = build_model(seed)
+    model = build_model(seed, hidden)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
                           weight_decay=weight_decay)
     losses = []
@@ -134,6 +142,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=8, help="samples per rank per step")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="width of the hidden layers")
     p.add_argument("--check", action="store_true",
                    help="rank 0: compare with one process on the concatenated batches")
     p.add_argument("--nprocs", type=int, default=0,
@@ -151,15 +160,21 @@ def main(argv=None):
             world_size=-1 if env["world_size"] is None else env["world_size"])
     else:
         dist.init_process_group(args.backend)
-    result = train(steps=args.steps, seed=args.seed, batch_size=args.batch)
+    result = train(steps=args.steps, seed=args.seed, batch_size=args.batch, hidden=args.hidden)
+    times = result["step_s"]
     out = {"backend": args.backend, "ranks": dist.get_world_size(), "steps": args.steps,
-           "final_loss": result["losses"][-1], "max_rel_diff": None}
+           "final_loss": result["losses"][-1], "max_rel_diff": None,
+           "params": sum(p.numel() for p in result["params"].values()),
+           "first_step_s": times[0] if times else None,
+           # the first step pays the job's setup: the median is of the others
+           "median_step_s": statistics.median(times[1:] if len(times) > 1 else times)
+           if times else None}
     if dist.get_rank() == 0:
         for step, loss in enumerate(result["losses"]):
             print(f"step {step}: loss {loss:.6f}")
         if args.check:
             ref = train_single(dist.get_world_size(), steps=args.steps, seed=args.seed,
-                               batch_size=args.batch)
+                               batch_size=args.batch, hidden=args.hidden)
             out["max_rel_diff"] = max(
                 float((p - ref["params"][n]).abs().max() /
                       ref["params"][n].abs().max().clamp_min(1e-12))

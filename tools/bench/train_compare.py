@@ -11,6 +11,11 @@ Rows, each run --reps times (interleaved), every one with a time limit:
   gloo+powerSGD DDP + torch's powerSGD_hook (gloo); it may hang or crash over
                 gloo (MACHINE-NOTES), reported as "hung" / "crashed"
   ciuic         DDP + ciuic.torch.allreduce_hook through one ciuicd per namespace
+  ciuic-pg      DDP over the torch.distributed backend "ciuic" (no hook, no gloo)
+  ciuic-zero2   examples/train_zero2.py (reduce_scatter + all_gather per step)
+                on the backend "ciuic", its hidden layers --hidden wide
+  gloo-zero2    the same on gloo: torch 1.13's gloo has no reduce_scatter, so
+                it is expected to fail ("crashed", its error in the tail)
 
 What is expected of examples/train_ddp.py (checked with --help; a flag it
 lacks is left out and named in a NOTE):
@@ -44,10 +49,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # "ciuic": DDP over gloo with the ciuic hook for its gradients; "ciuic-pg":
 # DDP over the torch.distributed backend "ciuic" (no hook, no gloo).
 ROWS = ("compute", "gloo", "gloo+fp16", "gloo+powerSGD", "ciuic", "ciuic+fp16", "ciuic+int8",
-        "ciuic+topk:0.01", "ciuic-pg")
+        "ciuic+topk:0.01", "ciuic-pg", "ciuic-zero2", "gloo-zero2")
+ZERO2 = ("ciuic-zero2", "gloo-zero2")
+ZERO2_SCRIPT = os.path.join(HERE, "..", "..", "examples", "train_zero2.py")
 MODE = {"compute": "compute", "gloo": "plain", "gloo+fp16": "fp16",
         "gloo+powerSGD": "powersgd", "ciuic": "plain", "ciuic+fp16": "plain",
-        "ciuic+int8": "plain", "ciuic+topk:0.01": "plain", "ciuic-pg": "plain"}
+        "ciuic+int8": "plain", "ciuic+topk:0.01": "plain", "ciuic-pg": "plain",
+        "ciuic-zero2": None, "gloo-zero2": None}
 
 
 def log(msg):
@@ -92,6 +100,13 @@ def run_row(row, args, topo, sockets, flags, port, rep, timeout):
     backend = "ciuic-pg" if row == "ciuic-pg" else "ciuic" if row.startswith("ciuic") else "gloo"
     targs = ["--backend", backend, "--steps", str(args.steps),
              "--seed", str(args.seed)]
+    if row in ZERO2:
+        # Its own script, which always ends with its JSON line and reads
+        # the socket from CIUIC_SOCKET.
+        base = [args.python, os.path.abspath(ZERO2_SCRIPT)]
+        if args.hidden is not None:
+            targs += ["--hidden", str(args.hidden)]
+        flags = set()
     for flag, value in (("--hidden", args.hidden), ("--layers", args.layers),
                         ("--threads", args.train_threads), ("--bucket-cap-mb", args.bucket_cap_mb)):
         if value is not None and flag in flags:
