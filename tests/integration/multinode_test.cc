@@ -18,9 +18,11 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <set>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "ciuic/control.pb.h"
 #include "common.h"
 #include "control/testing/test_certs.h"
@@ -773,6 +775,70 @@ TEST(MultiNodeOperabilityTest, TraceNamesTheLateNodeAndTheLateRank) {
     EXPECT_TRUE(Contains(out, "node node1 last in 4 of 4")) << out;
     if (node == 1) EXPECT_TRUE(Contains(out, "rank 3 last in 4 of 4")) << out;
   }
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// deploy/grafana/ciuic.json is valid JSON, and every metric it queries is
+// one a daemon serves while a multi-node job with compression runs (each
+// queried name, less a histogram's _bucket/_sum/_count, has its # TYPE
+// line in node0's /metrics).
+TEST(MultiNodeOperabilityTest, TheGrafanaDashboardQueriesOnlyServedMetrics) {
+  const std::string dashboard = std::string(CIUIC_SOURCE_DIR) + "/deploy/grafana/ciuic.json";
+  std::string out;
+  ASSERT_EQ(RunCommand("/usr/bin/python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); "
+                       "print(len(d[\"panels\"]))' " + dashboard, &out), 0) << out;
+  std::ifstream file(dashboard);
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::set<std::string> queried;
+  for (size_t at = text.find("ciuic_"); at != std::string::npos; at = text.find("ciuic_", at)) {
+    size_t end = at;
+    while (end < text.size() && (std::islower(static_cast<unsigned char>(text[end])) ||
+                                 std::isdigit(static_cast<unsigned char>(text[end])) ||
+                                 text[end] == '_')) {
+      ++end;
+    }
+    std::string name = text.substr(at, end - at);
+    for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+      if (absl::EndsWith(name, suffix)) name.resize(name.size() - strlen(suffix));
+    }
+    queried.insert(name);
+    at = end;
+  }
+  ASSERT_GE(queried.size(), 20u);
+
+  auto cluster = Cluster::Start(2, "metrics_listen: \"127.0.0.1:0\"\n"
+                                   "tuning:\n  min_compress_bytes: 1K\n");
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("grafana");
+  int ready[2], release[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(release), 0);
+  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> v(64 << 10, 1.0f);
+    OpOptions o;
+    o.compression = "int8";
+    Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    s = comm->Allreduce(v.data(), v.data(), 8, DataType::kFloat32, ReduceOp::kSum).Wait();
+    CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
+    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
+    char c;
+    CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+    return 0;
+  });
+  char c;
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  std::string metrics, address;
+  ASSERT_EQ(ReadMetrics(cluster->nodes[0]->socket(), &metrics, &address), "");
+  for (const std::string& name : queried) {
+    EXPECT_TRUE(Contains(metrics, "# TYPE " + name + " ")) << name << " is not served:\n" << metrics;
+  }
+  ASSERT_EQ(write(release[1], "gg", 2), 2);
+  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
+  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
+  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
   EXPECT_TRUE(cluster->StopAll());
 }
 
