@@ -7,8 +7,8 @@
 // Without --socket it starts a ciuicd of its own (in a temporary directory)
 // and stops it at the end. Ranks are processes forked from this one; each
 // allocates its buffers once, in shared memory (zero copy), before timing.
-// Per size: the median over iterations of the slowest rank's time per
-// operation, algbw = bytes / time, busbw = algbw * the nccl-tests factor
+// Per size: the median (and the 99th percentile, nearest rank) over
+// iterations of the slowest rank's time per operation, algbw = bytes / time, busbw = algbw * the nccl-tests factor
 // (allreduce 2(n-1)/n, reduce_scatter, allgather, alltoall and alltoallv
 // (n-1)/n, broadcast 1).
 // --op alltoallv: a size is what each rank sends in all, cut unevenly as
@@ -775,8 +775,8 @@ int main(int argc, char** argv) {
            f.op.c_str(), f.nodes, f.ranks_per_node, ciuic::DataTypeName(f.dtype),
            ciuic::ReduceOpName(f.reduce_op), f.iters, f.warmup,
            f.cuda ? "CUDA device" : "shared-memory");
-    printf("# %12s %12s %9s %7s %12s %12s %11s %11s %8s\n", "size(B)", "count", "type",
-           "redop", "time(us)", "cold(us)", "algbw(GB/s)", "busbw(GB/s)",
+    printf("# %12s %12s %9s %7s %12s %12s %12s %11s %11s %8s\n", "size(B)", "count", "type",
+           "redop", "time(us)", "p99(us)", "cold(us)", "algbw(GB/s)", "busbw(GB/s)",
            (!f.compression.empty() && f.compression != "none") ? "relerr" : "#wrong");
   }
   int failures = 0;
@@ -802,6 +802,8 @@ int main(int argc, char** argv) {
     std::sort(sorted.begin(), sorted.end());
     const double med = sorted.size() % 2 ? sorted[sorted.size() / 2]
                                          : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
+    const size_t rank99 = (99 * sorted.size() + 99) / 100;  // ceil(0.99 n), nearest rank
+    const double p99 = sorted[std::max<size_t>(rank99, 1) - 1];
     const uint64_t count = f.op == "barrier" ? 0 : CountFor(f, bytes, world);
     const uint64_t es = ciuic::DataTypeSize(f.dtype);
     const uint64_t moved = f.burst * (f.op == "barrier" ? 0
@@ -825,15 +827,16 @@ int main(int argc, char** argv) {
     }
     if (f.json) {
       printf("{\"op\":\"%s\",\"dtype\":\"%s\",\"reduce_op\":\"%s\",\"bytes\":%llu,\"count\":%llu,"
-             "\"ranks\":%d,\"nodes\":%d,\"time_us\":%.3f,\"cold_us\":%.3f,\"algbw_gbps\":%.6g,"
+             "\"ranks\":%d,\"nodes\":%d,\"time_us\":%.3f,\"p99_us\":%.3f,\"cold_us\":%.3f,"
+             "\"algbw_gbps\":%.6g,"
              "\"busbw_gbps\":%.6g,\"compression\":\"%s\",%s}\n",
              f.op.c_str(), ciuic::DataTypeName(f.dtype), ciuic::ReduceOpName(f.reduce_op),
-             (unsigned long long)moved, (unsigned long long)count, world, f.nodes, med, cold,
+             (unsigned long long)moved, (unsigned long long)count, world, f.nodes, med, p99, cold,
              algbw, busbw, f.compression.empty() ? "default" : f.compression.c_str(), check_json);
     } else {
-      printf("  %12llu %12llu %9s %7s %12.2f %12.2f %11.3f %11.3f %8s\n",
+      printf("  %12llu %12llu %9s %7s %12.2f %12.2f %12.2f %11.3f %11.3f %8s\n",
              (unsigned long long)moved, (unsigned long long)count, ciuic::DataTypeName(f.dtype),
-             ciuic::ReduceOpName(f.reduce_op), med, cold, algbw, busbw, check_text);
+             ciuic::ReduceOpName(f.reduce_op), med, p99, cold, algbw, busbw, check_text);
     }
     fflush(stdout);
     fprintf(stderr, "ciuic-bench: %s done\n", HumanSize(bytes).c_str());

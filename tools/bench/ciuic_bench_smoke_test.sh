@@ -43,7 +43,7 @@ for path in sys.argv[1:]:
         print("FAIL: %s: rows for %s" % (path, [r["bytes"] for r in rows])); ok = False
     for r in rows:
         want = r["bytes"] / (r["time_us"] * 1e3)  # GB/s; busbw factor 1 for 2 ranks
-        if r["errors"] != 0 or r["ranks"] != 2:
+        if r["errors"] != 0 or r["ranks"] != 2 or not r["p99_us"] >= r["time_us"] > 0:
             print("FAIL: %s: %s" % (path, r)); ok = False
         elif not abs(r["busbw_gbps"] - want) <= 0.01 * want:
             print("FAIL: %s: busbw %s, time says %.6g: %s" % (path, r["busbw_gbps"], want, r))

@@ -632,12 +632,15 @@ def summarize(rows, systems):
     out = {}
     for key, rs in groups.items():
         t = [r["time_us"] for r in rs]
+        p99 = [r["p99_us"] for r in rs if r.get("p99_us") is not None]
         b = [r["busbw_gbps"] for r in rs]
         errs = [r["errors"] for r in rs if r.get("errors") is not None]
         rel = [r["max_rel_error"] for r in rs if r.get("max_rel_error") is not None]
         out[key] = {
             "system": key[0], "bytes": key[1], "reps": len(rs),
             "time_us": statistics.median(t), "time_us_min": min(t), "time_us_max": max(t),
+            # the median over repetitions of each one's 99th percentile
+            "p99_us": statistics.median(p99) if p99 else None,
             "busbw_gbps": statistics.median(b), "busbw_gbps_min": min(b),
             "busbw_gbps_max": max(b),
             "errors": sum(errs) if errs else None,
@@ -665,10 +668,10 @@ def print_table(stats, systems):
     if "mpi_tuned" in systems:
         print("OpenMPI+malloc: OpenMPI with " +
               " ".join("%s=%s" % kv for kv in MPI_TUNED_ENV.items()))
-    print("%10s  %-14s %10s   %-19s %9s   %-17s %6s" % (
-        "bytes", "system", "time_us", "(min..max)", "busbw", "(min..max)", "errors"))
-    print("%10s  %-14s %10s   %-19s %9s   %-17s %6s" % ("", "", "median", "", "GB/s", "",
-                                                          ""))
+    print("%10s  %-14s %10s   %-19s %9s %9s   %-17s %6s" % (
+        "bytes", "system", "time_us", "(min..max)", "p99_us", "busbw", "(min..max)", "errors"))
+    print("%10s  %-14s %10s   %-19s %9s %9s   %-17s %6s" % ("", "", "median", "", "", "GB/s",
+                                                               "", ""))
     notes = set()
     for n in sizes:
         for s in systems:
@@ -682,9 +685,10 @@ def print_table(stats, systems):
             check = "-" if st["errors"] is None else st["errors"]
             if st.get("max_rel_error") is not None:
                 check = "rel %.1e" % st["max_rel_error"]  # lossy codec: max |err| / max |exact|
-            print("%10s  %-14s %10.2f  (%8.2f..%8.2f) %9.3f  (%7.3f..%7.3f) %6s%s" % (
+            p99 = "-" if st.get("p99_us") is None else "%.2f" % st["p99_us"]
+            print("%10s  %-14s %10.2f  (%8.2f..%8.2f) %9s %9.3f  (%7.3f..%7.3f) %6s%s" % (
                 human_bytes(n), LABEL[s], st["time_us"], st["time_us_min"],
-                st["time_us_max"], st["busbw_gbps"], st["busbw_gbps_min"],
+                st["time_us_max"], p99, st["busbw_gbps"], st["busbw_gbps_min"],
                 st["busbw_gbps_max"], check, mark))
     codec_rows = [s for s in systems if s in CODEC_OF and s != "ciuic"]
     if codec_rows and "ciuic" in systems:

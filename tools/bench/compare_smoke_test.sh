@@ -42,8 +42,11 @@ for system in ("mpi", "gloo"):
         if r.get("errors") != 0 or not r["time_us"] > 0:
             print("FAIL: bad %s row %s" % (system, r))
             ok = False
+        if not r.get("p99_us", -1) >= r["time_us"]:
+            print("FAIL: %s row's p99 below its median: %s" % (system, r))
+            ok = False
         for key in ("op", "dtype", "bytes", "ranks", "time_us", "algbw_gbps",
-                    "busbw_gbps", "errors"):
+                    "busbw_gbps", "errors", "p99_us"):
             if key not in r:
                 print("FAIL: %s row lacks %s: %s" % (system, key, r))
                 ok = False

@@ -261,7 +261,8 @@ def worker(args):
             errors = int(err[0])
         if rank == 0:
             med_us = statistics.median(times[:args.iters].tolist()) * 1e6
-            print_row(args, world, s, med_us, float(times[args.iters]) * 1e6, errors)
+            print_row(args, world, s, med_us, float(times[args.iters]) * 1e6, errors,
+                      p99(times[:args.iters].tolist()) * 1e6)
         if i + 1 < len(sizes):
             del s, times  # the next size's buffers come after these are freed
     # torch 1.13's gloo group joins its worker threads in its destructor,
@@ -287,7 +288,13 @@ def print_header(args, world):
     sys.stdout.flush()
 
 
-def print_row(args, world, s, time_us, cold_us, errors):
+def p99(values):
+    """The 99th percentile (nearest rank) of `values`."""
+    v = sorted(values)
+    return v[max(0, -(-99 * len(v) // 100) - 1)]
+
+
+def print_row(args, world, s, time_us, cold_us, errors, p99_us=None):
     algbw = s.bytes / (time_us * 1e3) if time_us > 0 else 0.0
     busbw = algbw * BUS_FACTOR[args.op](world)
     if args.json:
@@ -295,6 +302,8 @@ def print_row(args, world, s, time_us, cold_us, errors):
                "time_us": round(time_us, 3), "algbw_gbps": float("%.6g" % algbw),
                "busbw_gbps": float("%.6g" % busbw), "errors": errors,
                "cold_us": round(cold_us, 3)}
+        if p99_us is not None:
+            row["p99_us"] = round(p99_us, 3)
         if args.op == "reduce_scatter":
             row["impl"] = "allreduce+copy"
         print(json.dumps(row))

@@ -436,6 +436,12 @@ static double Median(double* v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* The 99th percentile (nearest rank) of v, sorted ascending by Median. */
+static double P99(const double* v, int n) {
+  int k = (99 * n + 99) / 100; /* ceil(0.99 n) */
+  return v[k < 1 ? 0 : k - 1];
+}
+
 static void PrintHeader(const Options* o) {
   if (g_rank != 0 || o->json) return;
   printf("# ciuic-mpi-bench: op %s, dtype %s, %d ranks, iters %d, warmup %d, check %s\n",
@@ -451,7 +457,7 @@ static void PrintHeader(const Options* o) {
 }
 
 static void PrintRow(const Options* o, const Shape* s, double time_us, double cold_us,
-                     long long errors) {
+                     double p99_us, long long errors) {
   if (g_rank != 0) return;
   double algbw = time_us > 0 ? (double)s->bytes / (time_us * 1e3) : 0.0; /* 1e9 B/s */
   double busbw = algbw * BusFactor(o->op);
@@ -463,9 +469,9 @@ static void PrintRow(const Options* o, const Shape* s, double time_us, double co
       snprintf(err, sizeof(err), "%lld", errors);
     printf("{\"op\": \"%s\", \"dtype\": \"%s\", \"bytes\": %zu, \"ranks\": %d, "
            "\"time_us\": %.3f, \"algbw_gbps\": %.6g, \"busbw_gbps\": %.6g, "
-           "\"errors\": %s, \"cold_us\": %.3f}\n",
+           "\"errors\": %s, \"cold_us\": %.3f, \"p99_us\": %.3f}\n",
            kOpNames[o->op], kDtypeNames[o->dtype], s->bytes, g_nranks, time_us, algbw, busbw,
-           err, cold_us);
+           err, cold_us, p99_us);
   } else {
     size_t count = o->op == kAllgather ? s->recv_count : s->send_count;
     char err[32];
@@ -520,7 +526,8 @@ static void RunSize(const Options* o, size_t requested_bytes) {
   }
 
   double median_us = g_rank == 0 ? Median(max_times, o->iters) * 1e6 : 0;
-  PrintRow(o, &s, median_us, cold_max * 1e6, errors);
+  double p99_us = g_rank == 0 ? P99(max_times, o->iters) * 1e6 : 0;
+  PrintRow(o, &s, median_us, cold_max * 1e6, p99_us, errors);
 
   free(times);
   free(max_times);
