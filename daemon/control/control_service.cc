@@ -139,6 +139,11 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* ctx, const proto::St
     out->set_feedback_resets(j.feedback_resets);
     out->set_feedback_too_large(j.feedback_too_large);
     out->set_ops_direct(j.ops_direct);
+    for (const auto& [rank, seconds] : j.rank_skew_seconds) {
+      proto::RankSkew* skew = out->add_rank_skew();
+      skew->set_rank(rank);
+      skew->set_seconds(seconds);
+    }
     for (const auto& p : j.pending) {
       auto* po = out->add_pending();
       po->set_name(p.name);

@@ -139,6 +139,17 @@ class EngineCollectable final : public prometheus::Collectable {
         add(f, {{"job", j.id}, {"uid", absl::StrCat(j.uid)}}, c.value(j));
       }
     }
+    MetricFamily& skew = family(
+        "ciuic_rank_skew_seconds",
+        "How late the rank submits after the node's first rank, a moving average over the job's "
+        "operations (ranks of this node; none for a job of one rank here)",
+        MetricType::Gauge);
+    for (const EngineStatus::JobRow& j : st.jobs) {
+      for (const auto& [rank, seconds] : j.rank_skew_seconds) {
+        add(skew, {{"job", j.id}, {"uid", absl::StrCat(j.uid)}, {"rank", absl::StrCat(rank)}},
+            seconds);
+      }
+    }
     MetricFamily& durations = family(
         "ciuic_job_op_duration_seconds",
         "Completed operations (not fast-path ones) from the node's first submission to completion",

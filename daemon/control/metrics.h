@@ -15,6 +15,8 @@
 //     _device_bytes; _evictions_total, _resets_total, _too_large_total),
 //     and ciuic_job_op_duration_seconds (histogram: first
 //     submission on this node to completion; fast-path operations are not in it)
+//   per job and local rank {job, uid, rank}: ciuic_rank_skew_seconds (how late
+//     the rank submits after the node's first, a moving average)
 //   per peer node {job, node}: ciuic_peer_bytes_sent_total,
 //     ciuic_peer_bytes_received_total, ciuic_peer_connected
 //

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <future>
+#include <map>
 #include <optional>
 #include <system_error>
 
@@ -108,7 +109,27 @@ struct Job {
   uint64_t bytes = 0;
   std::array<uint64_t, kOpDurationBuckets> duration_counts{};  // EngineStatus::JobRow's
   double duration_sum_seconds = 0;
+  // Per local rank: how late it submits after the node's first rank, a
+  // moving average (EngineStatus::JobRow::rank_skew_seconds).
+  std::map<int, double> skew_seconds;
 };
+
+namespace {
+
+// The weight of the newest operation in a rank's moving skew: about the
+// last ten operations count.
+constexpr double kSkewWeight = 0.1;
+
+void RecordSkew(Job& job, const OpRecord& trace) {
+  if (job.local_size < 2 || trace.arrivals.empty()) return;
+  for (const OpRecord::Arrival& a : trace.arrivals) {
+    const double late = std::chrono::duration<double>(a.at - trace.submitted).count();
+    auto [it, first] = job.skew_seconds.emplace(a.rank, late);
+    if (!first) it->second += kSkewWeight * (late - it->second);
+  }
+}
+
+}  // namespace
 
 namespace {
 
@@ -895,6 +916,7 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
   op->parts[s->rank] = RankPart{s, std::move(v)};
   op->trace.arrivals.push_back(OpRecord::Arrival{s->rank, now});
   if (++op->submitted == job.local_size) {
+    RecordSkew(job, op->trace);
     job.pending.erase(op->name);
     op->trace.launched = now;
     LaunchOnLoop(job, std::move(op));
@@ -1258,6 +1280,7 @@ EngineStatus Engine::StatusOnLoop() {
       row.feedback_too_large = e.too_large_ops;
       row.ops_direct = job->cluster->direct_ops();
     }
+    row.rank_skew_seconds.assign(job->skew_seconds.begin(), job->skew_seconds.end());
     row.duration_counts = job->duration_counts;
     row.duration_sum_seconds = job->duration_sum_seconds;
     std::vector<std::shared_ptr<PendingOp>> ops;

@@ -139,6 +139,10 @@ struct EngineStatus {
     std::array<uint64_t, kOpDurationBuckets> duration_counts{};
     double duration_sum_seconds = 0;
     std::vector<PendingRow> pending;
+    // (rank, seconds): how late each local rank submits after the node's
+    // first, a moving average over operations (rank order; empty with one
+    // local rank).
+    std::vector<std::pair<int, double>> rank_skew_seconds;
   };
   double uptime_seconds = 0;
   int worker_threads = 0;

@@ -253,6 +253,19 @@ std::string FormatJobs(const proto::StatusReply& status) {
   }
   std::string out = jobs.Render() + others;
   out += FormatNetworkSavings(status);
+  // The rank that submits latest on average, per job with several ranks here.
+  for (const proto::JobInfo& job : status.jobs()) {
+    const proto::RankSkew* latest = nullptr;
+    for (const proto::RankSkew& s : job.rank_skew()) {
+      if (latest == nullptr || s.seconds() > latest->seconds()) latest = &s;
+    }
+    if (latest != nullptr && latest->seconds() > 0) {
+      absl::StrAppend(&out, "skew: job ", Sanitize(job.job_id()), ": rank ", latest->rank(),
+                      " submits latest, ",
+                      HumanMicros(static_cast<uint64_t>(latest->seconds() * 1e6)),
+                      " after the node's first rank on average\n");
+    }
+  }
   out += "\nPENDING OPERATIONS\n";
   out += pending.rows() == 0 ? "  (none)\n" : pending.Render();
   return out;
