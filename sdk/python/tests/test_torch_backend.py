@@ -128,3 +128,23 @@ def test_ciuic_group_under_gloo(torch_pool, shape):
         assert backend == "ciuic"
         assert job.startswith("127.0.0.1:") and job.endswith(".g1"), job
         assert (local_rank, local_size) == (rank % per_node, per_node)
+
+
+def test_torch2_registration_names_the_devices():
+    """torch 2.x registers a backend for device types (register_backend's
+    devices=): ciuic for cpu and cuda. torch 1.13 has no such parameter,
+    and the test says so and skips."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    import ciuic.torch
+
+    ciuic.torch.register()
+    ciuic.torch.register()  # idempotent
+    assert dist.Backend("ciuic") == "ciuic"
+    if "devices" not in inspect.signature(dist.Backend.register_backend).parameters:
+        pytest.skip(f"torch {torch.__version__}: register_backend takes no devices= (a torch "
+                    "2.x parameter); the 2.x registration is not exercised here")
+    assert dist.Backend.backend_capability.get("ciuic") == ["cpu", "cuda"]
