@@ -859,10 +859,16 @@ TEST(MultiNodeOperabilityTest, FlightRecorderDumpsOfEveryNodeLineUp) {
                               " --flight-recorder " + dir, &out);
     return code == 0 ? std::string() : out;
   };
-  const auto has = [&](int rank, const std::string& what) {
+  // Whether rank `rank`'s dump holds an entry in state `state`: the
+  // pickled string value (BINUNICODE, 4-byte length), not a key that
+  // contains the word ("time_discovered_started_ns").
+  const auto has = [&](int rank, const std::string& state) {
     std::ifstream f(dir + "/rank_" + std::to_string(rank), std::ios::binary);
     std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    return bytes.find(what) != std::string::npos;
+    std::string value = "X";
+    value.push_back(static_cast<char>(state.size()));
+    value.append(3, '\0');
+    return bytes.find(value + state) != std::string::npos;
   };
   std::vector<int> codes = RunRanks(4, [&](int rank) {
     auto comm = cluster->Join(job, rank, 2, 2);

@@ -231,7 +231,8 @@ TEST(OperabilityTest, FlightRecorderDumpsMatchAcrossRanksAndShowTheMissingRank) 
         for (int r = 0; r < kRanks - 1; ++r) {
           std::ifstream f(dir + "/rank_" + std::to_string(r), std::ios::binary);
           std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-          seen = seen && bytes.find("scheduled") != std::string::npos;
+          // The pickled state value "scheduled" (BINUNICODE, 4-byte length 9).
+          seen = seen && bytes.find(std::string("X\x09\0\0\0scheduled", 14)) != std::string::npos;
         }
         if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
