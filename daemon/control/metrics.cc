@@ -1,6 +1,8 @@
 #include "control/metrics.h"
 
+#include <deque>
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -29,10 +31,14 @@ class EngineCollectable final : public prometheus::Collectable {
   std::vector<MetricFamily> Collect() const override {
     const EngineStatus st = engine_->Status();
     const EnginePeers peers = engine_->Peers();
-    std::vector<MetricFamily> out;
-    auto family = [&out](std::string name, std::string help, MetricType type) -> MetricFamily& {
-      out.push_back(MetricFamily{std::move(name), std::move(help), type, {}});
-      return out.back();
+    // A deque: the references family() hands out stay valid while more
+    // families are added (a vector's reallocation left them dangling, and
+    // samples added through one went nowhere).
+    std::deque<MetricFamily> families;
+    auto family = [&families](std::string name, std::string help,
+                              MetricType type) -> MetricFamily& {
+      families.push_back(MetricFamily{std::move(name), std::move(help), type, {}});
+      return families.back();
     };
     auto add = [](MetricFamily& f, Labels labels, double value) {
       ClientMetric m;
@@ -189,7 +195,8 @@ class EngineCollectable final : public prometheus::Collectable {
         add(connected, labels, p.state == "connected" ? 1 : 0);
       }
     }
-    return out;
+    return std::vector<MetricFamily>(std::make_move_iterator(families.begin()),
+                                     std::make_move_iterator(families.end()));
   }
 
  private:

@@ -62,8 +62,7 @@ uint64_t WireTag(int source_peer, uint64_t tag) {
 // The channels' own messages to each other (the farewell below), apart from
 // every user tag: the wire tag's top bit (peer numbers stay below 2^15).
 constexpr uint64_t kControlBit = uint64_t{1} << 63;
-constexpr uint64_t kFarewell = 1;     // "I am closing; everything I sent you is before this"
-constexpr uint64_t kFarewellAck = 2;  // "everything you sent me before it has arrived"
+constexpr uint64_t kFarewell = 1;  // "I am closing: I need nothing more from you"
 // Matches a control message from any peer.
 constexpr uint64_t kControlMask = kControlBit;
 uint64_t ControlTag(int source_peer, uint64_t kind) {
@@ -72,9 +71,9 @@ uint64_t ControlTag(int source_peer, uint64_t kind) {
 int ControlSource(uint64_t wire_tag) {
   return static_cast<int>((wire_tag & ~kControlBit) >> Transport::kTagBits);
 }
-// How long a closing channel waits for the acknowledgements of its
-// farewells (a live peer answers within milliseconds; one that is stopped
-// or gone never does).
+// How long a closing channel waits for the farewells of the peers it sent
+// to (a peer ending the job at the same time says it within milliseconds;
+// one still running its part, stopped or gone does not).
 constexpr auto kFarewellGrace = std::chrono::seconds(1);
 
 std::string UcsError(ucs_status_t st) {
@@ -299,8 +298,8 @@ class UcxTransport::Channel {
       }
     }
     sent_to_.assign(addresses.size(), false);
+    talked_.assign(addresses.size(), false);
     departed_.assign(addresses.size(), false);
-    acked_.assign(addresses.size(), false);
     control_open_ = true;
     PostControlRecv();
     ServiceControl();
@@ -412,6 +411,7 @@ class UcxTransport::Channel {
         !(op->kind == OpKind::kRecv && ArrivedBeforeFarewell(op->peer, op->tag))) {
       return Finish(std::move(owned), ep_failed_[op->peer]);
     }
+    if (static_cast<size_t>(op->peer) < talked_.size()) talked_[op->peer] = true;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.user_data = op;
@@ -492,9 +492,11 @@ class UcxTransport::Channel {
       return;
     }
     if (known && self->departed_[peer]) {
-      // The peer said farewell on this channel, and all it sent here before
-      // that has arrived: a receive still waiting is for something it never
-      // sent, and what arrived stays receivable (ArrivedBeforeFarewell).
+      // The peer said farewell on this channel: it has ended its part of the
+      // job, and closes once this side says farewell too or after its
+      // grace, so what it sent here has long arrived. A receive still
+      // waiting is for something it never sent; what arrived stays
+      // receivable (ArrivedBeforeFarewell).
       spdlog::info("ucx channel {}: peer {} closed its endpoint after its farewell", self->index_,
                    peer);
       absl::Status gone = absl::UnavailableError(
@@ -631,34 +633,36 @@ class UcxTransport::Channel {
 
   // --- the farewell ---
   //
-  // An eager send is complete here once UCX has copied it, and over TCP a
-  // peer can see this side's endpoint close (the socket it opened itself)
-  // before it has read the data sent on the socket this side opened: its
-  // endpoint then fails with "Endpoint timeout", taking that data with it.
-  // So a channel that closes first tells each peer it sent anything to
-  // (kFarewell, behind everything it sent) and waits, at most
-  // kFarewellGrace, for the peer's kFarewellAck: the peer's channel sends
-  // it on reading the farewell, when everything before it has arrived.
-  // Only then are the endpoints closed. The peer, having read the
-  // farewell, keeps what arrived receivable when the endpoint then fails
-  // (ArrivedBeforeFarewell), and fails a receive still waiting at once.
+  // An eager send is complete here once UCX has copied it, and over TCP one
+  // endpoint pair may use several sockets (lanes): a peer can see this
+  // side's endpoint close on one socket before it has read the data sent on
+  // another, and its endpoint then fails with "Endpoint timeout", taking
+  // that data with it. An acknowledgement sent on reading a farewell does
+  // not help (it may overtake data on another lane: seen in CI). What does
+  // is knowing that the peer needs nothing more: a closing channel tells
+  // every peer it exchanged anything with (kFarewell: "I need nothing more
+  // from you") and, before closing, waits at most kFarewellGrace for the
+  // same word from each peer it sent to. Nodes that end a job together
+  // close within milliseconds; one that ends first lingers until the other
+  // ends too, or for the grace. A peer whose endpoint fails after its
+  // farewell fails only what still waits on that channel, and keeps what
+  // arrived receivable (ArrivedBeforeFarewell).
 
-  // Sends the farewells and waits for their acknowledgements, answering the
-  // peers' own farewells meanwhile. Peers with transfers in flight are
-  // left out: their endpoints are force-closed (their transfers are cut
-  // off anyway).
+  // Says farewell to the peers and waits for theirs, at most the grace.
+  // Peers with transfers in flight are left out: their endpoints are
+  // force-closed (their transfers are cut off anyway).
   void SayFarewell() {
     const Shared& shared = *owner_->shared_;
     std::vector<int> waiting;
     for (size_t p = 0; p < eps_.size(); ++p) {
       const int peer = static_cast<int>(p);
-      if (peer == owner_->self_ || !sent_to_[p] || eps_[p] == nullptr || !ep_failed_[p].ok() ||
+      if (peer == owner_->self_ || !talked_[p] || eps_[p] == nullptr || !ep_failed_[p].ok() ||
           !shared.PeerStatus(peer).ok()) {
         continue;
       }
       const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(),
                                     [peer](const Op* op) { return op->peer == peer; });
-      if (!busy && SendControl(peer, kFarewell)) waiting.push_back(peer);
+      if (!busy && SendControl(peer, kFarewell) && sent_to_[p]) waiting.push_back(peer);
     }
     const auto deadline = Clock::now() + kFarewellGrace;
     while (!waiting.empty() && Clock::now() < deadline) {
@@ -667,13 +671,13 @@ class UcxTransport::Channel {
       ServiceControl();
       ReapCloseRequests();
       std::erase_if(waiting, [&](int peer) {
-        return acked_[peer] || !ep_failed_[peer].ok() || !shared.PeerStatus(peer).ok();
+        return departed_[peer] || !ep_failed_[peer].ok() || !shared.PeerStatus(peer).ok();
       });
       if (!progressed) std::this_thread::yield();
     }
     if (!waiting.empty()) {
-      spdlog::info("ucx channel {}: {} peer(s) did not acknowledge the farewell within {} ms "
-                   "(first: peer {}); closing anyway",
+      spdlog::info("ucx channel {}: {} peer(s) still running after {} ms (first: peer {}); "
+                   "closing anyway",
                    index_, waiting.size(),
                    std::chrono::duration_cast<std::chrono::milliseconds>(kFarewellGrace).count(),
                    waiting.front());
@@ -734,12 +738,7 @@ class UcxTransport::Channel {
         const int peer = ControlSource(control_tag_);
         const uint64_t kind = control_tag_ & kUserTagMask;
         if (peer != owner_->self_ && static_cast<size_t>(peer) < eps_.size()) {
-          if (kind == kFarewell) {
-            departed_[peer] = true;
-            SendControl(peer, kFarewellAck);
-          } else if (kind == kFarewellAck) {
-            acked_[peer] = true;
-          }
+          if (kind == kFarewell) departed_[peer] = true;
         }
       } else if (control_status_ != UCS_ERR_CANCELED) {
         spdlog::warn("ucx channel {}: control message: {}", index_, UcsError(control_status_));
@@ -890,9 +889,10 @@ class UcxTransport::Channel {
   std::list<Op*> in_flight_;  // owned
   // Endpoint closes and control sends still in progress.
   std::vector<void*> close_requests_;
-  // Per peer: this channel sent it something (it gets a farewell); it said
-  // farewell here; it acknowledged this channel's farewell.
-  std::vector<bool> sent_to_, departed_, acked_;
+  // Per peer: this channel sent it something (its farewell is awaited);
+  // sent it or received from it something (it gets a farewell); it said
+  // farewell here.
+  std::vector<bool> sent_to_, talked_, departed_;
   // The standing control receive (written by its callback, on this thread).
   bool control_open_ = false;
   void* control_req_ = nullptr;
