@@ -1,6 +1,7 @@
 #include "harness.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -142,6 +143,56 @@ std::vector<pid_t> SpawnRanks(int n, const std::function<int(int)>& fn) {
     pids.push_back(pid);
   }
   return pids;
+}
+
+HeldRanks::HeldRanks(int n,
+                     const std::function<int(int, const std::function<void()>&)>& fn) {
+  if (pipe(ready_) != 0 || pipe(release_) != 0) return;  // Held() reports it
+  pids_ = SpawnRanks(n, [&](int rank) {
+    close(ready_[0]);
+    close(release_[1]);  // the test's copy alone: its close is the release
+    const std::function<void()> hold = [this] {
+      if (write(ready_[1], "r", 1) != 1) return;
+      char c;
+      while (read(release_[0], &c, 1) < 0 && errno == EINTR) {
+      }  // returns at the release (end of file)
+    };
+    return fn(rank, hold);
+  });
+  close(ready_[1]);  // every rank gone without a word: end of file
+  ready_[1] = -1;
+}
+
+bool HeldRanks::Held(std::chrono::seconds timeout) {
+  if (ready_[0] < 0 || pids_.empty()) return false;
+  const Clock::time_point until = Clock::now() + timeout;
+  for (size_t got = 0; got < pids_.size();) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{ready_[0], POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left)) <= 0) continue;
+    char c;
+    if (read(ready_[0], &c, 1) != 1) return false;  // every rank has exited
+    ++got;
+  }
+  return true;
+}
+
+std::vector<int> HeldRanks::Release(std::chrono::seconds timeout) {
+  if (released_) return codes_;
+  released_ = true;
+  if (release_[1] >= 0) close(release_[1]);
+  release_[1] = -1;
+  for (pid_t pid : pids_) codes_.push_back(WaitChild(pid, timeout));
+  return codes_;
+}
+
+HeldRanks::~HeldRanks() {
+  Release();
+  for (int fd : {ready_[0], ready_[1], release_[0], release_[1]}) {
+    if (fd >= 0) close(fd);
+  }
 }
 
 int WaitChild(pid_t pid, std::chrono::seconds timeout) {

@@ -71,6 +71,31 @@ std::vector<pid_t> SpawnRanks(int n, const std::function<int(int rank)>& fn);
 // Waits for one child, bounded; exit code as in RunRanks.
 int WaitChild(pid_t pid, std::chrono::seconds timeout);
 
+// Rank processes for a test that inspects a running job: each runs
+// fn(rank, hold), which calls hold() where it is to wait (its communicator
+// alive, so its job stays formed): hold() tells the test and returns at
+// Release(). The destructor releases and reaps them, so a test that returns
+// early (a failed ASSERT) never leaves them blocked.
+class HeldRanks {
+ public:
+  HeldRanks(int n, const std::function<int(int rank, const std::function<void()>& hold)>& fn);
+  ~HeldRanks();
+  HeldRanks(const HeldRanks&) = delete;
+  HeldRanks& operator=(const HeldRanks&) = delete;
+  // True once every rank has called hold(); false if they all ended before,
+  // or `timeout` passed first.
+  bool Held(std::chrono::seconds timeout = std::chrono::seconds(60));
+  // Lets the ranks exit; their exit codes, as RunRanks's.
+  std::vector<int> Release(std::chrono::seconds timeout = std::chrono::seconds(30));
+
+ private:
+  int ready_[2] = {-1, -1};
+  int release_[2] = {-1, -1};
+  std::vector<pid_t> pids_;
+  std::vector<int> codes_;
+  bool released_ = false;
+};
+
 // Runs a command line and returns its exit code and output (stdout+stderr).
 int RunCommand(const std::string& command, std::string* output);
 

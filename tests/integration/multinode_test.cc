@@ -810,10 +810,7 @@ TEST(MultiNodeOperabilityTest, TheGrafanaDashboardQueriesOnlyServedMetrics) {
                                    "tuning:\n  min_compress_bytes: 1K\n");
   ASSERT_NE(cluster, nullptr);
   const std::string job = UniqueJobId("grafana");
-  int ready[2], release[2];
-  ASSERT_EQ(pipe(ready), 0);
-  ASSERT_EQ(pipe(release), 0);
-  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+  HeldRanks ranks(2, [&](int rank, const std::function<void()>& hold) {
     auto comm = cluster->Join(job, rank, 2, 1);
     CHILD_CHECK(comm != nullptr, "join");
     std::vector<float> v(64 << 10, 1.0f);
@@ -823,22 +820,16 @@ TEST(MultiNodeOperabilityTest, TheGrafanaDashboardQueriesOnlyServedMetrics) {
     CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
     s = comm->Allreduce(v.data(), v.data(), 8, DataType::kFloat32, ReduceOp::kSum).Wait();
     CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
-    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
-    char c;
-    CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+    hold();
     return 0;
   });
-  char c;
-  for (int i = 0; i < 2; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  ASSERT_TRUE(ranks.Held());
   std::string metrics, address;
   ASSERT_EQ(ReadMetrics(cluster->nodes[0]->socket(), &metrics, &address), "");
   for (const std::string& name : queried) {
     EXPECT_TRUE(Contains(metrics, "# TYPE " + name + " ")) << name << " is not served:\n" << metrics;
   }
-  ASSERT_EQ(write(release[1], "gg", 2), 2);
-  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
-  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
-  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
+  EXPECT_EQ(ranks.Release(), std::vector<int>({0, 0}));
   EXPECT_TRUE(cluster->StopAll());
 }
 

@@ -322,10 +322,7 @@ TEST(OperabilityTest, RankSkewNamesTheRankThatSubmitsLate) {
                                      "tuning:\n  fast_path_bytes: 0\n");
   ASSERT_NE(daemon, nullptr);
   const std::string job = UniqueJobId("skew");
-  int ready[2], release[2];
-  ASSERT_EQ(pipe(ready), 0);
-  ASSERT_EQ(pipe(release), 0);
-  std::vector<pid_t> pids = SpawnRanks(2, [&](int rank) {
+  HeldRanks ranks(2, [&](int rank, const std::function<void()>& hold) {
     auto comm = JoinJob(daemon->socket(), job, rank, 2);
     CHILD_CHECK(comm != nullptr, "join");
     std::vector<float> v(256, 1.0f);
@@ -334,13 +331,10 @@ TEST(OperabilityTest, RankSkewNamesTheRankThatSubmitsLate) {
       Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum).Wait();
       CHILD_CHECK(s.ok(), "%s", s.ToString().c_str());
     }
-    CHILD_CHECK(write(ready[1], "r", 1) == 1, "pipe");
-    char c;
-    CHILD_CHECK(read(release[0], &c, 1) == 1, "pipe");
+    hold();
     return 0;
   });
-  char c;
-  for (int i = 0; i < 2; ++i) ASSERT_EQ(read(ready[0], &c, 1), 1);
+  ASSERT_TRUE(ranks.Held());
   std::string metrics, address;
   ASSERT_EQ(ReadMetrics(daemon->socket(), &metrics, &address), "");
   const auto skew_of = [&](int rank) {
@@ -360,10 +354,7 @@ TEST(OperabilityTest, RankSkewNamesTheRankThatSubmitsLate) {
   EXPECT_TRUE(Contains(out, "skew: job " + job + ": rank 1 submits latest")) << out;
   out = Ctl(*daemon, "--json jobs", &code);
   EXPECT_TRUE(Contains(out, "\"rankSkew\"")) << out;
-  ASSERT_EQ(write(release[1], "gg", 2), 2);
-  EXPECT_EQ(WaitChild(pids[0], std::chrono::seconds(30)), 0);
-  EXPECT_EQ(WaitChild(pids[1], std::chrono::seconds(30)), 0);
-  for (int fd : {ready[0], ready[1], release[0], release[1]}) close(fd);
+  EXPECT_EQ(ranks.Release(), std::vector<int>({0, 0}));
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
