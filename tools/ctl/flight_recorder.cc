@@ -112,24 +112,18 @@ void Emit(const PyValue& v, std::string& out) {
       out += v.s;
       return;
     case Kind::kList:
-      out.push_back(kEmptyList);
-      if (v.items.empty()) return;
-      out.push_back(kMark);
-      for (const PyValue& item : v.items) Emit(item, out);
-      out.push_back(kAppends);
-      return;
-    case Kind::kTuple:
-      out.push_back(kMark);
-      for (const PyValue& item : v.items) Emit(item, out);
-      out.push_back(kTuple);
-      return;
     case Kind::kDict:
-      out.push_back(kEmptyDict);
+      // An empty container, then (if any) its items from a mark, appended
+      // or set in one opcode.
+      out.push_back(v.kind == Kind::kList ? kEmptyList : kEmptyDict);
       if (v.items.empty()) return;
+      [[fallthrough]];
+    case Kind::kTuple: {
       out.push_back(kMark);
       for (const PyValue& item : v.items) Emit(item, out);
-      out.push_back(kSetItems);
+      out.push_back(v.kind == Kind::kList ? kAppends : v.kind == Kind::kDict ? kSetItems : kTuple);
       return;
+    }
   }
 }
 
@@ -146,13 +140,6 @@ const char* TorchDtype(const std::string& dtype) {
   return nullptr;
 }
 
-size_t DtypeBytes(const std::string& torch_dtype) {
-  if (torch_dtype == "Double" || torch_dtype == "Long") return 8;
-  if (torch_dtype == "Float" || torch_dtype == "Int") return 4;
-  if (torch_dtype == "Half" || torch_dtype == "BFloat16") return 2;
-  return 1;
-}
-
 // The profiling name's collective, and the element counts of one rank's
 // input and output.
 struct Shape {
@@ -161,15 +148,19 @@ struct Shape {
   uint64_t out;
 };
 
-Shape ShapeOf(const proto::OpTrace& op, uint64_t elements) {
-  // `elements`: the larger of a rank's buffers (the trace's bytes).
+Shape ShapeOf(const proto::OpTrace& op) {
+  // The signature's count is per rank pair for alltoall, the gathered
+  // block for allgather and the scattered one for reduce_scatter (as the
+  // daemon counts a rank's bytes: engine.cc's OpBytes).
   const std::string& c = op.collective();
-  if (c == "allreduce") return {"all_reduce", op.count(), op.count()};
-  if (c == "broadcast") return {"broadcast", op.count(), op.count()};
-  if (c == "barrier") return {"all_reduce", op.count(), op.count()};
-  if (c == "allgather") return {"all_gather", op.count(), elements};
-  if (c == "reduce_scatter") return {"_reduce_scatter_base", elements, op.count()};
-  if (c == "alltoall" || c == "alltoallv") return {"all_to_all", elements, elements};
+  const uint64_t n = op.count();
+  const uint64_t all = n * op.world_size();
+  if (c == "allreduce" || c == "barrier") return {"all_reduce", n, n};
+  if (c == "broadcast") return {"broadcast", n, n};
+  if (c == "allgather") return {"all_gather", n, all};
+  if (c == "reduce_scatter") return {"_reduce_scatter_base", all, n};
+  if (c == "alltoall") return {"all_to_all", all, all};
+  if (c == "alltoallv") return {"all_to_all", n, n};
   return {nullptr, 0, 0};
 }
 
@@ -229,7 +220,7 @@ absl::StatusOr<std::map<int, std::string>> FlightRecorderFiles(const proto::Trac
       return absl::InvalidArgumentError(
           absl::StrCat("operation '", op->name(), "': unknown dtype '", op->dtype(), "'"));
     }
-    const Shape shape = ShapeOf(*op, op->bytes() / DtypeBytes(dtype));
+    const Shape shape = ShapeOf(*op);
     if (shape.name == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("operation '", op->name(),
                                                      "': unknown collective '",
