@@ -75,6 +75,8 @@ int ControlSource(uint64_t wire_tag) {
 // to (a peer ending the job at the same time says it within milliseconds;
 // one still running its part, stopped or gone does not).
 constexpr auto kFarewellGrace = std::chrono::seconds(1);
+// How often an idle channel with lingering endpoints looks at their grace.
+constexpr int kLingerPollMs = 50;
 
 std::string UcsError(ucs_status_t st) {
   return std::string(ucs_status_string(st)) + " (" + std::to_string(static_cast<int>(st)) + ")";
@@ -300,16 +302,32 @@ class UcxTransport::Channel {
     sent_to_.assign(addresses.size(), false);
     talked_.assign(addresses.size(), false);
     departed_.assign(addresses.size(), false);
+    farewell_sent_.assign(addresses.size(), false);
+    lingering_.assign(addresses.size(), false);
+    linger_until_.assign(addresses.size(), Clock::time_point());
     control_open_ = true;
     PostControlRecv();
     ServiceControl();
     return absl::OkStatus();
   }
 
-  // Cancels the pending work with `peer` and force-closes its endpoint.
+  // Cancels the pending work with `peer` and closes its endpoint. With
+  // nothing in flight to it (a job closing after its last operation ended:
+  // ClusterJob fails every peer as it closes), the peer may still be reading
+  // what this channel sent: it gets a farewell, and the endpoint lingers
+  // until the peer's own farewell or the grace (ServiceLingering), as at
+  // Shutdown. With transfers in flight they are cut off, and the endpoint
+  // is force-closed at once.
   void FailPeerOnThread(int peer) {
     absl::Status why = owner_->shared_->PeerStatus(peer);
+    const bool busy = BusyWith(peer);
     CancelInFlight([peer](const Op& op) { return op.peer == peer; }, why);
+    if (!busy && BidFarewell(peer)) {
+      if (!lingering_[peer]) ++lingering_count_;
+      lingering_[peer] = true;
+      linger_until_[peer] = Clock::now() + kFarewellGrace;
+      return;
+    }
     ClosePeerEndpoint(peer);
   }
 
@@ -351,6 +369,7 @@ class UcxTransport::Channel {
       unsigned progressed = 0;
       while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
       worked = ServiceControl() || worked;
+      ServiceLingering();
       ReapCloseRequests();
       if (worked || progressed != 0) {
         idle.Worked(Clock::now());
@@ -372,7 +391,7 @@ class UcxTransport::Channel {
       ucs_status_t st = ucp_worker_arm(worker_);
       if (st == UCS_OK) {
         pollfd pfd{efd_, POLLIN, 0};
-        poll(&pfd, 1, kSleepMs);
+        poll(&pfd, 1, lingering_count_ > 0 ? kLingerPollMs : kSleepMs);
       } else if (st != UCS_ERR_BUSY) {
         spdlog::error("ucx channel {}: ucp_worker_arm: {}", index_, UcsError(st));
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -621,9 +640,7 @@ class UcxTransport::Channel {
     if (static_cast<size_t>(peer) >= eps_.size() || eps_[peer] == nullptr) return;
     ucp_ep_h ep = eps_[peer];
     eps_[peer] = nullptr;
-    const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(), [peer](const Op* op) {
-      return op->peer == peer && !op->abandoned;
-    });
+    const bool busy = BusyWith(peer);
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = busy ? UCP_EP_CLOSE_FLAG_FORCE : 0;
@@ -650,19 +667,18 @@ class UcxTransport::Channel {
 
   // Says farewell to the peers and waits for theirs, at most the grace.
   // Peers with transfers in flight are left out: their endpoints are
-  // force-closed (their transfers are cut off anyway).
+  // force-closed (their transfers are cut off anyway). So are failed peers,
+  // apart from those whose endpoint lingers (FailPeerOnThread).
   void SayFarewell() {
     const Shared& shared = *owner_->shared_;
     std::vector<int> waiting;
     for (size_t p = 0; p < eps_.size(); ++p) {
       const int peer = static_cast<int>(p);
-      if (peer == owner_->self_ || !talked_[p] || eps_[p] == nullptr || !ep_failed_[p].ok() ||
-          !shared.PeerStatus(peer).ok()) {
+      if (peer == owner_->self_ || (!lingering_[p] && !shared.PeerStatus(peer).ok()) ||
+          BusyWith(peer)) {
         continue;
       }
-      const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(),
-                                    [peer](const Op* op) { return op->peer == peer; });
-      if (!busy && SendControl(peer, kFarewell) && sent_to_[p]) waiting.push_back(peer);
+      if (BidFarewell(peer)) waiting.push_back(peer);
     }
     const auto deadline = Clock::now() + kFarewellGrace;
     while (!waiting.empty() && Clock::now() < deadline) {
@@ -671,7 +687,8 @@ class UcxTransport::Channel {
       ServiceControl();
       ReapCloseRequests();
       std::erase_if(waiting, [&](int peer) {
-        return departed_[peer] || !ep_failed_[peer].ok() || !shared.PeerStatus(peer).ok();
+        return departed_[peer] || !ep_failed_[peer].ok() || eps_[peer] == nullptr ||
+               (!lingering_[peer] && !shared.PeerStatus(peer).ok());
       });
       if (!progressed) std::this_thread::yield();
     }
@@ -681,6 +698,40 @@ class UcxTransport::Channel {
                    index_, waiting.size(),
                    std::chrono::duration_cast<std::chrono::milliseconds>(kFarewellGrace).count(),
                    waiting.front());
+    }
+  }
+
+  // Says farewell to `peer` (once) if this channel exchanged anything with
+  // it and its endpoint is sound. Returns whether the peer's own farewell
+  // is still to come (this channel sent it something: it may still be
+  // reading that).
+  bool BidFarewell(int peer) {
+    if (!talked_[peer] || eps_[peer] == nullptr || !ep_failed_[peer].ok()) return false;
+    if (!farewell_sent_[peer]) {
+      if (!SendControl(peer, kFarewell)) return false;
+      farewell_sent_[peer] = true;
+    }
+    return sent_to_[peer] && !departed_[peer];
+  }
+
+  bool BusyWith(int peer) const {
+    return std::any_of(in_flight_.begin(), in_flight_.end(),
+                       [peer](const Op* op) { return op->peer == peer && !op->abandoned; });
+  }
+
+  // Closes the lingering endpoints whose peer has said farewell, failed, or
+  // outlasted the grace.
+  void ServiceLingering() {
+    if (lingering_count_ == 0) return;
+    const auto now = Clock::now();
+    for (size_t p = 0; p < lingering_.size(); ++p) {
+      if (!lingering_[p]) continue;
+      if (eps_[p] != nullptr && !departed_[p] && ep_failed_[p].ok() && now < linger_until_[p]) {
+        continue;
+      }
+      lingering_[p] = false;
+      --lingering_count_;
+      ClosePeerEndpoint(static_cast<int>(p));
     }
   }
 
@@ -724,6 +775,18 @@ class UcxTransport::Channel {
     self->control_fired_ = true;
     self->control_status_ = status;
     self->control_tag_ = status == UCS_OK && info != nullptr ? info->sender_tag : 0;
+    // Taken note of at once: an endpoint error for this peer may come in
+    // the same ucp_worker_progress call, before ServiceControl runs.
+    if (status == UCS_OK) self->NoteControl(self->control_tag_);
+  }
+
+  void NoteControl(uint64_t wire_tag) {
+    const int peer = ControlSource(wire_tag);
+    const uint64_t kind = wire_tag & kUserTagMask;
+    if (peer != owner_->self_ && static_cast<size_t>(peer) < departed_.size() &&
+        kind == kFarewell) {
+      departed_[peer] = true;
+    }
   }
 
   // Handles a control message that arrived and posts the next receive.
@@ -734,13 +797,7 @@ class UcxTransport::Channel {
       ucp_request_free(control_req_);
       control_req_ = nullptr;
       any = true;
-      if (control_status_ == UCS_OK) {
-        const int peer = ControlSource(control_tag_);
-        const uint64_t kind = control_tag_ & kUserTagMask;
-        if (peer != owner_->self_ && static_cast<size_t>(peer) < eps_.size()) {
-          if (kind == kFarewell) departed_[peer] = true;
-        }
-      } else if (control_status_ != UCS_ERR_CANCELED) {
+      if (control_status_ != UCS_OK && control_status_ != UCS_ERR_CANCELED) {
         spdlog::warn("ucx channel {}: control message: {}", index_, UcsError(control_status_));
       }
       if (control_open_) PostControlRecv();
@@ -893,6 +950,12 @@ class UcxTransport::Channel {
   // sent it or received from it something (it gets a farewell); it said
   // farewell here.
   std::vector<bool> sent_to_, talked_, departed_;
+  // Per peer: this channel said farewell to it; its endpoint lingers after
+  // the peer was failed with nothing in flight (FailPeerOnThread), until
+  // linger_until_ at the latest.
+  std::vector<bool> farewell_sent_, lingering_;
+  std::vector<Clock::time_point> linger_until_;
+  int lingering_count_ = 0;
   // The standing control receive (written by its callback, on this thread).
   bool control_open_ = false;
   void* control_req_ = nullptr;

@@ -537,9 +537,13 @@ TEST(UcxTransportTest, EndpointsClosedWhileIdleFailLaterTransfersOnEveryChannel)
 // before closing, its channels say farewell and wait (at most a second)
 // for this side's. A receive for something it never sent fails at once,
 // and so do sends to it.
-TEST(UcxTransportTest, APeersLastMessagesStayReceivableAfterItClosesFirst) {
+// `fail_first`: the closing side fails the peer before it closes, as a
+// ClusterJob does when its job closes (every operation has ended: nothing
+// is in flight, and the peer still gets its farewell).
+void ExpectLastMessagesReceivableAfterThePeerCloses(bool fail_first) {
   UseTls("tcp");
   for (int round = 0; round < 5; ++round) {
+    SCOPED_TRACE(testing::Message() << "round " << round << (fail_first ? ", failed first" : ""));
     Ranks r = MakeRanks(2, 2);
     ASSERT_EQ(r.t.size(), 2u);
     const std::vector<size_t> sizes = {0, 8, 1280, 4000, 65536 + 3};
@@ -553,6 +557,7 @@ TEST(UcxTransportTest, APeersLastMessagesStayReceivableAfterItClosesFirst) {
     ASSERT_TRUE(sends.WaitAll(milliseconds(10000)));
     for (size_t i = 0; i < sent.size(); ++i) ASSERT_TRUE(sends.status(i).ok()) << i;
     const auto t0 = Clock::now();
+    if (fail_first) r[0].FailPeer(1, absl::CancelledError("job closed"));
     r.t[0].reset();  // waits the grace: peer 1 is still running
     EXPECT_LT(Seconds(Clock::now() - t0), 3.0);
     std::this_thread::sleep_for(milliseconds(300));  // the closes arrive here
@@ -583,6 +588,17 @@ TEST(UcxTransportTest, APeersLastMessagesStayReceivableAfterItClosesFirst) {
               absl::string_view::npos)
         << recvs.status(never).ToString();
   }
+}
+
+TEST(UcxTransportTest, APeersLastMessagesStayReceivableAfterItClosesFirst) {
+  ExpectLastMessagesReceivableAfterThePeerCloses(false);
+}
+
+// CI: a two-node job's allreduce failed on node 0 ("lost peer 1: Endpoint
+// timeout ... recv from peer 1") because node 1's job, closing, had failed
+// every peer and so closed without a farewell.
+TEST(UcxTransportTest, APeerFailedWithNothingInFlightStillGetsItsFarewell) {
+  ExpectLastMessagesReceivableAfterThePeerCloses(true);
 }
 
 // Peers that end together (each has sent to the other) close at once: each
