@@ -13,6 +13,7 @@ packages=(
   openmpi-bin libopenmpi-dev
   libssl-dev
   iproute2 procps
+  dpkg-dev mmdebstrap
   clang libclang-rt-14-dev
 )
 
