@@ -14,6 +14,7 @@ packages=(
   libssl-dev
   iproute2 procps
   dpkg-dev mmdebstrap
+  slurmctld slurmd slurm-client munge
   clang libclang-rt-14-dev
 )
 
