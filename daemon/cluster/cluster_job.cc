@@ -294,6 +294,10 @@ void ClusterJob::PushRunFailed(absl::Status status) {
 void ClusterJob::PushDirectEnd() { Push(Event{Event::kDirectEnd, {}, {}, {}}); }
 
 void ClusterJob::Submit(ClusterOp op) {
+  if (op.timeout_ms == 0) op.timeout_ms = options_.tuning->Snapshot().op_timeout_ms;
+  if (op.deadline == Clock::time_point{}) {
+    op.deadline = Clock::now() + std::chrono::milliseconds(op.timeout_ms);
+  }
   // A direct op on host buffers starts here, on the caller's thread (the
   // engine's loop): its local phase, then the first messages. Before the
   // job has formed (direct_max_bytes_ 0), or on GPU buffers, it goes to
@@ -332,7 +336,10 @@ proto::NodeEvent ClusterJob::ReadyFor(const ClusterOp& op) const {
   sig->set_codec_ratio(op.sig.codec_ratio);
   r->set_priority(op.priority);
   r->set_device_buffers(op.staged != nullptr);
-  r->set_timeout_ms(op.timeout_ms ? op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms);
+  // The coordinator's clock is not this node's: the time left, at least 1 ms.
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(op.deadline - Clock::now());
+  r->set_timeout_ms(static_cast<uint32_t>(
+      std::clamp<int64_t>(left.count(), 1, std::numeric_limits<uint32_t>::max())));
   if (op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoall) ||
       op.sig.collective == static_cast<uint32_t>(wire::Collective::kAlltoallv)) {
     r->set_rank_bytes(AlltoallRankBytes(op, static_cast<size_t>(options_.world_size)));
@@ -756,8 +763,9 @@ std::string ClusterJob::CoordinatorLabelLocked() const {
 Clock::time_point ClusterJob::NextOverdueLocked() const {
   Clock::time_point next = Clock::time_point::max();
   for (const auto& [name, readied] : readied_at_) {
-    next = std::min(next, std::max(readied.first, last_progress_) +
-                              std::chrono::milliseconds(readied.second) + options_.announce_grace);
+    next = std::min(next, std::max(readied.first, last_progress_ +
+                                                      std::chrono::milliseconds(readied.second)) +
+                              options_.announce_grace);
   }
   if (next == Clock::time_point::max()) return next;
   // Runs here may hold the coordinator's next announcement back: look again
@@ -774,9 +782,9 @@ absl::Status ClusterJob::OverdueLocked() const {
     if (lane->busy) return absl::OkStatus();
   }
   for (const auto& [name, readied] : readied_at_) {
-    const Clock::time_point due = std::max(readied.first, last_progress_) +
-                                  std::chrono::milliseconds(readied.second) +
-                                  options_.announce_grace;
+    const Clock::time_point due =
+        std::max(readied.first, last_progress_ + std::chrono::milliseconds(readied.second)) +
+        options_.announce_grace;
     if (now < due) continue;
     return absl::UnavailableError(absl::StrCat(
         "the coordinator ", CoordinatorLabelLocked(), " of job '", options_.job_id,
@@ -922,9 +930,7 @@ void ClusterJob::Run() {
         if (e.op.timing) e.op.timing->ready = std::chrono::steady_clock::now();
         {
           std::lock_guard<std::mutex> lock(mu_);
-          const uint32_t timeout_ms =
-              e.op.timeout_ms ? e.op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms;
-          readied_at_[name] = {Clock::now(), timeout_ms};
+          readied_at_[name] = {e.op.deadline, e.op.timeout_ms};
           awaiting_.emplace(name, std::move(e.op));
         }
         if (!Write(ready)) {
@@ -1109,14 +1115,14 @@ absl::Status ClusterJob::StagedStore(StagedNodeBuffer& device, int slot, size_t 
   return device.Store(slot, slot_offset, offset, bytes);
 }
 
-InterNodeContext ClusterJob::ContextFor(uint64_t seq, uint32_t timeout_ms,
+InterNodeContext ClusterJob::ContextFor(uint64_t seq, Clock::time_point deadline,
                                         const RunSettings& settings, Lane& lane) {
   InterNodeContext ctx;
   ctx.transport = transport_.get();
   ctx.tag_base = RunTagBase(seq);
   ctx.chunk_bytes = settings.chunk_bytes;
   ctx.max_inflight = static_cast<int>(settings.chunks_in_flight);
-  ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  ctx.deadline = deadline;
   ctx.scratch = &lane.scratch;
   ctx.yield = &lane.yield;
   return ctx;
@@ -1138,10 +1144,11 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
   const size_t es = head.sig.element_bytes();
   size_t total = 0;
-  uint32_t timeout_ms = 0;
+  // A fused run ends by the latest of its operations' deadlines.
+  Clock::time_point deadline{};
   for (const ClusterOp& op : ops) {
     total += op.sig.count;
-    timeout_ms = std::max(timeout_ms, op.timeout_ms ? op.timeout_ms : tuning.op_timeout_ms);
+    deadline = std::max(deadline, op.deadline);
   }
   uint8_t* node = lane.staging.Get(total * es + 1);
   if (node == nullptr) {
@@ -1161,7 +1168,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   // All compressed with the run's codec, or all uncompressed.
   auto codec = CodecNamed(settings.codec);
   if (!codec.ok()) return codec.status();
-  InterNodeContext ctx = ContextFor(seq, timeout_ms, settings, lane);
+  InterNodeContext ctx = ContextFor(seq, deadline, settings, lane);
   absl::Status s;
   if (*codec != nullptr) {
     // One compressed allreduce over the packed buffer; each operation keeps
@@ -1599,8 +1606,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
   const size_t es = op.sig.element_bytes();
   const int world = options_.world_size;
   const size_t block = op.sig.count * es;
-  const uint32_t timeout_ms = op.timeout_ms ? op.timeout_ms : tuning.op_timeout_ms;
-  InterNodeContext ctx = ContextFor(seq, timeout_ms, settings, lane);
+  InterNodeContext ctx = ContextFor(seq, op.deadline, settings, lane);
   if (op.staged) return ExecuteStaged(op, ctx, seq, settings);
 
   // The node's buffer is the first local rank's receive buffer where it is

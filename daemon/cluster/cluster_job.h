@@ -93,7 +93,14 @@ struct ClusterOp {
   std::string name;
   OpSignature sig;
   int32_t priority = 0;
-  uint32_t timeout_ms = 0;
+  // The operation's one deadline (issue 32): absolute, set once by the
+  // engine when the node's last rank submitted it (the earliest of its
+  // ranks' timeouts), and carried unchanged to the coordinator's Ready (as
+  // the time left), the direct exchange and the run's algorithms. Unset
+  // (a test's, a mismatch notice): Submit sets it from timeout_ms, else
+  // the daemon's op_timeout_ms.
+  std::chrono::steady_clock::time_point deadline{};
+  uint32_t timeout_ms = 0;  // the timeout the deadline came from, for messages
   struct Part {
     int rank;
     const uint8_t* send;
@@ -406,7 +413,8 @@ class ClusterJob {
   absl::Status CarryReduceScatter(InterNodeContext ctx, uint64_t seq, int segment,
                                   wire::DataType dtype, wire::ReduceOp op, uint8_t* data,
                                   size_t at, size_t n, size_t rank_count, const void* input);
-  InterNodeContext ContextFor(uint64_t seq, uint32_t timeout_ms, const RunSettings& settings,
+  InterNodeContext ContextFor(uint64_t seq, std::chrono::steady_clock::time_point deadline,
+                              const RunSettings& settings,
                               Lane& lane);
   // The announced codec (nullptr: uncompressed); an error for a spec this
   // daemon cannot parse.
@@ -496,9 +504,9 @@ class ClusterJob {
   // order. The coordinator knows one occurrence of a name at a time, so the
   // next is readied once the one before has been announced or failed.
   std::map<std::string, std::deque<ClusterOp>> held_;
-  // guarded by mu_: when each name in awaiting_ was readied, and its
-  // timeout. It is overdue once its timeout and announce_grace have passed
-  // since then and since last_progress_ with no run of this node's in
+  // guarded by mu_: each name in awaiting_: its deadline and its timeout.
+  // It is overdue once announce_grace has passed since its deadline, and
+  // since its timeout after last_progress_, with no run of this node's in
   // progress or announced (those may hold the coordinator's next Run back).
   std::map<std::string, std::pair<std::chrono::steady_clock::time_point, uint32_t>> readied_at_;
   // Liveness (tuning heartbeat_*): when this node last sent its heartbeat

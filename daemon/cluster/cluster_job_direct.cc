@@ -61,8 +61,7 @@ bool ClusterJob::IsDirect(const ClusterOp& op, uint64_t* number) const {
 
 bool ClusterJob::StartDirect(ClusterOp& op, uint64_t number) {
   const Clock::time_point now = Clock::now();
-  const uint32_t timeout_ms =
-      op.timeout_ms ? op.timeout_ms : options_.tuning->Snapshot().op_timeout_ms;
+  const uint32_t timeout_ms = op.timeout_ms;
   DirectExchange::Params params;
   params.channel = 0;
   params.tag_base = DirectTagBase(number);
@@ -117,7 +116,7 @@ bool ClusterJob::StartDirect(ClusterOp& op, uint64_t number) {
     t->direct = true;
   }
   direct_ops_.fetch_add(1, std::memory_order_relaxed);
-  const Clock::time_point deadline = now + std::chrono::milliseconds(timeout_ms);
+  const Clock::time_point deadline = op.deadline;
   {
     std::lock_guard<std::mutex> lock(direct_mu_);
     direct_.emplace(key, DirectOp{std::move(op), exchange, now, deadline, timeout_ms});

@@ -415,6 +415,32 @@ TEST(ClusterJobDirectTest, AnOperationMissingOnANodeTimesOutNamingIt) {
   EXPECT_EQ(out_b, std::vector<float>(3, 3.0f));
 }
 
+// One deadline per operation (issue 32): the one the engine set when the
+// node's ranks submitted it, not a timeout restarted by the ClusterJob. An
+// operation whose ranks asked for a minute but that has already waited
+// most of it at the engine ends at its deadline, through the direct
+// exchange (unnamed) and through the coordinator (named: the Ready carries
+// the time left).
+TEST(ClusterJobTest, AnOperationEndsAtTheDeadlineTheEngineSet) {
+  for (const std::string name : {"#0", "named"}) {
+    SCOPED_TRACE(name);
+    Nodes nodes(2);
+    std::vector<float> a(3, 1.0f), out(3, 0.0f);
+    ClusterOp lonely = Allreduce(0, name, wire::DataType::kFloat32, wire::ReduceOp::kSum, 3, 0,
+                                 a.data(), out.data());
+    lonely.timeout_ms = 60000;
+    const auto start = std::chrono::steady_clock::now();
+    lonely.deadline = start + std::chrono::milliseconds(300);
+    nodes.job(0).Submit(std::move(lonely));
+    ASSERT_TRUE(nodes.ends(0).WaitFor(1));
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(took, std::chrono::milliseconds(290));
+    EXPECT_LT(took, std::chrono::milliseconds(5000));
+    const absl::Status s = nodes.ends(0).ends[0].second;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  }
+}
+
 // Direct ops that time out one after another (their exchanges stay,
 // waiting): kMaxStaleExchanges of them end the job, naming why, so that a
 // trainer cannot make the daemon hold ever more memory.

@@ -1087,6 +1087,7 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     }
     if (part->op.timeout_ms) c.timeout_ms = part->op.timeout_ms;
   }
+  c.deadline = op->deadline;  // one deadline from here on (ClusterOp::deadline)
   ++running_ops_;
   cluster_handoff_ = Clock::now();
   job.in_cluster[c.key] = std::move(op);
