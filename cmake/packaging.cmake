@@ -20,6 +20,12 @@
 # Paths are relative to the package prefix, /usr, whatever CMAKE_INSTALL_PREFIX
 # a developer's build has; only the configuration file's is absolute.
 
+# A build against the CUDA emulation is for tests only: no install rules,
+# no packages.
+if(CIUIC_CUDA_EMULATED)
+  return()
+endif()
+
 set(CIUIC_PY_INSTALL_DIR lib/python3/dist-packages/ciuic)
 
 install(TARGETS ciuicd ciuicctl RUNTIME DESTINATION bin COMPONENT daemon)
