@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "ciuic/collective_rules.h"
 #include "ciuic/fast_path.h"
 #include "ciuic/shm_layout.h"
 #include "cluster/run_settings.h"
@@ -460,7 +461,7 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
     return;
   }
   const Clock::time_point now = Clock::now();
-  const auto timeout = std::chrono::milliseconds(ready.timeout_ms() ? ready.timeout_ms() : 60000);
+  const auto timeout = std::chrono::milliseconds(ready.timeout_ms() ? ready.timeout_ms() : wire::kDefaultOpTimeoutMs);
   auto [it, fresh] = job.pending.try_emplace(ready.name());
   PendingRun& run = it->second;
   if (fresh) {

@@ -9,7 +9,9 @@
 #include <thread>
 #include <vector>
 
+#include "ciuic/collective_rules.h"
 #include "ciuic/shm_layout.h"
+#include "config/tuning.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
 
@@ -822,6 +824,12 @@ TEST(CoordinatorTest, AMalformedReadyFailsTheJobNamingTheNode) {
   for (int i = 0; i < 3; ++i) splits.mutable_ready()->add_split_out(i);  // 2 nodes
   d.OnEvent(g.handles[1], splits);
   ASSERT_NE(JobFailedIn(g.streams[0].WaitFor(1)), nullptr);
+}
+
+// A Ready without a timeout waits the default that the SDK's fast path and
+// the daemon's tuning assume too (proto/ciuic/collective_rules.h).
+TEST(CoordinatorTest, TheDefaultTimeoutIsTheDaemonsAndTheSdks) {
+  EXPECT_EQ(config::Tuning{}.op_timeout_ms, wire::kDefaultOpTimeoutMs);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "ciuic/collective_rules.h"
 #include "ciuic/fast_path.h"
 #include "cuda/gpu_info.h"
 #include "reduce/reduce.h"
@@ -21,11 +22,6 @@ std::string OpSignature::ToString() const {
 }
 
 namespace {
-
-bool Overlap(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) {
-  if (an == 0 || bn == 0) return false;
-  return a < b + bn && b < a + an;
-}
 
 // alltoallv's counts: 2 * world_size uint64 at `offset` (8-aligned) in the
 // arena, copied out; op's send and recv bytes are their sums times `es`.
@@ -149,23 +145,15 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
                              static_cast<uint64_t>(world_size);
   if (e.count > max_count) return fail(absl::StrCat("count ", e.count, " is too large"));
   const uint64_t block = e.count * es;
-  const uint64_t all = block * static_cast<uint64_t>(world_size);
   if (v_splits) {
     if (e.count != 0) return fail(absl::StrCat("alltoallv with count ", e.count, " (must be 0)"));
     absl::Status read = ReadSplits(e.splits_offset, memory, world_size, es, &op);
     if (!read.ok()) return fail(read.message());
   }
-  switch (collective) {
-    case wire::Collective::kAllreduce: op.send_bytes = block; op.recv_bytes = block; break;
-    case wire::Collective::kReduceScatter: op.send_bytes = all; op.recv_bytes = block; break;
-    case wire::Collective::kAllgather: op.send_bytes = block; op.recv_bytes = all; break;
-    case wire::Collective::kBroadcast:
-      op.send_bytes = rank == e.root ? block : 0;
-      op.recv_bytes = block;
-      break;
-    case wire::Collective::kAlltoall: op.send_bytes = all; op.recv_bytes = all; break;
-    case wire::Collective::kAlltoallv: break;  // ReadSplits
-    case wire::Collective::kBarrier: break;
+  if (!v_splits) {  // alltoallv's come from ReadSplits
+    const wire::RankBytes bytes = wire::RankBytesOf(collective, block, world_size, rank, e.root);
+    op.send_bytes = bytes.send;
+    op.recv_bytes = bytes.recv;
   }
   // Where the two buffers start, in one address space: the daemon's mapping
   // of the arena, or (device buffers of the same allocation) the offset in
@@ -231,24 +219,9 @@ absl::StatusOr<ValidatedOp> ValidateSubmission(const wire::SubmissionEntry& e,
   }
 
   // Aliasing: exactly in place is allowed, partial overlap is not.
-  if (same_space && Overlap(send_at, op.send_bytes, recv_at, op.recv_bytes)) {
-    bool in_place = false;
-    switch (collective) {
-      case wire::Collective::kAllreduce:
-      case wire::Collective::kBroadcast:
-        in_place = send_at == recv_at;
-        break;
-      case wire::Collective::kReduceScatter:  // recv is this rank's block of send
-        in_place = recv_at == send_at + static_cast<uint64_t>(rank) * block;
-        break;
-      case wire::Collective::kAllgather:  // send is this rank's block of recv
-        in_place = send_at == recv_at + static_cast<uint64_t>(rank) * block;
-        break;
-      case wire::Collective::kAlltoall:  // every block is read and written by others
-      case wire::Collective::kAlltoallv:
-      case wire::Collective::kBarrier: break;
-    }
-    if (!in_place) return fail("send and recv buffers overlap without being in place");
+  if (same_space && wire::Overlap(send_at, op.send_bytes, recv_at, op.recv_bytes) &&
+      !wire::InPlace(collective, send_at, recv_at, block, rank)) {
+    return fail("send and recv buffers overlap without being in place");
   }
   return op;
 }

@@ -27,6 +27,7 @@
 #include "device.h"
 #include "ciuic/ciuic.h"
 #include "ciuic/control.grpc.pb.h"
+#include "ciuic/collective_rules.h"
 #include "ciuic/shm_layout.h"
 #include "grpcpp/grpcpp.h"
 #include "reduce/reduce.h"
@@ -143,7 +144,7 @@ struct Core {
   int sock_fd = -1;
   int doorbell_fd = -1;
   uint32_t spin_us = 50;
-  uint32_t op_timeout_ms = 60000;  // the daemon's default when this rank joined
+  uint32_t op_timeout_ms = wire::kDefaultOpTimeoutMs;  // the daemon's when this rank joined
   uint32_t wait_grace_ms = 30000;  // CIUIC_WAIT_GRACE_MS
   wire::SessionHeader* header = nullptr;
   wire::SubmissionEntry* sq = nullptr;
@@ -427,23 +428,10 @@ class Communicator::Impl {
     }
     if (collective == wire::Collective::kBroadcast && (e.root < 0 || e.root >= w)) return false;
     // Aliasing as the daemon allows it: exactly in place, or apart.
-    auto* sp = static_cast<const uint8_t*>(send.ptr);
-    auto* rp = static_cast<const uint8_t*>(recv.ptr);
-    if (send.bytes > 0 && recv.bytes > 0 && sp < rp + recv.bytes && rp < sp + send.bytes) {
-      const uint64_t me = static_cast<uint64_t>(options.rank);
-      bool in_place = false;
-      switch (collective) {
-        case wire::Collective::kAllreduce:
-        case wire::Collective::kBroadcast: in_place = sp == rp; break;
-        case wire::Collective::kReduceScatter: in_place = rp == sp + me * block; break;
-        case wire::Collective::kAllgather: in_place = sp == rp + me * block; break;
-        case wire::Collective::kAlltoall:  // never in place
-        case wire::Collective::kAlltoallv:
-        case wire::Collective::kBarrier: break;
-      }
-      if (!in_place) return false;
-    }
-    return true;
+    const auto sp = reinterpret_cast<uintptr_t>(send.ptr);
+    const auto rp = reinterpret_cast<uintptr_t>(recv.ptr);
+    return !wire::Overlap(sp, send.bytes, rp, recv.bytes) ||
+           wire::InPlace(collective, sp, rp, block, options.rank);
   }
   Handle SubmitDevice(wire::Collective collective, DataType dtype, uint32_t reduce_op, int root,
                       size_t count, DeviceBuffer send, size_t send_bytes, DeviceBuffer recv,

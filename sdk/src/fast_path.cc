@@ -13,6 +13,7 @@
 #include <cstring>
 #include <thread>
 
+#include "ciuic/collective_rules.h"
 #include "reduce/reduce.h"
 
 namespace ciuic {
@@ -153,7 +154,7 @@ Status FastPath::Attach(uint8_t* base, uint64_t bytes, int rank, int world_size,
   fp->slots_offset_ = g.slots_offset;
   fp->counters_offset_ = g.counters_offset;
   fp->max_inflight_ = g.max_inflight_per_rank;
-  fp->default_timeout_ms_ = h->op_timeout_ms == 0 ? 60000 : h->op_timeout_ms;
+  fp->default_timeout_ms_ = h->op_timeout_ms == 0 ? wire::kDefaultOpTimeoutMs : h->op_timeout_ms;
   *out = std::move(fp);
   return Status::Ok();
 }
