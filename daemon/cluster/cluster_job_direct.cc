@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cluster/cluster_job.h"
+#include "cluster/run_plan.h"
 #include "reduce/reduce.h"
 #include "spdlog/spdlog.h"
 
@@ -22,11 +23,6 @@ namespace ciuic::daemon {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Tags of direct op "#N" (the layout: cluster_job.cc, RunTagBase).
-uint64_t DirectTagBase(uint64_t number) {
-  return (uint64_t{1} << 46) | ((number & 0x3fffff) << 24);
-}
 
 wire::ReduceOp BetweenNodes(const OpSignature& sig) {
   const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
