@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "ciuic/collective_rules.h"
 #include "collectives/local.h"
 #include "collectives/op.h"
 #include "cuda/device_runner.h"
@@ -137,13 +138,9 @@ std::string JobKey(uid_t uid, const std::string& id) { return absl::StrCat(uid, 
 
 // The larger of a rank's buffers for `sig` (what status counts as bytes).
 uint64_t OpBytes(const OpSignature& sig, int world_size) {
-  uint64_t bytes = sig.count * sig.element_bytes();
-  const auto c = static_cast<wire::Collective>(sig.collective);
-  if (c == wire::Collective::kReduceScatter || c == wire::Collective::kAllgather ||
-      c == wire::Collective::kAlltoall) {
-    bytes *= static_cast<uint64_t>(world_size);
-  }
-  return bytes;
+  const wire::RankBytes b = wire::RankBytesOf(static_cast<wire::Collective>(sig.collective),
+                                              sig.count * sig.element_bytes(), world_size, 0, 0);
+  return std::max(b.send, b.recv);
 }
 
 // The device buffers of `op`'s local ranks, in rank order.
