@@ -322,7 +322,8 @@ class UcxTransport::Channel {
     absl::Status why = owner_->shared_->PeerStatus(peer);
     const bool busy = BusyWith(peer);
     CancelInFlight([peer](const Op& op) { return op.peer == peer; }, why);
-    if (!busy && BidFarewell(peer)) {
+    // (Before Connect there is no endpoint, and nothing to say farewell on.)
+    if (!busy && static_cast<size_t>(peer) < eps_.size() && BidFarewell(peer)) {
       if (!lingering_[peer]) ++lingering_count_;
       lingering_[peer] = true;
       linger_until_[peer] = Clock::now() + kFarewellGrace;

@@ -542,6 +542,12 @@ TEST(MultiNodeFaultsTest, DaemonKilledMidRunFailsEveryOtherNodeWithinSeconds) {
   kill(cluster->nodes[2]->pid(), SIGKILL);
   for (int r : {0, 1, 3, 4}) EXPECT_EQ(WaitChild(pids[r], std::chrono::seconds(90)), 0) << r;
   const auto took = Clock::now() - killed;
+  for (int k : {0, 1, 3, 4}) {  // the survivors live on
+    if (cluster->nodes[k]->Alive()) continue;
+    const std::string log = cluster->nodes[k]->Log();
+    ADD_FAILURE() << "node" << k << " died; the end of its log:\n"
+                  << log.substr(log.size() > 6000 ? log.size() - 6000 : 0);
+  }
   EXPECT_LT(took, std::chrono::seconds(10))
       << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
   kill(pids[2], SIGKILL);
