@@ -2,6 +2,7 @@
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -45,6 +46,10 @@ absl::Status CompletionWriter::Push(uint64_t op_id, int status_code, absl::strin
   // is undefined even for 0 bytes.
   if (n > 0) std::memcpy(e.message, message.data(), n);
   e.message_len = static_cast<uint32_t>(n);
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  e.completed_ns = static_cast<uint64_t>(now.tv_sec) * 1000000000ULL +
+                   static_cast<uint64_t>(now.tv_nsec);
   ++tail_;
   header_->cq_tail.store(tail_, std::memory_order_seq_cst);
   if (header_->trainer_waiters.load(std::memory_order_seq_cst) != 0) {

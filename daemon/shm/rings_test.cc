@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <time.h>
+
 #include <cstring>
 #include <string>
 
@@ -66,6 +68,8 @@ TEST_F(RingsTest, ImpossibleTailIsDataLoss) {
 
 TEST_F(RingsTest, CompletionsCarryStatusAndTruncatedMessage) {
   CompletionWriter writer(h_, mem_->completions(), h_->cq_capacity);
+  timespec before{};
+  clock_gettime(CLOCK_MONOTONIC, &before);
   ASSERT_TRUE(writer.Push(7, 0, "").ok());
   std::string long_message(1000, 'x');
   ASSERT_TRUE(writer.Push(8, 3, long_message).ok());
@@ -77,6 +81,10 @@ TEST_F(RingsTest, CompletionsCarryStatusAndTruncatedMessage) {
   EXPECT_EQ(a.op_id, 7u);
   EXPECT_EQ(a.status_code, 0);
   EXPECT_EQ(a.message_len, 0u);
+  // Stamped with the host's monotonic clock, which the SDK reads too.
+  EXPECT_GE(a.completed_ns, static_cast<uint64_t>(before.tv_sec) * 1000000000ULL +
+                                static_cast<uint64_t>(before.tv_nsec));
+  EXPECT_LE(a.completed_ns, b.completed_ns);
   EXPECT_EQ(b.op_id, 8u);
   EXPECT_EQ(b.status_code, 3);
   EXPECT_EQ(b.message_len, wire::kMaxMessage);

@@ -103,7 +103,7 @@
 namespace ciuic::wire {
 
 inline constexpr uint64_t kFastPathMagic = 0x31765f7473616663ULL;  // "cfast_v1"
-inline constexpr uint32_t kFastPathVersion = 2;  // 2: FastSlot.route
+inline constexpr uint32_t kFastPathVersion = 3;  // 2: FastSlot.route; 3: FastSlot.done_ns
 inline constexpr uint32_t kMaxFastPathRanks = 32;
 // The segment never exceeds this; jobs that would need more get none.
 inline constexpr uint64_t kMaxFastPathSegmentBytes = 64ull << 20;
@@ -181,6 +181,7 @@ struct alignas(64) FastSlot {
   std::atomic<uint32_t> departed;              // results copied out / gave up
   std::atomic<uint32_t> status;                // FastOpStatus; futex word
   std::atomic<uint32_t> waiters;               // ranks asleep on `status`
+  uint64_t done_ns;  // CLOCK_MONOTONIC when the last rank completed it (before status = kDone)
   uint8_t ranks_joined[kMaxFastPathRanks];     // 1: that rank joined (lock)
   int32_t error_code;                          // written before status = kFailed
   uint32_t error_len;

@@ -249,7 +249,9 @@ struct CompletionEntry {
   uint64_t op_id;
   int32_t status_code;   // absl::StatusCode / ciuic::StatusCode values
   uint32_t message_len;  // bytes of message used, <= kMaxMessage
-  uint64_t reserved;
+  // When the daemon wrote the entry: CLOCK_MONOTONIC in ns, the clock the
+  // trainers on the host read too (the SDK's operation timings; 0: unknown).
+  uint64_t completed_ns;
   char message[kMaxMessage];
 };
 static_assert(sizeof(CompletionEntry) == 256);

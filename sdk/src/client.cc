@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -124,6 +125,8 @@ struct Handle::State {
   std::chrono::steady_clock::time_point give_up = std::chrono::steady_clock::time_point::max();
   std::atomic<bool> done{false};
   Status status;  // written before done is set
+  std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
+  std::atomic<bool> timed{false};  // its timing is recorded (Core::RecordTiming)
   // Staging for buffers outside shared memory: copied out at completion.
   Buffer staging;      // send (or send and recv, when they overlap)
   Buffer staging_out;  // recv, when apart from send
@@ -164,6 +167,31 @@ struct Core {
   // Communicator is returned, constant afterwards).
   std::unique_ptr<FastPath> fast;
 
+  // Timings of the operations completed since the last TakeOpTimings.
+  std::mutex timing_mu;
+  std::deque<Communicator::OpTiming> timings;
+  uint64_t timings_dropped = 0;
+
+  // Keeps the timing of an operation that completed successfully, once.
+  void RecordTiming(Handle::State& st, Clock::time_point completed) {
+    if (st.timed.exchange(true)) return;
+    std::lock_guard<std::mutex> lock(timing_mu);
+    if (timings.size() >= Communicator::kMaxOpTimings) {
+      timings.pop_front();
+      ++timings_dropped;
+    }
+    timings.push_back(Communicator::OpTiming{st.name, st.submitted, completed});
+  }
+
+  // The daemon's completion stamp (CLOCK_MONOTONIC, steady_clock's clock on
+  // Linux), or now where it is missing or not plausible (a daemon in another
+  // time namespace).
+  static Clock::time_point CompletedAt(uint64_t completed_ns, Clock::time_point submitted) {
+    const Clock::time_point now = Clock::now();
+    const Clock::time_point stamp{std::chrono::nanoseconds(completed_ns)};
+    return completed_ns != 0 && stamp >= submitted && stamp <= now ? stamp : now;
+  }
+
   ~Core() {
     if (sock_fd >= 0) close(sock_fd);
     if (doorbell_fd >= 0) close(doorbell_fd);
@@ -191,6 +219,9 @@ struct Core {
       auto it = inflight.find(e.op_id);
       if (it != inflight.end()) {
         const uint32_t n = std::min<uint32_t>(e.message_len, wire::kMaxMessage);
+        if (e.status_code == 0) {
+          RecordTiming(*it->second, CompletedAt(e.completed_ns, it->second->submitted));
+        }
         Finish(*it->second, Status(static_cast<StatusCode>(e.status_code),
                                    std::string(e.message, n)));
         inflight.erase(it);
@@ -306,6 +337,9 @@ static Status WaitState(Handle::State* st, Clock::time_point until) {
         })) {
       return Status(StatusCode::kDeadlineExceeded, "operation still in progress");
     }
+    if (st->fast->status.ok()) {
+      c.RecordTiming(*st, Core::CompletedAt(st->fast->completed_ns, st->submitted));
+    }
     return st->fast->status;
   }
   if (!st->done.load(std::memory_order_acquire)) {
@@ -327,7 +361,14 @@ Status Handle::WaitFor(std::chrono::milliseconds timeout) {
 
 bool Handle::Test() {
   if (!state_) return false;
-  if (state_->fast) return state_->core->fast->Poll(*state_->fast);
+  if (state_->fast) {
+    if (!state_->core->fast->Poll(*state_->fast)) return false;
+    if (state_->fast->status.ok()) {
+      state_->core->RecordTiming(
+          *state_, Core::CompletedAt(state_->fast->completed_ns, state_->submitted));
+    }
+    return true;
+  }
   if (state_->done.load(std::memory_order_acquire)) return true;
   state_->core->Reap();
   return state_->done.load(std::memory_order_acquire) || Clock::now() >= state_->give_up;
@@ -467,6 +508,18 @@ Communicator::~Communicator() {
 }
 
 int Communicator::rank() const { return impl_->options.rank; }
+
+std::vector<Communicator::OpTiming> Communicator::TakeOpTimings(uint64_t* dropped) {
+  Core& c = *impl_->core;
+  c.Reap();  // completions the daemon has written, even if nobody waited yet
+  std::lock_guard<std::mutex> lock(c.timing_mu);
+  std::vector<OpTiming> out(std::make_move_iterator(c.timings.begin()),
+                            std::make_move_iterator(c.timings.end()));
+  c.timings.clear();
+  if (dropped != nullptr) *dropped = c.timings_dropped;
+  c.timings_dropped = 0;
+  return out;
+}
 int Communicator::world_size() const { return impl_->options.world_size; }
 int Communicator::local_rank() const { return impl_->options.local_rank; }
 int Communicator::local_size() const { return impl_->options.local_size; }

@@ -530,6 +530,9 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
                      static_cast<wire::ReduceOp>(sig.reduce_op), inputs, world_size_,
                      ResultArea(slot), elems);
     }
+    s.done_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                          Clock::now().time_since_epoch())
+                                          .count());
     uint32_t expected = static_cast<uint32_t>(wire::FastOpStatus::kPending);
     if (s.status.compare_exchange_strong(expected, static_cast<uint32_t>(wire::FastOpStatus::kDone),
                                          std::memory_order_acq_rel)) {
@@ -612,6 +615,7 @@ bool FastPath::Progress(FastOp& op, bool check_deadline) {
     return true;
   }
   // Done: copy this rank's result out.
+  op.completed_ns = s.done_ns;
   const uint64_t block = op.count * wire::DataTypeSize(op.dtype);
   const uint8_t* result = ResultArea(op.slot);
   switch (op.collective) {

@@ -55,6 +55,9 @@ struct FastOp {
   std::mutex mu;  // completion
   std::atomic<bool> finished{false};
   Status status;  // final once `finished`
+  // When the operation completed (the slot's done_ns, steady_clock's
+  // epoch), once `finished` with OK; 0 if unknown.
+  uint64_t completed_ns = 0;
 };
 
 class FastPath {

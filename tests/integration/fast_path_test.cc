@@ -237,6 +237,67 @@ TEST(FastPathTest, OutOfOrderNames) {
   EXPECT_EQ(daemon->Stop(), 0);
 }
 
+// Communicator::TakeOpTimings, on both paths (fast path and daemon): rank 1
+// works 100 ms before each operation, so rank 0 waits that long for each,
+// rank 1 hardly at all; every completed operation is there once, by name,
+// and the history keeps the newest kMaxOpTimings, counting the rest.
+TEST(FastPathTest, OperationTimingsShowWhoWaited) {
+  auto daemon = DaemonProcess::Start(Config(kLimit));
+  ASSERT_NE(daemon, nullptr);
+  const std::string job = UniqueJobId("fptiming");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = JoinJob(daemon->socket(), job, rank, 2);
+    CHILD_CHECK(comm != nullptr, "join");
+    CHILD_CHECK(comm->TakeOpTimings().empty(), "timings before any operation");
+    const size_t counts[] = {16, 65536, 3, 100000};  // fast path, daemon, ...
+    for (int i = 0; i < 4; ++i) {
+      if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::vector<int32_t> v(counts[i], rank + 1);
+      OpOptions o;
+      o.name = "timed." + std::to_string(i);
+      Status s = comm->Allreduce(v.data(), v.data(), v.size(), DataType::kInt32, ReduceOp::kSum, o)
+                     .Wait();
+      CHILD_CHECK(s.ok() && v[0] == 3, "%s: %s", o.name.c_str(), s.ToString().c_str());
+    }
+    uint64_t dropped = 99;
+    std::vector<Communicator::OpTiming> t = comm->TakeOpTimings(&dropped);
+    CHILD_CHECK(t.size() == 4 && dropped == 0, "%zu timings, %llu dropped", t.size(),
+                static_cast<unsigned long long>(dropped));
+    for (int i = 0; i < 4; ++i) {
+      CHILD_CHECK(t[i].name == "timed." + std::to_string(i), "timing %d is %s", i,
+                  t[i].name.c_str());
+      const auto ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(t[i].completed - t[i].submitted)
+              .count();
+      CHILD_CHECK(t[i].completed >= t[i].submitted, "%s completed before its submission",
+                  t[i].name.c_str());
+      if (rank == 0) CHILD_CHECK(ms >= 80, "rank 0 waited only %lld ms", (long long)ms);
+      if (rank == 1) CHILD_CHECK(ms < 60, "rank 1 waited %lld ms", (long long)ms);
+    }
+    CHILD_CHECK(comm->TakeOpTimings().empty(), "timings handed out twice");
+    // A failed operation is not timed.
+    OpOptions bad;
+    bad.name = "untimed";
+    int32_t x = 0;
+    Status s = comm->Allreduce(&x, &x, rank == 0 ? 1 : 2, DataType::kInt32, ReduceOp::kSum, bad)
+                   .Wait();
+    CHILD_CHECK(!s.ok(), "a mismatch succeeded");
+    CHILD_CHECK(comm->TakeOpTimings().empty(), "a failed operation was timed");
+    // The history's bound.
+    const size_t n = Communicator::kMaxOpTimings + 10;
+    for (size_t i = 0; i < n; ++i) {
+      Status r = comm->Allreduce(&x, &x, 1, DataType::kInt32, ReduceOp::kSum).Wait();
+      CHILD_CHECK(r.ok(), "op %zu: %s", i, r.ToString().c_str());
+    }
+    t = comm->TakeOpTimings(&dropped);
+    CHILD_CHECK(t.size() == Communicator::kMaxOpTimings && dropped == 10,
+                "%zu timings, %llu dropped", t.size(), static_cast<unsigned long long>(dropped));
+    return 0;
+  });
+  for (int c : codes) EXPECT_EQ(c, 0) << daemon->Log();
+  EXPECT_EQ(daemon->Stop(), 0);
+}
+
 // A mismatch (count, dtype, reduce op, root) fails the operation on every
 // rank, naming it and both signatures, in the daemon's words; the job goes on.
 TEST(FastPathTest, MismatchIsAnErrorOnEveryRank) {

@@ -253,6 +253,23 @@ class Communicator {
                    const std::vector<size_t>& recv_counts, DataType dtype,
                    const OpOptions& options = {});
 
+  // When one of this rank's operations was submitted and completed, on the
+  // host's steady clock (CLOCK_MONOTONIC; the daemon stamps its completions
+  // with it). Ranks compare durations, never these times across hosts.
+  struct OpTiming {
+    std::string name;
+    std::chrono::steady_clock::time_point submitted;
+    std::chrono::steady_clock::time_point completed;
+  };
+  // The operations of this rank that completed successfully since the last
+  // call, in the order of their completion. At most kMaxOpTimings are kept;
+  // `dropped` (if not null) gets how many older ones were let go meanwhile.
+  // The SDK's load balancing (Python's Communicator.balance()) is built on
+  // it: how much longer a rank waited for an operation than the rank that
+  // submitted it last is how far ahead of that rank it was.
+  static constexpr size_t kMaxOpTimings = 4096;
+  std::vector<OpTiming> TakeOpTimings(uint64_t* dropped = nullptr);
+
   class Impl;
 
  private:

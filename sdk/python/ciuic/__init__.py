@@ -25,22 +25,28 @@ import collections
 import os
 import re
 import threading
+import time
 import weakref
 
 import numpy as np
 
 from . import _ciuic
+from . import balance as _balance
+from .balance import Balance
 from .errors import *  # noqa: F401,F403  (Error, InvalidArgumentError, ...)
 from .errors import Error, InvalidArgumentError, StatusCode, _make_error, error_class
 
 _ciuic._set_error_factory(_make_error)
 
-__all__ = ["init", "Communicator", "Work", "Error", "StatusCode", "error_class",
+__all__ = ["init", "Communicator", "Work", "Balance", "Error", "StatusCode", "error_class",
            "default_socket_path", "resolve_coordinator", "launch_env", "DEFAULT_PEER_PORT",
            "DTYPES", "REDUCE_OPS"]
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
+
+# The names of Communicator.balance()'s own operations start with it.
+_BALANCE_PREFIX = "ciuic.balance."
 
 _NUMPY_DTYPES = {
     np.dtype(np.float32): "float32", np.dtype(np.float64): "float64",
@@ -460,6 +466,8 @@ class Communicator:
         self._waiter_obj = None
         self._lock = threading.Lock()
         self._device_holds = _DeviceHolds()
+        self._balance_since = time.monotonic_ns()
+        self._balance_calls = 0
         _live_comms.add(self)
 
     # -- identity
@@ -737,6 +745,45 @@ class Communicator:
 
     def barrier(self, name=None, priority=0, timeout=None):
         self.barrier_async(name, priority, timeout).wait()
+
+    # -- load balance
+    def balance(self, samples=None, timeout=None):
+        """Collective (every rank calls it, like a barrier): how busy each
+        rank was since the previous call (or since ``init``), and how fast.
+
+        Measured from this communicator's own operations: how much longer a
+        rank waited for an operation than the rank that submitted it last is
+        time it spent waiting for slower ranks (ciuic.balance explains the
+        measure; no clock shared between hosts is needed). ``samples``: what
+        this rank processed in the window, given on every rank or on none
+        (then speed is per unit of work, 1 each). Returns a :class:`Balance`,
+        the same on every rank: ``share`` (each rank's busy share of the
+        step time), ``speed``, ``slowest``, and ``split(global_batch)``, a
+        division of a global batch in proportion to the ranks' speed.
+
+        Call it between steps (e.g. each epoch) with no operation in flight.
+        """
+        if samples is not None and (int(samples) != samples or samples < 0):
+            raise InvalidArgumentError(f"balance(): samples must be a count >= 0, got {samples}")
+        now = time.monotonic_ns()
+        timings, dropped = self._impl.take_op_timings()
+        # balance()'s own operations (named below) are not part of the measure.
+        timings = [t for t in timings if not t[0].startswith(_BALANCE_PREFIX)]
+        self._balance_calls += 1
+        name = f"{_BALANCE_PREFIX}{self._balance_calls}"
+        row = _balance.row_of(timings, self._balance_since, now - self._balance_since,
+                              None if samples is None else int(samples), dropped)
+        count = np.array([row[0]], dtype=np.int64)
+        self.allreduce(count, op="max", name=name + ".count", timeout=timeout)
+        n = int(count[0])
+        mine = _balance.padded(row, n)
+        rows = np.zeros(mine.size * self.world_size, dtype=np.int64)
+        self.allgather(rows, mine, name=name + ".rows", timeout=timeout)
+        self._balance_since = time.monotonic_ns()
+        try:
+            return _balance.compute(rows.reshape(self.world_size, mine.size), n)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
 
     # -- lifetime
     def _waiter(self):

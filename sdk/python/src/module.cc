@@ -470,6 +470,28 @@ class PyComm {
     return Submit(name, nullptr, nullptr, submit);
   }
 
+  // (operations: [(name, submitted_ns, completed_ns)], dropped), on the
+  // host's monotonic clock (time.monotonic_ns()): Communicator::TakeOpTimings.
+  py::tuple TakeOpTimings() {
+    std::vector<Communicator::OpTiming> timings;
+    uint64_t dropped = 0;
+    bool open = false;
+    {
+      py::gil_scoped_release nogil;
+      std::shared_lock lock(mu_);
+      open = comm_ != nullptr;
+      if (open) timings = comm_->TakeOpTimings(&dropped);
+    }
+    if (!open) ThrowStatus(Closed());
+    auto ns = [](std::chrono::steady_clock::time_point t) {
+      return static_cast<int64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+    };
+    py::list out;
+    for (const auto& t : timings) out.append(py::make_tuple(t.name, ns(t.submitted), ns(t.completed)));
+    return py::make_tuple(out, dropped);
+  }
+
   // Ends the session: pending operations fail (CANCELLED), later calls raise.
   void Close() {
     std::unique_ptr<Communicator> doomed;
@@ -656,6 +678,7 @@ PYBIND11_MODULE(_ciuic, m) {
            py::arg("name") = "", py::arg("priority") = 0, py::arg("timeout_ms") = 0,
            py::arg("compression") = "", py::arg("send_counts") = std::vector<size_t>(),
            py::arg("recv_counts") = std::vector<size_t>())
+      .def("take_op_timings", &PyComm::TakeOpTimings)
       .def("close", &PyComm::Close);
   m.def(
       "device_of",

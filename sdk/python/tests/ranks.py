@@ -1101,3 +1101,41 @@ def cai_refusals(ctx):
         said.append("mixed")
     a.free()
     return len(said)
+
+
+# ------------------------------------------------------------ load balance
+
+def balance_skew(ctx, slow_rank, delay_s, steps, per_step, n):
+    """`steps` steps of `per_step` asynchronous allreduces of n float32 each,
+    waited at the end of the step, as DDP's buckets are: before each
+    submission rank `slow_rank` works (sleeps) `delay_s`, the others
+    delay_s / 2. The last balance() measures the window; its result, the
+    split of 1000 samples, and the reductions' check."""
+    comm = ctx.comm
+    comm.balance()  # the window starts here
+    x = np.full(n, float(ctx.rank + 1), dtype=np.float32)
+    want = float(sum(range(1, ctx.world + 1)))
+    for _ in range(steps):
+        works = []
+        bufs = []
+        for _ in range(per_step):
+            time.sleep(delay_s if ctx.rank == slow_rank else delay_s / 2)
+            b = x.copy()
+            bufs.append(b)
+            works.append(comm.allreduce_async(b))
+        for w in works:
+            w.wait()
+        for b in bufs:
+            if not np.all(b == want):
+                raise AssertionError(f"allreduce gave {b[:4]}, want {want}")
+    b = comm.balance(samples=steps * (8 if ctx.rank == slow_rank else 16))
+    return b.as_dict(), b.split(1000)
+
+
+def balance_bad_samples(ctx):
+    import ciuic
+    try:
+        ctx.comm.balance(samples=-3)
+    except ciuic.InvalidArgumentError as e:
+        return str(e)
+    raise AssertionError("balance(samples=-3) was taken")
