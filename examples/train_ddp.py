@@ -316,10 +316,10 @@ def stop_daemon(daemon):
     os.rmdir(d)
 
 
-def _rank_main(env, args, results):
+def _rank_main(env, args, results, fn=None):
     os.environ.update(env)
     try:
-        summary = train(args)
+        summary = (fn or train)(args)
         if int(env["RANK"]) == 0:
             results.put(summary)
             results.close()
@@ -372,10 +372,12 @@ def supervise(procs, results, grace_s=20):
     return summary, rc
 
 
-def launch(args):
+def launch(args, fn=None):
     """Own launcher: --nodes x --nprocs ranks on this host, node-major (rank
     r on node r // nprocs). With ciuic, one daemon per node (unless one is
-    named for a single node); gloo ranks simply all run on this host."""
+    named for a single node); gloo ranks simply all run on this host. Each
+    rank runs fn(args) (default: train) with torchrun's environment set;
+    rank 0's return value is printed as JSON."""
     import multiprocessing as mp
     world = args.nodes * args.nprocs
     if not args.threads:  # all ranks share this host's cores
@@ -405,7 +407,7 @@ def launch(args):
                        LOCAL_RANK=str(r % args.nprocs), LOCAL_WORLD_SIZE=str(args.nprocs))
             if sockets[r // args.nprocs]:
                 env["CIUIC_SOCKET"] = sockets[r // args.nprocs]
-            procs.append(ctx.Process(target=_rank_main, args=(env, args, results),
+            procs.append(ctx.Process(target=_rank_main, args=(env, args, results, fn),
                                      name=f"rank{r}"))
         summary = None
         try:

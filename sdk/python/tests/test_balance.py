@@ -147,3 +147,32 @@ def test_balance_names_the_slow_rank_across_nodes(mn_pool):
 def test_balance_checks_its_samples(pool):
     for message in pool.run(ranks.balance_bad_samples):
         assert "samples must be a count >= 0, got -3" in message
+
+
+def test_the_balancing_example_moves_samples_off_the_slow_rank():
+    """examples/train_balanced.py, 2 nodes x 1 rank, rank 1 slowed per
+    sample: every epoch's balance() names rank 1, the split moves samples
+    to rank 0, and the losses are those of equal batches (same global
+    batches; only who computes which sample changes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "..", "..", "..", "examples", "train_balanced.py")
+    got = {}
+    for mode in ("--balance", "--no-balance"):
+        cmd = [sys.executable, script, "--nodes", "2", "--nprocs", "1", "--epochs", "3",
+               "--steps-per-epoch", "4", "--global-batch", "96", "--slow-ms-per-sample", "1.0",
+               "--threads", "1", mode]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                             env=dict(os.environ, UCX_TLS="tcp"))
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        got[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    on, off = got["--balance"], got["--no-balance"]
+    assert on["slowest"] == [1, 1, 1] and off["slowest"] == [1, 1, 1], (on, off)
+    assert off["splits"] == [[48, 48]] * 3
+    assert on["splits"][0] == [48, 48]
+    for split in on["splits"][1:]:
+        assert sum(split) == 96 and split[1] < 40, on["splits"]
+    assert abs(on["final_loss"] - off["final_loss"]) <= 1e-4 * abs(off["final_loss"]), (on, off)
