@@ -28,6 +28,11 @@ Scenarios (how ranks are placed and which transport the baselines use):
             tx byte counters are printed per run.
   train     2 namespaces x 1 rank as netns; DDP training (examples/train_ddp.py)
             instead of a collective; see train_compare.py.
+  balance   --nodes N (default 2) x --ranks-per-node R (default 1) loopback
+            nodes, one rank slower per sample: DDP with equal batches against
+            DDP whose per-rank batches follow Communicator.balance()
+            (examples/train_balanced.py --compare, --reps runs of each,
+            interleaved); throughput medians and their ratio.
 --codecs none,fp16,int8,topk:0.01 runs the ciuic system once per codec
 (rows ciuic, ciuic+fp16, ...; lossy rows report max_rel_error) and adds a
 table of each codec's busbw against ciuic uncompressed from the same run.
@@ -785,7 +790,7 @@ def parse_args(argv):
                         "none,fp16,int8,topk:0.01: rows ciuic (none), ciuic+fp16, ... "
                         "(passed as --compression; lossy rows report max_rel_error)")
     p.add_argument("--scenario", default="local",
-                   choices=("local", "loopback", "netns", "train"))
+                   choices=("local", "loopback", "netns", "train", "balance"))
     p.add_argument("--link-rate", default="1gbit",
                    help="netns/train: tbf rate of every veth end (tc syntax, default 1gbit)")
     p.add_argument("--ranks", type=int, help="ranks of the local scenario (default 2)")
@@ -893,6 +898,8 @@ def main(argv):
     if args.scenario == "train":
         import train_compare
         return train_compare.main(args)
+    if args.scenario == "balance":
+        return run_balance(args)
     scenario = make_scenario(args)
     try:
         return run(args, scenario)
@@ -901,6 +908,31 @@ def main(argv):
         return 130
     finally:
         scenario.teardown()
+
+
+def run_balance(args):
+    """--scenario balance: examples/train_balanced.py --compare does the runs."""
+    script = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples",
+                          "train_balanced.py")
+    cmd = [args.python, script, "--compare", "--reps", str(args.reps),
+           "--nodes", str(args.nodes or 2), "--nprocs", str(args.ranks_per_node or 1),
+           "--ciuicd", args.ciuicd]
+    log("running " + " ".join(cmd))
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True,
+                             timeout=args.timeout * 2 * args.reps)
+    except subprocess.TimeoutExpired:
+        print("compare.py: the balance runs took longer than %d s" % (args.timeout * 2 * args.reps))
+        return 1
+    lines = out.stdout.strip().splitlines()
+    for line in lines[:-1]:
+        print(line)
+    if out.returncode != 0 or not lines:
+        return out.returncode or 1
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(lines[-1] + "\n")
+    return 0
 
 
 def run(args, scenario):
