@@ -22,6 +22,7 @@
 #include "collectives/local.h"
 #include "collectives/op.h"
 #include "cuda/device_runner.h"
+#include "engine/op_matcher.h"
 #include "engine/session_limits.h"
 #include "engine/worker_pool.h"
 #include "shm/fast_path_segment.h"
@@ -66,11 +67,12 @@ struct RankPart {
   ValidatedOp op;
 };
 
+// An operation of a job on this node. The fields up to `failure` are the
+// matcher's (op_matcher.h).
 struct PendingOp {
   std::string name;
   OpSignature sig;
   int32_t priority = 0;
-  uint64_t seq = 0;
   Clock::time_point first_submit;
   Clock::time_point deadline;
   std::vector<std::optional<RankPart>> parts;  // by rank
@@ -78,6 +80,7 @@ struct PendingOp {
   int seen_count = 0;
   int submitted = 0;
   absl::Status failure;  // set: poisoned, later submitters get it at once
+  uint64_t seq = 0;
   // Device buffers in a multi-node job: the node buffer on the GPU, which
   // the ClusterJob stages through host memory.
   std::shared_ptr<StagedNodeBuffer> staged;
@@ -104,7 +107,8 @@ struct Job {
   uint64_t next_trace_seq = 0;  // OpRecord::job_seq
   std::map<int, std::shared_ptr<Session>> ranks;
   absl::Status failure;  // sticky once set
-  std::map<std::string, std::shared_ptr<PendingOp>> pending;
+  // The operations some local rank submitted that have not launched.
+  std::optional<OpMatcher<PendingOp, RankPart>> matcher;
   uint64_t ops_completed = 0;
   uint64_t ops_failed = 0;
   uint64_t bytes = 0;
@@ -167,8 +171,6 @@ absl::Status Named(const PendingOp& op, const absl::Status& s) {
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat("operation '", op.name, "': ", s.message()));
 }
-
-std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
 
 absl::Status Errno(absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
@@ -493,6 +495,7 @@ absl::Status Engine::JoinOnLoop(const JoinRequest& r, uid_t* uid_out, uint64_t* 
     slot->uid = session.peer.uid;
     slot->world_size = r.world_size;
     slot->local_size = r.local_size;
+    slot->matcher.emplace(r.world_size, r.local_size);
     const config::Tuning tuning = options_.tuning->Snapshot();
     if (!multi_node && tuning.fast_path_bytes > 0) {
       // Fixed here for the job's life, so that every rank routes alike.
@@ -745,7 +748,7 @@ void Engine::Loop() {
       } else {
         bool any_pending = false;
         for (auto& [key, job] : jobs_) {
-          any_pending |= !job->pending.empty() || !job->in_cluster.empty();
+          any_pending |= !job->matcher->empty() || !job->in_cluster.empty();
         }
         timeout_ms = any_pending ? 100 : -1;
       }
@@ -834,119 +837,89 @@ void Engine::SubmitOnLoop(const std::shared_ptr<Session>& s, const wire::Submiss
   const uint32_t timeout_ms =
       v.timeout_ms != 0 ? v.timeout_ms : options_.tuning->Snapshot().op_timeout_ms;
 
-  std::shared_ptr<PendingOp>& slot = job.pending[v.name];
-  if (!slot) {
-    slot = std::make_shared<PendingOp>();
-    slot->name = v.name;
-    slot->sig = v.sig;
-    slot->priority = v.priority;
-    slot->seq = next_op_seq_++;
-    slot->first_submit = now;
-    slot->deadline = now + std::chrono::milliseconds(timeout_ms);
-    slot->parts.resize(job.world_size);
-    slot->seen.assign(job.world_size, false);
-    slot->trace.uid = job.uid;
-    slot->trace.job_id = job.id;
-    slot->trace.name = v.name;
-    slot->trace.sig = v.sig;
-    slot->trace.bytes = OpBytes(v.sig, job.world_size);
-    slot->trace.submitted = now;
-    slot->trace.job_seq = job.next_trace_seq++;
-    slot->trace.world_size = job.world_size;
-    slot->trace.timeout_ms = timeout_ms;
-  }
-  std::shared_ptr<PendingOp> op = slot;
-  auto forget_if_all_seen = [&] {
-    if (op->seen_count == job.local_size) job.pending.erase(op->name);
-  };
-  if (op->seen[s->rank]) {
-    ++ops_failed_;
-    ++job.ops_failed;
-    return CompleteOnLoop(*s, v.op_id, absl::FailedPreconditionError(absl::StrCat(
-                                           "operation '", v.name, "' submitted twice by rank ",
-                                           s->rank, " while the first is pending")));
-  }
-  op->seen[s->rank] = true;
-  ++op->seen_count;
-  if (!op->failure.ok()) {  // poisoned by a mismatch or a timeout
-    ++ops_failed_;
-    ++job.ops_failed;
-    CompleteOnLoop(*s, v.op_id, op->failure);
-    return forget_if_all_seen();
-  }
-  if (!(v.sig == op->sig)) {
-    int other = -1;
-    for (int r = 0; r < job.world_size; ++r) {
-      if (op->parts[r]) {
-        other = r;
-        break;
+  const int rank = s->rank;
+  const uint64_t op_id = v.op_id;
+  const std::string name = v.name;
+  const OpSignature sig = v.sig;
+  const int32_t priority = v.priority;
+  using Kind = OpMatcher<PendingOp, RankPart>::Submitted::Kind;
+  auto got = job.matcher->Submit(
+      rank, name, sig, priority, now, std::chrono::milliseconds(timeout_ms),
+      RankPart{s, std::move(v)}, [&] {
+        auto op = std::make_shared<PendingOp>();
+        op->seq = next_op_seq_++;
+        op->trace.uid = job.uid;
+        op->trace.job_id = job.id;
+        op->trace.name = name;
+        op->trace.sig = sig;
+        op->trace.bytes = OpBytes(sig, job.world_size);
+        op->trace.submitted = now;
+        op->trace.job_seq = job.next_trace_seq++;
+        op->trace.world_size = job.world_size;
+        op->trace.timeout_ms = timeout_ms;
+        return op;
+      });
+  std::shared_ptr<PendingOp> op = std::move(got.op);
+  switch (got.kind) {
+    case Kind::kRefused:
+      ++ops_failed_;
+      ++job.ops_failed;
+      return CompleteOnLoop(*s, op_id, got.status);
+    case Kind::kMismatch: {
+      spdlog::warn("job '{}': {}", job.id, std::string(got.status.message()));
+      ++ops_failed_;
+      ++job.ops_failed;
+      CompleteOnLoop(*s, op_id, got.status);
+      FailPendingOnLoop(job, *op, got.status);
+      if (job.cluster) {
+        // The other nodes' ranks must hear of it too, at once rather than at
+        // the operation's deadline: the operation goes on without buffers,
+        // carrying the mismatch (the coordinator fails it on every node; a
+        // direct one fails everywhere through its exchange). Nobody here
+        // waits for its end.
+        ClusterOp c;
+        c.key = job.next_cluster_key++;
+        c.name = op->name;
+        c.sig = op->sig;
+        c.splits_error = absl::StrCat("rank ", got.other_rank, " submitted ", op->sig.ToString(),
+                                      ", rank ", rank, " submitted ", sig.ToString());
+        job.cluster->Submit(std::move(c));
       }
+      return;
     }
-    absl::Status mismatch = absl::InvalidArgumentError(
-        absl::StrCat("operation '", v.name, "' mismatched across ranks: rank ", other,
-                     " submitted ", op->sig.ToString(), ", rank ", s->rank, " submitted ",
-                     v.sig.ToString()));
-    spdlog::warn("job '{}': {}", job.id, std::string(mismatch.message()));
-    ++ops_failed_;
-    ++job.ops_failed;
-    CompleteOnLoop(*s, v.op_id, mismatch);
-    FailPendingOnLoop(job, *op, mismatch);
-    if (job.cluster) {
-      // The other nodes' ranks must hear of it too, at once rather than at
-      // the operation's deadline: the operation goes on without buffers,
-      // carrying the mismatch (the coordinator fails it on every node; a
-      // direct one fails everywhere through its exchange). Nobody here
-      // waits for its end.
-      ClusterOp c;
-      c.key = job.next_cluster_key++;
-      c.name = op->name;
-      c.sig = op->sig;
-      c.splits_error = absl::StrCat(
-          "rank ", other, " submitted ", op->sig.ToString(), ", rank ", s->rank, " submitted ",
-          v.sig.ToString());
-      job.cluster->Submit(std::move(c));
-    }
-    return forget_if_all_seen();
-  }
-  op->priority = std::max(op->priority, v.priority);
-  op->deadline = std::min(op->deadline, now + std::chrono::milliseconds(timeout_ms));
-  op->parts[s->rank] = RankPart{s, std::move(v)};
-  op->trace.arrivals.push_back(OpRecord::Arrival{s->rank, now});
-  if (++op->submitted == job.local_size) {
-    RecordSkew(job, op->trace);
-    job.pending.erase(op->name);
-    op->trace.launched = now;
-    LaunchOnLoop(job, std::move(op));
+    case Kind::kWaiting:
+      op->trace.arrivals.push_back(OpRecord::Arrival{rank, now});
+      return;
+    case Kind::kLaunch:
+      op->trace.arrivals.push_back(OpRecord::Arrival{rank, now});
+      RecordSkew(job, op->trace);
+      op->trace.launched = now;
+      return LaunchOnLoop(job, std::move(op));
   }
 }
 
 void Engine::FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& status) {
-  op.failure = status;
   if (op.submitted > 0) {
     ++ops_failed_;
     ++job.ops_failed;
     RecordOnLoop(op, status);
   }
-  for (auto& part : op.parts) {
-    if (!part) continue;
-    CompleteOnLoop(*part->session, part->op.op_id, status);
-    part.reset();
+  for (RankPart& part : job.matcher->Fail(op, status)) {
+    CompleteOnLoop(*part.session, part.op.op_id, status);
   }
-  op.submitted = 0;
 }
 
 void Engine::FailJobOnLoop(Job& job, const absl::Status& status) {
   if (job.failure.ok()) {
     job.failure = status;
-    if (job.pending.empty()) {
+    if (job.matcher->empty()) {
       spdlog::info("job '{}' ends: {}", job.id, std::string(status.message()));
     } else {
       spdlog::warn("job '{}' failed with {} operation(s) pending: {}", job.id,
-                   job.pending.size(), std::string(status.message()));
+                   job.matcher->pending().size(), std::string(status.message()));
     }
   }
-  for (auto& [name, op] : job.pending) FailPendingOnLoop(job, *op, status);
-  job.pending.clear();
+  for (auto& op : job.matcher->TakeAll()) FailPendingOnLoop(job, *op, status);
   // Its device operations still waiting for their ranks' streams.
   if (device_runner_) device_runner_->FailJob(job.key, job.failure);
   if (job.fast) job.fast->Abort(job.failure);
@@ -982,17 +955,10 @@ void Engine::CheckDeadlinesOnLoop() {
         "coordinator ", job.coordinator, " yet")));
   }
   for (auto& [key, job] : jobs_) {
-    for (auto& [name, op] : job->pending) {
-      if (!op->failure.ok() || now < op->deadline) continue;
-      std::vector<int> waiting;
-      for (auto& [r, session] : job->ranks) {
-        if (!op->seen[r]) waiting.push_back(r);
-      }
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->first_submit);
-      absl::Status s = absl::DeadlineExceededError(absl::StrCat(
-          "operation '", name, "' of job '", job->id, "' timed out after ", ms.count(),
-          " ms waiting for rank(s) ",
-          waiting.empty() ? "of this node that have not joined" : RankList(waiting)));
+    if (job->matcher->empty()) continue;
+    std::vector<int> joined;
+    for (auto& [r, session] : job->ranks) joined.push_back(r);
+    for (auto& [op, s] : job->matcher->Expired(now, joined, job->id)) {
       spdlog::warn("{}", std::string(s.message()));
       FailPendingOnLoop(*job, *op, s);
     }
@@ -1191,7 +1157,9 @@ EngineTrace Engine::Trace(const std::string& job_id, uint32_t last,
     for (const auto& [key, job] : jobs_) {
       if ((owner && job->uid != *owner) || (!job_id.empty() && job->id != job_id)) continue;
       std::vector<std::pair<const PendingOp*, const char*>> live;
-      for (const auto& [name, op] : job->pending) live.emplace_back(op.get(), "scheduled");
+      for (const auto& [name, op] : job->matcher->pending()) {
+        live.emplace_back(op.get(), "scheduled");
+      }
       for (const auto& [k, op] : job->in_cluster) live.emplace_back(op.get(), "started");
       std::sort(live.begin(), live.end(), [](const auto& a, const auto& b) {
         return a.first->trace.job_seq < b.first->trace.job_seq;
@@ -1282,7 +1250,7 @@ EngineStatus Engine::StatusOnLoop() {
     row.duration_counts = job->duration_counts;
     row.duration_sum_seconds = job->duration_sum_seconds;
     std::vector<std::shared_ptr<PendingOp>> ops;
-    for (auto& [name, op] : job->pending) ops.push_back(op);
+    for (auto& [name, op] : job->matcher->pending()) ops.push_back(op);
     std::sort(ops.begin(), ops.end(), [](auto& a, auto& b) { return a->seq < b->seq; });
     for (auto& op : ops) {
       EngineStatus::PendingRow p;
