@@ -271,10 +271,20 @@ def train(args):
 
 # --------------------------------------------------------------- launcher
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n distinct free TCP ports: each socket stays bound until all are
+    chosen, so that the kernel cannot hand out one port twice (a daemon's
+    peer port equal to MASTER_PORT fails torch's store with EADDRINUSE)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def find_ciuicd(args):
@@ -382,7 +392,8 @@ def launch(args, fn=None):
     world = args.nodes * args.nprocs
     if not args.threads:  # all ranks share this host's cores
         args.threads = max(1, (os.cpu_count() or 1) // world)
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ports = free_ports(1 + args.nodes)
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])}
     daemons, sockets = [], [None] * args.nodes
     rc = 0
     try:
@@ -393,7 +404,7 @@ def launch(args, fn=None):
                 env = {"UCX_TLS": args.ucx_tls, "UCX_WARN_UNUSED_ENV_VARS": "n"}
                 for k in range(args.nodes):
                     daemons.append(start_daemon(binary, f"train-ddp-node{k}",
-                                                f"127.0.0.1:{free_port()}", env))
+                                                f"127.0.0.1:{ports[1 + k]}", env))
                 sockets = [dm[1] for dm in daemons]
                 base["CIUIC_COORDINATOR"] = daemons[0][3]
             elif args.socket is None and not os.environ.get("CIUIC_SOCKET"):

@@ -163,7 +163,7 @@ def test_the_balancing_example_moves_samples_off_the_slow_rank():
     got = {}
     for mode in ("--balance", "--no-balance"):
         cmd = [sys.executable, script, "--nodes", "2", "--nprocs", "1", "--epochs", "3",
-               "--steps-per-epoch", "4", "--global-batch", "96", "--slow-ms-per-sample", "1.0",
+               "--steps-per-epoch", "4", "--global-batch", "96", "--slow-ms-per-sample", "2.0",
                "--threads", "1", mode]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                              env=dict(os.environ, UCX_TLS="tcp"))
@@ -173,6 +173,9 @@ def test_the_balancing_example_moves_samples_off_the_slow_rank():
     assert on["slowest"] == [1, 1, 1] and off["slowest"] == [1, 1, 1], (on, off)
     assert off["splits"] == [[48, 48]] * 3
     assert on["splits"][0] == [48, 48]
+    # Rank 1 is several times slower per sample (the busy loop alone is
+    # 96 ms a step at 48 samples): it gets well under half from the first
+    # rebalancing on, even on a loaded machine.
     for split in on["splits"][1:]:
         assert sum(split) == 96 and split[1] < 40, on["splits"]
     assert abs(on["final_loss"] - off["final_loss"]) <= 1e-4 * abs(off["final_loss"]), (on, off)
