@@ -254,7 +254,8 @@ int Main(int argc, char** argv) {
   options.max_arena_bytes = cfg.max_arena_bytes;
   options.tuning = &tuning;
   options.node_name = cfg.node_name;
-  options.transports = UcxTransportFactory();
+  options.transports = UcxTransportFactory(cfg.channel_devices);
+  options.channels = static_cast<int>(cfg.channel_devices.size());
   options.coordinator_clients = GrpcCoordinatorClients(security);
   if (listen->empty()) {
     options.check_coordinator = [](const std::string&) {

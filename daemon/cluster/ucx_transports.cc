@@ -23,9 +23,9 @@ class UcxUnconnected final : public UnconnectedTransport {
 
 }  // namespace
 
-TransportFactory UcxTransportFactory() {
-  return [](int channels) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
-    auto t = UcxTransport::Create(channels);
+TransportFactory UcxTransportFactory(std::vector<std::string> devices) {
+  return [devices](int channels) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
+    auto t = UcxTransport::Create(channels, devices);
     if (!t.ok()) return t.status();
     return std::unique_ptr<UnconnectedTransport>(new UcxUnconnected(std::move(*t)));
   };

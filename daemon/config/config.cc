@@ -39,6 +39,7 @@ constexpr size_t kMaxSocketPathLength = 107;
 constexpr uint64_t kMaxWorldSizeLimit = uint64_t{1} << 24;
 constexpr uint64_t kMaxSessionsLimit = 1u << 20;
 constexpr size_t kMaxPeerEntries = 4096;
+constexpr size_t kMaxChannelDevices = 64;  // cluster/membership.h kMaxChannels
 
 // Parses one YAML document into a DaemonConfig, turning each problem into a
 // status prefixed with "source:line: ".
@@ -86,6 +87,9 @@ class Parser {
          })},
         {"peers", [&](const YAML::Node& key,
                       const YAML::Node& value) { return SetPeers(key, value, config); }},
+        {"channel_devices", [&](const YAML::Node& key, const YAML::Node& value) {
+           return SetChannelDevices(key, value, config);
+         }},
         {"metrics_listen", Scalar([&](const auto& key, const auto& value) {
            if (value.empty()) {
              config.metrics_listen.clear();
@@ -311,24 +315,39 @@ class Parser {
   }
 
   // A YAML list, or one string of comma-separated entries; "" or [] = none.
-  absl::Status SetPeers(const YAML::Node& key, const YAML::Node& value, DaemonConfig& config) {
-    std::vector<std::pair<std::string, YAML::Node>> entries;
-    if (value.IsNull()) {
-      // `peers:` with nothing after it: none.
-    } else if (value.IsScalar()) {
+  // The entries of a key whose value is a YAML list or a comma-separated
+  // string (`name: a, b` or `name: [a, b]`; nothing after the key: none),
+  // each with its node for error lines.
+  absl::Status ListEntries(const YAML::Node& value, absl::string_view name,
+                           absl::string_view what,
+                           std::vector<std::pair<std::string, YAML::Node>>* entries) {
+    if (value.IsNull()) return absl::OkStatus();
+    if (value.IsScalar()) {
       for (absl::string_view part : absl::StrSplit(value.Scalar(), ',')) {
         part = absl::StripAsciiWhitespace(part);
-        if (!part.empty()) entries.emplace_back(std::string(part), value);
+        if (!part.empty()) entries->emplace_back(std::string(part), value);
       }
-    } else if (value.IsSequence()) {
+      return absl::OkStatus();
+    }
+    if (value.IsSequence()) {
       for (const YAML::Node& item : value) {
-        if (!item.IsScalar()) return Error(item, "each entry of 'peers' must be a single value");
-        entries.emplace_back(std::string(absl::StripAsciiWhitespace(item.Scalar())), item);
+        if (!item.IsScalar()) {
+          return Error(item, absl::StrCat("each entry of '", name, "' must be a single value"));
+        }
+        entries->emplace_back(std::string(absl::StripAsciiWhitespace(item.Scalar())), item);
       }
-    } else {
-      return Error(value,
-                   "'peers' must be a list (or a comma-separated string) of addresses, "
-                   "CIDR ranges and host names");
+      return absl::OkStatus();
+    }
+    return Error(value, absl::StrCat("'", name, "' must be a list (or a comma-separated string) of ",
+                                     what));
+  }
+
+  absl::Status SetPeers(const YAML::Node& key, const YAML::Node& value, DaemonConfig& config) {
+    std::vector<std::pair<std::string, YAML::Node>> entries;
+    if (absl::Status s =
+            ListEntries(value, "peers", "addresses, CIDR ranges and host names", &entries);
+        !s.ok()) {
+      return s;
     }
     if (entries.size() > kMaxPeerEntries) {
       return Error(
@@ -340,6 +359,33 @@ class Parser {
         return Error(node, absl::StrCat("invalid entry in 'peers': ", s.message()));
       }
       config.peers.push_back(entry);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SetChannelDevices(const YAML::Node& key, const YAML::Node& value,
+                                 DaemonConfig& config) {
+    std::vector<std::pair<std::string, YAML::Node>> entries;
+    if (absl::Status s = ListEntries(value, "channel_devices", "network devices", &entries);
+        !s.ok()) {
+      return s;
+    }
+    if (entries.size() > kMaxChannelDevices) {
+      return Error(key, absl::StrCat("'channel_devices' has ", entries.size(),
+                                     " entries; at most ", kMaxChannelDevices, " channels"));
+    }
+    config.channel_devices.clear();
+    for (const auto& [entry, node] : entries) {
+      const bool ok = entry.size() <= 64 && std::all_of(entry.begin(), entry.end(), [](char c) {
+                        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == ':' ||
+                               c == '-' || c == '@';
+                      });
+      if (!ok) {
+        return Error(node, absl::StrCat("invalid entry '", entry,
+                                        "' in 'channel_devices': a network device as UCX names "
+                                        "it (e.g. eth1, mlx5_0:1), at most 64 characters"));
+      }
+      config.channel_devices.push_back(entry);
     }
     return absl::OkStatus();
   }

@@ -44,6 +44,13 @@ struct DaemonConfig {
   // cluster-token handshake alone protects the token. A YAML list or a
   // comma-separated string.
   std::vector<std::string> peers;
+  // One network device per inter-node channel (UCX's NET_DEVICES of that
+  // channel's context, e.g. eth1, mlx5_0:1): channel i sends only through
+  // device i, so that a node pair joined by several links uses each. Sets
+  // the channel count (tuning `channels` is then not used); every node of
+  // a job needs as many. Empty: every channel uses every device UCX picks.
+  // A YAML list or a comma-separated string.
+  std::vector<std::string> channel_devices;
   // TCP port of the ordering streams that the other nodes' daemons open to
   // this one for the jobs it coordinates, on the host of `listen`; 0 = a
   // free port, announced to the nodes when a job forms. 0..65535.

@@ -103,6 +103,7 @@ TEST(ConfigTest, ExampleFileParses) {
   EXPECT_EQ(config->max_arena_bytes_total, defaults.max_arena_bytes_total);
   EXPECT_EQ(config->insecure_no_auth, defaults.insecure_no_auth);
   EXPECT_EQ(config->peers, defaults.peers);
+  EXPECT_EQ(config->channel_devices, defaults.channel_devices);
   EXPECT_EQ(config->tuning, defaults.tuning);
 }
 
@@ -114,7 +115,7 @@ TEST(ConfigTest, ExampleMentionsEveryKey) {
                           "metrics_listen:", "admin_group:", "max_world_size:",
                           "max_sessions:", "max_sessions_per_uid:", "max_jobs_per_uid:",
                           "max_arena_bytes_per_uid:", "max_arena_bytes_total:",
-                          "insecure_no_auth:", "peers:", "tuning:"}) {
+                          "insecure_no_auth:", "peers:", "channel_devices:", "tuning:"}) {
     EXPECT_THAT(text, HasSubstr(key));
   }
   for (const char* key : {"tls_cert_file:", "tls_key_file:", "tls_ca_file:"}) {
@@ -338,6 +339,25 @@ TEST(ConfigTest, PeersAreAListOrACommaSeparatedStringCheckedEntryByEntry) {
               HasSubstr("config.yaml:1: invalid entry in 'peers': 'bad host!' is neither"));
   EXPECT_THAT(ErrorOf("peers:\n  a: b\n"), HasSubstr("config.yaml:2: 'peers' must be a list"));
   EXPECT_THAT(ErrorOf("peers:\n  - [1]\n"), HasSubstr("each entry of 'peers'"));
+}
+
+TEST(ConfigTest, ChannelDevicesAreAListOfDeviceNames) {
+  auto list = Parse("channel_devices:\n  - eth1\n  - mlx5_0:1\n");
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->channel_devices, (std::vector<std::string>{"eth1", "mlx5_0:1"}));
+  auto comma = Parse("channel_devices: \"veth-a, veth-b\"\n");
+  ASSERT_TRUE(comma.ok()) << comma.status();
+  EXPECT_EQ(comma->channel_devices, (std::vector<std::string>{"veth-a", "veth-b"}));
+  EXPECT_TRUE(Parse("channel_devices: []\n")->channel_devices.empty());
+  EXPECT_EQ(ErrorOf("channel_devices:\n  - eth1\n  - \"eth 2\"\n"),
+            "config.yaml:3: invalid entry 'eth 2' in 'channel_devices': a network device as UCX "
+            "names it (e.g. eth1, mlx5_0:1), at most 64 characters");
+  std::string many = "channel_devices: \"";
+  for (int i = 0; i < 65; ++i) many += "d" + std::to_string(i) + ",";
+  EXPECT_THAT(ErrorOf(many + "\"\n"), HasSubstr("'channel_devices' has 65 entries; at most 64"));
+  EXPECT_THAT(ErrorOf("channel_devices:\n  a: b\n"),
+              HasSubstr("'channel_devices' must be a list (or a comma-separated string) of "
+                        "network devices"));
 }
 
 TEST(ConfigTest, TlsKeysComeAllThreeOrNone) {

@@ -576,7 +576,8 @@ void Engine::StartClusterOnLoop(Job& job) {
   for (auto& [rank, s] : job.ranks) o.local_ranks.push_back(rank);
   o.node_name = options_.node_name;
   o.coordinator = job.coordinator;
-  o.channels = static_cast<int>(options_.tuning->Snapshot().channels);
+  o.channels = options_.channels > 0 ? options_.channels
+                                     : static_cast<int>(options_.tuning->Snapshot().channels);
   o.tuning = options_.tuning;
   o.transports = options_.transports;
   o.coordinator_clients = options_.coordinator_clients;

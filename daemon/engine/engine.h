@@ -171,6 +171,9 @@ class Engine {
     // are refused.
     std::string node_name;
     TransportFactory transports;
+    // Channels of every multi-node job (the config's channel_devices, one
+    // each); 0: tuning `channels` when the job starts.
+    int channels = 0;
     CoordinatorClientFactory coordinator_clients;
     // May be empty. Asked, on the joining thread (it may resolve names),
     // whether a multi-node job may use the coordinator host:port its

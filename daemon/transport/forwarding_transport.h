@@ -33,6 +33,7 @@ class ForwardingTransport : public Transport {
     inner_->RecvReduce(peer, channel, tag, into, bytes, std::move(done));
   }
   void FailPeer(int peer, const absl::Status& why) override { inner_->FailPeer(peer, why); }
+  std::vector<ChannelLoad> ChannelLoads() const override { return inner_->ChannelLoads(); }
 
  protected:
   Transport* inner() const { return inner_; }

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "ciuic/shm_layout.h"
@@ -76,6 +77,19 @@ class Transport {
   // Fails every pending and future transfer with `peer` (used when the
   // control plane learns first that a node is gone).
   virtual void FailPeer(int peer, const absl::Status& why) = 0;
+
+  // How much each channel has carried, cumulative since the transport was
+  // made: bytes of sends completed successfully, and the time with at least
+  // one send in flight (periods that have ended). bytes / busy time is what
+  // the channel's link carries while it has work (the channels' weights,
+  // daemon/cluster/channel_weights.h). `device`: the channel's network
+  // device ("" = whichever UCX picks). Empty: not measured.
+  struct ChannelLoad {
+    uint64_t bytes_sent = 0;
+    uint64_t busy_ns = 0;
+    std::string device;
+  };
+  virtual std::vector<ChannelLoad> ChannelLoads() const { return {}; }
 };
 
 }  // namespace ciuic::daemon

@@ -91,7 +91,10 @@ absl::Status Annotate(const absl::Status& s, const std::string& what) {
 // ---------------------------------------------------------------------------
 
 struct UcxTransport::Shared {
-  ucp_context_h context = nullptr;
+  // One context for every channel, or one per channel when each has its
+  // own network device (Create's `devices`).
+  std::vector<ucp_context_h> contexts;
+  std::vector<std::string> devices;
   ucp_datatype_t reducer_dt = 0;  // kReducerOps; valid when has_reducer_dt
   bool has_reducer_dt = false;
   std::string tls;  // UCX_TLS as configured, for Describe
@@ -136,6 +139,7 @@ struct UcxTransport::Op {
   bool posted = false;      // the nbx call has returned
   bool fired = false;       // the ucp callback ran
   bool abandoned = false;   // completed by the shutdown deadline, ucp still holds it
+  bool timed = false;       // a send counted in its channel's load (ChannelLoads)
   ucs_status_t ucs = UCS_OK;
   size_t received = 0;
   std::list<Op*>::iterator pos;
@@ -450,6 +454,8 @@ class UcxTransport::Channel {
       }
       param.cb.send = &Channel::OnSendDone;
       sent_to_[op->peer] = true;
+      op->timed = true;
+      if (sends_in_flight_++ == 0) busy_since_ = std::chrono::steady_clock::now();
       ptr = ucp_tag_send_nbx(ep, buffer, op->bytes, WireTag(owner_->self_, op->tag), &param);
     } else {
       // No immediate completion: the length then always comes through the
@@ -567,6 +573,15 @@ class UcxTransport::Channel {
     op->request = nullptr;
     std::unique_ptr<Op> owned(op);
     absl::Status result = ResultOf(*op);
+    if (op->timed) {
+      if (result.ok()) sent_bytes_.fetch_add(op->bytes, std::memory_order_relaxed);
+      if (--sends_in_flight_ == 0) {
+        busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now() - busy_since_)
+                               .count(),
+                           std::memory_order_relaxed);
+      }
+    }
     Finish(std::move(owned), result);
   }
 
@@ -964,6 +979,20 @@ class UcxTransport::Channel {
   ucs_status_t control_status_ = UCS_OK;
   uint64_t control_tag_ = 0;
   uint64_t control_buf_ = 0;
+  // The channel's load (ChannelLoads): sends in flight and since when
+  // (thread-owned), and the totals other threads read.
+  int sends_in_flight_ = 0;
+  Clock::time_point busy_since_;
+  std::atomic<uint64_t> sent_bytes_{0};
+  std::atomic<uint64_t> busy_ns_{0};
+
+ public:
+  Transport::ChannelLoad Load() const {
+    Transport::ChannelLoad load;
+    load.bytes_sent = sent_bytes_.load(std::memory_order_relaxed);
+    load.busy_ns = busy_ns_.load(std::memory_order_relaxed);
+    return load;
+  }
 };
 
 // ---------------------------------------------------------------------------
@@ -986,39 +1015,60 @@ absl::StatusOr<T> CallOnThread(UcxTransport::Channel& channel, std::function<T()
 
 UcxTransport::UcxTransport() : shared_(std::make_unique<Shared>()) {}
 
-absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_channels) {
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(
+    int num_channels, const std::vector<std::string>& devices) {
   if (num_channels < 1) {
     return absl::InvalidArgumentError("need at least one channel, got " +
                                       std::to_string(num_channels));
   }
+  if (!devices.empty() && devices.size() != static_cast<size_t>(num_channels)) {
+    return absl::InvalidArgumentError("channel_devices names " + std::to_string(devices.size()) +
+                                      " device(s) for " + std::to_string(num_channels) +
+                                      " channel(s)");
+  }
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   PollWindow();  // a bad CIUIC_UCX_POLL_US is reported now, not from a channel thread
-  ucp_config_t* config = nullptr;
-  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
-  if (st != UCS_OK) return absl::InternalError("ucp_config_read: " + UcsError(st));
-  // UCX's tcp transport cuts messages into 8 KiB segments by default;
-  // 256 KiB ones measured 10-25% faster for bulk chunks on loopback here.
-  // An operator's UCX_TCP_*_SEG_SIZE wins. ucp_config_modify takes the
-  // transport's own field name without its "TCP_" prefix: UCX 1.13 keeps
-  // "TCP_TX_SEG_SIZE" as an unknown key, ignores it and warns "invalid
-  // configuration" when the worker starts (checked with ucp_ep_print_info:
-  // eager sends stay at 8 KiB then). No other transport has these fields.
-  for (const char* key : {"TX_SEG_SIZE", "RX_SEG_SIZE"}) {
-    if (getenv((std::string("UCX_TCP_") + key).c_str()) == nullptr) {
-      ucp_config_modify(config, key, "256k");
+  const int contexts = devices.empty() ? 1 : num_channels;
+  for (int i = 0; i < contexts; ++i) {
+    ucp_config_t* config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    if (st != UCS_OK) return absl::InternalError("ucp_config_read: " + UcsError(st));
+    // UCX's tcp transport cuts messages into 8 KiB segments by default;
+    // 256 KiB ones measured 10-25% faster for bulk chunks on loopback here.
+    // An operator's UCX_TCP_*_SEG_SIZE wins. ucp_config_modify takes the
+    // transport's own field name without its "TCP_" prefix: UCX 1.13 keeps
+    // "TCP_TX_SEG_SIZE" as an unknown key, ignores it and warns "invalid
+    // configuration" when the worker starts (checked with ucp_ep_print_info:
+    // eager sends stay at 8 KiB then). No other transport has these fields.
+    for (const char* key : {"TX_SEG_SIZE", "RX_SEG_SIZE"}) {
+      if (getenv((std::string("UCX_TCP_") + key).c_str()) == nullptr) {
+        ucp_config_modify(config, key, "256k");
+      }
     }
+    if (!devices.empty()) {
+      st = ucp_config_modify(config, "NET_DEVICES", devices[i].c_str());
+      if (st != UCS_OK) {
+        ucp_config_release(config);
+        return absl::InvalidArgumentError("channel " + std::to_string(i) + ": network device '" +
+                                          devices[i] + "': " + UcsError(st));
+      }
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;  // each worker has its own thread
+    ucp_context_h context = nullptr;
+    st = ucp_init(&params, config, &context);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+      return absl::UnavailableError("ucp_init" +
+                                    (devices.empty() ? "" : " for device '" + devices[i] + "'") +
+                                    ": " + UcsError(st));
+    }
+    t->shared_->contexts.push_back(context);
   }
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-  params.mt_workers_shared = 0;  // each worker has its own thread
-  st = ucp_init(&params, config, &t->shared_->context);
-  ucp_config_release(config);
-  if (st != UCS_OK) {
-    t->shared_->context = nullptr;
-    return absl::UnavailableError("ucp_init: " + UcsError(st));
-  }
-  st = ucp_dt_create_generic(&kReducerOps, nullptr, &t->shared_->reducer_dt);
+  t->shared_->devices = devices;
+  ucs_status_t st = ucp_dt_create_generic(&kReducerOps, nullptr, &t->shared_->reducer_dt);
   if (st != UCS_OK) return absl::InternalError("ucp_dt_create_generic: " + UcsError(st));
   t->shared_->has_reducer_dt = true;
   if (const char* mm = std::getenv("UCX_MM_ERROR_HANDLING"); mm != nullptr && mm[0] == 'y') {
@@ -1031,15 +1081,31 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int num_chann
   t->shared_->tls = tls != nullptr ? tls : "all (default)";
   for (int i = 0; i < num_channels; ++i) {
     auto channel = std::make_unique<Channel>(t.get(), i);
-    absl::Status s = channel->Init(t->shared_->context);
+    absl::Status s = channel->Init(t->shared_->contexts[devices.empty() ? 0 : i]);
     t->channels_.push_back(std::move(channel));
-    if (!s.ok()) return s;  // the destructor cleans up what exists
+    if (!s.ok()) {
+      if (devices.empty()) return s;  // the destructor cleans up what exists
+      return absl::Status(s.code(), "channel " + std::to_string(i) + " on device '" + devices[i] +
+                                        "': " + std::string(s.message()));
+    }
     t->addresses_.push_back(t->channels_.back()->address());
   }
   for (auto& channel : t->channels_) channel->Start();
-  spdlog::info("ucx transport: UCX {}, UCX_TLS={}, {} channel(s)", UcxVersion(), t->shared_->tls,
-               num_channels);
+  std::string on;
+  for (const std::string& d : devices) on += (on.empty() ? " on devices " : ",") + d;
+  spdlog::info("ucx transport: UCX {}, UCX_TLS={}, {} channel(s){}", UcxVersion(),
+               t->shared_->tls, num_channels, on);
   return t;
+}
+
+std::vector<Transport::ChannelLoad> UcxTransport::ChannelLoads() const {
+  std::vector<ChannelLoad> out;
+  for (size_t i = 0; i < channels_.size(); ++i) {
+    ChannelLoad load = channels_[i]->Load();
+    if (i < shared_->devices.size()) load.device = shared_->devices[i];
+    out.push_back(std::move(load));
+  }
+  return out;
 }
 
 UcxTransport::~UcxTransport() {
@@ -1050,7 +1116,7 @@ UcxTransport::~UcxTransport() {
     channel->DestroyUnstarted();
   }
   channels_.clear();
-  if (shared_->context != nullptr) ucp_cleanup(shared_->context);
+  for (ucp_context_h context : shared_->contexts) ucp_cleanup(context);
   if (shared_->has_reducer_dt) ucp_dt_destroy(shared_->reducer_dt);
 }
 

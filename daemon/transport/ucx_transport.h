@@ -46,8 +46,12 @@ class UcxTransport final : public Transport {
 
   // Creates the ucp context and `num_channels` workers and starts their
   // progress threads. No endpoints yet: publish WorkerAddresses(), then
-  // Connect() with everybody's.
-  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(int num_channels);
+  // Connect() with everybody's. With `devices` (one per channel, so
+  // num_channels of them), channel i gets a context of its own restricted
+  // to network device devices[i] (UCX's NET_DEVICES): its worker address
+  // holds only that device's addresses, and its traffic takes that link.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(
+      int num_channels, const std::vector<std::string>& devices = {});
 
   // Fails every queued and pending transfer with UNAVAILABLE "transport shut
   // down", force-closes the endpoints, stops the threads and destroys the
@@ -77,6 +81,7 @@ class UcxTransport final : public Transport {
   void RecvReduce(int peer, int channel, uint64_t tag, const ReduceInto& into, size_t bytes,
                   TransferDone done) override;
   void FailPeer(int peer, const absl::Status& why) override;
+  std::vector<ChannelLoad> ChannelLoads() const override;
 
   // The peer's sticky failure, or OK.
   absl::Status PeerStatus(int peer) const;

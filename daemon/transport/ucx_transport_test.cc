@@ -120,11 +120,11 @@ struct Ranks {
   UcxTransport& operator[](int i) { return *t[i]; }
 };
 
-Ranks MakeRanks(int n, int channels) {
+Ranks MakeRanks(int n, int channels, const std::vector<std::string>& devices = {}) {
   Ranks r;
   std::vector<std::vector<std::string>> addresses;
   for (int i = 0; i < n; ++i) {
-    auto t = UcxTransport::Create(channels);
+    auto t = UcxTransport::Create(channels, devices);
     EXPECT_TRUE(t.ok()) << t.status().ToString();
     if (!t.ok()) return r;
     addresses.push_back((*t)->WorkerAddresses());
@@ -249,6 +249,46 @@ TEST(UcxTransportTest, SelfSendOverTcpOnly) {
   EXPECT_TRUE(done.status(1).ok()) << done.status(1).ToString();
   EXPECT_EQ(in, out);
   std::printf("%s", r[0].Describe().c_str());
+}
+
+// Channels on named devices (here both on loopback, each with a context of
+// its own), and each channel's load: the bytes its completed sends carried
+// and the time it had sends in flight.
+TEST(UcxTransportTest, ChannelsOnDevicesCountTheirLoad) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 2, {"lo", "lo"});
+  ASSERT_EQ(r.t.size(), 2u);
+  std::vector<Transport::ChannelLoad> before = r[0].ChannelLoads();
+  ASSERT_EQ(before.size(), 2u);
+  EXPECT_EQ(before[0].device, "lo");
+  EXPECT_EQ(before[0].bytes_sent, 0u);
+  EXPECT_EQ(before[1].busy_ns, 0u);
+  constexpr int kMessages = 8;
+  std::vector<std::vector<uint8_t>> out(kMessages, std::vector<uint8_t>(kMiB)),
+      in(kMessages, std::vector<uint8_t>(kMiB));
+  Completions done(2 * kMessages);
+  for (int i = 0; i < kMessages; ++i) {
+    Fill(out[i], i);
+    r[1].Recv(0, 1, 100 + i, in[i].data(), kMiB, done.Slot(2 * i));
+    r[0].Send(1, 1, 100 + i, out[i].data(), kMiB, done.Slot(2 * i + 1));
+  }
+  ASSERT_TRUE(done.WaitAll(milliseconds(20000)));
+  for (int i = 0; i < 2 * kMessages; ++i) EXPECT_TRUE(done.status(i).ok()) << done.status(i);
+  for (int i = 0; i < kMessages; ++i) EXPECT_EQ(in[i], out[i]);
+  std::vector<Transport::ChannelLoad> after = r[0].ChannelLoads();
+  EXPECT_EQ(after[0].bytes_sent, 0u);
+  EXPECT_EQ(after[0].busy_ns, 0u);
+  EXPECT_EQ(after[1].bytes_sent, kMessages * kMiB);
+  EXPECT_GT(after[1].busy_ns, 0u);
+  EXPECT_EQ(r[1].ChannelLoads()[1].bytes_sent, 0u);  // receives are not counted
+  // Devices must be one per channel, and known to UCX.
+  auto wrong = UcxTransport::Create(2, {"lo"});
+  EXPECT_EQ(wrong.status().message(), "channel_devices names 1 device(s) for 2 channel(s)");
+  auto unknown = UcxTransport::Create(1, {"no-such-dev0"});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("ucp_init for device 'no-such-dev0'"),
+            std::string::npos)
+      << unknown.status();
 }
 
 TEST(UcxTransportTest, TagsAreMatchedBySourcePeerAndTag) {
