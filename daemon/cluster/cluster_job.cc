@@ -409,10 +409,12 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   run.settings.codec = r.codec();
   run.settings.segment_bytes = r.segment_bytes();
   run.settings.segments = r.segments();
+  run.settings.channel_shares.assign(r.channel_shares().begin(), r.channel_shares().end());
   absl::Status broken;
   if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
       run.settings.chunks_in_flight > 64 || run.settings.segments > kMaxSegments ||
-      r.algorithm() > static_cast<uint32_t>(config::Algorithm::kHalvingDoubling)) {
+      r.algorithm() > static_cast<uint32_t>(config::Algorithm::kHalvingDoubling) ||
+      !ValidChannelShares(run.settings.channel_shares, options_.channels)) {
     broken = absl::InternalError(
         absl::StrCat("coordinator announced run ", run.seq, " of '", r.name(),
                      "' without valid settings (a daemon of another version?)"));
@@ -651,7 +653,8 @@ void ClusterJob::Run() {
             break;
           }
         }
-        const proto::NodeEvent ready = ReadyFor(e.op);
+        proto::NodeEvent ready = ReadyFor(e.op);
+        AddChannelRates(ready);
         const std::string name = e.op.name;
         // Stamped before the Ready goes: once it has, the Run may come (and
         // the timing be read) before this thread runs again.
@@ -810,7 +813,47 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, Clock::time_point deadline
   ctx.deadline = deadline;
   ctx.scratch = &lane.scratch;
   ctx.yield = &lane.yield;
+  ctx.channel_table = ChannelTable(settings.channel_shares);
+  if (!settings.channel_shares.empty()) {
+    std::lock_guard<std::mutex> lock(channels_mu_);
+    channel_shares_ = settings.channel_shares;
+  }
   return ctx;
+}
+
+void ClusterJob::AddChannelRates(proto::NodeEvent& ready) {
+  Transport* t = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    t = transport_.get();
+  }
+  if (t == nullptr) return;
+  std::vector<Transport::ChannelLoad> loads = t->ChannelLoads();
+  // Weights only where the channels have links of their own: channels on
+  // the same devices share their links, and weighing them would only follow
+  // noise.
+  if (loads.size() < 2 || loads[0].device.empty()) return;
+  std::lock_guard<std::mutex> lock(channels_mu_);
+  channel_rates_.Update(loads);
+  channel_devices_.clear();
+  for (const auto& l : loads) channel_devices_.push_back(l.device);
+  for (double r : channel_rates_.rates()) ready.mutable_ready()->add_channel_rates(r);
+}
+
+std::vector<ClusterJob::ChannelRow> ClusterJob::Channels() const {
+  std::lock_guard<std::mutex> lock(channels_mu_);
+  std::vector<ChannelRow> rows;
+  const std::vector<double>& rates = channel_rates_.rates();
+  for (size_t c = 0; c < rates.size(); ++c) {
+    ChannelRow row;
+    row.device = c < channel_devices_.size() ? channel_devices_[c] : "";
+    row.rate_bytes_per_s = rates[c];
+    row.share = c < channel_shares_.size()
+                    ? static_cast<double>(channel_shares_[c]) / kChannelSlots
+                    : 1.0 / static_cast<double>(rates.size());
+    rows.push_back(std::move(row));
+  }
+  return rows;
 }
 
 }  // namespace ciuic::daemon

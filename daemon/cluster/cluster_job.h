@@ -51,6 +51,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cluster/channel_weights.h"
 #include "cluster/coordinator.h"
 #include "cluster/coordinator_client.h"
 #include "cluster/direct_exchange.h"
@@ -219,6 +220,16 @@ class ClusterJob {
     uint64_t bytes_received = 0;
   };
   std::vector<PeerRow> Peers();
+
+  // The job's channels (more than one): device, the rate this node has
+  // measured on it, and its share of the latest run's chunks
+  // (channel_weights.h). Empty with one channel, or before any Ready.
+  struct ChannelRow {
+    std::string device;  // "" = whichever UCX picks
+    double rate_bytes_per_s = 0;  // 0: not measured yet
+    double share = 0;             // of a run's chunks, 0..1
+  };
+  std::vector<ChannelRow> Channels() const;
 
   struct CompressionCounters {
     uint64_t ops = 0;         // operations that went compressed
@@ -416,6 +427,9 @@ class ClusterJob {
   InterNodeContext ContextFor(uint64_t seq, std::chrono::steady_clock::time_point deadline,
                               const RunSettings& settings,
                               Lane& lane);
+  // Adds this node's channel rates to a Ready (ChannelRates, from the
+  // transport's loads now).
+  void AddChannelRates(proto::NodeEvent& ready);
   // The announced codec (nullptr: uncompressed); an error for a spec this
   // daemon cannot parse.
   absl::StatusOr<const Codec*> CodecNamed(const std::string& spec);
@@ -470,6 +484,12 @@ class ClusterJob {
   std::map<std::string, std::unique_ptr<Codec>> codecs_;  // guarded by codecs_mu_
   ErrorFeedback feedback_{options_.feedback_bytes};
   mutable std::mutex device_feedback_mu_;
+  // The channels' weights (channel_weights.h): rates measured here, the
+  // devices, the shares of the latest run with shares.
+  mutable std::mutex channels_mu_;
+  ChannelRates channel_rates_;
+  std::vector<std::string> channel_devices_;
+  std::vector<uint32_t> channel_shares_;
   ErrorFeedback::Stats device_feedback_;  // guarded by device_feedback_mu_
   std::atomic<uint64_t> feedback_too_large_{0};
   std::atomic<uint64_t> compressed_ops_{0};

@@ -11,6 +11,7 @@
 #include "ciuic/collective_rules.h"
 #include "ciuic/fast_path.h"
 #include "ciuic/shm_layout.h"
+#include "cluster/channel_weights.h"
 #include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
 #include "reduce/reduce.h"
@@ -428,13 +429,21 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
   // and no more pending names than the job's ranks can have in flight.
   if (ready.name().empty() || ready.name().size() > wire::kMaxOpName ||
       ready.split_out_size() > nodes || ready.split_in_size() > nodes ||
-      ready.splits_error().size() > kMaxReadyText) {
+      ready.splits_error().size() > kMaxReadyText ||
+      (ready.channel_rates_size() != 0 && ready.channel_rates_size() != job.channels)) {
     FailJob(job, static_cast<int>(absl::StatusCode::kInvalidArgument),
             absl::StrCat(NodeLabel(job, node), " sent a malformed Ready (name of ",
                          ready.name().size(), " bytes, ", ready.split_out_size(), "/",
-                         ready.split_in_size(), " split hashes for ", nodes, " nodes)"),
+                         ready.split_in_size(), " split hashes for ", nodes, " nodes, ",
+                         ready.channel_rates_size(), " channel rates for ", job.channels,
+                         " channels)"),
             node);
     return;
+  }
+  if (ready.channel_rates_size() > 0) {
+    job.channel_rates.resize(static_cast<size_t>(nodes));
+    job.channel_rates[static_cast<size_t>(node)].assign(ready.channel_rates().begin(),
+                                                        ready.channel_rates().end());
   }
   const size_t max_pending = std::min<uint64_t>(
       static_cast<uint64_t>(job.world_size) * wire::kRingCapacity, kMaxPendingPerJob);
@@ -667,6 +676,9 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     run->set_chunks_in_flight(tuning.chunks_in_flight);
     run->set_algorithm(static_cast<uint32_t>(tuning.algorithm));
     run->set_codec(head_codec);
+    for (uint32_t share : ChannelShares(job.channel_rates, job.channels)) {
+      run->add_channel_shares(share);
+    }
     // Some node stages GPU buffers through host memory: every node runs the
     // operation in the same segments, so that node overlaps one segment's
     // copies with another's transfers. Compressed ones go whole (their

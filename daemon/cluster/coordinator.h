@@ -180,6 +180,9 @@ class Coordinator {
     };
     std::map<uint64_t, Running> running;  // by seq
     uint64_t next_seq = 0;
+    // Per node, its channels' rates from its latest Ready that had them
+    // (bytes per second): the runs' channel shares (channel_weights.h).
+    std::vector<std::vector<double>> channel_rates;
     int attached_ever = 0;
   };
   struct Attachment {

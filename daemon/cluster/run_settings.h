@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "collectives/internode/internode.h"
@@ -32,6 +33,8 @@ struct RunSettings {
   uint64_t segment_bytes = 0;
   // An alltoall(v) with segment_bytes: how many segments (AlltoallSegments).
   uint64_t segments = 0;
+  // Each channel's share of the chunks (channel_weights.h); empty: equal.
+  std::vector<uint32_t> channel_shares;
 };
 
 // At most this many segments per operation (their number is part of the

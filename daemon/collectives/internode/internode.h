@@ -63,6 +63,10 @@ struct InterNodeContext {
   // so the other's chunks wait behind at most one of this one's per link.
   // Null: never yield.
   const std::atomic<int>* yield = nullptr;
+  // Chunk i of a step travels on channel channel_table[i mod size] (each
+  // entry < the transport's channels; cluster/channel_weights.h); empty:
+  // on channel i mod channels. The compressed allreduce keeps equal shares.
+  std::vector<uint8_t> channel_table = {};
 };
 
 // A byte range of `data` that node `owner` holds before an allgather, or

@@ -161,6 +161,8 @@ class Runner {
     return ctx_.tag_base | (uint64_t{st.tag_step} << chunk_bits_) | chunk;
   }
   int Channel(const Step& st, size_t chunk) const {
+    const std::vector<uint8_t>& table = ctx_.channel_table;
+    if (!table.empty()) return table[chunk % table.size()];
     return static_cast<int>(chunk % num_channels_);
   }
 

@@ -34,8 +34,10 @@
 // steps) has 4 step bits and 20 chunk bits (1M chunks per step). When one
 // step would need more chunks than that, PlanChunkBytes grows the chunk size
 // for that operation, identically on every node. Chunk i of a step travels
-// on channel i % num_channels, whatever the step: the chunk a step receives
-// and the next step forwards stays on one channel thread (see Driver).
+// on channel i % num_channels (or InterNodeContext::channel_table[i % its
+// size], when the channels have weights), whatever the step: the chunk a
+// step receives and the next step forwards stays on one channel thread (see
+// Driver).
 //
 // Threads: RunSchedule posts the first transfers on the calling thread and
 // then sleeps until the schedule is over or its deadline. The rest runs on
