@@ -212,6 +212,12 @@ grpc::Status ControlService::GetPeers(grpc::ServerContext* ctx, const proto::Pee
       po->set_bytes_sent(p.bytes_sent);
       po->set_bytes_received(p.bytes_received);
     }
+    for (const auto& c : j.channels) {
+      auto* co = out->add_channels();
+      co->set_device(c.device);
+      co->set_rate_bytes_per_second(c.rate_bytes_per_s);
+      co->set_share(c.share);
+    }
   }
   reply->set_other_users_jobs(hidden);
   return grpc::Status::OK;

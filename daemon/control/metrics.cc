@@ -186,6 +186,14 @@ class EngineCollectable final : public prometheus::Collectable {
                                     MetricType::Counter);
     MetricFamily& connected = family("ciuic_peer_connected",
                                      "1 while the link to the peer node is up", MetricType::Gauge);
+    MetricFamily& channel_rate = family(
+        "ciuic_channel_rate_bytes_per_second",
+        "What this node's sends reached on the channel while it had work (channels with a "
+        "device of their own; 0: not measured yet)",
+        MetricType::Gauge);
+    MetricFamily& channel_share = family(
+        "ciuic_channel_share", "The channel's share of the latest run's chunks (0..1)",
+        MetricType::Gauge);
     for (const EnginePeers::Job& j : peers.jobs) {
       for (const EnginePeers::Peer& p : j.peers) {
         if (p.self) continue;
@@ -193,6 +201,12 @@ class EngineCollectable final : public prometheus::Collectable {
         add(sent, labels, static_cast<double>(p.bytes_sent));
         add(received, labels, static_cast<double>(p.bytes_received));
         add(connected, labels, p.state == "connected" ? 1 : 0);
+      }
+      for (size_t c = 0; c < j.channels.size(); ++c) {
+        const Labels labels = {
+            {"job", j.id}, {"channel", std::to_string(c)}, {"device", j.channels[c].device}};
+        add(channel_rate, labels, j.channels[c].rate_bytes_per_s);
+        add(channel_share, labels, j.channels[c].share);
       }
     }
     return std::vector<MetricFamily>(std::make_move_iterator(families.begin()),

@@ -19,6 +19,8 @@
 //     the rank submits after the node's first, a moving average)
 //   per peer node {job, node}: ciuic_peer_bytes_sent_total,
 //     ciuic_peer_bytes_received_total, ciuic_peer_connected
+//   per job and channel with a device of its own {job, channel, device}:
+//     ciuic_channel_rate_bytes_per_second, ciuic_channel_share
 //
 // Jobs and peers appear while the daemon knows them (a job's series end
 // with it).

@@ -1305,6 +1305,9 @@ EnginePeers Engine::Peers() {
           j.peers.push_back(EnginePeers::Peer{row.node_name, row.ranks, row.self, row.state,
                                               row.bytes_sent, row.bytes_received});
         }
+        for (auto& c : job->cluster->Channels()) {
+          j.channels.push_back(EnginePeers::Channel{c.device, c.rate_bytes_per_s, c.share});
+        }
       }
       out.jobs.push_back(std::move(j));
     }

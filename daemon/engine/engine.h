@@ -73,12 +73,19 @@ struct EnginePeers {
     uint64_t bytes_sent = 0;
     uint64_t bytes_received = 0;
   };
+  // A channel of the job with a device of its own (channel_devices).
+  struct Channel {
+    std::string device;
+    double rate_bytes_per_s = 0;  // measured here; 0 = not yet
+    double share = 0;             // of the latest run's chunks
+  };
   struct Job {
     std::string id;
     uint32_t uid = 0;
     std::string coordinator;
     std::string state;
     std::vector<Peer> peers;
+    std::vector<Channel> channels;
   };
   std::vector<Job> jobs;
 };

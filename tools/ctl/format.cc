@@ -294,7 +294,25 @@ std::string FormatPeers(const proto::PeersReply& reply) {
                     HumanBytes(peer.bytes_sent()), HumanBytes(peer.bytes_received())});
     }
   }
-  return out + table.Render();
+  out += table.Render();
+  // Channels with devices of their own: each one's share of a run's chunks
+  // follows the rate measured on it.
+  bool any = false;
+  Table channels({"JOB", "CHANNEL", "DEVICE", "RATE", "SHARE"});
+  for (size_t column : {3, 4}) channels.SetAlign(column, Table::Align::kRight);
+  for (const proto::JobPeers& job : reply.jobs()) {
+    for (int c = 0; c < job.channels_size(); ++c) {
+      const proto::ChannelInfo& ch = job.channels(c);
+      any = true;
+      channels.AddRow({OrDash(job.job_id()), absl::StrCat(c), OrDash(ch.device()),
+                       ch.rate_bytes_per_second() > 0
+                           ? absl::StrFormat("%.1f MB/s", ch.rate_bytes_per_second() / 1e6)
+                           : "-",
+                       absl::StrFormat("%.0f%%", 100 * ch.share())});
+    }
+  }
+  if (any) out += "\n" + channels.Render();
+  return out;
 }
 
 std::string HumanMicros(uint64_t us) {
