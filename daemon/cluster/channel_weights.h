@@ -33,7 +33,7 @@ namespace ciuic::daemon {
 // The slots of a run's channel table: a channel's share is a multiple of
 // 1/kChannelSlots (at least one slot each; so at most kChannelSlots channels
 // get weights, more run with equal shares).
-inline constexpr uint32_t kChannelSlots = 32;
+inline constexpr uint32_t kChannelSlots = 64;
 
 // A node's moving estimate of each channel's rate (bytes per second).
 // Thread-safe: the caller serializes (ClusterJob under its lock).

@@ -51,14 +51,14 @@ TEST(ChannelSharesTest, SharesFollowTheSlowestNodesRatePerChannel) {
   std::vector<uint32_t> s = ChannelShares({{800, 200}, {700, 210}}, 2);
   ASSERT_EQ(s.size(), 2u);
   EXPECT_EQ(s[0] + s[1], kChannelSlots);
-  // 700 : 200 of the 30 free slots, one each first: 1 + 23.33, 1 + 6.67.
-  EXPECT_EQ(s, (std::vector<uint32_t>{24, 8}));
-  EXPECT_EQ(ChannelShares({{1, 1, 1}}, 3), (std::vector<uint32_t>{11, 11, 10}));
+  // 700 : 200 of the 62 free slots, one each first: 1 + 48.2, 1 + 13.8.
+  EXPECT_EQ(s, (std::vector<uint32_t>{49, 15}));
+  EXPECT_EQ(ChannelShares({{1, 1, 1}}, 3), (std::vector<uint32_t>{22, 21, 21}));
 }
 
 TEST(ChannelSharesTest, NoChannelStarves) {
   std::vector<uint32_t> s = ChannelShares({{1e12, 1}}, 2);
-  EXPECT_EQ(s, (std::vector<uint32_t>{31, 1}));
+  EXPECT_EQ(s, (std::vector<uint32_t>{63, 1}));
 }
 
 TEST(ChannelSharesTest, EqualSharesUntilEveryNodeMeasuredEveryChannel) {
@@ -66,34 +66,33 @@ TEST(ChannelSharesTest, EqualSharesUntilEveryNodeMeasuredEveryChannel) {
   EXPECT_TRUE(ChannelShares({{800, 200}, {}}, 2).empty());  // node 1 never reported
   EXPECT_TRUE(ChannelShares({{800, 0}}, 2).empty());        // channel 1 not measured
   EXPECT_TRUE(ChannelShares({{800}}, 1).empty());           // one channel
-  EXPECT_TRUE(ChannelShares({std::vector<double>(33, 1.0)}, 33).empty());
+  EXPECT_TRUE(ChannelShares({std::vector<double>(65, 1.0)}, 65).empty());
   EXPECT_TRUE(ChannelShares({{800, 200, 5}}, 2).empty());   // wrong count
 }
 
 TEST(ChannelTableTest, EachChannelGetsItsShareSpreadOut) {
   EXPECT_TRUE(ChannelTable({}).empty());
-  std::vector<uint8_t> t = ChannelTable({24, 8});
+  std::vector<uint8_t> t = ChannelTable({48, 16});
   ASSERT_EQ(t.size(), kChannelSlots);
-  EXPECT_EQ(std::count(t.begin(), t.end(), 1), 8);
-  // Spread: channel 1 never twice in a row, at most 3 slots apart from
-  // its previous one... every window of 4 slots holds one of it.
+  EXPECT_EQ(std::count(t.begin(), t.end(), 1), 16);
+  // Spread: every window of 4 slots holds exactly one of channel 1's.
   for (size_t i = 0; i + 4 <= t.size(); ++i) {
     EXPECT_EQ(std::count(t.begin() + i, t.begin() + i + 4, 1), 1) << i;
   }
-  std::vector<uint8_t> three = ChannelTable({11, 11, 10});
+  std::vector<uint8_t> three = ChannelTable({22, 21, 21});
   for (uint8_t c = 0; c < 3; ++c) {
-    EXPECT_EQ(std::count(three.begin(), three.end(), c), c < 2 ? 11 : 10);
+    EXPECT_EQ(std::count(three.begin(), three.end(), c), c == 0 ? 22 : 21);
   }
 }
 
 TEST(ChannelTableTest, ValidSharesAreOnePerChannelSummingToTheSlots) {
   EXPECT_TRUE(ValidChannelShares({}, 1));
   EXPECT_TRUE(ValidChannelShares({}, 4));
-  EXPECT_TRUE(ValidChannelShares({24, 8}, 2));
-  EXPECT_FALSE(ValidChannelShares({24, 8}, 3));
-  EXPECT_FALSE(ValidChannelShares({32, 0}, 2));
-  EXPECT_FALSE(ValidChannelShares({20, 8}, 2));
-  EXPECT_FALSE(ValidChannelShares({32}, 1));
+  EXPECT_TRUE(ValidChannelShares({48, 16}, 2));
+  EXPECT_FALSE(ValidChannelShares({48, 16}, 3));
+  EXPECT_FALSE(ValidChannelShares({64, 0}, 2));
+  EXPECT_FALSE(ValidChannelShares({40, 16}, 2));
+  EXPECT_FALSE(ValidChannelShares({64}, 1));
 }
 
 }  // namespace

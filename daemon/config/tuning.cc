@@ -161,8 +161,8 @@ const std::vector<Field>& Table() {
       IntegerField("channels", "UCX workers for the inter-node phase", "", &Tuning::channels, 1,
                    64),
       IntegerField("chunks_in_flight",
-                   "Chunks of a multi-node run in flight per direction (enough to keep a link "
-                   "busy through the rendezvous handshakes)",
+                   "Chunks of a multi-node run in flight per direction and channel (enough to "
+                   "keep a link busy through the rendezvous handshakes)",
                    "", &Tuning::chunks_in_flight, 1, 64),
       AlgorithmField("algorithm", "Inter-node collective algorithm"),
       CodecField("compression",

@@ -55,12 +55,13 @@ struct InterNodeContext {
   uint64_t chunk_bytes;  // pipeline granularity (tunable live, e.g. 64K..64M); rounded
                          // down to whole elements (at least one), grown if needed so
                          // that the chunks of one step fit in the tag's chunk field
-  int max_inflight;      // chunks in flight per direction (values < 1 mean 1)
+  int max_inflight;      // chunks in flight per direction and channel (values < 1 mean 1)
   std::chrono::steady_clock::time_point deadline;  // give up with DEADLINE_EXCEEDED
   ScratchBuffer* scratch;  // reusable receive space (reducing algorithms only)
   // While *yield > 0 (set by another thread: an operation of higher priority
-  // runs beside this one), at most one send of this operation is in flight,
-  // so the other's chunks wait behind at most one of this one's per link.
+  // runs beside this one), at most one send of this operation is in flight
+  // per channel (the compressed allreduce: one in all), so the other's
+  // chunks wait behind at most one of this one's per link.
   // Null: never yield.
   const std::atomic<int>* yield = nullptr;
   // Chunk i of a step travels on channel channel_table[i mod size] (each

@@ -143,7 +143,21 @@ class Runner {
   bool Advance(std::vector<Event>& events, bool deadline_passed);
 
  private:
+  // Where a channel's next send or receive is in the schedule, and how
+  // many of its transfers are in flight. Each channel walks its own chunks
+  // (ChannelOf) in schedule order with its own window of max_inflight_, so
+  // that a slow link never holds back a fast one's chunks (channels with
+  // weights, channel_table).
+  struct Cursor {
+    size_t step = 0;
+    size_t chunk = 0;
+    int in_flight = 0;
+  };
+
   absl::Status Prepare();
+  // Moves `cur` to the first chunk of `channel` at or after it, in this or
+  // a later step (step == steps.size() at the end); `recv`: receive sides.
+  void Seek(Cursor& cur, int channel, bool recv) const;
   bool PostSends();
   bool PostRecvs();
   bool ReduceArrived();
@@ -154,13 +168,13 @@ class Runner {
   // than wait for peers that wait for this node. error_ names the first
   // transfer awaited when nothing failed before.
   void Cancel();
-  bool AllDone() const;
+  bool AllDone();
   absl::Status Named(const absl::Status& s, uint32_t step, bool is_send, size_t chunk) const;
   TransferDone Callback(uint32_t step, bool is_send, size_t chunk, int slot);
   uint64_t Tag(const Step& st, size_t chunk) const {
     return ctx_.tag_base | (uint64_t{st.tag_step} << chunk_bits_) | chunk;
   }
-  int Channel(const Step& st, size_t chunk) const {
+  int ChannelOf(size_t chunk) const {
     const std::vector<uint8_t>& table = ctx_.channel_table;
     if (!table.empty()) return table[chunk % table.size()];
     return static_cast<int>(chunk % num_channels_);
@@ -176,9 +190,8 @@ class Runner {
   std::shared_ptr<Driver> driver_;
 
   std::vector<StepState> state_;
-  size_t send_step_ = 0, send_chunk_ = 0;  // next send to post
-  size_t recv_step_ = 0, recv_chunk_ = 0;  // next receive to post
-  int sends_in_flight_ = 0, recvs_in_flight_ = 0;
+  std::vector<Cursor> sends_, recvs_;  // by channel
+  int sends_in_flight_ = 0, recvs_in_flight_ = 0;  // all channels
   std::vector<Arrived> arrived_;  // received into scratch, not yet reduced
   uint8_t* scratch_ = nullptr;
   size_t slot_bytes_ = 0;
@@ -189,6 +202,14 @@ class Runner {
 
 absl::Status Runner::Prepare() {
   state_.resize(s_.steps.size());
+  sends_.assign(static_cast<size_t>(num_channels_), Cursor{});
+  recvs_.assign(static_cast<size_t>(num_channels_), Cursor{});
+  for (int c : ctx_.channel_table) {
+    if (c >= num_channels_) {
+      return absl::InternalError(
+          absl::StrCat(s_.name, ": channel table names channel ", c, " of ", num_channels_));
+    }
+  }
   size_t reduce_chunk = 0;
   for (size_t i = 0; i < s_.steps.size(); ++i) {
     Step& st = s_.steps[i];
@@ -221,12 +242,14 @@ absl::Status Runner::Prepare() {
       return absl::InvalidArgumentError(absl::StrCat(s_.name, ": no scratch buffer"));
     }
     slot_bytes_ = (reduce_chunk + 63) / 64 * 64;
-    scratch_ = ctx_.scratch->Get(slot_bytes_ * max_inflight_);
+    // A window of receives per channel.
+    const int slots = max_inflight_ * num_channels_;
+    scratch_ = ctx_.scratch->Get(slot_bytes_ * slots);
     if (scratch_ == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          s_.name, ": cannot map ", slot_bytes_ * max_inflight_, " bytes of scratch space"));
+          s_.name, ": cannot map ", slot_bytes_ * slots, " bytes of scratch space"));
     }
-    for (int i = max_inflight_ - 1; i >= 0; --i) free_slots_.push_back(i);
+    for (int i = slots - 1; i >= 0; --i) free_slots_.push_back(i);
   }
   return absl::OkStatus();
 }
@@ -277,75 +300,91 @@ TransferDone Runner::Callback(uint32_t step, bool is_send, size_t chunk, int slo
   };
 }
 
+void Runner::Seek(Cursor& cur, int channel, bool recv) const {
+  while (cur.step < s_.steps.size()) {
+    const Side& side = recv ? s_.steps[cur.step].recv : s_.steps[cur.step].send;
+    const size_t n = side.num_chunks();
+    while (cur.chunk < n && ChannelOf(cur.chunk) != channel) ++cur.chunk;
+    if (cur.chunk < n) return;
+    ++cur.step;
+    cur.chunk = 0;
+  }
+}
+
 bool Runner::PostSends() {
   bool posted = false;
   const int window =
       ctx_.yield != nullptr && ctx_.yield->load(std::memory_order_relaxed) > 0 ? 1 : max_inflight_;
-  while (send_step_ < s_.steps.size() && sends_in_flight_ < window) {
-    const Step& st = s_.steps[send_step_];
-    if (send_chunk_ >= st.send.num_chunks()) {
-      ++send_step_;
-      send_chunk_ = 0;
-      continue;
+  for (int c = 0; c < num_channels_; ++c) {
+    Cursor& cur = sends_[static_cast<size_t>(c)];
+    while (true) {
+      Seek(cur, c, false);
+      if (cur.step >= s_.steps.size() || cur.in_flight >= window) break;
+      const Step& st = s_.steps[cur.step];
+      if (st.send_dep == Dep::kChunk && state_[st.send_dep_step].recv[cur.chunk] != kDone) break;
+      if (st.send_dep == Dep::kAll &&
+          state_[st.send_dep_step].recvs_done != state_[st.send_dep_step].recv.size()) {
+        break;
+      }
+      const Range r = st.send.chunk(cur.chunk);
+      state_[cur.step].send[cur.chunk] = kPosted;
+      ++cur.in_flight;
+      ++sends_in_flight_;
+      ctx_.transport->Send(st.send.peer, c, Tag(st, cur.chunk), r.ptr, r.bytes,
+                           Callback(static_cast<uint32_t>(cur.step), true, cur.chunk, -1));
+      ++cur.chunk;
+      posted = true;
     }
-    if (st.send_dep == Dep::kChunk && state_[st.send_dep_step].recv[send_chunk_] != kDone) break;
-    if (st.send_dep == Dep::kAll &&
-        state_[st.send_dep_step].recvs_done != state_[st.send_dep_step].recv.size()) {
-      break;
-    }
-    const Range r = st.send.chunk(send_chunk_);
-    state_[send_step_].send[send_chunk_] = kPosted;
-    ++sends_in_flight_;
-    ctx_.transport->Send(st.send.peer, Channel(st, send_chunk_), Tag(st, send_chunk_), r.ptr,
-                         r.bytes, Callback(send_step_, true, send_chunk_, -1));
-    ++send_chunk_;
-    posted = true;
   }
   return posted;
 }
 
 bool Runner::PostRecvs() {
   bool posted = false;
-  while (recv_step_ < s_.steps.size() && recvs_in_flight_ < max_inflight_) {
-    const Step& st = s_.steps[recv_step_];
-    if (recv_chunk_ >= st.recv.num_chunks()) {
-      ++recv_step_;
-      recv_chunk_ = 0;
-      continue;
-    }
-    const Range r = st.recv.chunk(recv_chunk_);
-    uint8_t* into = r.ptr;
-    int slot = -1;
-    if (FoldsOnArrival(st)) {
-      state_[recv_step_].recv[recv_chunk_] = kPosted;
+  for (int c = 0; c < num_channels_; ++c) {
+    Cursor& cur = recvs_[static_cast<size_t>(c)];
+    while (true) {
+      Seek(cur, c, true);
+      if (cur.step >= s_.steps.size() || cur.in_flight >= max_inflight_) break;
+      const Step& st = s_.steps[cur.step];
+      const Range r = st.recv.chunk(cur.chunk);
+      const auto step = static_cast<uint32_t>(cur.step);
+      uint8_t* into = r.ptr;
+      int slot = -1;
+      if (FoldsOnArrival(st)) {
+        state_[cur.step].recv[cur.chunk] = kPosted;
+        ++cur.in_flight;
+        ++recvs_in_flight_;
+        ReduceInto fold;
+        fold.dtype = s_.dtype;
+        fold.op = s_.op;
+        fold.received_first = st.received_first;
+        fold.dest = r.ptr;
+        fold.local =
+            reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(r.ptr) + st.local_offset);
+        ctx_.transport->RecvReduce(st.recv.peer, c, Tag(st, cur.chunk), fold, r.bytes,
+                                   Callback(step, false, cur.chunk, -1));
+        ++cur.chunk;
+        posted = true;
+        continue;
+      }
+      if (st.reduce) {
+        if (free_slots_.empty()) break;
+        slot = free_slots_.back();
+        free_slots_.pop_back();
+        into = scratch_ + static_cast<size_t>(slot) * slot_bytes_;
+      } else if (st.write_after_send_step >= 0 &&
+                 state_[st.write_after_send_step].send[cur.chunk] != kDone) {
+        break;
+      }
+      state_[cur.step].recv[cur.chunk] = kPosted;
+      ++cur.in_flight;
       ++recvs_in_flight_;
-      ReduceInto fold;
-      fold.dtype = s_.dtype;
-      fold.op = s_.op;
-      fold.received_first = st.received_first;
-      fold.dest = r.ptr;
-      fold.local = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(r.ptr) + st.local_offset);
-      ctx_.transport->RecvReduce(st.recv.peer, Channel(st, recv_chunk_), Tag(st, recv_chunk_), fold,
-                                 r.bytes, Callback(recv_step_, false, recv_chunk_, -1));
-      ++recv_chunk_;
+      ctx_.transport->Recv(st.recv.peer, c, Tag(st, cur.chunk), into, r.bytes,
+                           Callback(step, false, cur.chunk, slot));
+      ++cur.chunk;
       posted = true;
-      continue;
     }
-    if (st.reduce) {
-      if (free_slots_.empty()) break;
-      slot = free_slots_.back();
-      free_slots_.pop_back();
-      into = scratch_ + static_cast<size_t>(slot) * slot_bytes_;
-    } else if (st.write_after_send_step >= 0 &&
-               state_[st.write_after_send_step].send[recv_chunk_] != kDone) {
-      break;
-    }
-    state_[recv_step_].recv[recv_chunk_] = kPosted;
-    ++recvs_in_flight_;
-    ctx_.transport->Recv(st.recv.peer, Channel(st, recv_chunk_), Tag(st, recv_chunk_), into,
-                         r.bytes, Callback(recv_step_, false, recv_chunk_, slot));
-    ++recv_chunk_;
-    posted = true;
   }
   return posted;
 }
@@ -378,10 +417,13 @@ bool Runner::ReduceArrived() {
 }
 
 void Runner::Apply(Event& e) {
+  const auto channel = static_cast<size_t>(ChannelOf(e.chunk));
   if (e.is_send) {
+    --sends_[channel].in_flight;
     --sends_in_flight_;
     state_[e.step].send[e.chunk] = kDone;
   } else {
+    --recvs_[channel].in_flight;
     --recvs_in_flight_;
     if (!e.status.ok() || !error_.ok()) {
       if (e.slot >= 0) free_slots_.push_back(e.slot);
@@ -397,9 +439,16 @@ void Runner::Apply(Event& e) {
   if (!e.status.ok() && error_.ok()) error_ = Named(e.status, e.step, e.is_send, e.chunk);
 }
 
-bool Runner::AllDone() const {
-  return send_step_ == s_.steps.size() && recv_step_ == s_.steps.size() &&
-         sends_in_flight_ == 0 && recvs_in_flight_ == 0 && arrived_.empty();
+bool Runner::AllDone() {
+  for (int c = 0; c < num_channels_; ++c) {
+    Seek(sends_[static_cast<size_t>(c)], c, false);
+    Seek(recvs_[static_cast<size_t>(c)], c, true);
+    if (sends_[static_cast<size_t>(c)].step != s_.steps.size() ||
+        recvs_[static_cast<size_t>(c)].step != s_.steps.size()) {
+      return false;
+    }
+  }
+  return sends_in_flight_ == 0 && recvs_in_flight_ == 0 && arrived_.empty();
 }
 
 void Runner::Cancel() {
