@@ -8,11 +8,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -24,6 +26,7 @@
 #include "collectives/internode/sends_in_flight.h"
 #include "collectives/internode/schedule.h"
 #include "reduce/half.h"
+#include "transport/forwarding_transport.h"
 #include "reduce/reduce.h"
 
 namespace ciuic::daemon {
@@ -474,6 +477,165 @@ TEST_P(AllreduceTest, YieldingKeepsOneSendInFlight) {
       EXPECT_GT(most, 1);
     }
   }
+}
+
+// Holds every send on channel 1 until this node has completed `release_after`
+// sends on channel 0. With one window for all channels, channel 1's held
+// chunks would fill it and channel 0 would stop too (the run would end at
+// its deadline); with a window per channel, channel 0 goes on.
+class HoldsChannelOne final : public ForwardingTransport {
+ public:
+  HoldsChannelOne(Transport* inner, int release_after)
+      : ForwardingTransport(inner), release_after_(release_after) {}
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    if (channel == 1) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!released_) {
+        held_.push_back([=, done = std::move(done)]() mutable {
+          ForwardingTransport::Send(peer, channel, tag, data, bytes, std::move(done));
+        });
+        return;
+      }
+    } else {
+      auto counted = [this, done = std::move(done)](absl::Status s) {
+        std::vector<std::function<void()>> release;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (++channel0_done_ == release_after_) {
+            released_ = true;
+            release.swap(held_);
+          }
+        }
+        for (auto& send : release) send();
+        done(std::move(s));
+      };
+      return ForwardingTransport::Send(peer, channel, tag, data, bytes, std::move(counted));
+    }
+    ForwardingTransport::Send(peer, channel, tag, data, bytes, std::move(done));
+  }
+  // A run that gives up (its deadline) fails the peer: what is held goes
+  // then, to fail like every other transfer, so that the run can end.
+  void FailPeer(int peer, const absl::Status& why) override {
+    ForwardingTransport::FailPeer(peer, why);
+    std::vector<std::function<void()>> release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      release.swap(held_);
+    }
+    for (auto& send : release) send();
+  }
+  bool released() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_;
+  }
+
+ private:
+  const int release_after_;
+  std::mutex mu_;
+  int channel0_done_ = 0;
+  bool released_ = false;
+  std::vector<std::function<void()>> held_;
+};
+
+TEST(ChannelWindowTest, ASlowChannelNeverHoldsBackAnotherOne) {
+  for (InterNodeAlgorithm algo : {InterNodeAlgorithm::kRing, InterNodeAlgorithm::kHalvingDoubling}) {
+    constexpr int kNodes = 2, kWindow = 4;
+    InProcessHub hub(kNodes, 2);
+    std::vector<std::unique_ptr<HoldsChannelOne>> held;
+    for (int k = 0; k < kNodes; ++k) {
+      held.push_back(std::make_unique<HoldsChannelOne>(hub.transport(k), 3 * kWindow));
+    }
+    std::vector<ScratchBuffer> scratch(kNodes);
+    const size_t count = 20011;
+    std::vector<std::vector<int32_t>> data(kNodes, std::vector<int32_t>(count));
+    std::vector<int32_t> ref(count, 0);
+    for (int k = 0; k < kNodes; ++k) {
+      for (size_t i = 0; i < count; ++i) {
+        data[k][i] = static_cast<int32_t>(i * 7 + k);
+        ref[i] += data[k][i];
+      }
+    }
+    std::vector<absl::Status> result(kNodes);
+    std::vector<std::thread> threads;
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    for (int k = 0; k < kNodes; ++k) {
+      threads.emplace_back([&, k] {
+        InterNodeContext ctx{held[k].get(), uint64_t{1} << 24, 400, kWindow, deadline,
+                             &scratch[k]};
+        result[k] = Allreduce(ctx, algo, DataType::kInt32, ReduceOp::kSum, data[k].data(), count);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ExpectAllOk(result, "channel 1 held back");
+    for (int k = 0; k < kNodes; ++k) {
+      EXPECT_TRUE(held[k]->released()) << "node " << k;
+      EXPECT_EQ(data[k], ref) << "node " << k;
+    }
+  }
+}
+
+// Counts each channel's sends.
+class SendsPerChannel final : public ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    ++sends_[static_cast<size_t>(channel)];
+    ForwardingTransport::Send(peer, channel, tag, data, bytes, std::move(done));
+  }
+  int sends(int channel) const { return sends_[static_cast<size_t>(channel)].load(); }
+
+ private:
+  std::atomic<int> sends_[4] = {};
+};
+
+// A run with a channel table puts chunk i on table[i mod size], the same
+// bits as without one; a table naming a channel the transport lacks is an
+// error, not a send on it.
+TEST(ChannelWindowTest, ChunksFollowTheChannelTable) {
+  constexpr int kNodes = 3;
+  InProcessHub hub(kNodes, 2);
+  std::vector<std::unique_ptr<SendsPerChannel>> counted;
+  for (int k = 0; k < kNodes; ++k) counted.push_back(std::make_unique<SendsPerChannel>(hub.transport(k)));
+  std::vector<ScratchBuffer> scratch(kNodes);
+  // Three of every four chunks on channel 0.
+  const std::vector<uint8_t> table = {0, 0, 0, 1};
+  const size_t count = 40000;
+  std::vector<std::vector<int32_t>> data(kNodes, std::vector<int32_t>(count));
+  std::vector<int32_t> ref(count, 0);
+  for (int k = 0; k < kNodes; ++k) {
+    for (size_t i = 0; i < count; ++i) {
+      data[k][i] = static_cast<int32_t>(i * 5 - k);
+      ref[i] += data[k][i];
+    }
+  }
+  std::vector<absl::Status> result(kNodes);
+  std::vector<std::thread> threads;
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  for (int k = 0; k < kNodes; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{counted[k].get(), uint64_t{1} << 24, 400, 4, deadline, &scratch[k]};
+      ctx.channel_table = table;
+      result[k] = Allreduce(ctx, InterNodeAlgorithm::kRing, DataType::kInt32, ReduceOp::kSum,
+                            data[k].data(), count);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ExpectAllOk(result, "with a channel table");
+  for (int k = 0; k < kNodes; ++k) {
+    EXPECT_EQ(data[k], ref) << "node " << k;
+    const int zero = counted[k]->sends(0), one = counted[k]->sends(1);
+    // Every step's chunks 0..n-1: about three on channel 0 per one on 1.
+    EXPECT_GT(one, 0);
+    EXPECT_NEAR(static_cast<double>(zero) / one, 3.0, 0.2) << zero << " / " << one;
+  }
+  InterNodeContext bad{counted[0].get(), uint64_t{2} << 24, 400, 4, deadline, &scratch[0]};
+  bad.channel_table = {0, 2};
+  absl::Status s = Allreduce(bad, InterNodeAlgorithm::kRing, DataType::kInt32, ReduceOp::kSum,
+                             data[0].data(), count);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("channel table names channel 2 of 2"), std::string::npos) << s;
 }
 
 INSTANTIATE_TEST_SUITE_P(

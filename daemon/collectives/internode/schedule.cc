@@ -351,10 +351,13 @@ bool Runner::PostRecvs() {
       const auto step = static_cast<uint32_t>(cur.step);
       uint8_t* into = r.ptr;
       int slot = -1;
-      if (FoldsOnArrival(st)) {
+      auto mark_posted = [&] {
         state_[cur.step].recv[cur.chunk] = kPosted;
         ++cur.in_flight;
         ++recvs_in_flight_;
+      };
+      if (FoldsOnArrival(st)) {
+        mark_posted();
         ReduceInto fold;
         fold.dtype = s_.dtype;
         fold.op = s_.op;
@@ -377,9 +380,7 @@ bool Runner::PostRecvs() {
                  state_[st.write_after_send_step].send[cur.chunk] != kDone) {
         break;
       }
-      state_[cur.step].recv[cur.chunk] = kPosted;
-      ++cur.in_flight;
-      ++recvs_in_flight_;
+      mark_posted();
       ctx_.transport->Recv(st.recv.peer, c, Tag(st, cur.chunk), into, r.bytes,
                            Callback(step, false, cur.chunk, slot));
       ++cur.chunk;
