@@ -484,8 +484,9 @@ class ClusterJob {
   std::map<std::string, std::unique_ptr<Codec>> codecs_;  // guarded by codecs_mu_
   ErrorFeedback feedback_{options_.feedback_bytes};
   mutable std::mutex device_feedback_mu_;
-  // The channels' weights (channel_weights.h): rates measured here, the
-  // devices, the shares of the latest run with shares.
+  // The channels' weights (channel_weights.h), guarded by channels_mu_:
+  // rates measured here (updated on the ClusterJob thread at each Ready),
+  // the devices, the shares of the latest run with shares (set by lanes).
   mutable std::mutex channels_mu_;
   ChannelRates channel_rates_;
   std::vector<std::string> channel_devices_;

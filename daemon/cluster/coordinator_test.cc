@@ -11,6 +11,7 @@
 
 #include "ciuic/collective_rules.h"
 #include "ciuic/shm_layout.h"
+#include "cluster/channel_weights.h"
 #include "config/tuning.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -54,15 +55,16 @@ class RecordingStream : public NodeStream {
   int heartbeats_ = 0;
 };
 
-proto::RegisterNodeRequest Reg(const std::string& node, std::vector<int> ranks, int world) {
+proto::RegisterNodeRequest Reg(const std::string& node, std::vector<int> ranks, int world,
+                               int channels = 1) {
   proto::RegisterNodeRequest r;
   r.set_job_id("job");
   r.set_uid(1000);
   r.set_world_size(world);
   r.set_node_name(node);
   for (int x : ranks) r.add_ranks(x);
-  r.add_transport_addresses("addr-" + node);
-  r.set_channels(1);
+  for (int c = 0; c < channels; ++c) r.add_transport_addresses("addr-" + node);
+  r.set_channels(channels);
   return r;
 }
 
@@ -117,10 +119,11 @@ struct Formed {
   uint64_t handles[2];
 };
 
-void Form(Coordinator& c, Formed* f) {
+void Form(Coordinator& c, Formed* f, int channels = 1) {
   auto deadline = Clock::now() + std::chrono::seconds(5);
-  auto b = std::async(std::launch::async, [&] { return c.Register(Reg("b", {2, 3}, 4), deadline); });
-  auto a = c.Register(Reg("a", {0, 1}, 4), deadline);
+  auto b = std::async(std::launch::async,
+                      [&] { return c.Register(Reg("b", {2, 3}, 4, channels), deadline); });
+  auto a = c.Register(Reg("a", {0, 1}, 4, channels), deadline);
   ASSERT_TRUE(a.ok()) << a.status();
   auto bm = b.get();
   ASSERT_TRUE(bm.ok()) << bm.status();
@@ -228,6 +231,39 @@ TEST(CoordinatorTest, RunsWhenEveryNodeIsReadyInOneGlobalOrder) {
     EXPECT_EQ(ev[1].run().name(), "y");
     EXPECT_EQ(ev[1].run().seq(), 1u);
   }
+}
+
+// Channel weights (channel_weights.h): no shares until every node reported
+// its channels' rates; then each run carries the shares of the slowest
+// node's rates; a Ready with rates for the wrong number of channels ends
+// the job as malformed.
+TEST(CoordinatorTest, RunsCarryTheChannelSharesOfTheNodesRates) {
+  Formed f;
+  Coordinator c;
+  Form(c, &f, 2);
+  auto with_rates = [](const std::string& name, std::vector<double> rates) {
+    proto::NodeEvent e = Ready(name, 10);
+    for (double r : rates) e.mutable_ready()->add_channel_rates(r);
+    return e;
+  };
+  c.OnEvent(f.handles[0], with_rates("x", {800, 200}));
+  c.OnEvent(f.handles[1], Ready("x", 10));  // node b has not measured yet
+  c.OnEvent(f.handles[0], with_rates("y", {800, 200}));
+  c.OnEvent(f.handles[1], with_rates("y", {700, 210}));
+  auto ev = f.streams[0].WaitFor(2);
+  ASSERT_EQ(ev.size(), 2u);
+  EXPECT_EQ(ev[0].run().channel_shares_size(), 0);
+  EXPECT_EQ(std::vector<uint32_t>(ev[1].run().channel_shares().begin(),
+                                  ev[1].run().channel_shares().end()),
+            ChannelShares({{800, 200}, {700, 210}}, 2));
+  EXPECT_EQ(ev[1].run().channel_shares_size(), 2);
+  c.OnEvent(f.handles[1], with_rates("z", {1, 2, 3}));
+  auto failed = f.streams[0].WaitFor(3);
+  ASSERT_EQ(failed.size(), 3u);
+  ASSERT_TRUE(failed[2].has_job_failed());
+  EXPECT_NE(failed[2].job_failed().message().find("3 channel rates for 2 channels"),
+            std::string::npos)
+      << failed[2].job_failed().message();
 }
 
 TEST(CoordinatorTest, MismatchFailsOnEveryNodeNamingBoth) {
