@@ -47,6 +47,8 @@ REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
 
 # The names of Communicator.balance()'s own operations start with it.
 _BALANCE_PREFIX = "ciuic.balance."
+# At most this many of a rank's operations measured per balance() call.
+_BALANCE_MAX_OPS = 1024
 
 _NUMPY_DTYPES = {
     np.dtype(np.float32): "float32", np.dtype(np.float64): "float64",
@@ -762,6 +764,8 @@ class Communicator:
         division of a global batch in proportion to the ranks' speed.
 
         Call it between steps (e.g. each epoch) with no operation in flight.
+        It measures the window's newest 1024 operations (``dropped`` counts
+        the rest) and gathers 24 bytes per operation and rank on every rank.
         """
         if samples is not None and (int(samples) != samples or samples < 0):
             raise InvalidArgumentError(f"balance(): samples must be a count >= 0, got {samples}")
@@ -769,6 +773,11 @@ class Communicator:
         timings, dropped = self._impl.take_op_timings()
         # balance()'s own operations (named below) are not part of the measure.
         timings = [t for t in timings if not t[0].startswith(_BALANCE_PREFIX)]
+        # The exchange carries 24 bytes per operation per rank, gathered on
+        # every rank: the window's newest operations only.
+        if len(timings) > _BALANCE_MAX_OPS:
+            dropped += len(timings) - _BALANCE_MAX_OPS
+            timings = sorted(timings, key=lambda t: t[2])[-_BALANCE_MAX_OPS:]
         self._balance_calls += 1
         name = f"{_BALANCE_PREFIX}{self._balance_calls}"
         row = _balance.row_of(timings, self._balance_since, now - self._balance_since,

@@ -1139,3 +1139,14 @@ def balance_bad_samples(ctx):
     except ciuic.InvalidArgumentError as e:
         return str(e)
     raise AssertionError("balance(samples=-3) was taken")
+
+
+def balance_many_ops(ctx, n):
+    """n tiny allreduces in one window: balance() measures the newest 1024."""
+    comm = ctx.comm
+    comm.balance()
+    x = np.zeros(1, dtype=np.float32)
+    for _ in range(n):
+        comm.allreduce(x)
+    b = comm.balance()
+    return b.ops, b.dropped

@@ -144,6 +144,11 @@ def test_balance_names_the_slow_rank_across_nodes(mn_pool):
     _check_skew(got, 2, 0, delay, steps, per_step)
 
 
+def test_balance_measures_the_newest_operations_only(pool):
+    for ops, dropped in pool.run(ranks.balance_many_ops, 1100):
+        assert (ops, dropped) == (1024, 1100 - 1024)
+
+
 def test_balance_checks_its_samples(pool):
     for message in pool.run(ranks.balance_bad_samples):
         assert "samples must be a count >= 0, got -3" in message
