@@ -34,7 +34,7 @@ absl::Status AllgatherRing(const InterNodeContext& ctx, void* data,
   internode_internal::Schedule sched;
   sched.name = kName;
   sched.num_tag_steps = n - 1;
-  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
+  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps, ctx.tag_bits);
   // Chunks of the owner with the most: the same number on every node.
   absl::StatusOr<size_t> chunk = internode_internal::PlanChunkBytes(
       ctx.chunk_bytes, 1, chunk_bits, [&blocks, n](size_t c) {

@@ -682,9 +682,11 @@ absl::Status CheckCompressed(const InterNodeContext& ctx, const Codec& codec, wi
   }
   if (ctx.transport == nullptr)
     return absl::InvalidArgumentError(absl::StrCat(kWhat, ": no transport"));
-  if ((ctx.tag_base & ((uint64_t{1} << kTagFieldBits) - 1)) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kWhat, ": tag_base ", ctx.tag_base, " has some of its low 24 bits set"));
+  if (ctx.tag_bits != kTagFieldBits ||
+      (ctx.tag_base & ((uint64_t{1} << kTagFieldBits) - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kWhat, ": needs all 24 low tag bits (tag_bits ", ctx.tag_bits, ", tag_base ",
+        ctx.tag_base, ")"));
   }
   if (ctx.transport->num_peers() <= 1 || count == 0) return absl::OkStatus();
   if (ctx.scratch == nullptr)

@@ -45,7 +45,7 @@ absl::Status AllreduceHalvingDoubling(const InterNodeContext& ctx, wire::DataTyp
   sched.dtype = dtype;
   sched.op = op;
   sched.num_tag_steps = rounds + 2;
-  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
+  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps, ctx.tag_bits);
   absl::StatusOr<size_t> chunk = internode_internal::PlanChunkBytes(
       ctx.chunk_bytes, elem, chunk_bits, [total](size_t c) { return (total + c - 1) / c; });
   if (!chunk.ok()) {

@@ -67,7 +67,7 @@ absl::Status AllreduceRing(const InterNodeContext& ctx, wire::DataType dtype, wi
   sched.dtype = dtype;
   sched.op = op;
   sched.num_tag_steps = 2 * (n - 1);
-  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
+  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps, ctx.tag_bits);
   const size_t max_seg = seg_bytes(0);
   absl::StatusOr<size_t> chunk = internode_internal::PlanChunkBytes(
       ctx.chunk_bytes, elem, chunk_bits, [max_seg](size_t c) { return (max_seg + c - 1) / c; });

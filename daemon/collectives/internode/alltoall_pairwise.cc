@@ -96,7 +96,7 @@ absl::Status Pairwise(const InterNodeContext& ctx, const std::vector<int>& node_
   sched.name = kName;
   sched.meanwhile = std::move(meanwhile);
   sched.num_tag_steps = static_cast<uint32_t>(n - 1);
-  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
+  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps, ctx.tag_bits);
   const std::vector<size_t>& mine = ranks_of[static_cast<size_t>(me)];
   sched.steps.resize(static_cast<size_t>(n - 1));
   for (int s = 0; s < n - 1; ++s) {

@@ -35,7 +35,7 @@ absl::Status BroadcastPipeline(const InterNodeContext& ctx, void* data, size_t b
   internode_internal::Schedule sched;
   sched.name = kName;
   sched.num_tag_steps = tree ? rounds : 1;
-  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
+  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps, ctx.tag_bits);
   absl::StatusOr<size_t> chunk = internode_internal::PlanChunkBytes(
       ctx.chunk_bytes, 1, chunk_bits, [bytes](size_t c) { return (bytes + c - 1) / c; });
   if (!chunk.ok()) {

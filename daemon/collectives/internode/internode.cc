@@ -56,6 +56,14 @@ absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wir
     algo = ChooseAllreduceAlgorithm(ctx.transport->num_peers(),
                                     count * wire::DataTypeSize(static_cast<uint32_t>(dtype)));
   }
+  if (algo == InterNodeAlgorithm::kRack) {
+    std::vector<int> one_rack;
+    if (ctx.racks.empty() && ctx.transport != nullptr) {
+      one_rack.assign(static_cast<size_t>(ctx.transport->num_peers()), 0);
+    }
+    return AllreduceRacks(ctx, ctx.racks.empty() ? one_rack : ctx.racks, dtype, op, data, count,
+                          input);
+  }
   if (algo == InterNodeAlgorithm::kHalvingDoubling) {
     if (input != nullptr && input != data) {
       std::memcpy(data, input, count * wire::DataTypeSize(static_cast<uint32_t>(dtype)));

@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,7 +52,7 @@ namespace ciuic::daemon {
 
 struct InterNodeContext {
   Transport* transport;  // peers are the job's nodes; transport->self() is this node
-  uint64_t tag_base;     // distinct per operation, low 24 bits are zero: ours to use
+  uint64_t tag_base;     // distinct per operation, low tag_bits bits are zero: ours to use
   uint64_t chunk_bytes;  // pipeline granularity (tunable live, e.g. 64K..64M); rounded
                          // down to whole elements (at least one), grown if needed so
                          // that the chunks of one step fit in the tag's chunk field
@@ -68,6 +69,13 @@ struct InterNodeContext {
   // entry < the transport's channels; cluster/channel_weights.h); empty:
   // on channel i mod channels. The compressed allreduce keeps equal shares.
   std::vector<uint8_t> channel_table = {};
+  // The low bits of the tag that are the algorithm's (16..24): fewer when
+  // an algorithm runs as a phase of another (the rack-hierarchical one
+  // gives each phase its own tags). The compressed allreduce needs all 24.
+  int tag_bits = 24;
+  // Node k's rack (0..N-1, the same on every node), for kRack; empty: one
+  // rack.
+  std::vector<int> racks = {};
 };
 
 // A byte range of `data` that node `owner` holds before an allgather, or
@@ -78,7 +86,7 @@ struct Block {
   int owner;
 };
 
-enum class InterNodeAlgorithm { kAuto, kRing, kHalvingDoubling };
+enum class InterNodeAlgorithm { kAuto, kRing, kHalvingDoubling, kRack };
 
 // Bandwidth-optimal ring: reduce-scatter then allgather, 2(N-1) steps, each
 // step's segment pipelined in chunks over the transport's channels. Any
@@ -155,7 +163,36 @@ absl::Status AllreduceRing(const InterNodeContext& ctx, wire::DataType dtype, wi
 absl::Status AllreduceHalvingDoubling(const InterNodeContext& ctx, wire::DataType dtype,
                                       wire::ReduceOp op, void* data, size_t count);
 
-// kRing or kHalvingDoubling as asked; kAuto chooses with ChooseAllreduceAlgorithm.
+// Rack-hierarchical: in each rack (racks[k]: node k's rack, 0..N-1) the
+// nodes reduce into the rack's leader, its lowest node, along a pipelined
+// chain; the leaders run a ring allreduce; each leader broadcasts the
+// result in its rack. Each inter-rack link carries one stream per rack
+// pair. Same contract as AllreduceRing; needs 18 tag bits (each phase gets
+// two of its own).
+absl::Status AllreduceRacks(const InterNodeContext& ctx, const std::vector<int>& racks,
+                            wire::DataType dtype, wire::ReduceOp op, void* data, size_t count,
+                            const void* input = nullptr);
+
+// What the model below predicts for an allreduce, in seconds.
+struct RackCost {
+  double flat_s = 0;  // the ring over all nodes, in node order
+  double rack_s = 0;  // AllreduceRacks
+};
+
+// The cost model that chooses between the flat ring and AllreduceRacks for
+// `bytes` per node: rates[a][b] is the rate (bytes per second) node a's
+// sends to node b have reached (0: not measured). Inside a rack the slowest
+// measured pair's rate counts, between racks the slowest inter-rack pair's,
+// and ring edges crossing the same rack pair in the same direction share
+// its link. Nullopt when it cannot tell or there is nothing to gain: fewer
+// than 2 racks, no rack of 2 nodes, or no rate measured inside a rack or
+// between racks. Terms in ../README.md, "Racks".
+std::optional<RackCost> ModelRackAllreduce(const std::vector<int>& racks,
+                                           const std::vector<std::vector<double>>& rates,
+                                           uint64_t bytes);
+
+// kRing, kHalvingDoubling or kRack (with ctx.racks) as asked; kAuto chooses
+// with ChooseAllreduceAlgorithm.
 // `input` as for AllreduceRing (the other algorithms copy it into `data` first).
 absl::Status Allreduce(const InterNodeContext& ctx, InterNodeAlgorithm algo, wire::DataType dtype,
                        wire::ReduceOp op, void* data, size_t count, const void* input = nullptr);

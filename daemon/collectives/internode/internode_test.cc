@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "collectives/internode/in_process_transport.h"
 #include "collectives/internode/sends_in_flight.h"
 #include "collectives/internode/schedule.h"
@@ -93,6 +94,8 @@ class Cluster {
 
   InProcessHub& hub() { return hub_; }
   int nodes() const { return hub_.num_nodes(); }
+  // Every Run's InterNodeContext::racks.
+  void set_racks(std::vector<int> racks) { racks_ = std::move(racks); }
 
   std::vector<absl::Status> Run(
       const std::function<absl::Status(int node, const InterNodeContext&)>& body,
@@ -103,8 +106,9 @@ class Cluster {
     std::vector<std::thread> threads;
     for (int k = 0; k < nodes(); ++k) {
       threads.emplace_back([&, k] {
-        const InterNodeContext ctx{hub_.transport(k), tag_base, chunk_bytes, max_inflight,
-                                   deadline, &scratch_[k]};
+        InterNodeContext ctx{hub_.transport(k), tag_base, chunk_bytes, max_inflight, deadline,
+                             &scratch_[k]};
+        ctx.racks = racks_;
         result[k] = body(k, ctx);
       });
     }
@@ -115,6 +119,7 @@ class Cluster {
  private:
   InProcessHub hub_;
   std::vector<ScratchBuffer> scratch_;
+  std::vector<int> racks_;
   uint64_t ops_ = 0;
 };
 
@@ -132,14 +137,25 @@ using AllreduceParam = std::tuple<int, int, InterNodeAlgorithm>;  // nodes, chan
 class AllreduceTest : public ::testing::TestWithParam<AllreduceParam> {};
 
 std::string AlgoName(InterNodeAlgorithm a) {
-  return a == InterNodeAlgorithm::kRing ? "Ring"
+  return a == InterNodeAlgorithm::kRing               ? "Ring"
          : a == InterNodeAlgorithm::kHalvingDoubling ? "HalvingDoubling"
+         : a == InterNodeAlgorithm::kRack            ? "Rack"
                                                      : "Auto";
+}
+
+// The racks the parameterized tests give kRack: k % (n/2), so racks are
+// interleaved in node order and of unequal sizes (5 nodes: 3 and 2; 8
+// nodes: 4 racks of 2; up to 3 nodes: one rack).
+std::vector<int> TestRacks(int n) {
+  std::vector<int> racks(static_cast<size_t>(n));
+  for (int k = 0; k < n; ++k) racks[k] = k % std::max(1, n / 2);
+  return racks;
 }
 
 TEST_P(AllreduceTest, EveryDtypeAndOpMatchesPlainLoops) {
   const auto [n, channels, algo] = GetParam();
   Cluster cluster(n, channels);
+  if (algo == InterNodeAlgorithm::kRack) cluster.set_racks(TestRacks(n));
   for (size_t count : {size_t{0}, size_t{1}, size_t{1001}, size_t{100003}}) {
     // Small chunks: 1001 elements span several chunks per segment even for
     // 8 nodes and int8; 100003 elements span several chunks per step.
@@ -290,6 +306,7 @@ void FillArbitrary(DataType t, ReduceOp op, int k, uint8_t* data, size_t count,
 TEST_P(AllreduceTest, AllNodesAgreeBitwiseOnArbitraryFloats) {
   const auto [n, channels, algo] = GetParam();
   Cluster cluster(n, channels);
+  if (algo == InterNodeAlgorithm::kRack) cluster.set_racks(TestRacks(n));
   std::mt19937_64 rng(n * 100 + channels);
   for (DataType t : {DataType::kFloat32, DataType::kFloat64, DataType::kFloat16,
                      DataType::kBFloat16}) {
@@ -367,6 +384,7 @@ TEST(TwoNodesTest, RingAndHalvingDoublingAgreeBitwiseAtAnyOffset) {
 TEST_P(AllreduceTest, OutOfPlaceMatchesInPlaceBitwise) {
   const auto [n, channels, algo] = GetParam();
   Cluster cluster(n, channels);
+  if (algo == InterNodeAlgorithm::kRack) cluster.set_racks(TestRacks(n));
   std::mt19937_64 rng(n * 7 + channels);
   for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1001}, size_t{100003}}) {
     for (DataType t : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,
@@ -410,6 +428,7 @@ TEST_P(AllreduceTest, OutOfPlaceMatchesInPlaceBitwise) {
 TEST_P(AllreduceTest, OneChunkInFlight) {
   const auto [n, channels, algo] = GetParam();
   Cluster cluster(n, channels);
+  if (algo == InterNodeAlgorithm::kRack) cluster.set_racks(TestRacks(n));
   const size_t count = 5003;
   std::vector<std::vector<int32_t>> data(n, std::vector<int32_t>(count));
   std::vector<int32_t> ref(count, 0);
@@ -642,11 +661,228 @@ INSTANTIATE_TEST_SUITE_P(
     Nodes, AllreduceTest,
     ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8), ::testing::Values(1, 2),
                        ::testing::Values(InterNodeAlgorithm::kRing,
-                                         InterNodeAlgorithm::kHalvingDoubling)),
+                                         InterNodeAlgorithm::kHalvingDoubling,
+                                         InterNodeAlgorithm::kRack)),
     [](const ::testing::TestParamInfo<AllreduceParam>& info) {
       return absl::StrCat(std::get<0>(info.param), "Nodes", std::get<1>(info.param), "Channels",
                           AlgoName(std::get<2>(info.param)));
     });
+
+// ---------------------------------------------------------------------------
+// Racks: AllreduceRacks on layouts the parameterized tests lack, the bytes
+// each node pair carries, and the cost model.
+
+// Bytes this node's sends carried to each peer.
+class BytesPerPeer final : public ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
+            TransferDone done) override {
+    bytes_[static_cast<size_t>(peer)] += bytes;
+    ForwardingTransport::Send(peer, channel, tag, data, bytes, std::move(done));
+  }
+  uint64_t to(int peer) const { return bytes_[static_cast<size_t>(peer)].load(); }
+
+ private:
+  std::atomic<uint64_t> bytes_[8] = {};
+};
+
+// Runs `algo` on n nodes with `racks` through byte counters; returns each
+// node's result, and bytes[a][b] sent from a to b.
+std::vector<std::vector<float>> RunCounted(const std::vector<int>& racks, InterNodeAlgorithm algo,
+                                           const std::vector<std::vector<float>>& input,
+                                           std::vector<std::vector<uint64_t>>* bytes) {
+  const int n = static_cast<int>(racks.size());
+  InProcessHub hub(n, 2);
+  std::vector<std::unique_ptr<BytesPerPeer>> counted;
+  for (int k = 0; k < n; ++k) counted.push_back(std::make_unique<BytesPerPeer>(hub.transport(k)));
+  std::vector<ScratchBuffer> scratch(static_cast<size_t>(n));
+  std::vector<std::vector<float>> data = input;
+  std::vector<absl::Status> result(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{counted[k].get(), uint64_t{1} << 24, 4096, 4, deadline, &scratch[k]};
+      ctx.racks = racks;
+      result[k] = Allreduce(ctx, algo, DataType::kFloat32, ReduceOp::kSum, data[k].data(),
+                            data[k].size());
+    });
+  }
+  for (auto& t : threads) t.join();
+  ExpectAllOk(result, AlgoName(algo));
+  bytes->assign(static_cast<size_t>(n), std::vector<uint64_t>(static_cast<size_t>(n)));
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) (*bytes)[a][b] = counted[a]->to(b);
+  }
+  return data;
+}
+
+// Layouts beyond TestRacks': racks numbered out of node order, a rack of
+// one node, every node its own rack, one rack for all. Exact int32 sums
+// against a loop, and the same float bits on every node.
+TEST(RackTest, EveryLayoutMatchesPlainLoopsAndAgreesBitwise) {
+  const std::vector<std::vector<int>> layouts = {
+      {0, 0, 0, 1, 1, 2}, {1, 1, 0, 0, 0}, {0, 1, 2, 3}, {2, 2, 2, 2}, {0, 1, 1}, {3, 0, 3, 0}};
+  std::mt19937_64 rng(33);
+  for (const std::vector<int>& racks : layouts) {
+    const int n = static_cast<int>(racks.size());
+    Cluster cluster(n, 2);
+    cluster.set_racks(racks);
+    const std::string what = "racks " + absl::StrJoin(racks, ",");
+    for (size_t count : {size_t{1}, size_t{7}, size_t{1001}, size_t{65537}}) {
+      std::vector<std::vector<int32_t>> data(n, std::vector<int32_t>(count));
+      std::vector<int32_t> ref(count, 0);
+      for (int k = 0; k < n; ++k) {
+        for (size_t i = 0; i < count; ++i) {
+          data[k][i] = static_cast<int32_t>(Value(ReduceOp::kSum, DataType::kInt32, k, i));
+          ref[i] += data[k][i];
+        }
+      }
+      ExpectAllOk(cluster.Run(
+                      [&](int k, const InterNodeContext& ctx) {
+                        return Allreduce(ctx, InterNodeAlgorithm::kRack, DataType::kInt32,
+                                         ReduceOp::kSum, data[k].data(), count);
+                      },
+                      count <= 1001 ? 64 : 4096),
+                  what);
+      for (int k = 0; k < n; ++k) ASSERT_EQ(data[k], ref) << what << " count " << count;
+    }
+    for (ReduceOp op : kOps) {
+      const size_t count = 20011;
+      std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(count * 4));
+      for (int k = 0; k < n; ++k) FillArbitrary(DataType::kFloat32, op, k, data[k].data(), count, rng);
+      ExpectAllOk(cluster.Run(
+                      [&](int k, const InterNodeContext& ctx) {
+                        return Allreduce(ctx, InterNodeAlgorithm::kRack, DataType::kFloat32, op,
+                                         data[k].data(), count);
+                      },
+                      1024),
+                  what);
+      for (int k = 1; k < n; ++k) ASSERT_EQ(data[k], data[0]) << what << " " << Name(op);
+    }
+  }
+}
+
+// Two racks of two: only the leaders' pair crosses racks, S each way (the
+// flat ring sends 1.5 S over each crossing edge); inside a rack the buffer
+// goes up once and down once. Same sums as the ring.
+TEST(RackTest, InterRackLinksCarryOneStreamPerRackPair) {
+  const std::vector<int> racks = {0, 0, 1, 1};
+  const size_t count = 100000;
+  const uint64_t s = count * 4;
+  std::vector<std::vector<float>> input(4, std::vector<float>(count));
+  for (int k = 0; k < 4; ++k) {
+    for (size_t i = 0; i < count; ++i) input[k][i] = static_cast<float>((i * 7 + k) % 13);
+  }
+  std::vector<std::vector<uint64_t>> rack_bytes, ring_bytes;
+  const auto by_rack = RunCounted(racks, InterNodeAlgorithm::kRack, input, &rack_bytes);
+  const auto by_ring = RunCounted(racks, InterNodeAlgorithm::kRing, input, &ring_bytes);
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(by_rack[k], by_ring[0]) << "node " << k;
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) {
+      uint64_t want = 0;
+      if ((a == 0 && b == 2) || (a == 2 && b == 0)) want = s;  // the leaders' ring
+      if ((a == 1 && b == 0) || (a == 3 && b == 2)) want = s;  // up to the leader
+      if ((a == 0 && b == 1) || (a == 2 && b == 3)) want = s;  // down from it
+      EXPECT_EQ(rack_bytes[a][b], want) << a << " -> " << b;
+    }
+  }
+  EXPECT_EQ(ring_bytes[1][2], s * 3 / 2);
+  EXPECT_EQ(ring_bytes[3][0], s * 3 / 2);
+}
+
+TEST(RackTest, BadRacksAreAnError) {
+  Cluster cluster(3, 1);
+  std::vector<float> data(10, 1.0f);
+  for (const std::vector<int>& racks : {std::vector<int>{0, 0}, std::vector<int>{0, 3, 0},
+                                        std::vector<int>{0, -1, 0}}) {
+    const std::vector<absl::Status> result = cluster.Run(
+        [&](int k, const InterNodeContext& ctx) {
+          if (k != 0) return absl::OkStatus();
+          return AllreduceRacks(ctx, racks, DataType::kFloat32, ReduceOp::kSum, data.data(), 10);
+        },
+        64, 4, milliseconds(200));
+    EXPECT_EQ(result[0].code(), absl::StatusCode::kInvalidArgument) << result[0];
+    EXPECT_NE(result[0].message().find("AllreduceRacks"), std::string::npos) << result[0];
+  }
+  const std::vector<absl::Status> few_bits = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k != 0) return absl::OkStatus();
+        InterNodeContext c = ctx;
+        c.tag_bits = 17;
+        c.tag_base = uint64_t{1} << 17;
+        return AllreduceRacks(c, {0, 0, 1}, DataType::kFloat32, ReduceOp::kSum, data.data(), 10);
+      },
+      64);
+  EXPECT_EQ(few_bits[0].code(), absl::StatusCode::kInvalidArgument) << few_bits[0];
+}
+
+// A node that never takes part: its rack's phase ends at the deadline, and
+// the error says which phase and which nodes.
+TEST(RackTest, AMissingNodeEndsTheOperationNamingThePhase) {
+  Cluster cluster(4, 1);
+  cluster.set_racks({0, 0, 1, 1});
+  std::vector<std::vector<float>> data(4, std::vector<float>(1000, 1.0f));
+  const std::vector<absl::Status> result = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k == 3) return absl::OkStatus();
+        return Allreduce(ctx, InterNodeAlgorithm::kRack, DataType::kFloat32, ReduceOp::kSum,
+                         data[k].data(), 1000);
+      },
+      256, 4, milliseconds(300));
+  EXPECT_EQ(result[2].code(), absl::StatusCode::kDeadlineExceeded) << result[2];
+  EXPECT_NE(result[2].message().find("reduce in the rack (nodes 2,3)"), std::string::npos)
+      << result[2];
+  for (int k = 0; k < 3; ++k) EXPECT_FALSE(result[k].ok()) << "node " << k;
+}
+
+TEST(RackModelTest, PredictsTheFlatRingsSharedLinkAndTheRackPhases) {
+  constexpr double kStep = 25e-6;  // allreduce_racks.cc's kStepSeconds
+  const double intra = 500e6, inter = 25e6, s = 16 << 20;
+  auto rates = [&](const std::vector<int>& racks) {
+    std::vector<std::vector<double>> r(racks.size(), std::vector<double>(racks.size()));
+    for (size_t a = 0; a < racks.size(); ++a) {
+      for (size_t b = 0; b < racks.size(); ++b) {
+        if (a != b) r[a][b] = racks[a] == racks[b] ? intra : inter;
+      }
+    }
+    return r;
+  };
+  // Racks contiguous in node order: the ring crosses each way once.
+  std::optional<RackCost> c = ModelRackAllreduce({0, 0, 1, 1}, rates({0, 0, 1, 1}), 16 << 20);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->flat_s, 6 * kStep + 1.5 * s / inter, 1e-9);
+  EXPECT_NEAR(c->rack_s, 2 * (kStep + s / intra) + 2 * kStep + s / inter, 1e-9);
+  EXPECT_GT(c->flat_s / c->rack_s, 1.3);
+  // Interleaved: each crossing direction carries two ring edges.
+  c = ModelRackAllreduce({0, 1, 0, 1}, rates({0, 1, 0, 1}), 16 << 20);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->flat_s, 6 * kStep + 1.5 * s / (inter / 2), 1e-9);
+  // Links alike: the flat ring wins.
+  std::vector<std::vector<double>> even(4, std::vector<double>(4, intra));
+  c = ModelRackAllreduce({0, 0, 1, 1}, even, 16 << 20);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_LT(c->flat_s, c->rack_s);
+  // The slowest measured pair of each kind counts; unmeasured pairs do not.
+  std::vector<std::vector<double>> some = rates({0, 0, 1, 1});
+  some[1][3] = inter / 2;
+  some[3][1] = 0;
+  c = ModelRackAllreduce({0, 0, 1, 1}, some, 16 << 20);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->rack_s, 2 * (kStep + s / intra) + 2 * kStep + s / (inter / 2), 1e-9);
+  // No decision: nothing measured between racks, one rack, racks of one
+  // node, two nodes, rates of the wrong shape.
+  std::vector<std::vector<double>> no_inter = even;
+  for (int a : {0, 1}) {
+    for (int b : {2, 3}) no_inter[a][b] = no_inter[b][a] = 0;
+  }
+  EXPECT_FALSE(ModelRackAllreduce({0, 0, 1, 1}, no_inter, 1 << 20).has_value());
+  EXPECT_FALSE(ModelRackAllreduce({0, 0, 0, 0}, even, 1 << 20).has_value());
+  EXPECT_FALSE(ModelRackAllreduce({0, 1, 2, 3}, even, 1 << 20).has_value());
+  EXPECT_FALSE(ModelRackAllreduce({0, 1}, rates({0, 1}), 1 << 20).has_value());
+  EXPECT_FALSE(ModelRackAllreduce({0, 0, 1, 1}, rates({0, 0, 1}), 1 << 20).has_value());
+}
 
 // One large float32 buffer (4M elements) through both algorithms and auto.
 TEST(AllreduceLargeTest, FourMillionFloats) {

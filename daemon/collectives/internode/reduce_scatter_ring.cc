@@ -64,7 +64,7 @@ absl::Status ReduceScatterRing(const InterNodeContext& ctx, wire::DataType dtype
   sched.dtype = dtype;
   sched.op = op;
   sched.num_tag_steps = n - 1;
-  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps);
+  const int chunk_bits = internode_internal::ChunkBits(sched.num_tag_steps, ctx.tag_bits);
   absl::StatusOr<size_t> chunk = internode_internal::PlanChunkBytes(
       ctx.chunk_bytes, elem, chunk_bits, [&blocks, n](size_t c) {
         // The most chunks any one segment (node's region) is cut into.

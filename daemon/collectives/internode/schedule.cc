@@ -38,9 +38,9 @@ Range Side::chunk(size_t i) const {
   return {ranges_[r].ptr + offset, std::min(chunk_bytes_, ranges_[r].bytes - offset)};
 }
 
-int ChunkBits(uint32_t num_tag_steps) {
+int ChunkBits(uint32_t num_tag_steps, int tag_bits) {
   const int step_bits = num_tag_steps <= 1 ? 0 : std::bit_width(num_tag_steps - 1);
-  return step_bits > kTagFieldBits ? -1 : kTagFieldBits - step_bits;
+  return step_bits > tag_bits ? -1 : tag_bits - step_bits;
 }
 
 absl::StatusOr<size_t> PlanChunkBytes(size_t requested, size_t elem, int chunk_bits,
@@ -62,9 +62,15 @@ absl::Status CheckContext(const InterNodeContext& ctx, const char* name) {
   if (ctx.transport == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": no transport"));
   }
-  if ((ctx.tag_base & ((uint64_t{1} << kTagFieldBits) - 1)) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": tag_base ", ctx.tag_base, " has some of its low 24 bits set"));
+  if (ctx.tag_bits < kMinTagBits || ctx.tag_bits > kTagFieldBits) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": tag_bits ", ctx.tag_bits,
+                                                   " is outside ", kMinTagBits, "..",
+                                                   kTagFieldBits));
+  }
+  if ((ctx.tag_base & ((uint64_t{1} << ctx.tag_bits) - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": tag_base ", ctx.tag_base,
+                                                   " has some of its low ", ctx.tag_bits,
+                                                   " bits set"));
   }
   return absl::OkStatus();
 }
@@ -218,7 +224,7 @@ absl::Status Runner::Prepare() {
     st.send.Cut(chunk_bytes_);
     st.recv.Cut(chunk_bytes_);
     if (chunk_bits_ < 0 ||
-        uint64_t{st.tag_step} >= (uint64_t{1} << (kTagFieldBits - chunk_bits_))) {
+        uint64_t{st.tag_step} >= (uint64_t{1} << (ctx_.tag_bits - chunk_bits_))) {
       return absl::InternalError(absl::StrCat(s_.name, ": tag step out of range"));
     }
     state_[i].send.assign(st.send.num_chunks(), kIdle);

@@ -62,6 +62,8 @@
 namespace ciuic::daemon::internode_internal {
 
 inline constexpr int kTagFieldBits = 24;
+// The fewest tag bits an algorithm may be given (InterNodeContext::tag_bits).
+inline constexpr int kMinTagBits = 16;
 
 struct Range {
   uint8_t* ptr;
@@ -125,9 +127,10 @@ struct Schedule {
   std::function<void()> meanwhile;
 };
 
-// Bits of the chunk field for a schedule with num_tag_steps steps; -1 if the
-// steps alone do not fit in the 24 bits.
-int ChunkBits(uint32_t num_tag_steps);
+// Bits of the chunk field for a schedule with num_tag_steps steps in a tag
+// field of tag_bits (InterNodeContext::tag_bits); -1 if the steps alone do
+// not fit.
+int ChunkBits(uint32_t num_tag_steps, int tag_bits = kTagFieldBits);
 
 // The chunk size every node uses: `requested` rounded down to a multiple of
 // `elem` (at least elem), doubled while chunks_at(size) (the most chunks any
@@ -136,7 +139,8 @@ int ChunkBits(uint32_t num_tag_steps);
 absl::StatusOr<size_t> PlanChunkBytes(size_t requested, size_t elem, int chunk_bits,
                                       const std::function<size_t(size_t)>& chunks_at);
 
-// Common argument checks: transport set, tag_base's low 24 bits clear.
+// Common argument checks: transport set, tag_bits in kMinTagBits..24 and
+// tag_base's low tag_bits bits clear.
 absl::Status CheckContext(const InterNodeContext& ctx, const char* name);
 
 // Runs the schedule to the end, or to the first error or the deadline; in
