@@ -21,6 +21,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "config/config.h"
@@ -170,6 +171,18 @@ int Main(int argc, char** argv) {
     if (!workers_flag.empty()) cfg.worker_threads = flags->worker_threads;
     if (!listen_flag.empty()) cfg.listen = flags->listen;
   }
+  // CIUIC_RACK (set by a node's provisioning, e.g. from the scheduler's
+  // topology) overrides the file's `rack`, checked by the same rule.
+  if (const char* rack = getenv("CIUIC_RACK"); rack != nullptr) {
+    if (!config::ValidRackName(rack)) {
+      fprintf(stderr,
+              "ciuicd: invalid CIUIC_RACK '%s': expected up to 64 characters from letters, "
+              "digits, '-', '.', '_'\n",
+              absl::CEscape(rack).c_str());
+      return 78;
+    }
+    cfg.rack = rack;
+  }
   std::string cluster_token;
   if (!cfg.cluster_token_file.empty()) {
     std::ifstream in(cfg.cluster_token_file);
@@ -254,6 +267,7 @@ int Main(int argc, char** argv) {
   options.max_arena_bytes = cfg.max_arena_bytes;
   options.tuning = &tuning;
   options.node_name = cfg.node_name;
+  options.rack = cfg.rack;
   options.transports = UcxTransportFactory(cfg.channel_devices);
   options.channels = static_cast<int>(cfg.channel_devices.size());
   options.coordinator_clients = GrpcCoordinatorClients(security);

@@ -56,8 +56,17 @@ class ClusterJob::CountingTransport final : public ForwardingTransport {
         received_(owned_->num_peers()) {}
   void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
             TransferDone done) override {
+    if (peer >= 0 && static_cast<size_t>(peer) < sent_.size()) {
+      Busy& b = busy_[peer];
+      std::lock_guard<std::mutex> lock(b.mu);
+      if (b.in_flight++ == 0) b.since = std::chrono::steady_clock::now();
+    }
     ForwardingTransport::Send(peer, channel, tag, data, bytes,
-                              Counted(&sent_, peer, bytes, std::move(done)));
+                              Counted(&sent_, peer, bytes, [this, peer, bytes, done = std::move(done)](
+                                                               absl::Status s) {
+                                SendEnded(peer, s.ok() ? bytes : 0);
+                                done(std::move(s));
+                              }));
   }
   void Recv(int peer, int channel, uint64_t tag, void* data, size_t bytes,
             TransferDone done) override {
@@ -71,6 +80,19 @@ class ClusterJob::CountingTransport final : public ForwardingTransport {
   }
 
   uint64_t sent(int peer) const { return sent_[peer].load(std::memory_order_relaxed); }
+  // Per peer: bytes of sends completed and the time with at least one send
+  // to it in flight (periods that have ended), as Transport::ChannelLoads
+  // counts per channel: bytes over busy time is what the path to that peer
+  // carries while it has work.
+  std::vector<ChannelLoad> PeerLoads() const {
+    std::vector<ChannelLoad> out(sent_.size());
+    for (size_t p = 0; p < out.size(); ++p) {
+      std::lock_guard<std::mutex> lock(busy_[p].mu);
+      out[p].bytes_sent = busy_[p].bytes;
+      out[p].busy_ns = busy_[p].busy_ns;
+    }
+    return out;
+  }
   uint64_t received(int peer) const { return received_[peer].load(std::memory_order_relaxed); }
   std::string failure(int peer) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -89,6 +111,17 @@ class ClusterJob::CountingTransport final : public ForwardingTransport {
       done(std::move(s));
     };
   }
+  void SendEnded(int peer, size_t bytes) {
+    if (peer < 0 || static_cast<size_t>(peer) >= sent_.size()) return;
+    Busy& b = busy_[peer];
+    std::lock_guard<std::mutex> lock(b.mu);
+    b.bytes += bytes;
+    if (--b.in_flight == 0) {
+      b.busy_ns += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             std::chrono::steady_clock::now() - b.since)
+                                             .count());
+    }
+  }
   void RecordFailure(int peer, const absl::Status& s) {
     std::lock_guard<std::mutex> lock(mu_);
     failures_.emplace(peer, std::string(s.message()));
@@ -96,6 +129,14 @@ class ClusterJob::CountingTransport final : public ForwardingTransport {
   std::unique_ptr<Transport> owned_;
   std::vector<std::atomic<uint64_t>> sent_;
   std::vector<std::atomic<uint64_t>> received_;
+  struct Busy {
+    mutable std::mutex mu;
+    int in_flight = 0;
+    std::chrono::steady_clock::time_point since;
+    uint64_t bytes = 0;
+    uint64_t busy_ns = 0;
+  };
+  std::unique_ptr<Busy[]> busy_{new Busy[sent_.size()]};
   std::mutex mu_;
   std::map<int, std::string> failures_;
 };
@@ -241,11 +282,17 @@ std::string ClusterJob::StateText() {
 }
 
 std::vector<ClusterJob::PeerRow> ClusterJob::Peers() {
+  std::vector<double> rates;
+  {
+    std::lock_guard<std::mutex> lock(channels_mu_);
+    rates = peer_rates_.rates();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<PeerRow> rows = peers_;
   for (size_t p = 0; p < rows.size() && transport_; ++p) {
     rows[p].bytes_sent = transport_->sent(static_cast<int>(p));
     rows[p].bytes_received = transport_->received(static_cast<int>(p));
+    if (p < rates.size()) rows[p].rate_bytes_per_s = rates[p];
     std::string f = transport_->failure(static_cast<int>(p));
     if (!f.empty()) rows[p].state = "failed: " + f;
     else if (!failure_.ok()) rows[p].state = "closed";
@@ -261,6 +308,7 @@ absl::Status ClusterJob::Form() {
   req.set_uid(options_.uid);
   req.set_world_size(options_.world_size);
   req.set_node_name(options_.node_name);
+  req.set_rack(options_.rack);
   for (int r : options_.local_ranks) req.add_ranks(r);
   for (const std::string& a : (*unconnected)->Addresses()) req.add_transport_addresses(a);
   req.set_channels(options_.channels);
@@ -292,6 +340,7 @@ absl::Status ClusterJob::Form() {
     addresses.emplace_back(node.transport_addresses().begin(), node.transport_addresses().end());
     PeerRow row;
     row.node_name = node.node_name();
+    row.rack = node.rack();
     for (int r : node.ranks()) {
       row.ranks.push_back(r);
       node_of_rank_[r] = n;
@@ -307,6 +356,8 @@ absl::Status ClusterJob::Form() {
     std::lock_guard<std::mutex> lock(mu_);
     transport_ = std::make_unique<CountingTransport>(std::move(*connected));
     peers_ = std::move(rows);
+    racks_ = RackIndices(membership);
+    spans_racks_ = std::any_of(racks_.begin(), racks_.end(), [](int r) { return r != 0; });
     state_ = State::kRunning;
     std::lock_guard<std::mutex> direct_lock(direct_mu_);
     direct_transport_ = transport_.get();
@@ -413,7 +464,7 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   absl::Status broken;
   if (run.settings.chunk_bytes == 0 || run.settings.chunks_in_flight == 0 ||
       run.settings.chunks_in_flight > 64 || run.settings.segments > kMaxSegments ||
-      r.algorithm() > static_cast<uint32_t>(config::Algorithm::kHalvingDoubling) ||
+      r.algorithm() > static_cast<uint32_t>(config::Algorithm::kRack) ||
       !ValidChannelShares(run.settings.channel_shares, options_.channels)) {
     broken = absl::InternalError(
         absl::StrCat("coordinator announced run ", run.seq, " of '", r.name(),
@@ -425,6 +476,20 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     last_progress_ = now;
+    // The run's payload per node (a fused run's, packed), for the name of
+    // the algorithm it runs with.
+    uint64_t run_bytes = 0;
+    for (const std::string& name : names) {
+      auto it = awaiting_.find(name);
+      if (it == awaiting_.end()) continue;
+      const ClusterOp& op = it->second;
+      uint64_t bytes = op.sig.count * op.sig.element_bytes();
+      if (op.sig.collective == static_cast<uint32_t>(wire::Collective::kReduceScatter) ||
+          op.sig.collective == static_cast<uint32_t>(wire::Collective::kAllgather)) {
+        bytes *= static_cast<uint64_t>(options_.world_size);  // every rank's block
+      }
+      run_bytes += bytes;
+    }
     for (size_t i = 0; i < names.size(); ++i) {
       auto it = awaiting_.find(names[i]);
       if (it == awaiting_.end()) {
@@ -439,6 +504,11 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
         t->run_seq = run.seq;
         t->fused_ops = static_cast<uint32_t>(names.size());
         t->codec = run.settings.codec;
+        t->algorithm = RunAlgorithmName(run.settings, it->second.sig.collective,
+                                        static_cast<int>(peers_.size()), run_bytes,
+                                        names.size() > 1);
+        t->model_flat_us = r.model_flat_us();
+        t->model_rack_us = r.model_rack_us();
         // The coordinator's account of the wait (absent from older ones).
         const int at = static_cast<int>(i);
         if (at < r.last_ready_node_size() && r.last_ready_node(at) >= 0 &&
@@ -814,6 +884,7 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, Clock::time_point deadline
   ctx.scratch = &lane.scratch;
   ctx.yield = &lane.yield;
   ctx.channel_table = ChannelTable(settings.channel_shares);
+  ctx.racks = racks_;
   if (!settings.channel_shares.empty()) {
     std::lock_guard<std::mutex> lock(channels_mu_);
     channel_shares_ = settings.channel_shares;
@@ -822,12 +893,19 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, Clock::time_point deadline
 }
 
 void ClusterJob::AddChannelRates(proto::NodeEvent& ready) {
-  Transport* t = nullptr;
+  CountingTransport* t = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     t = transport_.get();
   }
   if (t == nullptr) return;
+  if (spans_racks_) {
+    // The rack cost model's input: this node's rate to each other node.
+    std::vector<Transport::ChannelLoad> per_peer = t->PeerLoads();
+    std::lock_guard<std::mutex> lock(channels_mu_);
+    peer_rates_.Update(per_peer);
+    for (double r : peer_rates_.rates()) ready.mutable_ready()->add_peer_rates(r);
+  }
   std::vector<Transport::ChannelLoad> loads = t->ChannelLoads();
   // Weights only where the channels have links of their own: channels on
   // the same devices share their links, and weighing them would only follow

@@ -136,6 +136,9 @@ struct ClusterOp {
     uint32_t fused_ops = 0;
     std::string codec;
     bool direct = false;  // ran without the coordinator (DirectExchange)
+    std::string algorithm;  // RunAlgorithmName, or "direct"
+    uint64_t model_flat_us = 0;  // Run.model_flat_us, model_rack_us
+    uint64_t model_rack_us = 0;
   };
   std::shared_ptr<Timing> timing;
 };
@@ -154,6 +157,7 @@ class ClusterJob {
     int world_size = 0;
     std::vector<int> local_ranks;
     std::string node_name;
+    std::string rack;  // announced at registration (config `rack`)
     std::string coordinator;  // host:port of the coordinator's peer service
     int channels = 1;
     config::TuningRegistry* tuning = nullptr;
@@ -218,6 +222,11 @@ class ClusterJob {
     std::string state;  // "connected", "failed: ..."
     uint64_t bytes_sent = 0;
     uint64_t bytes_received = 0;
+    std::string rack;  // as the node registered it
+    // What this node's sends to it reached while they had work (bytes per
+    // second, a moving estimate; 0: not measured). Measured only in a job
+    // whose nodes span racks (the coordinator's rack cost model reads it).
+    double rate_bytes_per_s = 0;
   };
   std::vector<PeerRow> Peers();
 
@@ -459,6 +468,10 @@ class ClusterJob {
   absl::Status failure_;           // guarded by mu_, sticky
   bool aborted_ = false;           // guarded by mu_
   std::vector<PeerRow> peers_;     // guarded by mu_ (counters read live)
+  // Each node's rack (RackIndices): set once when the job forms, before any
+  // lane starts, and read-only after.
+  std::vector<int> racks_;
+  bool spans_racks_ = false;
   // Created before mu_ is first taken by Form; CancelRegister under mu_.
   std::unique_ptr<CoordinatorClient> client_;
 
@@ -489,6 +502,9 @@ class ClusterJob {
   // the devices, the shares of the latest run with shares (set by lanes).
   mutable std::mutex channels_mu_;
   ChannelRates channel_rates_;
+  // Per peer node, the same moving rate of this node's sends to it
+  // (Ready.peer_rates), kept only where the job spans racks.
+  ChannelRates peer_rates_;
   std::vector<std::string> channel_devices_;
   std::vector<uint32_t> channel_shares_;
   ErrorFeedback::Stats device_feedback_;  // guarded by device_feedback_mu_

@@ -110,6 +110,7 @@ bool ClusterJob::StartDirect(ClusterOp& op, uint64_t number) {
     t->ready = t->announced = t->run_start = now;
     t->fused_ops = 1;
     t->direct = true;
+    t->algorithm = "direct";
   }
   direct_ops_.fetch_add(1, std::memory_order_relaxed);
   const Clock::time_point deadline = op.deadline;

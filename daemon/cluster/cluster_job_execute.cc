@@ -109,10 +109,8 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
     // The run's algorithm (auto: by the packed size) where an element's bits
     // do not depend on its offset (the coordinator fused only such
     // operations), halving-doubling otherwise.
-    const int nodes = ctx.transport->num_peers();
-    InterNodeAlgorithm algo = InterNodeAlgorithmFor(settings.algorithm);
-    if (algo == InterNodeAlgorithm::kAuto) algo = ChooseAllreduceAlgorithm(nodes, total * es);
-    if (!OffsetIndependent(nodes, algo)) algo = InterNodeAlgorithm::kHalvingDoubling;
+    const InterNodeAlgorithm algo = AllreduceAlgorithmOf(
+        settings.algorithm, ctx.transport->num_peers(), total * es, /*fused=*/true);
     s = Allreduce(ctx, algo, dtype, wire_op, node, total);
   }
   if (!s.ok()) return s;

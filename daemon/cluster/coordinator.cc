@@ -1,9 +1,11 @@
 #include "cluster/coordinator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <limits>
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +14,7 @@
 #include "ciuic/fast_path.h"
 #include "ciuic/shm_layout.h"
 #include "cluster/channel_weights.h"
+#include "cluster/membership.h"
 #include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
 #include "reduce/reduce.h"
@@ -278,6 +281,7 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
     for (auto* reg : order) {
       auto* n = job->membership.add_nodes();
       n->set_node_name(reg->node_name());
+      n->set_rack(reg->rack());
       *n->mutable_ranks() = reg->ranks();
       *n->mutable_transport_addresses() = reg->transport_addresses();
     }
@@ -430,15 +434,23 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
   if (ready.name().empty() || ready.name().size() > wire::kMaxOpName ||
       ready.split_out_size() > nodes || ready.split_in_size() > nodes ||
       ready.splits_error().size() > kMaxReadyText ||
-      (ready.channel_rates_size() != 0 && ready.channel_rates_size() != job.channels)) {
+      (ready.channel_rates_size() != 0 && ready.channel_rates_size() != job.channels) ||
+      (ready.peer_rates_size() != 0 && ready.peer_rates_size() != nodes)) {
     FailJob(job, static_cast<int>(absl::StatusCode::kInvalidArgument),
             absl::StrCat(NodeLabel(job, node), " sent a malformed Ready (name of ",
                          ready.name().size(), " bytes, ", ready.split_out_size(), "/",
                          ready.split_in_size(), " split hashes for ", nodes, " nodes, ",
                          ready.channel_rates_size(), " channel rates for ", job.channels,
-                         " channels)"),
+                         " channels, ", ready.peer_rates_size(), " peer rates)"),
             node);
     return;
+  }
+  if (ready.peer_rates_size() > 0) {
+    // Rates a node got wrong (negative, NaN) count as not measured.
+    job.peer_rates.resize(static_cast<size_t>(nodes));
+    auto& mine = job.peer_rates[static_cast<size_t>(node)];
+    mine.clear();
+    for (double r : ready.peer_rates()) mine.push_back(std::isfinite(r) && r > 0 ? r : 0.0);
   }
   if (ready.channel_rates_size() > 0) {
     job.channel_rates.resize(static_cast<size_t>(nodes));
@@ -675,6 +687,22 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     run->set_chunk_bytes(tuning.chunk_bytes);
     run->set_chunks_in_flight(tuning.chunks_in_flight);
     run->set_algorithm(static_cast<uint32_t>(tuning.algorithm));
+    // auto, across racks: the cost model of the measured rates chooses
+    // between the flat ring and the racks for an uncompressed allreduce
+    // that runs alone and whole (internode.h, ModelRackAllreduce).
+    if (tuning.algorithm == config::Algorithm::kAuto && group.size() == 1 &&
+        allreduce(head) && head_codec.empty() && !head.device_buffers) {
+      if (job.racks.empty()) job.racks = RackIndices(job.membership);
+      std::vector<std::vector<double>> rates = job.peer_rates;
+      rates.resize(static_cast<size_t>(nodes), std::vector<double>(static_cast<size_t>(nodes)));
+      if (std::optional<RackCost> cost = ModelRackAllreduce(job.racks, rates, head.bytes)) {
+        run->set_model_flat_us(static_cast<uint64_t>(cost->flat_s * 1e6));
+        run->set_model_rack_us(static_cast<uint64_t>(cost->rack_s * 1e6));
+        if (cost->rack_s < cost->flat_s) {
+          run->set_algorithm(static_cast<uint32_t>(config::Algorithm::kRack));
+        }
+      }
+    }
     run->set_codec(head_codec);
     for (uint32_t share : ChannelShares(job.channel_rates, job.channels)) {
       run->add_channel_shares(share);

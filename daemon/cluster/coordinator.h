@@ -183,6 +183,11 @@ class Coordinator {
     // Per node, its channels' rates from its latest Ready that had them
     // (bytes per second): the runs' channel shares (channel_weights.h).
     std::vector<std::vector<double>> channel_rates;
+    // Per node, its rates to each node from its latest Ready that had them
+    // (bytes per second, 0: not measured), and each node's rack
+    // (RackIndices): the rack cost model's input.
+    std::vector<std::vector<double>> peer_rates;
+    std::vector<int> racks;
     int attached_ever = 0;
   };
   struct Attachment {

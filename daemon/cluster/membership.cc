@@ -14,6 +14,11 @@ absl::Status CheckRegistration(const proto::RegisterNodeRequest& r, int max_worl
                                                    kMaxNodeNameBytes, ")"));
   }
   const std::string who = absl::StrCat("node ", r.node_name());
+  if (r.rack().size() > kMaxRackBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, " registered a rack name of ", r.rack().size(), " bytes (0..",
+                     kMaxRackBytes, ")"));
+  }
   if (r.job_id().empty() || r.job_id().size() > kMaxJobIdBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(who, ": a job id of ", r.job_id().size(), " bytes (1..", kMaxJobIdBytes, ")"));
@@ -77,6 +82,10 @@ absl::Status CheckMembership(const proto::Membership& m, const std::string& coor
       return bad(absl::StrCat("node ", n, " has a name of ", node.node_name().size(), " bytes"));
     }
     if (node.ranks_size() == 0) return bad(absl::StrCat("node ", node.node_name(), " has no rank"));
+    if (node.rack().size() > kMaxRackBytes) {
+      return bad(absl::StrCat("node ", node.node_name(), " has a rack name of ",
+                              node.rack().size(), " bytes"));
+    }
     if (node.transport_addresses_size() != channels) {
       return bad(absl::StrCat("node ", node.node_name(), " has ", node.transport_addresses_size(),
                               " transport addresses for ", channels, " channels"));
@@ -120,6 +129,18 @@ absl::Status CheckMembership(const proto::Membership& m, const std::string& coor
   }
   *self = me;
   return absl::OkStatus();
+}
+
+std::vector<int> RackIndices(const proto::Membership& m) {
+  std::vector<int> racks;
+  std::vector<const std::string*> names;  // rack k's name
+  for (const proto::NodeEntry& node : m.nodes()) {
+    int k = 0;
+    while (k < static_cast<int>(names.size()) && *names[k] != node.rack()) ++k;
+    if (k == static_cast<int>(names.size())) names.push_back(&node.rack());
+    racks.push_back(k);
+  }
+  return racks;
 }
 
 }  // namespace ciuic::daemon

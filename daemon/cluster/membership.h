@@ -25,6 +25,7 @@ inline constexpr int kMaxChannels = 64;
 inline constexpr size_t kMaxTransportAddressBytes = size_t{64} << 10;
 inline constexpr size_t kMaxNodeNameBytes = 255;  // as the config key `node_name` allows
 inline constexpr size_t kMaxJobIdBytes = 256;     // as JoinJob allows
+inline constexpr size_t kMaxRackBytes = 64;       // as the config key `rack` allows
 
 // OK when `r` is a registration the coordinator can take for a world of at
 // most `max_world_size` ranks: sizes bounded, every rank in 0..world_size-1
@@ -42,5 +43,10 @@ absl::Status CheckRegistration(const proto::RegisterNodeRequest& r, int max_worl
 absl::Status CheckMembership(const proto::Membership& m, const std::string& coordinator,
                              int world_size, const std::string& node_name,
                              const std::vector<int>& local_ranks, int channels, int* self);
+
+// Each node's rack as a number (InterNodeContext::racks): racks numbered
+// 0, 1, ... in the order of their first node in the table; nodes that gave
+// no rack ("") form one rack like any other name.
+std::vector<int> RackIndices(const proto::Membership& m);
 
 }  // namespace ciuic::daemon

@@ -70,9 +70,7 @@ absl::StatusOr<std::string> ResolveCodec(const std::string& op_name, const Codec
 bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorithm algorithm,
                       int num_nodes) {
   if (!codec.empty()) return true;
-  InterNodeAlgorithm algo = InterNodeAlgorithmFor(algorithm);
-  if (algo == InterNodeAlgorithm::kAuto) algo = ChooseAllreduceAlgorithm(num_nodes, bytes);
-  return OffsetIndependent(num_nodes, algo);
+  return OffsetIndependent(num_nodes, AllreduceAlgorithmOf(algorithm, num_nodes, bytes, false));
 }
 
 uint64_t AlltoallSegments(uint64_t rank_bytes, uint64_t segment_bytes) {
@@ -84,9 +82,44 @@ InterNodeAlgorithm InterNodeAlgorithmFor(config::Algorithm algorithm) {
   switch (algorithm) {
     case config::Algorithm::kRing: return InterNodeAlgorithm::kRing;
     case config::Algorithm::kHalvingDoubling: return InterNodeAlgorithm::kHalvingDoubling;
+    case config::Algorithm::kRack: return InterNodeAlgorithm::kRack;
     case config::Algorithm::kAuto: break;
   }
   return InterNodeAlgorithm::kAuto;
+}
+
+InterNodeAlgorithm AllreduceAlgorithmOf(config::Algorithm algorithm, int num_nodes,
+                                        uint64_t bytes, bool fused) {
+  InterNodeAlgorithm algo = InterNodeAlgorithmFor(algorithm);
+  if (algo == InterNodeAlgorithm::kAuto) algo = ChooseAllreduceAlgorithm(num_nodes, bytes);
+  if (fused && !OffsetIndependent(num_nodes, algo)) algo = InterNodeAlgorithm::kHalvingDoubling;
+  return algo;
+}
+
+std::string RunAlgorithmName(const RunSettings& settings, uint32_t collective, int num_nodes,
+                             uint64_t bytes, bool fused) {
+  const auto c = static_cast<wire::Collective>(collective);
+  const bool reducing = c == wire::Collective::kAllreduce || c == wire::Collective::kReduceScatter;
+  if (reducing && !settings.codec.empty()) return "compressed";
+  switch (c) {
+    case wire::Collective::kAllreduce: {
+      const uint64_t piece =
+          settings.segment_bytes > 0 ? std::min(bytes, settings.segment_bytes) : bytes;
+      switch (AllreduceAlgorithmOf(settings.algorithm, num_nodes, piece, fused)) {
+        case InterNodeAlgorithm::kHalvingDoubling: return "halving_doubling";
+        case InterNodeAlgorithm::kRack: return "rack";
+        default: return "ring";
+      }
+    }
+    case wire::Collective::kReduceScatter:
+    case wire::Collective::kAllgather: return "ring";
+    case wire::Collective::kBroadcast:
+      return bytes <= std::max<uint64_t>(1, settings.chunk_bytes) ? "tree" : "chain";
+    case wire::Collective::kAlltoall:
+    case wire::Collective::kAlltoallv: return "pairwise";
+    case wire::Collective::kBarrier: break;
+  }
+  return "";
 }
 
 }  // namespace ciuic::daemon

@@ -73,4 +73,20 @@ bool FusableAllreduce(uint64_t bytes, const std::string& codec, config::Algorith
 
 InterNodeAlgorithm InterNodeAlgorithmFor(config::Algorithm algorithm);
 
+// The allreduce algorithm an uncompressed run of `bytes` per node (per
+// segment, for a run in segments) uses under `algorithm` on `num_nodes`
+// nodes, as ClusterJob runs it: auto by ChooseAllreduceAlgorithm; a fused
+// run (`fused`) with an algorithm whose bits depend on offsets runs
+// halving-doubling instead (OffsetIndependent).
+InterNodeAlgorithm AllreduceAlgorithmOf(config::Algorithm algorithm, int num_nodes,
+                                        uint64_t bytes, bool fused);
+
+// What `ciuicctl trace` shows as a run's algorithm: "compressed" with a
+// codec; for an allreduce the name of AllreduceAlgorithmOf ("ring",
+// "halving_doubling", "rack"); "ring" for a reduce_scatter or allgather,
+// "tree" or "chain" for a broadcast (by BroadcastPipeline's rule),
+// "pairwise" for an alltoall(v), "" for a barrier.
+std::string RunAlgorithmName(const RunSettings& settings, uint32_t collective, int num_nodes,
+                             uint64_t bytes, bool fused);
+
 }  // namespace ciuic::daemon

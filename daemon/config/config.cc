@@ -60,6 +60,9 @@ class Parser {
         {"node_name", Scalar([&](const auto& key, const auto& value) {
            return SetNodeName(key, value, config);
          })},
+        {"rack", Scalar([&](const auto& key, const auto& value) {
+           return SetRack(key, value, config);
+         })},
         {"log_level", Scalar([&](const auto& key, const auto& value) {
            return SetLogLevel(key, value, config);
          })},
@@ -219,6 +222,16 @@ class Parser {
                                      kMaxSocketPathLength, " bytes (the unix socket limit)"));
     }
     config.socket_path = value;
+    return absl::OkStatus();
+  }
+
+  absl::Status SetRack(const YAML::Node& key, const std::string& value, DaemonConfig& config) {
+    if (!ValidRackName(value)) {
+      return Error(key, absl::StrCat("invalid value '", value,
+                                     "' for 'rack': expected up to 64 characters from "
+                                     "letters, digits, '-', '.', '_'"));
+    }
+    config.rack = value;
     return absl::OkStatus();
   }
 
@@ -481,6 +494,16 @@ class Parser {
 };
 
 }  // namespace
+
+bool ValidRackName(absl::string_view rack) {
+  if (rack.size() > 64) return false;
+  for (char c : rack) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' && c != '_') {
+      return false;
+    }
+  }
+  return true;
+}
 
 std::string DefaultNodeName() {
   char name[HOST_NAME_MAX + 1] = {};

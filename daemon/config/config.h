@@ -25,6 +25,13 @@ struct DaemonConfig {
   std::string socket_path = "/run/ciuic/ciuicd.sock";
   // Name of this node in the cluster.
   std::string node_name = DefaultNodeName();
+  // The rack (or any group of nodes behind one switch) this node is in,
+  // announced when it joins a job: allreduces may then run rack by rack
+  // (tuning `algorithm`, daemon/cluster/README.md "Racks"). "" = none
+  // given (every such node counts as one rack). The environment variable
+  // CIUIC_RACK, when set, overrides it. Up to 64 characters from letters,
+  // digits, '-', '.', '_'.
+  std::string rack;
   // trace|debug|info|warn|error|critical|off (spdlog level names).
   std::string log_level = "info";
   // Worker pool size; 0 = number of cores. 0..256.
@@ -84,6 +91,10 @@ struct DaemonConfig {
   // Initial live-tunable settings (YAML map `tuning`).
   Tuning tuning;
 };
+
+// Whether `rack` is a valid `rack` value (or CIUIC_RACK): up to 64
+// characters from letters, digits, '-', '.', '_'; empty is valid (none).
+bool ValidRackName(absl::string_view rack);
 
 // Parses a config document. `source_name` (usually the file path) prefixes
 // error messages. An empty document gives the defaults.

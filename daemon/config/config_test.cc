@@ -115,7 +115,7 @@ TEST(ConfigTest, ExampleMentionsEveryKey) {
                           "metrics_listen:", "admin_group:", "max_world_size:",
                           "max_sessions:", "max_sessions_per_uid:", "max_jobs_per_uid:",
                           "max_arena_bytes_per_uid:", "max_arena_bytes_total:",
-                          "insecure_no_auth:", "peers:", "channel_devices:", "tuning:"}) {
+                          "insecure_no_auth:", "peers:", "channel_devices:", "rack:", "tuning:"}) {
     EXPECT_THAT(text, HasSubstr(key));
   }
   for (const char* key : {"tls_cert_file:", "tls_key_file:", "tls_ca_file:"}) {
@@ -358,6 +358,19 @@ TEST(ConfigTest, ChannelDevicesAreAListOfDeviceNames) {
   EXPECT_THAT(ErrorOf("channel_devices:\n  a: b\n"),
               HasSubstr("'channel_devices' must be a list (or a comma-separated string) of "
                         "network devices"));
+}
+
+TEST(ConfigTest, RackIsANameOrEmpty) {
+  EXPECT_EQ(Parse("")->rack, "");
+  auto named = Parse("rack: row-3.b_2\n");
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->rack, "row-3.b_2");
+  EXPECT_EQ(Parse("rack: \"\"\n")->rack, "");
+  EXPECT_EQ(ErrorOf("rack: \"rack 1\"\n"),
+            "config.yaml:1: invalid value 'rack 1' for 'rack': expected up to 64 characters from "
+            "letters, digits, '-', '.', '_'");
+  EXPECT_THAT(ErrorOf("rack: " + std::string(65, 'r') + "\n"), HasSubstr("up to 64 characters"));
+  EXPECT_THAT(ErrorOf("rack: [a]\n"), HasSubstr("rack"));
 }
 
 TEST(ConfigTest, TlsKeysComeAllThreeOrNone) {

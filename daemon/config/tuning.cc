@@ -17,6 +17,7 @@ constexpr std::pair<Algorithm, absl::string_view> kAlgorithmNames[] = {
     {Algorithm::kAuto, "auto"},
     {Algorithm::kRing, "ring"},
     {Algorithm::kHalvingDoubling, "halving_doubling"},
+    {Algorithm::kRack, "rack"},
 };
 
 // One row of the key table: everything needed to parse, validate and show a

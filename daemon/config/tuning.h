@@ -24,9 +24,12 @@ namespace ciuic::config {
 // Inter-node collective algorithm; kAuto lets the engine pick per operation.
 // (No tree: a tree allreduce takes 2 log2 N rounds where halving-doubling
 // takes log2 N, and moves more bytes than the ring; "tree" is refused.)
-enum class Algorithm { kAuto, kRing, kHalvingDoubling };
+// kRack: allreduces rack by rack (config `rack`; daemon/cluster/README.md,
+// "Racks"); auto chooses it where the coordinator's cost model of the
+// measured link rates says it is faster.
+enum class Algorithm { kAuto, kRing, kHalvingDoubling, kRack };
 
-// "auto", "ring", "halving_doubling".
+// "auto", "ring", "halving_doubling", "rack".
 absl::string_view AlgorithmName(Algorithm algorithm);
 
 struct Tuning {

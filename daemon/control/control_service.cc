@@ -211,6 +211,8 @@ grpc::Status ControlService::GetPeers(grpc::ServerContext* ctx, const proto::Pee
       po->set_state(p.state);
       po->set_bytes_sent(p.bytes_sent);
       po->set_bytes_received(p.bytes_received);
+      po->set_rack(p.rack);
+      po->set_rate_bytes_per_second(p.rate_bytes_per_s);
     }
     for (const auto& c : j.channels) {
       auto* co = out->add_channels();
@@ -260,6 +262,9 @@ grpc::Status ControlService::GetTrace(grpc::ServerContext* ctx, const proto::Tra
     out->set_fused_ops(row.fused_ops);
     out->set_direct(row.direct);
     out->set_codec(row.codec);
+    out->set_algorithm(row.algorithm);
+    out->set_model_flat_us(row.model_flat_us);
+    out->set_model_rack_us(row.model_rack_us);
     out->set_done_us(row.done_us);
     out->set_code(row.code);
     out->set_error(row.error);

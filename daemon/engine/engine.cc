@@ -575,6 +575,7 @@ void Engine::StartClusterOnLoop(Job& job) {
   o.world_size = job.world_size;
   for (auto& [rank, s] : job.ranks) o.local_ranks.push_back(rank);
   o.node_name = options_.node_name;
+  o.rack = options_.rack;
   o.coordinator = job.coordinator;
   o.channels = options_.channels > 0 ? options_.channels
                                      : static_cast<int>(options_.tuning->Snapshot().channels);
@@ -1303,7 +1304,8 @@ EnginePeers Engine::Peers() {
       if (job->cluster) {
         for (auto& row : job->cluster->Peers()) {
           j.peers.push_back(EnginePeers::Peer{row.node_name, row.ranks, row.self, row.state,
-                                              row.bytes_sent, row.bytes_received});
+                                              row.bytes_sent, row.bytes_received, row.rack,
+                                              row.rate_bytes_per_s});
         }
         for (auto& c : job->cluster->Channels()) {
           j.channels.push_back(EnginePeers::Channel{c.device, c.rate_bytes_per_s, c.share});

@@ -72,6 +72,8 @@ struct EnginePeers {
     std::string state;
     uint64_t bytes_sent = 0;
     uint64_t bytes_received = 0;
+    std::string rack;
+    double rate_bytes_per_s = 0;  // this node's sends to it; 0 = not measured
   };
   // A channel of the job with a device of its own (channel_devices).
   struct Channel {
@@ -177,6 +179,7 @@ class Engine {
     // how to reach its coordinator. Without both factories, multi-node jobs
     // are refused.
     std::string node_name;
+    std::string rack;  // config `rack`: announced when a job forms
     TransportFactory transports;
     // Channels of every multi-node job (the config's channel_devices, one
     // each); 0: tuning `channels` when the job starts.

@@ -50,6 +50,9 @@ OpTraceRow RowOf(const OpRecord& r, Clock::time_point origin) {
     row.fused_ops = t->fused_ops;
     row.direct = t->direct;
     row.codec = t->codec;
+    row.algorithm = t->algorithm;
+    row.model_flat_us = t->model_flat_us;
+    row.model_rack_us = t->model_rack_us;
   }
   row.job_seq = r.job_seq;
   row.count = r.sig.count;

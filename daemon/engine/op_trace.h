@@ -70,6 +70,9 @@ struct OpTraceRow {
   uint32_t fused_ops = 0;
   bool direct = false;
   std::string codec;
+  std::string algorithm;  // ClusterOp::Timing's
+  uint64_t model_flat_us = 0;
+  uint64_t model_rack_us = 0;
   uint64_t done_us = 0;
   int code = 0;
   std::string error;

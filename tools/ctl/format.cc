@@ -280,18 +280,27 @@ std::string FormatPeers(const proto::PeersReply& reply) {
     absl::StrAppend(&out, reply.other_users_jobs(), " multi-node job(s) of other users, not shown\n");
   }
   if (reply.jobs().empty()) return out + "no multi-node jobs\n";
-  Table table({"JOB", "COORDINATOR", "NODE", "RANKS", "LINK", "SENT", "RECEIVED"});
-  for (size_t column : {5, 6}) table.SetAlign(column, Table::Align::kRight);
+  Table table({"JOB", "COORDINATOR", "NODE", "RANKS", "RACK", "LINK", "SENT", "RECEIVED",
+               "RATE"});
+  for (size_t column : {6, 7, 8}) table.SetAlign(column, Table::Align::kRight);
   for (const proto::JobPeers& job : reply.jobs()) {
     if (job.peers().empty()) {
-      table.AddRow({OrDash(job.job_id()), OrDash(job.coordinator()), "-", "-",
-                    OrDash(job.state()), "-", "-"});
+      table.AddRow({OrDash(job.job_id()), OrDash(job.coordinator()), "-", "-", "-",
+                    OrDash(job.state()), "-", "-", "-"});
     }
     for (const proto::PeerInfo& peer : job.peers()) {
+      // RATE: what this node's sends to that node reached (measured in
+      // jobs that span racks).
       table.AddRow({OrDash(job.job_id()), OrDash(job.coordinator()),
                     absl::StrCat(peer.node_name(), peer.self() ? " (this node)" : ""),
-                    FormatRanks(peer.ranks()), peer.self() ? "-" : OrDash(peer.state()),
-                    HumanBytes(peer.bytes_sent()), HumanBytes(peer.bytes_received())});
+                    FormatRanks(peer.ranks()), OrDash(Sanitize(peer.rack())),
+                    peer.self() ? "-" : OrDash(peer.state()), HumanBytes(peer.bytes_sent()),
+                    HumanBytes(peer.bytes_received()),
+                    peer.rate_bytes_per_second() > 0
+                        ? absl::StrCat(HumanBytes(static_cast<uint64_t>(
+                                           peer.rate_bytes_per_second())),
+                                       "/s")
+                        : "-"});
     }
   }
   out += table.Render();
@@ -411,6 +420,15 @@ std::string FormatTrace(const proto::TraceReply& reply) {
     if (op.fused_ops() > 1) absl::StrAppend(&collective, " fused x", op.fused_ops());
     if (op.direct()) absl::StrAppend(&collective, " direct");
     if (!op.codec().empty()) absl::StrAppend(&collective, " ", op.codec());
+    if (!op.algorithm().empty() && op.algorithm() != "direct" && op.algorithm() != "compressed") {
+      absl::StrAppend(&collective, " ", Sanitize(op.algorithm()));
+    }
+    // Chosen by the rack cost model: the speedup it predicted for the racks.
+    if (op.model_flat_us() > 0 && op.model_rack_us() > 0) {
+      absl::StrAppend(&collective, absl::StrFormat(" (model %.2fx)",
+                                                   static_cast<double>(op.model_flat_us()) /
+                                                       static_cast<double>(op.model_rack_us())));
+    }
     table.AddRow({OrDash(op.job_id()), OrDash(op.name()), collective, HumanBytes(op.bytes()),
                   op.has_launched_us() ? HumanMicros(op.launched_us()) : "-",
                   last ? absl::StrCat(last->rank()) : "-",
