@@ -5,13 +5,17 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
 
 #include "ciuic/collective_rules.h"
 #include "ciuic/shm_layout.h"
+#include "absl/strings/str_cat.h"
 #include "cluster/channel_weights.h"
+#include "cluster/membership.h"
+#include "collectives/internode/internode.h"
 #include "config/tuning.h"
 #include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
@@ -178,6 +182,9 @@ TEST(CoordinatorTest, RegistrationsOutOfBoundsAreRefused) {
   r = Reg("a", {0}, 4);
   r.set_channels(65);
   refused(r, "65 channels");
+  r = Reg("a", {0}, 4);
+  r.set_rack(std::string(65, 'r'));
+  refused(r, "rack name of 65 bytes");
   EXPECT_EQ(c.num_jobs(), 0u);
 }
 
@@ -264,6 +271,89 @@ TEST(CoordinatorTest, RunsCarryTheChannelSharesOfTheNodesRates) {
   EXPECT_NE(failed[2].job_failed().message().find("3 channel rates for 2 channels"),
             std::string::npos)
       << failed[2].job_failed().message();
+}
+
+// Four nodes of one rank each in racks r1, r1, r2, r2. Under auto, an
+// uncompressed allreduce that runs alone goes rack by rack once the nodes'
+// measured rates make the cost model say so; the Run carries both
+// predictions; no rates, or links alike, leave it flat; rates of the wrong
+// shape end the job.
+TEST(CoordinatorTest, AutoChoosesTheRacksByTheCostModelOfTheMeasuredRates) {
+  RecordingStream streams[4];
+  Coordinator c;
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  std::vector<std::future<absl::StatusOr<proto::Membership>>> regs;
+  for (int n = 0; n < 4; ++n) {
+    regs.push_back(std::async(std::launch::async, [&c, n, deadline] {
+      proto::RegisterNodeRequest r = Reg(absl::StrCat("n", n), {n}, 4);
+      r.set_rack(n < 2 ? "r1" : "r2");
+      return c.Register(r, deadline);
+    }));
+  }
+  std::vector<proto::Membership> tables;
+  for (auto& r : regs) {
+    auto m = r.get();
+    ASSERT_TRUE(m.ok()) << m.status();
+    tables.push_back(*m);
+  }
+  const proto::Membership& m = tables[0];
+  ASSERT_EQ(m.nodes_size(), 4);
+  for (int n = 0; n < 4; ++n) EXPECT_EQ(m.nodes(n).rack(), n < 2 ? "r1" : "r2") << n;
+  EXPECT_EQ(RackIndices(m), (std::vector<int>{0, 0, 1, 1}));
+  uint64_t handles[4];
+  for (int n = 0; n < 4; ++n) {
+    proto::NodeEvent::Hello h;
+    h.set_job_id("job");
+    h.set_uid(1000);
+    h.set_instance(m.instance());
+    h.set_node(n);
+    auto handle = c.Attach(h, &streams[n]);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    handles[n] = *handle;
+  }
+  const uint64_t count = 4 << 20;  // float32: 16 MiB
+  const double intra = 500e6, inter = 25e6;
+  // Node n's rates to every node: fast in its rack, slow across (or `even`).
+  auto ready = [&](const std::string& name, int n, bool rates, bool even = false) {
+    proto::NodeEvent e = Ready(name, count, 0, 0, /*fusable=*/true);
+    for (int b = 0; rates && b < 4; ++b) {
+      e.mutable_ready()->add_peer_rates(b == n ? 0 : (even || (b < 2) == (n < 2)) ? intra : inter);
+    }
+    return e;
+  };
+  for (int n = 0; n < 4; ++n) c.OnEvent(handles[n], ready("unmeasured", n, false));
+  for (int n = 0; n < 4; ++n) c.OnEvent(handles[n], ready("measured", n, true));
+  ASSERT_EQ(streams[0].WaitFor(2).size(), 2u);
+  for (int n = 0; n < 4; ++n) {
+    c.OnEvent(handles[n], Done(0));  // at most two runs at once
+    c.OnEvent(handles[n], Done(1));
+  }
+  for (int n = 0; n < 4; ++n) c.OnEvent(handles[n], ready("alike", n, true, true));
+  auto ev = streams[0].WaitFor(3);
+  ASSERT_EQ(Runs(ev), (std::vector<std::string>{"unmeasured", "measured", "alike"}));
+  EXPECT_EQ(ev[0].run().algorithm(), static_cast<uint32_t>(config::Algorithm::kAuto));
+  EXPECT_EQ(ev[0].run().model_flat_us(), 0u);
+  EXPECT_EQ(ev[1].run().algorithm(), static_cast<uint32_t>(config::Algorithm::kRack));
+  std::vector<std::vector<double>> rates(4, std::vector<double>(4));
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) rates[a][b] = a == b ? 0 : (a < 2) == (b < 2) ? intra : inter;
+  }
+  const std::optional<RackCost> want = ModelRackAllreduce({0, 0, 1, 1}, rates, count * 4);
+  ASSERT_TRUE(want.has_value());
+  EXPECT_EQ(ev[1].run().model_flat_us(), static_cast<uint64_t>(want->flat_s * 1e6));
+  EXPECT_EQ(ev[1].run().model_rack_us(), static_cast<uint64_t>(want->rack_s * 1e6));
+  EXPECT_GT(ev[1].run().model_flat_us(), ev[1].run().model_rack_us());
+  EXPECT_EQ(ev[2].run().algorithm(), static_cast<uint32_t>(config::Algorithm::kAuto));
+  EXPECT_GT(ev[2].run().model_rack_us(), ev[2].run().model_flat_us());
+  proto::NodeEvent bad = Ready("bad", count, 0, 0, true);
+  bad.mutable_ready()->add_peer_rates(1);
+  c.OnEvent(handles[2], bad);
+  auto failed = streams[0].WaitFor(4);
+  ASSERT_EQ(failed.size(), 4u);
+  ASSERT_TRUE(failed[3].has_job_failed());
+  EXPECT_NE(failed[3].job_failed().message().find("1 peer rates"), std::string::npos)
+      << failed[3].job_failed().message();
+  for (int n = 0; n < 4; ++n) c.Detach(handles[n], absl::OkStatus());
 }
 
 TEST(CoordinatorTest, MismatchFailsOnEveryNodeNamingBoth) {

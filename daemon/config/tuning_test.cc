@@ -144,7 +144,7 @@ TEST(TuningTest, Channels) {
 
 TEST(TuningTest, Algorithm) {
   TuningRegistry registry;
-  for (const char* name : {"ring", "halving_doubling", "auto"}) {
+  for (const char* name : {"ring", "halving_doubling", "rack", "auto"}) {
     ASSERT_TRUE(registry.Set("algorithm", name).ok()) << name;
     EXPECT_EQ(ValueOf(registry, "algorithm"), name);
   }
@@ -154,7 +154,7 @@ TEST(TuningTest, Algorithm) {
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.message(),
             "invalid value 'fastest' for 'algorithm': expected one of auto, ring, "
-            "halving_doubling");
+            "halving_doubling, rack");
   EXPECT_EQ(registry.Snapshot().algorithm, Algorithm::kHalvingDoubling);
   // No tree allreduce: refused, saying why, not run as something else.
   bad = registry.Set("algorithm", "tree");

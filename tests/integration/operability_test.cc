@@ -535,6 +535,7 @@ TEST(OperabilityTest, ConfigErrorsStopTheDaemonWithTheKeyNamed) {
       {"log_level: loud\n", "log_level"},
       {"tuning: [1, 2\n", "ciuicd.yaml"},
       {"metrics_listen: \"9464\"\n", "metrics_listen"},
+      {"rack: \"row 3\"\n", "'rack'"},
   };
   for (const Case& c : cases) {
     const std::string path = dir + "/ciuicd.yaml";
@@ -554,6 +555,13 @@ TEST(OperabilityTest, ConfigErrorsStopTheDaemonWithTheKeyNamed) {
   EXPECT_TRUE(Contains(out, "log_level")) << out;
   EXPECT_EQ(RunCommand(std::string(CIUICD_PATH) + " --frobnicate", &out), 64) << out;
   EXPECT_TRUE(Contains(out, "--frobnicate")) << out;
+  // CIUIC_RACK overrides the file's rack by the same rule.
+  EXPECT_EQ(RunCommand("CIUIC_RACK='row 3/b' " + std::string(CIUICD_PATH) + " --socket " + dir +
+                           "/d.sock",
+                       &out),
+            78)
+      << out;
+  EXPECT_TRUE(Contains(out, "invalid CIUIC_RACK 'row 3/b'")) << out;
   (void)!system(("rm -rf " + dir).c_str());
 }
 

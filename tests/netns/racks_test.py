@@ -394,12 +394,15 @@ def main():
             with open(cfg, "w") as f:
                 f.write(f"socket: {sock}\nnode_name: node{node}\nlog_level: info\n"
                         f"listen: {racks.addr(node)}:{PORT}\ncluster_token_file: {token}\n"
-                        f"rack: {RACK_OF[node]}\n")
+                        # Rack b comes from CIUIC_RACK, which overrides the file.
+                        f"rack: {RACK_OF[node] if node < 2 else 'overridden'}\n")
                 if args.tuning:
                     f.write("tuning:\n" + "".join(f"  {t.strip()}\n"
                                                   for t in args.tuning.split(";")))
             log = open(os.path.join(d, "log"), "w")
             env = dict(os.environ, UCX_TLS="tcp", UCX_WARN_UNUSED_ENV_VARS="n")
+            if node >= 2:
+                env["CIUIC_RACK"] = RACK_OF[node]
             daemons.append((subprocess.Popen(
                 ["ip", "netns", "exec", racks.nodes[node], ciuicd, "--config", cfg],
                 stdout=log, stderr=subprocess.STDOUT, env=env), d))
@@ -472,6 +475,11 @@ def main():
                   f" ms; median after the first {median(times[1:]) * 1e3:.0f} ms; "
                   f"trace algorithm {algs}", flush=True)
         print(ctl(build, racks, socks[0], "peers"), flush=True)
+        jobs = json.loads(ctl(build, racks, socks[0], "--json", "peers")).get("jobs", [])
+        registered = [p.get("rack", "") for p in (jobs[0].get("peers", []) if jobs else [])]
+        if registered != [RACK_OF[n] for n in range(NODES)]:
+            failures.append(f"racks as registered: {registered}, want "
+                            f"{[RACK_OF[n] for n in range(NODES)]} (nodes 2 and 3 by CIUIC_RACK)")
         tell("done")
         for r in ranks:
             if r.wait(timeout=60) != 0:
