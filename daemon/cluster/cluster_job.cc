@@ -884,7 +884,8 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, Clock::time_point deadline
   ctx.scratch = &lane.scratch;
   ctx.yield = &lane.yield;
   ctx.channel_table = ChannelTable(settings.channel_shares);
-  ctx.racks = racks_;
+  // Rack by rack (internode.h): the run's algorithm says so.
+  if (settings.algorithm == config::Algorithm::kRack) ctx.racks = racks_;
   if (!settings.channel_shares.empty()) {
     std::lock_guard<std::mutex> lock(channels_mu_);
     channel_shares_ = settings.channel_shares;

@@ -70,7 +70,7 @@ absl::Status ClusterJob::CarryReduceScatter(InterNodeContext ctx, uint64_t seq, 
       blocks.push_back(Block{offset * es, elements * es, node});
     }
   }
-  return ReduceScatterRing(ctx, dtype, op, data, blocks, input);
+  return ReduceScatter(ctx, dtype, op, data, blocks, input);
 }
 
 absl::Status ClusterJob::ExecuteStaged(const ClusterOp& op, const InterNodeContext& ctx,
@@ -106,13 +106,13 @@ absl::Status ClusterJob::MoveSegment(InterNodeContext ctx, uint64_t seq, int seg
                                      size_t first, size_t bytes) {
   if (segment >= 0) ctx.tag_base = SegmentTagBase(seq, static_cast<size_t>(segment));
   if (op.sig.collective != static_cast<uint32_t>(wire::Collective::kAllgather)) {
-    return BroadcastPipeline(ctx, data + first, bytes, node_of_rank_[op.sig.root]);
+    return Broadcast(ctx, data + first, bytes, node_of_rank_[op.sig.root]);
   }
   std::vector<Block> blocks;
   for (int r = 0; r < options_.world_size; ++r) {
     blocks.push_back(Block{static_cast<size_t>(r) * stride + first, bytes, node_of_rank_[r]});
   }
-  return AllgatherRing(ctx, data, blocks);
+  return Allgather(ctx, data, blocks);
 }
 
 absl::Status ClusterJob::MoveStaged(const ClusterOp& op, const InterNodeContext& ctx, uint64_t seq,

@@ -688,14 +688,37 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
     run->set_chunks_in_flight(tuning.chunks_in_flight);
     run->set_algorithm(static_cast<uint32_t>(tuning.algorithm));
     // auto, across racks: the cost model of the measured rates chooses
-    // between the flat ring and the racks for an uncompressed allreduce
-    // that runs alone and whole (internode.h, ModelRackAllreduce).
-    if (tuning.algorithm == config::Algorithm::kAuto && group.size() == 1 &&
-        allreduce(head) && head_codec.empty() && !head.device_buffers) {
+    // between the flat algorithm and its Racks form for an uncompressed
+    // allreduce, reduce-scatter, allgather or broadcast that runs alone and
+    // whole (internode.h, ModelRacks).
+    std::optional<RackCollective> kind;
+    uint64_t whole = head.bytes;  // every rank's block, for the scatter and gather
+    const uint64_t world = static_cast<uint64_t>(job.world_size);
+    switch (static_cast<wire::Collective>(head.signature.collective())) {
+      case wire::Collective::kAllreduce: kind = RackCollective::kAllreduce; break;
+      case wire::Collective::kReduceScatter:
+        kind = RackCollective::kReduceScatter;
+        whole = SaturatingMul(head.bytes, world);
+        break;
+      case wire::Collective::kAllgather:
+        kind = RackCollective::kAllgather;
+        whole = SaturatingMul(head.bytes, world);
+        break;
+      case wire::Collective::kBroadcast: kind = RackCollective::kBroadcast; break;
+      default: break;
+    }
+    if (kind && tuning.algorithm == config::Algorithm::kAuto && group.size() == 1 &&
+        head_codec.empty() && !head.device_buffers) {
       if (job.racks.empty()) job.racks = RackIndices(job.membership);
+      int root_node = 0;
+      for (int k = 0; *kind == RackCollective::kBroadcast && k < nodes; ++k) {
+        for (int r : job.membership.nodes(k).ranks()) {
+          if (r == head.signature.root()) root_node = k;
+        }
+      }
       std::vector<std::vector<double>> rates = job.peer_rates;
       rates.resize(static_cast<size_t>(nodes), std::vector<double>(static_cast<size_t>(nodes)));
-      if (std::optional<RackCost> cost = ModelRackAllreduce(job.racks, rates, head.bytes)) {
+      if (std::optional<RackCost> cost = ModelRacks(*kind, job.racks, rates, whole, root_node)) {
         run->set_model_flat_us(static_cast<uint64_t>(cost->flat_s * 1e6));
         run->set_model_rack_us(static_cast<uint64_t>(cost->rack_s * 1e6));
         if (cost->rack_s < cost->flat_s) {

@@ -338,7 +338,7 @@ TEST(CoordinatorTest, AutoChoosesTheRacksByTheCostModelOfTheMeasuredRates) {
   for (int a = 0; a < 4; ++a) {
     for (int b = 0; b < 4; ++b) rates[a][b] = a == b ? 0 : (a < 2) == (b < 2) ? intra : inter;
   }
-  const std::optional<RackCost> want = ModelRackAllreduce({0, 0, 1, 1}, rates, count * 4);
+  const std::optional<RackCost> want = ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, rates, count * 4);
   ASSERT_TRUE(want.has_value());
   EXPECT_EQ(ev[1].run().model_flat_us(), static_cast<uint64_t>(want->flat_s * 1e6));
   EXPECT_EQ(ev[1].run().model_rack_us(), static_cast<uint64_t>(want->rack_s * 1e6));

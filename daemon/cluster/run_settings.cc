@@ -112,8 +112,10 @@ std::string RunAlgorithmName(const RunSettings& settings, uint32_t collective, i
       }
     }
     case wire::Collective::kReduceScatter:
-    case wire::Collective::kAllgather: return "ring";
+    case wire::Collective::kAllgather:
+      return settings.algorithm == config::Algorithm::kRack ? "rack" : "ring";
     case wire::Collective::kBroadcast:
+      if (settings.algorithm == config::Algorithm::kRack) return "rack";
       return bytes <= std::max<uint64_t>(1, settings.chunk_bytes) ? "tree" : "chain";
     case wire::Collective::kAlltoall:
     case wire::Collective::kAlltoallv: return "pairwise";

@@ -84,7 +84,8 @@ InterNodeAlgorithm AllreduceAlgorithmOf(config::Algorithm algorithm, int num_nod
 // What `ciuicctl trace` shows as a run's algorithm: "compressed" with a
 // codec; for an allreduce the name of AllreduceAlgorithmOf ("ring",
 // "halving_doubling", "rack"); "ring" for a reduce_scatter or allgather,
-// "tree" or "chain" for a broadcast (by BroadcastPipeline's rule),
+// "tree" or "chain" for a broadcast (by BroadcastPipeline's rule), "rack"
+// for those three under kRack,
 // "pairwise" for an alltoall(v), "" for a barrier.
 std::string RunAlgorithmName(const RunSettings& settings, uint32_t collective, int num_nodes,
                              uint64_t bytes, bool fused);

@@ -7,12 +7,13 @@ holding a Linux bridge (its switch): n0 and n1 hang off rack a's, n2 and n3
 off rack b's, each by an unshaped veth (eth0 in the node). The two switches
 are joined by one veth, shaped with tbf on both ends to --inter (200 Mbit/s):
 the slow inter-rack link. One ciuicd per node (UCX over TCP, config `rack: a`
-or `rack: b`), one rank per node, float32 allreduces of --mib MiB. Before
+or `rack: b`; nodes 2 and 3 get theirs from CIUIC_RACK, which overrides the
+file's), one rank per node, float32 allreduces of --mib MiB. Before
 each phase the coordinator's daemon (node0) is tuned with `ciuicctl tune set
 algorithm=...`; each phase runs --ops allreduces:
 
-  ring, rack, ring, rack   the flat ring and the rack-hierarchical allreduce,
-                           interleaved so that the machine's noise falls on
+  ring, rack, ring, rack   the flat ring and the rack-hierarchical allreduce
+                           (--pairs of each, default 2), interleaved so that the machine's noise falls on
                            both alike. The ring crosses the inter-rack link
                            with 2(N-1)/N of the buffer each way, the rack
                            algorithm with the buffer once (its leaders'
@@ -62,7 +63,9 @@ PORT = 7361
 RATE_PORT = 7399
 NODES = 4
 RACK_OF = ["a", "a", "b", "b"]
-PHASES = ["ring", "rack", "ring", "rack", "auto"]
+def phases(pairs):
+    """--pairs interleaved ring and rack phases, then auto."""
+    return ["ring", "rack"] * pairs + ["auto"]
 
 
 def sh(cmd, check=True, timeout=60):
@@ -235,6 +238,44 @@ def measure_rate(racks, src, dst, mib):
 
 # ------------------------------------------------------------------ a rank
 
+def others(comm, rank, m=1 << 18):
+    """The other collectives that go rack by rack, each checked against
+    numpy: reduce_scatter and allgather of m float32 per rank, broadcast of
+    4m from ranks 1 and 2; one JSON line with the times."""
+    import numpy as np
+    ranks_sum = sum(r + 1 for r in range(NODES))
+    times = []
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+
+    def check(what, got, want):
+        if not np.array_equal(got, want):
+            bad = int(np.flatnonzero(got != want)[0])
+            raise SystemExit(f"rank {rank} {what}: element {bad} is {got[bad]}, want {want[bad]}")
+
+    inp = comm.empty((NODES * m,), "float32")
+    out = comm.empty((m,), "float32")
+    inp[:] = ((rank + 1) * (np.arange(NODES * m) % 5)).astype(np.float32)
+    timed(lambda: comm.reduce_scatter(out, inp, timeout=120))
+    check("reduce_scatter", out,
+          (ranks_sum * (np.arange(rank * m, (rank + 1) * m) % 5)).astype(np.float32))
+    mine = comm.empty((m,), "float32")
+    gathered = comm.empty((NODES * m,), "float32")
+    mine[:] = (rank + 1 + np.arange(m) % 3).astype(np.float32)
+    timed(lambda: comm.allgather(gathered, mine, timeout=120))
+    check("allgather", gathered,
+          np.concatenate([q + 1 + np.arange(m) % 3 for q in range(NODES)]).astype(np.float32))
+    y = comm.empty((4 * m,), "float32")
+    for root in (1, 2):
+        y[:] = (np.arange(4 * m) % 11 + root).astype(np.float32) if rank == root else -1
+        timed(lambda: comm.broadcast(y, root=root, timeout=120))
+        check(f"broadcast from {root}", y, (np.arange(4 * m) % 11 + root).astype(np.float32))
+    print(json.dumps({"phase": "others", "times": times, "hash": ""}), flush=True)
+
+
 def rank_main(args):
     """One rank (inside its namespace): for each 'go PHASE' line on stdin,
     --ops allreduces and one JSON line on stdout; 'done' ends it."""
@@ -253,6 +294,9 @@ def rank_main(args):
             break
         if line[0] != "go" or len(line) != 2:
             raise SystemExit(f"rank {args.rank}: unexpected {line}")
+        if line[1] == "others":
+            others(comm, args.rank)
+            continue
         times = []
         for op in range(args.ops):
             # Halves and small integers: every order of float32 additions
@@ -322,6 +366,8 @@ def main():
                    help="tbf's queue (as time at the link's rate): a queue too short for TCP's "
                         "window drops packets, and TCP's backoff, not ciuic, sets the pace")
     p.add_argument("--mib", type=int, default=16)
+    p.add_argument("--pairs", type=int, default=2,
+                   help="interleaved ring and rack phases before the auto phase")
     p.add_argument("--ops", type=int, default=5, help="allreduces per phase (the first is "
                    "left out of the phase's median)")
     p.add_argument("--min-speedup", type=float, default=1.15,
@@ -358,6 +404,8 @@ def main():
     if os.geteuid() != 0:
         print("skipped: network namespaces need root")
         return 77
+    if args.pairs < 1:
+        p.error("--pairs must be at least 1")
     if args.ops < 2:
         p.error("--ops must be at least 2 (the first of each phase is warm-up)")
     build = os.path.abspath(args.build)
@@ -462,7 +510,7 @@ def main():
         bytes_ = args.mib << 20
         results = []  # per phase: name, times (slowest rank), hashes, trace ops
         seen = 0
-        for name in PHASES:
+        for name in phases(args.pairs):
             ctl(build, racks, socks[0], "tune", "set", f"algorithm={name}")
             tell(f"go {name}")
             times, hashes = read_phase(name)
@@ -474,6 +522,21 @@ def main():
             print(f"phase {name:5s}: " + " ".join(f"{t * 1e3:.0f}" for t in times) +
                   f" ms; median after the first {median(times[1:]) * 1e3:.0f} ms; "
                   f"trace algorithm {algs}", flush=True)
+        # Reduce-scatter, allgather and broadcast rack by rack, checked by
+        # the ranks; node0's trace must say "rack" for each.
+        ctl(build, racks, socks[0], "tune", "set", "algorithm=rack")
+        tell("go others")
+        other_times, _ = read_phase("others")
+        traced = json.loads(ctl(build, racks, socks[0], "--json", "trace", "--last", "0"))
+        other_algs = {(o.get("collective"), o.get("algorithm", ""))
+                      for o in traced.get("ops", [])
+                      if o.get("collective") in ("reduce_scatter", "allgather", "broadcast")}
+        print("reduce_scatter, allgather, broadcast x2 rack by rack: " +
+              " ".join(f"{t * 1e3:.0f}" for t in other_times) + f" ms; trace {sorted(other_algs)}",
+              flush=True)
+        if other_algs != {("reduce_scatter", "rack"), ("allgather", "rack"),
+                          ("broadcast", "rack")}:
+            failures.append(f"the other collectives' trace algorithms: {sorted(other_algs)}")
         print(ctl(build, racks, socks[0], "peers"), flush=True)
         jobs = json.loads(ctl(build, racks, socks[0], "--json", "peers")).get("jobs", [])
         registered = [p.get("rack", "") for p in (jobs[0].get("peers", []) if jobs else [])]

@@ -33,6 +33,11 @@ Scenarios (how ranks are placed and which transport the baselines use):
             DDP whose per-rank batches follow Communicator.balance()
             (examples/train_balanced.py --compare, --reps runs of each,
             interleaved); throughput medians and their ratio.
+  racks     4 namespaces in 2 racks joined by one link shaped to 200 Mbit/s
+            (root): the flat ring against the rack-hierarchical allreduce
+            and auto, 16 MiB float32, --reps interleaved pairs; the
+            measured speedup beside the cost model's prediction
+            (tests/netns/racks_test.py, which checks every result).
 --codecs none,fp16,int8,topk:0.01 runs the ciuic system once per codec
 (rows ciuic, ciuic+fp16, ...; lossy rows report max_rel_error) and adds a
 table of each codec's busbw against ciuic uncompressed from the same run.
@@ -790,7 +795,7 @@ def parse_args(argv):
                         "none,fp16,int8,topk:0.01: rows ciuic (none), ciuic+fp16, ... "
                         "(passed as --compression; lossy rows report max_rel_error)")
     p.add_argument("--scenario", default="local",
-                   choices=("local", "loopback", "netns", "train", "balance"))
+                   choices=("local", "loopback", "netns", "train", "balance", "racks"))
     p.add_argument("--link-rate", default="1gbit",
                    help="netns/train: tbf rate of every veth end (tc syntax, default 1gbit)")
     p.add_argument("--ranks", type=int, help="ranks of the local scenario (default 2)")
@@ -885,7 +890,7 @@ def _raise_interrupt(signum, frame):
 
 def main(argv):
     args = parse_args(argv)
-    if args.scenario in ("netns", "train") and os.geteuid() != 0:
+    if args.scenario in ("netns", "train", "racks") and os.geteuid() != 0:
         print("compare.py: --scenario %s builds network namespaces (ip netns add, veth, tc) "
               "and needs root; run it as root, or use --scenario loopback" % args.scenario,
               file=sys.stderr)
@@ -900,6 +905,8 @@ def main(argv):
         return train_compare.main(args)
     if args.scenario == "balance":
         return run_balance(args)
+    if args.scenario == "racks":
+        return run_racks(args)
     scenario = make_scenario(args)
     try:
         return run(args, scenario)
@@ -933,6 +940,31 @@ def run_balance(args):
         with open(args.json_out, "w") as f:
             f.write(lines[-1] + "\n")
     return 0
+
+
+def run_racks(args):
+    """--scenario racks: tests/netns/racks_test.py does the runs and the checks."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    build = os.path.dirname(os.path.dirname(os.path.abspath(args.ciuicd)))
+    cmd = [args.python, os.path.join(root, "tests", "netns", "racks_test.py"), build,
+           "--pairs", str(args.reps)]
+    log("running " + " ".join(cmd))
+    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
+                             timeout=args.timeout * 4 * (args.reps + 1))
+    except subprocess.TimeoutExpired:
+        print("compare.py: the racks runs took too long")
+        return 1
+    lines = out.stdout.strip().splitlines()
+    for line in lines:
+        if not line.startswith("{"):
+            print(line)
+    result = next((line for line in reversed(lines) if line.startswith("{")), None)
+    if args.json_out and result:
+        with open(args.json_out, "w") as f:
+            f.write(result + "\n")
+    return out.returncode
 
 
 def run(args, scenario):

@@ -73,8 +73,11 @@ struct InterNodeContext {
   // an algorithm runs as a phase of another (the rack-hierarchical one
   // gives each phase its own tags). The compressed allreduce needs all 24.
   int tag_bits = 24;
-  // Node k's rack (0..N-1, the same on every node), for kRack; empty: one
-  // rack.
+  // Node k's rack (0..N-1, the same on every node) when the operation goes
+  // rack by rack (the caller's choice: ClusterJob sets it for runs whose
+  // algorithm is kRack). ReduceScatter, Allgather and Broadcast below then
+  // run their Racks forms, and Allreduce with kRack uses it (empty: one
+  // rack). Empty: flat.
   std::vector<int> racks = {};
 };
 
@@ -173,23 +176,56 @@ absl::Status AllreduceRacks(const InterNodeContext& ctx, const std::vector<int>&
                             wire::DataType dtype, wire::ReduceOp op, void* data, size_t count,
                             const void* input = nullptr);
 
-// What the model below predicts for an allreduce, in seconds.
+// Rack-hierarchical reduce-scatter (same contract as ReduceScatterRing):
+// each rack reduces every block into its leader (a pipelined chain), the
+// leaders reduce-scatter the blocks by rack, each leader hands its rack's
+// blocks to the rack (a ring allgather inside it).
+absl::Status ReduceScatterRacks(const InterNodeContext& ctx, const std::vector<int>& racks,
+                                wire::DataType dtype, wire::ReduceOp op, void* data,
+                                const std::vector<Block>& blocks, const void* input = nullptr);
+
+// Rack-hierarchical allgather (same contract as AllgatherRing): a ring
+// allgather of the rack's blocks inside each rack, the leaders' ring
+// allgather of every rack's blocks, then the other racks' blocks from each
+// leader to its rack.
+absl::Status AllgatherRacks(const InterNodeContext& ctx, const std::vector<int>& racks, void* data,
+                            const std::vector<Block>& blocks);
+
+// Rack-hierarchical broadcast (same contract as BroadcastPipeline): the
+// root leads its rack; it broadcasts to the other racks' leaders, and each
+// leader to its rack.
+absl::Status BroadcastRacks(const InterNodeContext& ctx, const std::vector<int>& racks, void* data,
+                            size_t bytes, int root);
+
+// ReduceScatterRing, AllgatherRing, BroadcastPipeline, or their Racks forms
+// when ctx.racks is set.
+absl::Status ReduceScatter(const InterNodeContext& ctx, wire::DataType dtype, wire::ReduceOp op,
+                           void* data, const std::vector<Block>& blocks,
+                           const void* input = nullptr);
+absl::Status Allgather(const InterNodeContext& ctx, void* data, const std::vector<Block>& blocks);
+absl::Status Broadcast(const InterNodeContext& ctx, void* data, size_t bytes, int root);
+
+// What the model below predicts, in seconds.
 struct RackCost {
-  double flat_s = 0;  // the ring over all nodes, in node order
-  double rack_s = 0;  // AllreduceRacks
+  double flat_s = 0;  // the flat algorithm over all nodes, in node order
+  double rack_s = 0;  // its Racks form
 };
 
-// The cost model that chooses between the flat ring and AllreduceRacks for
-// `bytes` per node: rates[a][b] is the rate (bytes per second) node a's
-// sends to node b have reached (0: not measured). Inside a rack the slowest
-// measured pair's rate counts, between racks the slowest inter-rack pair's,
-// and ring edges crossing the same rack pair in the same direction share
-// its link. Nullopt when it cannot tell or there is nothing to gain: fewer
-// than 2 racks, no rack of 2 nodes, or no rate measured inside a rack or
-// between racks. Terms in ../README.md, "Racks".
-std::optional<RackCost> ModelRackAllreduce(const std::vector<int>& racks,
-                                           const std::vector<std::vector<double>>& rates,
-                                           uint64_t bytes);
+enum class RackCollective { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
+
+// The cost model that chooses between a flat algorithm (the ring; for a
+// broadcast the chain from `root`) and its Racks form for `bytes` (the
+// whole buffer: every block of a reduce-scatter or allgather):
+// rates[a][b] is the rate (bytes per second) node a's sends to node b have
+// reached (0: not measured). Inside a rack the slowest measured pair's rate
+// counts, between racks the slowest inter-rack pair's, and flat edges
+// crossing the same rack pair in the same direction share its link.
+// Nullopt when it cannot tell or there is nothing to gain: fewer than 2
+// racks, no rack of 2 nodes, or no rate measured inside a rack or between
+// racks. Terms in ../README.md, "Racks".
+std::optional<RackCost> ModelRacks(RackCollective collective, const std::vector<int>& racks,
+                                   const std::vector<std::vector<double>>& rates, uint64_t bytes,
+                                   int root = 0);
 
 // kRing, kHalvingDoubling or kRack (with ctx.racks) as asked; kAuto chooses
 // with ChooseAllreduceAlgorithm.

@@ -838,7 +838,7 @@ TEST(RackTest, AMissingNodeEndsTheOperationNamingThePhase) {
 }
 
 TEST(RackModelTest, PredictsTheFlatRingsSharedLinkAndTheRackPhases) {
-  constexpr double kStep = 25e-6;  // allreduce_racks.cc's kStepSeconds
+  constexpr double kStep = 25e-6;  // racks.cc's kStepSeconds
   const double intra = 500e6, inter = 25e6, s = 16 << 20;
   auto rates = [&](const std::vector<int>& racks) {
     std::vector<std::vector<double>> r(racks.size(), std::vector<double>(racks.size()));
@@ -850,25 +850,25 @@ TEST(RackModelTest, PredictsTheFlatRingsSharedLinkAndTheRackPhases) {
     return r;
   };
   // Racks contiguous in node order: the ring crosses each way once.
-  std::optional<RackCost> c = ModelRackAllreduce({0, 0, 1, 1}, rates({0, 0, 1, 1}), 16 << 20);
+  std::optional<RackCost> c = ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, rates({0, 0, 1, 1}), 16 << 20);
   ASSERT_TRUE(c.has_value());
   EXPECT_NEAR(c->flat_s, 6 * kStep + 1.5 * s / inter, 1e-9);
   EXPECT_NEAR(c->rack_s, 2 * (kStep + s / intra) + 2 * kStep + s / inter, 1e-9);
   EXPECT_GT(c->flat_s / c->rack_s, 1.3);
   // Interleaved: each crossing direction carries two ring edges.
-  c = ModelRackAllreduce({0, 1, 0, 1}, rates({0, 1, 0, 1}), 16 << 20);
+  c = ModelRacks(RackCollective::kAllreduce, {0, 1, 0, 1}, rates({0, 1, 0, 1}), 16 << 20);
   ASSERT_TRUE(c.has_value());
   EXPECT_NEAR(c->flat_s, 6 * kStep + 1.5 * s / (inter / 2), 1e-9);
   // Links alike: the flat ring wins.
   std::vector<std::vector<double>> even(4, std::vector<double>(4, intra));
-  c = ModelRackAllreduce({0, 0, 1, 1}, even, 16 << 20);
+  c = ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, even, 16 << 20);
   ASSERT_TRUE(c.has_value());
   EXPECT_LT(c->flat_s, c->rack_s);
   // The slowest measured pair of each kind counts; unmeasured pairs do not.
   std::vector<std::vector<double>> some = rates({0, 0, 1, 1});
   some[1][3] = inter / 2;
   some[3][1] = 0;
-  c = ModelRackAllreduce({0, 0, 1, 1}, some, 16 << 20);
+  c = ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, some, 16 << 20);
   ASSERT_TRUE(c.has_value());
   EXPECT_NEAR(c->rack_s, 2 * (kStep + s / intra) + 2 * kStep + s / (inter / 2), 1e-9);
   // No decision: nothing measured between racks, one rack, racks of one
@@ -877,11 +877,11 @@ TEST(RackModelTest, PredictsTheFlatRingsSharedLinkAndTheRackPhases) {
   for (int a : {0, 1}) {
     for (int b : {2, 3}) no_inter[a][b] = no_inter[b][a] = 0;
   }
-  EXPECT_FALSE(ModelRackAllreduce({0, 0, 1, 1}, no_inter, 1 << 20).has_value());
-  EXPECT_FALSE(ModelRackAllreduce({0, 0, 0, 0}, even, 1 << 20).has_value());
-  EXPECT_FALSE(ModelRackAllreduce({0, 1, 2, 3}, even, 1 << 20).has_value());
-  EXPECT_FALSE(ModelRackAllreduce({0, 1}, rates({0, 1}), 1 << 20).has_value());
-  EXPECT_FALSE(ModelRackAllreduce({0, 0, 1, 1}, rates({0, 0, 1}), 1 << 20).has_value());
+  EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, no_inter, 1 << 20).has_value());
+  EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 0, 0, 0}, even, 1 << 20).has_value());
+  EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 1, 2, 3}, even, 1 << 20).has_value());
+  EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 1}, rates({0, 1}), 1 << 20).has_value());
+  EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, rates({0, 0, 1}), 1 << 20).has_value());
 }
 
 // One large float32 buffer (4M elements) through both algorithms and auto.
@@ -977,16 +977,16 @@ void CheckAllgather(Cluster& cluster, const std::vector<Block>& blocks, size_t s
   }
   ExpectAllOk(cluster.Run(
                   [&](int k, const InterNodeContext& ctx) {
-                    return AllgatherRing(ctx, data[k].data(), blocks);
+                    return Allgather(ctx, data[k].data(), blocks);
                   },
                   chunk, 3),
               what);
   for (int k = 0; k < n; ++k) ASSERT_EQ(data[k], expected) << what << " node " << k;
 }
 
-TEST_P(AllgatherTest, UnevenEmptyAndManyBlocksPerOwner) {
-  const auto [n, channels] = GetParam();
-  Cluster cluster(n, channels);
+// Blocks of every shape on `cluster`'s n nodes (flat, or rack by rack when
+// the cluster has racks).
+void AllgatherLayouts(Cluster& cluster, int n) {
   // One block per node, uneven and some empty, in node order.
   {
     std::vector<Block> blocks;
@@ -1015,6 +1015,19 @@ TEST_P(AllgatherTest, UnevenEmptyAndManyBlocksPerOwner) {
   CheckAllgather(cluster, {{0, 100003, n - 1}}, 100003, 4096, "single owner");
   // No blocks at all.
   CheckAllgather(cluster, {}, 16, 64, "no blocks");
+}
+
+TEST_P(AllgatherTest, UnevenEmptyAndManyBlocksPerOwner) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  AllgatherLayouts(cluster, n);
+}
+
+TEST_P(AllgatherTest, RackByRack) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  cluster.set_racks(TestRacks(n));
+  AllgatherLayouts(cluster, n);
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, AllgatherTest,
@@ -1053,7 +1066,7 @@ void CheckReduceScatter(Cluster& cluster, DataType t, ReduceOp op,
   }
   ExpectAllOk(cluster.Run(
                   [&](int k, const InterNodeContext& ctx) {
-                    return ReduceScatterRing(ctx, t, op, out[k].data(), blocks,
+                    return ReduceScatter(ctx, t, op, out[k].data(), blocks,
                                              out_of_place ? data[k].data() : nullptr);
                   },
                   64, 3),
@@ -1068,9 +1081,7 @@ void CheckReduceScatter(Cluster& cluster, DataType t, ReduceOp op,
   }
 }
 
-TEST_P(ReduceScatterTest, OwnBlocksReducedForEveryTypeOpAndLayout) {
-  const auto [n, channels] = GetParam();
-  Cluster cluster(n, channels);
+void ReduceScatterLayouts(Cluster& cluster, int n) {
   for (DataType t : kTypes) {
     const size_t es = Size(t);
     // Two ranks per node, node k's ranks 2k, 2k+1 (a job's usual layout);
@@ -1092,6 +1103,19 @@ TEST_P(ReduceScatterTest, OwnBlocksReducedForEveryTypeOpAndLayout) {
   }
   // Nothing to move.
   CheckReduceScatter(cluster, DataType::kFloat32, ReduceOp::kSum, {}, 0, false, "empty");
+}
+
+TEST_P(ReduceScatterTest, OwnBlocksReducedForEveryTypeOpAndLayout) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  ReduceScatterLayouts(cluster, n);
+}
+
+TEST_P(ReduceScatterTest, RackByRack) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  cluster.set_racks(TestRacks(n));
+  ReduceScatterLayouts(cluster, n);
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, ReduceScatterTest,
@@ -1140,9 +1164,7 @@ TEST(TwoNodesTest, ReduceScatterGivesTheAllreducesBits) {
 
 class BroadcastTest : public ::testing::TestWithParam<NodesChannels> {};
 
-TEST_P(BroadcastTest, FromEveryRoot) {
-  const auto [n, channels] = GetParam();
-  Cluster cluster(n, channels);
+void BroadcastFromEveryRoot(Cluster& cluster, int n) {
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{1000}, size_t{100003}}) {
     for (int root = 0; root < n; ++root) {
       std::vector<std::vector<uint8_t>> data(n, std::vector<uint8_t>(bytes + 1, 0));
@@ -1150,7 +1172,7 @@ TEST_P(BroadcastTest, FromEveryRoot) {
       const std::vector<uint8_t> expected = data[root];
       ExpectAllOk(cluster.Run(
                       [&](int k, const InterNodeContext& ctx) {
-                        return BroadcastPipeline(ctx, data[k].data(), bytes, root);
+                        return Broadcast(ctx, data[k].data(), bytes, root);
                       },
                       4096),
                   absl::StrCat("bytes ", bytes, " root ", root));
@@ -1161,6 +1183,19 @@ TEST_P(BroadcastTest, FromEveryRoot) {
   }
 }
 
+TEST_P(BroadcastTest, FromEveryRoot) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  BroadcastFromEveryRoot(cluster, n);
+}
+
+TEST_P(BroadcastTest, RackByRack) {
+  const auto [n, channels] = GetParam();
+  Cluster cluster(n, channels);
+  cluster.set_racks(TestRacks(n));
+  BroadcastFromEveryRoot(cluster, n);
+}
+
 INSTANTIATE_TEST_SUITE_P(Nodes, BroadcastTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
                                             ::testing::Values(1, 2)),
@@ -1168,6 +1203,60 @@ INSTANTIATE_TEST_SUITE_P(Nodes, BroadcastTest,
                            return absl::StrCat(std::get<0>(info.param), "Nodes",
                                                std::get<1>(info.param), "Channels");
                          });
+
+// Reduce-scatter, allgather and broadcast rack by rack on the layouts
+// TestRacks lacks: a rack of one node, racks numbered out of node order.
+TEST(RackTest, ReduceScatterAllgatherAndBroadcastOnEveryLayout) {
+  for (const std::vector<int>& racks :
+       {std::vector<int>{0, 0, 0, 1, 1, 2}, std::vector<int>{1, 1, 0, 0, 0}}) {
+    const int n = static_cast<int>(racks.size());
+    Cluster cluster(n, 2);
+    cluster.set_racks(racks);
+    ReduceScatterLayouts(cluster, n);
+    AllgatherLayouts(cluster, n);
+    BroadcastFromEveryRoot(cluster, n);
+  }
+}
+
+// The other collectives' models: two racks of two, 500 and 25 MB/s.
+TEST(RackModelTest, ReduceScatterAllgatherAndBroadcast) {
+  constexpr double kStep = 25e-6;
+  const double intra = 500e6, inter = 25e6, s = 16 << 20;
+  std::vector<std::vector<double>> rates(4, std::vector<double>(4));
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) rates[a][b] = a == b ? 0 : (a < 2) == (b < 2) ? intra : inter;
+  }
+  const std::vector<int> racks = {0, 0, 1, 1};
+  auto c = ModelRacks(RackCollective::kReduceScatter, racks, rates, 16 << 20);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->flat_s, 3 * kStep + 0.75 * s / inter, 1e-9);
+  EXPECT_NEAR(c->rack_s, kStep + s / intra + kStep + 0.5 * s / inter + kStep + s / 2 / intra,
+              1e-9);
+  c = ModelRacks(RackCollective::kAllgather, racks, rates, 16 << 20);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->rack_s, kStep + s / 2 / intra + kStep + 0.5 * s / inter + kStep + s / 2 / intra,
+              1e-9);
+  EXPECT_LT(c->rack_s, c->flat_s);
+  // A broadcast's flat chain from node 0 crosses the racks once: its only
+  // slow edge carries the buffer once, as the racks' would, so the flat
+  // chain (no extra phase) wins; from node 1, the chain 1 -> 2 -> 3 -> 0
+  // crosses twice, in opposite directions.
+  c = ModelRacks(RackCollective::kBroadcast, racks, rates, 16 << 20, 0);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->flat_s, 3 * kStep + s / inter, 1e-9);
+  EXPECT_LT(c->flat_s, c->rack_s);
+  // Interleaved racks: the chain's crossings share each direction's link.
+  const std::vector<int> interleaved = {0, 1, 0, 1};
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) {
+      rates[a][b] = a == b ? 0 : interleaved[a] == interleaved[b] ? intra : inter;
+    }
+  }
+  c = ModelRacks(RackCollective::kBroadcast, interleaved, rates, 16 << 20, 0);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->flat_s, 3 * kStep + s / (inter / 2), 1e-9);
+  EXPECT_GT(c->flat_s, c->rack_s);
+}
 
 // ---------------------------------------------------------------------------
 // Faults.
