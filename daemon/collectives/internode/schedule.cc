@@ -197,6 +197,12 @@ class Runner {
 
   std::vector<StepState> state_;
   std::vector<Cursor> sends_, recvs_;  // by channel
+  // Per channel, its sends in flight at most: max_inflight_, or with a
+  // channel table in proportion to the channel's share (at least 2), so
+  // that a slow link's queue holds no more time's worth of chunks than a
+  // fast one's: a deep queue on a slow link delays whatever else uses it
+  // (the ordering stream, another job) and the operation's last chunks.
+  std::vector<int> send_window_;
   int sends_in_flight_ = 0, recvs_in_flight_ = 0;  // all channels
   std::vector<Arrived> arrived_;  // received into scratch, not yet reduced
   uint8_t* scratch_ = nullptr;
@@ -210,6 +216,18 @@ absl::Status Runner::Prepare() {
   state_.resize(s_.steps.size());
   sends_.assign(static_cast<size_t>(num_channels_), Cursor{});
   recvs_.assign(static_cast<size_t>(num_channels_), Cursor{});
+  send_window_.assign(static_cast<size_t>(num_channels_), max_inflight_);
+  if (!ctx_.channel_table.empty()) {
+    std::vector<int> slots(static_cast<size_t>(num_channels_), 0);
+    for (int c : ctx_.channel_table) {
+      if (c < num_channels_) ++slots[static_cast<size_t>(c)];
+    }
+    const int most = *std::max_element(slots.begin(), slots.end());
+    for (size_t c = 0; c < slots.size() && most > 0; ++c) {
+      send_window_[c] = std::min(max_inflight_,
+                                 std::max(2, (max_inflight_ * slots[c] + most - 1) / most));
+    }
+  }
   for (int c : ctx_.channel_table) {
     if (c >= num_channels_) {
       return absl::InternalError(
@@ -319,10 +337,10 @@ void Runner::Seek(Cursor& cur, int channel, bool recv) const {
 
 bool Runner::PostSends() {
   bool posted = false;
-  const int window =
-      ctx_.yield != nullptr && ctx_.yield->load(std::memory_order_relaxed) > 0 ? 1 : max_inflight_;
+  const bool yielding = ctx_.yield != nullptr && ctx_.yield->load(std::memory_order_relaxed) > 0;
   for (int c = 0; c < num_channels_; ++c) {
     Cursor& cur = sends_[static_cast<size_t>(c)];
+    const int window = yielding ? 1 : send_window_[static_cast<size_t>(c)];
     while (true) {
       Seek(cur, c, false);
       if (cur.step >= s_.steps.size() || cur.in_flight >= window) break;
