@@ -14,7 +14,7 @@ and the daemon's result must equal numpy's bit for bit whatever order it
 adds in, and one float64 average against numpy within rounding. Each rank
 prints one line and exits 0 if everything matched, 1 otherwise.
 
-``--hold-until FILE`` (used by deploy/slurm/test.sh) keeps one operation,
+``--hold-until FILE`` (used by tests/deploy/slurm_test.sh) keeps one operation,
 named "hold", pending in the daemon afterwards: rank 0 submits it at once,
 the other ranks only once FILE exists (at most --hold-timeout seconds), so
 that `ciuicctl jobs` can be seen listing the job and the operation waiting

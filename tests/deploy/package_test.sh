@@ -80,7 +80,8 @@ cp "${debs[@]}" "$root/tmp/debs/"
 in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"; }
 
 step "apt-get install ./*.deb in the root"
-in_root sh -c 'apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q /tmp/debs/*.deb' \
+# Bounded: a mirror that stalls fails the step instead of hanging the test.
+in_root timeout 600 sh -c 'apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q /tmp/debs/*.deb' \
   > "$work/install.log" 2>&1 || { tail -n 30 "$work/install.log" >&2; fail "apt-get install of the packages"; }
 for pkg in ciuicd libciuic0 libciuic-dev python3-ciuic ciuic-bench; do
   in_root dpkg-query -W -f='${Status}\n' "$pkg" | grep -q "install ok installed" ||
@@ -203,7 +204,7 @@ grep -q "python rank 1 ok" "$work/run.log" || { cat "$work/run.log" >&2; fail "t
 grep -qi "ciuicd" "$work/run.log" || { cat "$work/run.log" >&2; fail "ciuicctl status printed nothing about the daemon"; }
 
 step "apt-get purge of the packages"
-in_root sh -c 'DEBIAN_FRONTEND=noninteractive apt-get purge -y -q ciuicd libciuic0 libciuic-dev python3-ciuic ciuic-bench' \
+in_root timeout 600 sh -c 'DEBIAN_FRONTEND=noninteractive apt-get purge -y -q ciuicd libciuic0 libciuic-dev python3-ciuic ciuic-bench' \
   > "$work/purge.log" 2>&1 || { tail -n 30 "$work/purge.log" >&2; fail "apt-get purge"; }
 for p in /proc/[0-9]*; do
   if [ "$(readlink "$p/root" 2>/dev/null)" = "$root" ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# deploy/slurm/test.sh BUILD_DIR: the Slurm integration of deploy/slurm/,
+# tests/deploy/slurm_test.sh BUILD_DIR: the Slurm integration of deploy/slurm/,
 # tested on a real one-host Slurm cluster that this script builds in a temp
 # dir and tears down on exit, whatever happens.
 #

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Offline validation of deploy/kubernetes (no cluster, no kubectl):
 #
-#   bash deploy/kubernetes/test.sh [BUILD_DIR]
+#   bash tests/deploy/kubernetes_test.sh [BUILD_DIR]
 #
 #   1. installs the validators from npm (validate/package-lock.json, `npm ci`)
 #      into a directory outside the repository, reused while the lock file is
@@ -28,7 +28,7 @@
 # "kubernetes: N passed, N failed".
 set -euo pipefail
 
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../deploy/kubernetes" && pwd)
 BUILD=${1:-}
 TOOLS=${CIUIC_K8S_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/ciuic-k8s-validate}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ciuic-k8s-test.XXXXXX")
