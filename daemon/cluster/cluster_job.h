@@ -173,6 +173,11 @@ class ClusterJob {
     // coordinator taken for stopped or unreachable (the coordinator fails
     // an operation not ready everywhere at its timeout itself).
     std::chrono::milliseconds announce_grace{5000};
+    // Runs body(0..n-1), some of it on other threads, and returns once all
+    // have run (the engine's WorkerPool::ParallelFor): the local phase's
+    // reduction is cut into chunks that the node's workers share. Null:
+    // all on the lane's thread.
+    std::function<void(size_t n, const std::function<void(size_t)>& body)> parallel;
   };
   using OpDone = std::function<void(uint64_t key, absl::Status status)>;
   using JobFailed = std::function<void(absl::Status status)>;
@@ -368,6 +373,12 @@ class ClusterJob {
   void CloseWrites();
   absl::Status Execute(const ClusterOp& op, uint64_t seq, const RunSettings& settings,
                        Lane& lane);
+  // The local phase's reduction of the node's ranks' `inputs` into `out`
+  // (which may be one of them: element by element): in chunks of
+  // kLocalChunkBytes through Options::parallel from 2 chunks up.
+  static constexpr size_t kLocalChunkBytes = size_t{512} << 10;
+  void ReduceLocal(wire::DataType dtype, wire::ReduceOp op, const std::vector<const void*>& inputs,
+                   void* out, size_t count);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                             const RunSettings& settings, Lane& lane);
   // An operation whose node buffer is on a GPU (op.staged; see

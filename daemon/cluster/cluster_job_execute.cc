@@ -48,6 +48,26 @@ bool ClusterJob::KeepsFeedback(const ClusterOp& op, size_t count, const config::
   return false;
 }
 
+void ClusterJob::ReduceLocal(wire::DataType dtype, wire::ReduceOp op,
+                             const std::vector<const void*>& inputs, void* out, size_t count) {
+  const size_t es = wire::DataTypeSize(static_cast<uint32_t>(dtype));
+  const size_t per = std::max<size_t>(1, kLocalChunkBytes / es);
+  const size_t chunks = (count + per - 1) / per;
+  if (!options_.parallel || chunks < 2) {
+    Reduce(dtype, op, inputs.data(), static_cast<int>(inputs.size()), out, count);
+    return;
+  }
+  options_.parallel(chunks, [&](size_t c) {
+    const size_t at = c * per, n = std::min(per, count - at);
+    std::vector<const void*> from(inputs.size());
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      from[k] = static_cast<const uint8_t*>(inputs[k]) + at * es;
+    }
+    Reduce(dtype, op, from.data(), static_cast<int>(from.size()),
+           static_cast<uint8_t*>(out) + at * es, n);
+  });
+}
+
 absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                                       const RunSettings& settings, Lane& lane) {
   const config::Tuning tuning = options_.tuning->Snapshot();
@@ -81,8 +101,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   for (const ClusterOp& op : ops) {
     inputs.clear();
     for (const auto& p : op.parts) inputs.push_back(p.send);
-    Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node + offset,
-           op.sig.count);
+    ReduceLocal(dtype, wire_op, inputs, node + offset, op.sig.count);
     offset += op.sig.count * es;
   }
   // All compressed with the run's codec, or all uncompressed.
@@ -180,7 +199,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       if (inputs.size() == 1 && *codec == nullptr) {
         input = inputs[0];
       } else if (!(inputs.size() == 1 && inputs[0] == node)) {
-        Reduce(dtype, wire_op, inputs.data(), static_cast<int>(inputs.size()), node, count);
+        ReduceLocal(dtype, wire_op, inputs, node, count);
       }
       absl::Status s;
       if (!all && *codec == nullptr) {

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -120,6 +121,24 @@ class Nodes {
       };
       // Node 0's daemon is the coordinator's: it orders in-process.
       if (k == 0) o.local_coordinator = &coordinator_;
+      // The local phase's chunks on the calling thread and one helper, as
+      // the engine's worker pool would share them.
+      o.parallel = [this](size_t n, const std::function<void(size_t)>& body) {
+        std::atomic<size_t> next{0};
+        auto work = [&] {
+          for (size_t i; (i = next.fetch_add(1)) < n;) {
+            {
+              std::lock_guard<std::mutex> lock(parallel_mu_);
+              parallel_threads_.insert(std::this_thread::get_id());
+            }
+            body(i);
+          }
+        };
+        ++parallel_calls_;
+        std::thread helper(work);
+        work();
+        helper.join();
+      };
       Ends* ends = &ends_[k];
       jobs_.push_back(std::make_unique<ClusterJob>(
           std::move(o),
@@ -153,8 +172,18 @@ class Nodes {
   }
   Ends& ends(int k) { return ends_[k]; }
   int client_streams() const { return client_streams_.load(); }
+  // The local phases that went through Options::parallel, and the threads
+  // that ran their chunks.
+  int parallel_calls() const { return parallel_calls_.load(); }
+  size_t parallel_threads() {
+    std::lock_guard<std::mutex> lock(parallel_mu_);
+    return parallel_threads_.size();
+  }
 
  private:
+  std::atomic<int> parallel_calls_{0};
+  std::mutex parallel_mu_;
+  std::set<std::thread::id> parallel_threads_;
   std::atomic<int> client_streams_{0};
   std::deque<config::TuningRegistry> tuning_;
   Coordinator coordinator_;
@@ -271,6 +300,64 @@ TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
           << "node " << k << " op " << o << ": fused and unfused results differ";
     }
   }
+}
+
+// The local phase of a node with several ranks reduces in chunks that
+// other threads share (Options::parallel): a 3 MiB float32 allreduce and
+// reduce_scatter on 2 nodes x 2 ranks, in place and out of place, each
+// rank's result the plain loop's; smaller ones stay on the lane's thread.
+TEST(ClusterJobTest, TheLocalPhaseSharesItsChunksWithOtherThreads) {
+  Nodes nodes(2, 2);
+  const size_t count = (3 << 20) / 4;  // 6 chunks of 512 KiB
+  auto value = [](int rank, size_t i) {
+    return static_cast<float>(static_cast<int>((rank * 5 + i * 3) % 17) - 8);
+  };
+  // Op 0: allreduce, rank 0 of each node in place; op 1: reduce_scatter of
+  // count / 4 per rank; op 2: a small allreduce (one chunk).
+  std::vector<std::vector<float>> send(4, std::vector<float>(count)), recv(4), rs(4), small(4);
+  for (int r = 0; r < 4; ++r) {
+    for (size_t i = 0; i < count; ++i) send[r][i] = value(r, i);
+    recv[r] = r % 2 == 0 ? send[r] : std::vector<float>(count, -1.0f);
+    rs[r].assign(count / 4, -1.0f);
+    small[r].assign(1000, static_cast<float>(r));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ClusterOp all = Allreduce(0, "big", wire::DataType::kFloat32, wire::ReduceOp::kSum, count,
+                              2 * k, recv[2 * k].data(), recv[2 * k].data());
+    all.parts.push_back(ClusterOp::Part{2 * k + 1,
+                                        reinterpret_cast<const uint8_t*>(send[2 * k + 1].data()),
+                                        reinterpret_cast<uint8_t*>(recv[2 * k + 1].data())});
+    nodes.job(k).Submit(std::move(all));
+    ClusterOp scatter = Allreduce(1, "scatter", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                  count / 4, 2 * k, send[2 * k].data(), rs[2 * k].data());
+    scatter.sig.collective = static_cast<uint32_t>(wire::Collective::kReduceScatter);
+    scatter.parts.push_back(ClusterOp::Part{
+        2 * k + 1, reinterpret_cast<const uint8_t*>(send[2 * k + 1].data()),
+        reinterpret_cast<uint8_t*>(rs[2 * k + 1].data())});
+    nodes.job(k).Submit(std::move(scatter));
+    ClusterOp tiny = Allreduce(2, "small", wire::DataType::kFloat32, wire::ReduceOp::kSum, 1000,
+                               2 * k, small[2 * k].data(), small[2 * k].data());
+    tiny.parts.push_back(ClusterOp::Part{2 * k + 1,
+                                         reinterpret_cast<const uint8_t*>(small[2 * k + 1].data()),
+                                         reinterpret_cast<uint8_t*>(small[2 * k + 1].data())});
+    nodes.job(k).Submit(std::move(tiny));
+  }
+  nodes.ExpectEndsOk(3);
+  for (int r = 0; r < 4; ++r) {
+    for (size_t i = 0; i < count; ++i) {
+      const float want = value(0, i) + value(1, i) + value(2, i) + value(3, i);
+      ASSERT_EQ(recv[r][i], want) << "allreduce, rank " << r << " element " << i;
+    }
+    for (size_t i = 0; i < count / 4; ++i) {
+      const size_t at = r * (count / 4) + i;
+      const float want = value(0, at) + value(1, at) + value(2, at) + value(3, at);
+      ASSERT_EQ(rs[r][i], want) << "reduce_scatter, rank " << r << " element " << i;
+    }
+    for (size_t i = 0; i < 1000; ++i) ASSERT_EQ(small[r][i], 6.0f) << "small, rank " << r;
+  }
+  // The allreduce and the reduce_scatter on each node; not the small one.
+  EXPECT_EQ(nodes.parallel_calls(), 4);
+  EXPECT_GE(nodes.parallel_threads(), 2u);
 }
 
 // Unnamed allreduces ("#N") up to the job's direct_max_bytes (64K by

@@ -576,6 +576,12 @@ void Engine::StartClusterOnLoop(Job& job) {
   for (auto& [rank, s] : job.ranks) o.local_ranks.push_back(rank);
   o.node_name = options_.node_name;
   o.rack = options_.rack;
+  // The local phase's reductions share the node's workers, in this job's
+  // turn (WorkerPool serves jobs round robin).
+  o.parallel = [pool = workers_.get(), key = job.key](
+                   size_t n, const std::function<void(size_t)>& body) {
+    pool->ParallelFor(key, 0, n, body);
+  };
   o.coordinator = job.coordinator;
   o.channels = options_.channels > 0 ? options_.channels
                                      : static_cast<int>(options_.tuning->Snapshot().channels);

@@ -2,7 +2,11 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+#include <atomic>
+#include <memory>
 #include <string>
+#include <utility>
 
 namespace ciuic::daemon {
 
@@ -26,6 +30,40 @@ void WorkerPool::Submit(const std::string& owner, int32_t priority, std::functio
   auto& queue = queues_[owner];
   if (queue.empty()) turn_.push_back(owner);
   queue.push(Task{priority, next_seq_++, std::move(task)});
+}
+
+void WorkerPool::ParallelFor(const std::string& owner, int32_t priority, size_t n,
+                             const std::function<void(size_t)>& body) {
+  if (n == 0) return;
+  // Shared with the tasks, which may start after this returns: they touch
+  // `body` only for an index they took, and this returns only once every
+  // taken index has run.
+  struct State {
+    std::atomic<size_t> next{0};
+    const std::function<void(size_t)>* body = nullptr;
+    absl::Mutex mu;
+    size_t done ABSL_GUARDED_BY(mu) = 0;
+  };
+  auto state = std::make_shared<State>();
+  state->body = &body;
+  auto work = [state, n] {
+    size_t ran = 0;
+    for (size_t i; (i = state->next.fetch_add(1)) < n; ++ran) (*state->body)(i);
+    if (ran > 0) {
+      absl::MutexLock lock(&state->mu);
+      state->done += ran;
+    }
+  };
+  const size_t helpers = std::min(n - 1, threads_.size());
+  for (size_t h = 0; h < helpers; ++h) Submit(owner, priority, work);
+  work();
+  std::pair<State*, size_t> all{state.get(), n};
+  absl::MutexLock lock(&state->mu);
+  state->mu.Await(absl::Condition(
+      +[](std::pair<State*, size_t>* p) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return p->first->done == p->second;
+      },
+      &all));
 }
 
 void WorkerPool::Run() {

@@ -31,6 +31,16 @@ class WorkerPool {
   void Submit(const std::string& owner, int32_t priority, std::function<void()> task);
   int size() const { return static_cast<int>(threads_.size()); }
 
+  // Runs body(i) for every i in [0, n) and returns once all have run: the
+  // calling thread takes indices too, and up to size() workers join it
+  // through tasks queued for `owner` (so the job's turn in the pool is
+  // kept). A worker whose task starts after every index was taken does
+  // nothing, so the caller finishes alone when the pool is busy with other
+  // jobs. `body` must not throw. Not from a worker thread (its own task
+  // could be the one it waits for: harmless, but it then runs alone).
+  void ParallelFor(const std::string& owner, int32_t priority, size_t n,
+                   const std::function<void(size_t)>& body);
+
  private:
   struct Task {
     int32_t priority;
