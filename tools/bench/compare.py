@@ -33,6 +33,11 @@ Scenarios (how ranks are placed and which transport the baselines use):
             DDP whose per-rank batches follow Communicator.balance()
             (examples/train_balanced.py --compare, --reps runs of each,
             interleaved); throughput medians and their ratio.
+  channels  2 namespaces joined by two links shaped to 800 and 200 Mbit/s,
+            one channel each (root): equal shares, then shares weighted by
+            the measured rates, then the rates swapped mid-run; 64 MiB
+            allreduces, the share of the links' summed rate reached
+            (tests/netns/channel_weights_test.py, --reps runs).
   racks     4 namespaces in 2 racks joined by one link shaped to 200 Mbit/s
             (root): the flat ring against the rack-hierarchical allreduce
             and auto, 16 MiB float32, --reps interleaved pairs; the
@@ -795,7 +800,8 @@ def parse_args(argv):
                         "none,fp16,int8,topk:0.01: rows ciuic (none), ciuic+fp16, ... "
                         "(passed as --compression; lossy rows report max_rel_error)")
     p.add_argument("--scenario", default="local",
-                   choices=("local", "loopback", "netns", "train", "balance", "racks"))
+                   choices=("local", "loopback", "netns", "train", "balance", "racks",
+                            "channels"))
     p.add_argument("--link-rate", default="1gbit",
                    help="netns/train: tbf rate of every veth end (tc syntax, default 1gbit)")
     p.add_argument("--ranks", type=int, help="ranks of the local scenario (default 2)")
@@ -890,7 +896,7 @@ def _raise_interrupt(signum, frame):
 
 def main(argv):
     args = parse_args(argv)
-    if args.scenario in ("netns", "train", "racks") and os.geteuid() != 0:
+    if args.scenario in ("netns", "train", "racks", "channels") and os.geteuid() != 0:
         print("compare.py: --scenario %s builds network namespaces (ip netns add, veth, tc) "
               "and needs root; run it as root, or use --scenario loopback" % args.scenario,
               file=sys.stderr)
@@ -906,7 +912,9 @@ def main(argv):
     if args.scenario == "balance":
         return run_balance(args)
     if args.scenario == "racks":
-        return run_racks(args)
+        return run_netns_test(args, "racks_test.py", ["--pairs", str(args.reps)], 1)
+    if args.scenario == "channels":
+        return run_netns_test(args, "channel_weights_test.py", [], args.reps)
     scenario = make_scenario(args)
     try:
         return run(args, scenario)
@@ -942,29 +950,33 @@ def run_balance(args):
     return 0
 
 
-def run_racks(args):
-    """--scenario racks: tests/netns/racks_test.py does the runs and the checks."""
+def run_netns_test(args, script, flags, runs):
+    """--scenario racks / channels: a tests/netns script does the runs and
+    the checks (`runs` times); its table lines are printed, its last JSON
+    line per run goes to --json-out (one line per run)."""
     root = os.path.dirname(os.path.dirname(HERE))
     build = os.path.dirname(os.path.dirname(os.path.abspath(args.ciuicd)))
-    cmd = [args.python, os.path.join(root, "tests", "netns", "racks_test.py"), build,
-           "--pairs", str(args.reps)]
-    log("running " + " ".join(cmd))
+    cmd = [args.python, os.path.join(root, "tests", "netns", script), build] + flags
     env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
-    try:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
-                             timeout=args.timeout * 4 * (args.reps + 1))
-    except subprocess.TimeoutExpired:
-        print("compare.py: the racks runs took too long")
-        return 1
-    lines = out.stdout.strip().splitlines()
-    for line in lines:
-        if not line.startswith("{"):
-            print(line)
-    result = next((line for line in reversed(lines) if line.startswith("{")), None)
-    if args.json_out and result:
+    results, code = [], 0
+    for run in range(runs):
+        log("run %d/%d: %s" % (run + 1, runs, " ".join(cmd)))
+        try:
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
+                                 timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print("compare.py: %s took longer than %d s" % (script, args.timeout))
+            return 1
+        lines = out.stdout.strip().splitlines()
+        for line in lines:
+            if not line.startswith("{"):
+                print(line)
+        results += [line for line in reversed(lines) if line.startswith("{")][:1]
+        code = code or out.returncode
+    if args.json_out and results:
         with open(args.json_out, "w") as f:
-            f.write(result + "\n")
-    return out.returncode
+            f.write("\n".join(results) + "\n")
+    return code
 
 
 def run(args, scenario):
