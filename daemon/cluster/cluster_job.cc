@@ -357,7 +357,9 @@ absl::Status ClusterJob::Form() {
     transport_ = std::make_unique<CountingTransport>(std::move(*connected));
     peers_ = std::move(rows);
     racks_ = RackIndices(membership);
-    spans_racks_ = std::any_of(racks_.begin(), racks_.end(), [](int r) { return r != 0; });
+    // Rates to every node only where the coordinator's model can use them.
+    spans_racks_ = std::any_of(racks_.begin(), racks_.end(), [](int r) { return r != 0; }) &&
+                   racks_.size() <= static_cast<size_t>(kMaxRackModelNodes);
     state_ = State::kRunning;
     std::lock_guard<std::mutex> direct_lock(direct_mu_);
     direct_transport_ = transport_.get();

@@ -445,8 +445,9 @@ void Coordinator::OnEvent(uint64_t handle, const proto::NodeEvent& event) {
             node);
     return;
   }
-  if (ready.peer_rates_size() > 0) {
-    // Rates a node got wrong (negative, NaN) count as not measured.
+  if (ready.peer_rates_size() > 0 && nodes <= kMaxRackModelNodes) {
+    // Rates a node got wrong (negative, NaN) count as not measured. At most
+    // kMaxRackModelNodes^2 numbers per job.
     job.peer_rates.resize(static_cast<size_t>(nodes));
     auto& mine = job.peer_rates[static_cast<size_t>(node)];
     mine.clear();
@@ -716,9 +717,11 @@ Clock::time_point Coordinator::Schedule(Job& job, Clock::time_point now) {
           if (r == head.signature.root()) root_node = k;
         }
       }
-      std::vector<std::vector<double>> rates = job.peer_rates;
-      rates.resize(static_cast<size_t>(nodes), std::vector<double>(static_cast<size_t>(nodes)));
-      if (std::optional<RackCost> cost = ModelRacks(*kind, job.racks, rates, whole, root_node)) {
+      std::optional<RackCost> cost;
+      if (job.peer_rates.size() == static_cast<size_t>(nodes)) {
+        cost = ModelRacks(*kind, job.racks, job.peer_rates, whole, root_node);
+      }
+      if (cost) {
         run->set_model_flat_us(static_cast<uint64_t>(cost->flat_s * 1e6));
         run->set_model_rack_us(static_cast<uint64_t>(cost->rack_s * 1e6));
         if (cost->rack_s < cost->flat_s) {

@@ -213,11 +213,16 @@ struct RackCost {
 
 enum class RackCollective { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
 
+// The most nodes a job may have for its nodes to measure and report their
+// rates to each other (N*N numbers at the coordinator): larger jobs run
+// flat under auto (algorithm: rack still runs rack by rack).
+inline constexpr int kMaxRackModelNodes = 1024;
+
 // The cost model that chooses between a flat algorithm (the ring; for a
 // broadcast the chain from `root`) and its Racks form for `bytes` (the
 // whole buffer: every block of a reduce-scatter or allgather):
 // rates[a][b] is the rate (bytes per second) node a's sends to node b have
-// reached (0: not measured). Inside a rack the slowest measured pair's rate
+// reached (0: not measured; an empty row: node a reported none). Inside a rack the slowest measured pair's rate
 // counts, between racks the slowest inter-rack pair's, and flat edges
 // crossing the same rack pair in the same direction share its link.
 // Nullopt when it cannot tell or there is nothing to gain: fewer than 2

@@ -882,6 +882,15 @@ TEST(RackModelTest, PredictsTheFlatRingsSharedLinkAndTheRackPhases) {
   EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 1, 2, 3}, even, 1 << 20).has_value());
   EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 1}, rates({0, 1}), 1 << 20).has_value());
   EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, rates({0, 0, 1}), 1 << 20).has_value());
+  // A node that reported nothing (an empty row) leaves the others' rates.
+  std::vector<std::vector<double>> partial = rates({0, 0, 1, 1});
+  partial[3].clear();
+  EXPECT_TRUE(ModelRacks(RackCollective::kAllreduce, {0, 0, 1, 1}, partial, 1 << 20).has_value());
+  // More nodes than the model takes: no decision.
+  std::vector<int> many(kMaxRackModelNodes + 1);
+  for (size_t k = 0; k < many.size(); ++k) many[k] = k < many.size() / 2 ? 0 : 1;
+  std::vector<std::vector<double>> many_rates(many.size());
+  EXPECT_FALSE(ModelRacks(RackCollective::kAllreduce, many, many_rates, 1 << 20).has_value());
 }
 
 // One large float32 buffer (4M elements) through both algorithms and auto.

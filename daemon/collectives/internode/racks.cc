@@ -110,6 +110,16 @@ absl::Status InPhase(absl::Status s, const char* name, const char* phase,
                                              absl::StrJoin(nodes, ","), "): ", s.message()));
 }
 
+absl::Status CheckOwners(const char* name, const std::vector<Block>& blocks, int n) {
+  for (const Block& b : blocks) {
+    if (b.owner < 0 || b.owner >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": a block for node ", b.owner, " of ", n));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckRackContext(const InterNodeContext& ctx, const char* name) {
   if (absl::Status s = internode_internal::CheckContext(ctx, name); !s.ok()) return s;
   if (ctx.tag_bits - 2 < internode_internal::kMinTagBits) {
@@ -170,12 +180,7 @@ absl::Status ReduceScatterRacks(const InterNodeContext& ctx, const std::vector<i
   const int self = ctx.transport->self();
   absl::StatusOr<RackLayout> layout = Layout(kName, racks, n, self);
   if (!layout.ok()) return layout.status();
-  for (const Block& b : blocks) {
-    if (b.owner < 0 || b.owner >= n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kName, ": a block for node ", b.owner, " of ", n));
-    }
-  }
+  if (absl::Status s = CheckOwners(kName, blocks, n); !s.ok()) return s;
   SubTransport rack(ctx.transport, layout->members);
   const bool leader = layout->members.front() == self;
   // Phase 1: the rack's contributions to every block, reduced into its leader.
@@ -209,12 +214,7 @@ absl::Status AllgatherRacks(const InterNodeContext& ctx, const std::vector<int>&
   const int self = ctx.transport->self();
   absl::StatusOr<RackLayout> layout = Layout(kName, racks, n, self);
   if (!layout.ok()) return layout.status();
-  for (const Block& b : blocks) {
-    if (b.owner < 0 || b.owner >= n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(kName, ": a block of node ", b.owner, " of ", n));
-    }
-  }
+  if (absl::Status s = CheckOwners(kName, blocks, n); !s.ok()) return s;
   SubTransport rack(ctx.transport, layout->members);
   const bool leader = layout->members.front() == self;
   // Phase 1: the rack's blocks to every node of the rack (its leader
@@ -288,7 +288,10 @@ std::optional<RackCost> ModelRacks(RackCollective collective, const std::vector<
                                    const std::vector<std::vector<double>>& rates, uint64_t bytes,
                                    int root) {
   const int n = static_cast<int>(racks.size());
-  if (n < 3 || rates.size() != racks.size() || root < 0 || root >= n) return std::nullopt;
+  if (n < 3 || n > kMaxRackModelNodes || rates.size() != racks.size() || root < 0 ||
+      root >= n) {
+    return std::nullopt;
+  }
   std::vector<int> size(static_cast<size_t>(n), 0);
   for (int r : racks) {
     if (r < 0 || r >= n) return std::nullopt;
@@ -301,6 +304,7 @@ std::optional<RackCost> ModelRacks(RackCollective collective, const std::vector<
   // The slowest measured pair inside a rack and between racks.
   double intra = 0, inter = 0;
   for (int a = 0; a < n; ++a) {
+    if (rates[a].empty()) continue;
     if (rates[a].size() != racks.size()) return std::nullopt;
     for (int b = 0; b < n; ++b) {
       const double rate = rates[a][b];
