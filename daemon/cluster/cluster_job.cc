@@ -179,12 +179,36 @@ void ClusterJob::Submit(ClusterOp op) {
   // A direct op on host buffers starts here, on the caller's thread (the
   // engine's loop): its local phase, then the first messages. Before the
   // job has formed (direct_max_bytes_ 0), or on GPU buffers, it goes to
-  // the ClusterJob's thread.
-  uint64_t number = 0;
-  if (!op.staged && IsDirect(op, &number) && StartDirect(op, number)) return;
-  Event e{Event::kSubmit, {}, {}, {}};
-  e.op = std::move(op);
-  Push(std::move(e));
+  // the ClusterJob's thread. A named one only when no earlier occurrence
+  // of its name is still to be decided there.
+  uint64_t tag_base = 0;
+  if (!op.staged && IsUnnamedDirect(op, &tag_base) && StartDirect(op, tag_base)) return;
+  bool direct = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool named = !op.name.empty() && op.name[0] != '#';
+    if (named && !op.staged && !queued_named_.count(op.name) && !held_.count(op.name) &&
+        !awaiting_.count(op.name)) {
+      direct = TakeNamedDirectLocked(op, &tag_base);
+    }
+    if (!direct) {
+      if (named) ++queued_named_[op.name];
+      Event e{Event::kSubmit, {}, {}, {}};
+      e.op = std::move(op);
+      events_->push_back(std::move(e));
+    }
+  }
+  if (!direct) {
+    cv_.notify_all();
+    return;
+  }
+  // Its occurrence is taken: it runs direct or ends here.
+  if (!StartDirect(op, tag_base)) Done(op, absl::CancelledError("job closed"));
+}
+
+void ClusterJob::UnqueueNamedLocked(const std::string& name) {
+  auto it = queued_named_.find(name);
+  if (it != queued_named_.end() && --it->second <= 0) queued_named_.erase(it);
 }
 
 std::optional<ClusterOp> ClusterJob::TakeBackUnformed(uint64_t key) {
@@ -192,6 +216,7 @@ std::optional<ClusterOp> ClusterJob::TakeBackUnformed(uint64_t key) {
   if (state_ != State::kForming) return std::nullopt;
   for (auto it = events_->begin(); it != events_->end(); ++it) {
     if (it->kind == Event::kSubmit && it->op.key == key) {
+      UnqueueNamedLocked(it->op.name);
       std::optional<ClusterOp> op(std::move(it->op));
       events_->erase(it);
       return op;
@@ -478,6 +503,9 @@ void ClusterJob::Announce(const proto::CoordinatorEvent::Run& r) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     last_progress_ = now;
+    // Before the next occurrences of these names are decided (the held
+    // ones are readied below, the later ones wait for awaiting_).
+    if (broken.ok()) AssignNamedSlotsLocked(names);
     // The run's payload per node (a fused run's, packed), for the name of
     // the algorithm it runs with.
     uint64_t run_bytes = 0;
@@ -694,7 +722,13 @@ void ClusterJob::Run() {
       continue;
     }
     if (!formed.ok()) {
-      if (e.kind == Event::kSubmit) Done(e.op, formed);
+      if (e.kind == Event::kSubmit) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          UnqueueNamedLocked(e.op.name);
+        }
+        Done(e.op, formed);
+      }
       if (e.kind == Event::kAbort) break;
       if (!left) {
         left = true;
@@ -705,11 +739,12 @@ void ClusterJob::Run() {
     switch (e.kind) {
       case Event::kSubmit:
       case Event::kReadyHeld: {
-        uint64_t number = 0;
-        if (e.kind == Event::kSubmit && IsDirect(e.op, &number)) {
-          if (!StartDirect(e.op, number)) Done(e.op, absl::CancelledError("job closed"));
+        uint64_t tag_base = 0;
+        if (e.kind == Event::kSubmit && IsUnnamedDirect(e.op, &tag_base)) {
+          if (!StartDirect(e.op, tag_base)) Done(e.op, absl::CancelledError("job closed"));
           break;
         }
+        bool direct = false;
         {
           std::lock_guard<std::mutex> lock(mu_);
           if (e.kind == Event::kReadyHeld) {
@@ -718,14 +753,30 @@ void ClusterJob::Run() {
             e.op = std::move(h->second.front());
             h->second.pop_front();
             if (h->second.empty()) held_.erase(h);
-          } else if (awaiting_.count(e.op.name) || held_.count(e.op.name)) {
-            // An earlier occurrence of the name is still to be announced:
-            // this one waits its turn (never dropped, never reordered).
-            held_[e.op.name].push_back(std::move(e.op));
-            break;
+          } else {
+            UnqueueNamedLocked(e.op.name);
+            if (awaiting_.count(e.op.name) || held_.count(e.op.name)) {
+              // An earlier occurrence of the name is still to be announced:
+              // this one waits its turn (never dropped, never reordered).
+              held_[e.op.name].push_back(std::move(e.op));
+              break;
+            }
+          }
+          // Every earlier occurrence of the name is decided: a named one
+          // with a slot runs direct, and the next held one (no Run will
+          // come for this one) is decided after it.
+          direct = TakeNamedDirectLocked(e.op, &tag_base);
+          if (direct && held_.count(e.op.name)) {
+            Event next{Event::kReadyHeld, {}, {}, {}};
+            next.op.name = e.op.name;
+            events_->push_back(std::move(next));
           }
         }
-        proto::NodeEvent ready = ReadyFor(e.op);
+        if (direct) {
+          if (!StartDirect(e.op, tag_base)) Done(e.op, absl::CancelledError("job closed"));
+          break;
+        }
+              proto::NodeEvent ready = ReadyFor(e.op);
         AddChannelRates(ready);
         const std::string name = e.op.name;
         // Stamped before the Ready goes: once it has, the Run may come (and

@@ -207,10 +207,14 @@ class ClusterJob {
   static constexpr std::chrono::milliseconds kDirectGrace{2000};
   // A direct op that times out leaves its exchange waiting (a transport
   // receive cannot be taken back), holding its buffers until the job ends.
-  // This many such exchanges end the job: its nodes' unnamed operations are
-  // out of step, and a trainer must not make the daemon hold memory without
-  // bound.
+  // This many such exchanges end the job: its nodes' operations are out of
+  // step, and a trainer must not make the daemon hold memory without bound.
   static constexpr int kMaxStaleExchanges = 64;
+  // Named operations that may run direct once the coordinator has announced
+  // one occurrence of them (README.md, "Direct operations"): the first this
+  // many names announced in a job get a slot; others always go through the
+  // coordinator. Bounds what a trainer's names hold here (kMaxOpName each).
+  static constexpr size_t kMaxNamedSlots = 4096;
 
   // Whether the ordering stream is in-process (Options::local_coordinator).
   bool ordering_in_process() const { return in_process_ordering_.load(); }
@@ -309,14 +313,28 @@ class ClusterJob {
     std::chrono::steady_clock::time_point deadline;
     uint32_t timeout_ms = 0;
   };
-  // Whether `op` runs direct (the same answer on every node: from its
-  // signature and the job's direct_max_bytes), and its number ("#N").
-  bool IsDirect(const ClusterOp& op, uint64_t* number) const;
+  // Whether `op`'s signature lets it run direct (the same answer on every
+  // node: from its signature and the job's direct_max_bytes).
+  bool DirectSignature(const ClusterOp& op) const;
+  // Whether `op` is an unnamed operation that runs direct, and its tag base
+  // (from its number, "#N").
+  bool IsUnnamedDirect(const ClusterOp& op, uint64_t* tag_base) const;
+  // Whether named `op` runs direct, and its tag base, taking its name's
+  // next occurrence. The caller makes sure that no earlier occurrence of
+  // the name waits to be decided (queued, held or awaiting its Run), so
+  // that every node numbers a name's direct occurrences alike. With mu_
+  // held.
+  bool TakeNamedDirectLocked(const ClusterOp& op, uint64_t* tag_base);
+  // Gives the names of run `names` (announced in this order on every node)
+  // their slots while there is room (named_slots_). With mu_ held.
+  void AssignNamedSlotsLocked(const std::vector<std::string>& names);
+  // A kSubmit of `name` left events_ (queued_named_). With mu_ held.
+  void UnqueueNamedLocked(const std::string& name);
   // Reduces the local ranks' inputs and starts the exchange; false (op
   // untouched) when the transport is not there yet, so that the op waits
   // for the job to form. A staged op only on the ClusterJob's thread (its
   // device copies block).
-  bool StartDirect(ClusterOp& op, uint64_t number);
+  bool StartDirect(ClusterOp& op, uint64_t tag_base);
   // The exchange of operation `key` ended: its ranks get the result (or
   // the error), unless it was ended already (its deadline, the job's end).
   // On a transport thread; a staged op goes on through the ClusterJob's.
@@ -547,6 +565,18 @@ class ClusterJob {
   // steady_clock): an op due earlier wakes it.
   std::atomic<int64_t> direct_wake_ns_{0};
   std::atomic<uint64_t> staged_bytes_{0};
+  // guarded by mu_: the names that may run direct, each with its slot
+  // (given in the order the coordinator announced the names) and the
+  // number of its next direct occurrence. A name's occurrences are decided
+  // in submission order (queued_named_, held_, awaiting_), so every node
+  // gives the same occurrence the same number and tag.
+  struct NamedSlot {
+    uint32_t slot = 0;
+    uint64_t next = 0;
+  };
+  std::map<std::string, NamedSlot> named_slots_;
+  // guarded by mu_: named kSubmit events in events_ not yet decided, by name.
+  std::map<std::string, int> queued_named_;
   std::map<std::string, ClusterOp> awaiting_;  // guarded by mu_: readied, awaiting Run/Fail
   // guarded by mu_: later occurrences of a name in awaiting_, in submission
   // order. The coordinator knows one occurrence of a name at a time, so the

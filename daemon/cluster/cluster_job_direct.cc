@@ -41,9 +41,9 @@ size_t PayloadBytes(const OpSignature& sig) {
 
 }  // namespace
 
-bool ClusterJob::IsDirect(const ClusterOp& op, uint64_t* number) const {
+bool ClusterJob::DirectSignature(const ClusterOp& op) const {
   const uint64_t max = direct_max_bytes_.load(std::memory_order_relaxed);
-  if (max == 0 || op.name.size() < 2 || op.name[0] != '#') return false;
+  if (max == 0) return false;
   const auto collective = static_cast<wire::Collective>(op.sig.collective);
   if (collective != wire::Collective::kAllreduce && collective != wire::Collective::kBarrier) {
     return false;
@@ -51,17 +51,44 @@ bool ClusterJob::IsDirect(const ClusterOp& op, uint64_t* number) const {
   // An operation that asks for a codec goes through the coordinator, which
   // applies it; the count bounds the bytes before they are multiplied.
   if (op.sig.codec != 0 || op.sig.count > max) return false;
-  if (PayloadBytes(op.sig) > max) return false;
-  return absl::SimpleAtoi(absl::string_view(op.name).substr(1), number);
+  return PayloadBytes(op.sig) <= max;
 }
 
-bool ClusterJob::StartDirect(ClusterOp& op, uint64_t number) {
+bool ClusterJob::IsUnnamedDirect(const ClusterOp& op, uint64_t* tag_base) const {
+  uint64_t number = 0;
+  if (op.name.size() < 2 || op.name[0] != '#' || !DirectSignature(op) ||
+      !absl::SimpleAtoi(absl::string_view(op.name).substr(1), &number)) {
+    return false;
+  }
+  *tag_base = DirectTagBase(number);
+  return true;
+}
+
+bool ClusterJob::TakeNamedDirectLocked(const ClusterOp& op, uint64_t* tag_base) {
+  if (op.name.empty() || op.name[0] == '#') return false;
+  auto it = named_slots_.find(op.name);
+  if (it == named_slots_.end() || !DirectSignature(op)) return false;
+  *tag_base = NamedDirectTagBase(it->second.slot, it->second.next++);
+  return true;
+}
+
+void ClusterJob::AssignNamedSlotsLocked(const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    if (named_slots_.size() >= kMaxNamedSlots) return;
+    if (name.empty() || name[0] == '#' || named_slots_.count(name)) continue;
+    const auto slot = static_cast<uint32_t>(named_slots_.size());
+    named_slots_.emplace(name, NamedSlot{slot, 0});
+  }
+}
+
+bool ClusterJob::StartDirect(ClusterOp& op, uint64_t tag_base) {
   const Clock::time_point now = Clock::now();
   const uint32_t timeout_ms = op.timeout_ms;
   DirectExchange::Params params;
   params.channel = 0;
-  params.tag_base = DirectTagBase(number);
+  params.tag_base = tag_base;
   params.name = op.name;
+  params.named = op.name.empty() || op.name[0] != '#';
   params.sig = op.sig;
   params.op = BetweenNodes(op.sig);
   const uint64_t key = op.key;
@@ -239,8 +266,10 @@ void ClusterJob::ExpireDirect() {
     absl::Status late = absl::DeadlineExceededError(absl::StrCat(
         "operation '", d.op.name, "' of job '", options_.job_id, "' timed out after ",
         d.timeout_ms, " ms: nothing came from ", from,
-        " for it (its ranks have not submitted it, or submitted other operations first: unnamed "
-        "operations are matched by submission order)"));
+        " for it (its ranks have not submitted it, or submitted other operations first: ",
+        d.op.name.empty() || d.op.name[0] != '#'
+            ? "a named operation is matched by its name and occurrence)"
+            : "unnamed operations are matched by submission order)"));
     spdlog::warn("job '{}': {}", options_.job_id, std::string(late.message()));
     if (d.op.staged) d.op.staged->Drain().IgnoreError();
     Done(d.op, late);
@@ -248,8 +277,8 @@ void ClusterJob::ExpireDirect() {
   if (!expired.empty() && stale >= kMaxStaleExchanges) {
     PushRunFailed(absl::DeadlineExceededError(absl::StrCat(
         stale, " direct operations of job '", options_.job_id,
-        "' have timed out with other nodes never sending their part: the nodes' unnamed "
-        "operations are out of step, and the job ends (each such exchange holds memory until "
+        "' have timed out with other nodes never sending their part: the nodes' operations are "
+        "out of step, and the job ends (each such exchange holds memory until "
         "it does)")));
   }
 }

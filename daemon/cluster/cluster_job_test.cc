@@ -502,6 +502,177 @@ TEST(ClusterJobDirectTest, AnOperationMissingOnANodeTimesOutNamingIt) {
   EXPECT_EQ(out_b, std::vector<float>(3, 3.0f));
 }
 
+// Named operations: the first occurrence of a name goes through the
+// coordinator; once it is announced, every later occurrence of that name
+// that may run direct does, numbered alike on every node. Four rounds of
+// named allreduces (sum, avg, max; 0, 1, 7, 1001 elements, and one over
+// 64K that always goes through the coordinator) and a named barrier, all
+// rounds submitted at once and in opposite orders on alternate nodes: the
+// later rounds' occurrences wait behind the first one's Run, then run
+// direct side by side. Every result is the plain loop's, per round (each
+// round's values differ, so occurrences paired wrongly would show).
+TEST(ClusterJobDirectTest, NamedOperationsGoDirectOnceTheCoordinatorAnnouncedThem) {
+  for (const auto& [n, per_node] : {std::pair{2, 1}, {2, 2}, {3, 1}}) {
+    SCOPED_TRACE(testing::Message() << n << " nodes x " << per_node << " ranks");
+    Nodes nodes(n, per_node);
+    const int world = n * per_node;
+    struct Case {
+      size_t count;
+      wire::ReduceOp op;
+      std::string name;
+    };
+    const std::vector<Case> cases = {{0, wire::ReduceOp::kSum, "empty"},
+                                     {1, wire::ReduceOp::kSum, "norm"},
+                                     {7, wire::ReduceOp::kAvg, "loss"},
+                                     {1001, wire::ReduceOp::kMax, "layer.3"},
+                                     {16385, wire::ReduceOp::kSum, "big"}};
+    const int rounds = 4;
+    auto value = [](int rank, int round, size_t c, size_t i) {
+      return static_cast<float>(static_cast<int>((rank * 7 + round * 11 + c * 5 + i * 3) % 13) - 6);
+    };
+    // [round][rank][case]
+    std::vector<std::vector<std::vector<std::vector<float>>>> send(rounds), recv(rounds);
+    for (int round = 0; round < rounds; ++round) {
+      send[round].resize(world);
+      recv[round].resize(world);
+      for (int r = 0; r < world; ++r) {
+        for (size_t c = 0; c < cases.size(); ++c) {
+          send[round][r].emplace_back(cases[c].count);
+          for (size_t i = 0; i < cases[c].count; ++i) send[round][r][c][i] = value(r, round, c, i);
+          recv[round][r].emplace_back(cases[c].count, -100.0f);
+        }
+      }
+    }
+    uint64_t key = 0;
+    for (int round = 0; round < rounds; ++round) {
+      for (int k = 0; k < n; ++k) {
+        for (size_t j = 0; j < cases.size(); ++j) {
+          const size_t c = k % 2 == 0 ? j : cases.size() - 1 - j;
+          ClusterOp op = Allreduce(key + c, cases[c].name, wire::DataType::kFloat32, cases[c].op,
+                                   cases[c].count, k * per_node,
+                                   send[round][k * per_node][c].data(),
+                                   recv[round][k * per_node][c].data());
+          for (int i = 1; i < per_node; ++i) {
+            const int r = k * per_node + i;
+            op.parts.push_back(
+                ClusterOp::Part{r, reinterpret_cast<const uint8_t*>(send[round][r][c].data()),
+                                reinterpret_cast<uint8_t*>(recv[round][r][c].data())});
+          }
+          nodes.job(k).Submit(std::move(op));
+        }
+        ClusterOp barrier = Allreduce(key + cases.size(), "step", wire::DataType::kFloat32,
+                                      wire::ReduceOp::kSum, 0, k * per_node, nullptr, nullptr);
+        barrier.sig.collective = static_cast<uint32_t>(wire::Collective::kBarrier);
+        barrier.sig.reduce_op = 0;
+        nodes.job(k).Submit(std::move(barrier));
+      }
+      key += cases.size() + 1;
+    }
+    nodes.ExpectEndsOk(rounds * (cases.size() + 1));
+    for (int round = 0; round < rounds; ++round) {
+      for (int r = 0; r < world; ++r) {
+        for (size_t c = 0; c < cases.size(); ++c) {
+          for (size_t i = 0; i < cases[c].count; ++i) {
+            float want = value(0, round, c, i);
+            for (int q = 1; q < world; ++q) {
+              want = cases[c].op == wire::ReduceOp::kMax ? std::max(want, value(q, round, c, i))
+                                                         : want + value(q, round, c, i);
+            }
+            if (cases[c].op == wire::ReduceOp::kAvg) want /= static_cast<float>(world);
+            ASSERT_EQ(recv[round][r][c][i], want)
+                << "round " << round << ", rank " << r << ", " << cases[c].name << " element " << i;
+          }
+        }
+      }
+    }
+    // Direct: every round after the first, every case but "big", and the
+    // barrier.
+    const uint64_t direct = (rounds - 1) * cases.size();
+    for (int k = 0; k < n; ++k) EXPECT_EQ(nodes.job(k).direct_ops(), direct) << "node " << k;
+  }
+}
+
+// A named occurrence whose ranks disagree across nodes fails on every node
+// with INVALID_ARGUMENT naming both signatures and how named operations
+// are matched; the name's next occurrence is right. One that another node
+// never submits ends at its deadline naming that node; other names go on.
+TEST(ClusterJobDirectTest, ANamedMismatchOrMissingOccurrenceFailsClearly) {
+  Nodes nodes(2);
+  std::vector<float> send[2] = {std::vector<float>(6, 1.0f), std::vector<float>(6, 2.0f)};
+  std::vector<float> recv[2] = {std::vector<float>(6, 0.0f), std::vector<float>(6, 0.0f)};
+  auto both = [&](uint64_t key, const std::string& name, size_t count0, size_t count1) {
+    for (int k = 0; k < 2; ++k) {
+      nodes.job(k).Submit(Allreduce(key, name, wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                    k == 0 ? count0 : count1, k, send[k].data(), recv[k].data()));
+    }
+  };
+  both(0, "x", 6, 6);  // through the coordinator
+  nodes.ExpectEndsOk(1);
+  both(1, "x", 4, 6);  // direct, mismatched
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(2));
+    std::lock_guard<std::mutex> lock(nodes.ends(k).mu);
+    const absl::Status s = nodes.ends(k).ends[1].second;
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "node " << k << ": " << s;
+    EXPECT_NE(s.message().find("operation 'x' mismatched across nodes"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("count=4"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("count=6"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("matched by its name and occurrence"), std::string::npos) << s;
+  }
+  both(2, "x", 6, 6);
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(3));
+    EXPECT_TRUE(nodes.ends(k).ends[2].second.ok()) << nodes.ends(k).ends[2].second;
+    EXPECT_EQ(recv[k], std::vector<float>(6, 3.0f));
+    EXPECT_EQ(nodes.job(k).direct_ops(), 2u);
+  }
+  ClusterOp lonely = Allreduce(3, "x", wire::DataType::kFloat32, wire::ReduceOp::kSum, 6, 0,
+                               send[0].data(), recv[0].data());
+  lonely.timeout_ms = 300;
+  const auto start = Clock::now();
+  nodes.job(0).Submit(std::move(lonely));
+  ASSERT_TRUE(nodes.ends(0).WaitFor(4));
+  EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(5000));
+  const absl::Status late = nodes.ends(0).ends[3].second;
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  EXPECT_NE(late.message().find("nothing came from node n1"), std::string::npos) << late;
+  EXPECT_NE(late.message().find("matched by its name and occurrence"), std::string::npos) << late;
+  both(4, "y", 6, 6);
+  ASSERT_TRUE(nodes.ends(0).WaitFor(5));
+  ASSERT_TRUE(nodes.ends(1).WaitFor(4));
+  EXPECT_TRUE(nodes.ends(0).ends[4].second.ok()) << nodes.ends(0).ends[4].second;
+  EXPECT_TRUE(nodes.ends(1).ends[3].second.ok()) << nodes.ends(1).ends[3].second;
+}
+
+// The first kMaxNamedSlots names the coordinator announces get a slot;
+// later names always go through the coordinator, alike on every node.
+TEST(ClusterJobDirectTest, OnlyTheFirstNamesAnnouncedRunDirect) {
+  Nodes nodes(2);
+  const size_t names = ClusterJob::kMaxNamedSlots + 3;
+  uint64_t key = 0;
+  // In batches of at most 1000 (the coordinator takes no more operations
+  // at once than the ranks' completion rings hold).
+  for (int round = 0; round < 2; ++round) {
+    for (size_t first = 0; first < names; first += 1000) {
+      const size_t last = std::min(names, first + 1000);
+      for (int k = 0; k < 2; ++k) {
+        for (size_t i = first; i < last; ++i) {
+          ClusterOp barrier = Allreduce(key + i, "b" + std::to_string(i), wire::DataType::kFloat32,
+                                        wire::ReduceOp::kSum, 0, k, nullptr, nullptr);
+          barrier.sig.collective = static_cast<uint32_t>(wire::Collective::kBarrier);
+          barrier.sig.reduce_op = 0;
+          nodes.job(k).Submit(std::move(barrier));
+        }
+      }
+      nodes.ExpectEndsOk(key + last);
+    }
+    key += names;
+  }
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(nodes.job(k).direct_ops(), ClusterJob::kMaxNamedSlots) << "node " << k;
+  }
+}
+
 // One deadline per operation (issue 32): the one the engine set when the
 // node's ranks submitted it, not a timeout restarted by the ClusterJob. An
 // operation whose ranks asked for a minute but that has already waited

@@ -14,8 +14,8 @@ constexpr uint32_t kMagic = 0x58444943;  // "CIDX"
 constexpr uint32_t kFlagFailed = 1;
 constexpr uint32_t kFlagOther = 2;
 // Tag bit of a step's second message (the value, when not inline); step
-// tags are small.
-constexpr uint64_t kBulkTag = uint64_t{1} << 23;
+// tags are below it (at most 2 + log2 of the nodes).
+constexpr uint64_t kBulkTag = uint64_t{1} << (DirectExchange::kTagBits - 1);
 
 struct WireSignature {
   uint32_t collective;
@@ -286,8 +286,10 @@ absl::Status DirectExchange::Outcome() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "operation '", params_.name, "' mismatched across nodes: node ", self_, " submitted ",
         params_.sig.ToString(), ", ", who, " submitted ", theirs,
-        " (unnamed operations are matched by submission order: every rank must submit the same "
-        "ones in the same order)"));
+        params_.named ? " (a named operation is matched by its name and occurrence: every rank "
+                        "must submit the same operation under a name each time)"
+                      : " (unnamed operations are matched by submission order: every rank must "
+                        "submit the same ones in the same order)"));
   }
   if (!transfer_error_.ok()) return transfer_error_;
   if (peer_failed_) {

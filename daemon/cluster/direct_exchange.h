@@ -56,8 +56,11 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   struct Params {
     Transport* transport = nullptr;  // must outlive every callback
     int channel = 0;
-    uint64_t tag_base = 0;  // low 24 bits zero; distinct per operation in flight
+    uint64_t tag_base = 0;  // low kTagBits bits zero; distinct per operation in flight
     std::string name;       // for error messages
+    // Matched by name and occurrence (else by submission order, "#N"): for
+    // error messages.
+    bool named = false;
     OpSignature sig;        // compared across nodes (sig.device is not)
     // The reduction between nodes (avg: kSum, the caller divides).
     wire::ReduceOp op = wire::ReduceOp::kSum;
@@ -80,6 +83,10 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // for a deadline's error message.
   int Waiting() const;
 
+  // The low bits of the transport tag that are the exchange's: its steps
+  // (at most 2 + log2 of the nodes, 17 for Transport's 2^15) and the bit
+  // of a value sent apart.
+  static constexpr int kTagBits = 8;
   static constexpr size_t kHeaderBytes = 256;
   static constexpr size_t kInlineBytes = 1024;
   static constexpr size_t kMessageBytes = kHeaderBytes + kInlineBytes;

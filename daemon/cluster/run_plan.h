@@ -25,11 +25,14 @@ namespace ciuic::daemon {
 // low 24 the algorithm's. A whole run: bits 47 and 46 clear, its seq's low
 // 22 bits. Segment k of a run announced with segment_bytes: bit 47 set, the
 // seq's low 11 bits (runs in flight at once are consecutive), k's 12: at
-// most kMaxSegments (run_settings.h). A direct operation "#N": bit 47
-// clear, bit 46 set, N's low 22 bits (direct ops in flight at once are
-// bounded by the ranks' completion rings, far fewer than 2^22;
-// cluster_job_direct.cc).
+// most kMaxSegments (run_settings.h). A direct operation: bit 47 clear, bit
+// 46 set, and the low 8 bits its exchange's (DirectExchange::kTagBits);
+// an unnamed one "#N": bit 45 clear, N's low 37 bits; a named one: bit 45
+// set, its name's slot (12 bits: at most ClusterJob::kMaxNamedSlots) and
+// its occurrence's low 25 bits. Direct ops in flight at once are bounded by
+// the ranks' completion rings, far fewer than 2^25 (cluster_job_direct.cc).
 static_assert(kMaxSegments == uint64_t{1} << 12);
+static_assert(ClusterJob::kMaxNamedSlots <= uint64_t{1} << 12);
 
 inline uint64_t RunTagBase(uint64_t seq) { return (seq & 0x3fffff) << 24; }
 
@@ -38,7 +41,12 @@ inline uint64_t SegmentTagBase(uint64_t seq, size_t segment) {
 }
 
 inline uint64_t DirectTagBase(uint64_t number) {
-  return (uint64_t{1} << 46) | ((number & 0x3fffff) << 24);
+  return (uint64_t{1} << 46) | ((number & ((uint64_t{1} << 37) - 1)) << 8);
+}
+
+inline uint64_t NamedDirectTagBase(uint32_t slot, uint64_t occurrence) {
+  return (uint64_t{3} << 45) | (uint64_t{slot & 0xfffu} << 33) |
+         ((occurrence & ((uint64_t{1} << 25) - 1)) << 8);
 }
 
 // Elements per segment of an allreduce of `count` elements of `element_bytes`

@@ -77,6 +77,7 @@ struct Flags {
   bool cuda = false;          // --device cuda
   bool bind_to_core = false;  // --bind-to core: rank r on CPU r mod online CPUs
   int burst = 1;              // operations submitted together per iteration
+  bool named = false;         // --named: each operation named by its size and place
 };
 
 [[noreturn]] void Usage(const std::string& error) {
@@ -89,7 +90,7 @@ struct Flags {
           "                   [--reduce-op sum|avg|min|max|prod] [--iters N] [--warmup N]\n"
           "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n"
           "                   [--daemon-config FILE] [--compression none|fp16|bf16|int8|topk:R]\n"
-          "                   [--device cpu|cuda] [--bind-to none|core] [--burst K]\n"
+          "                   [--device cpu|cuda] [--bind-to none|core] [--burst K] [--named]\n"
           "Without --socket it starts one ciuicd per node (--ciuicd, $CIUICD, or the build\n"
           "tree's), with --daemon-config as their config file.\n");
   exit(error.empty() ? 0 : 64);
@@ -149,6 +150,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (a == "--ciuicd") f.ciuicd = value();
     else if (a == "--daemon-config") f.daemon_config = value();
     else if (a == "--burst") f.burst = integer(1, 4096);
+    else if (a == "--named") f.named = true;
     else if (a == "--bind-to") {
       const std::string v = value();
       if (v != "none" && v != "core") Usage("--bind-to takes none or core");
@@ -370,6 +372,9 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const RankBuffers& 
                      uint64_t count, uint64_t offset = 0) {
   ciuic::OpOptions o;
   o.compression = f.compression;
+  // The same name for the same size and place in every iteration, as a
+  // training step names its tensors.
+  if (f.named) o.name = "bench." + std::to_string(count) + "." + std::to_string(offset);
   if (b.on_device()) {
     o.stream = b.stream;
     const ciuic::DeviceBuffer send{static_cast<uint8_t*>(b.send_dev) + offset, b.device};
@@ -384,7 +389,7 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const RankBuffers& 
       return c.Alltoallv(send, sc, recv, rc, f.dtype, o);
     }
     if (f.op == "broadcast") return c.Broadcast(send, recv, count, f.dtype, 0, o);
-    return c.Barrier();
+    return c.Barrier(o);
   }
   void* send = static_cast<uint8_t*>(b.send_shm.data()) + offset;
   void* recv = static_cast<uint8_t*>(b.recv_shm.data()) + offset;
@@ -392,18 +397,21 @@ ciuic::Handle Launch(ciuic::Communicator& c, const Flags& f, const RankBuffers& 
     return c.Allreduce(send, recv, count, f.dtype, f.reduce_op, o);
   } else if (f.op == "reduce_scatter") {
     return c.ReduceScatter(send, recv, count, f.dtype, f.reduce_op, o);
-  } else if (f.op == "allgather") {
-    return c.Allgather(send, recv, count, f.dtype);
+  }
+  ciuic::OpOptions named;  // what moves data without reducing it takes no codec
+  named.name = o.name;
+  if (f.op == "allgather") {
+    return c.Allgather(send, recv, count, f.dtype, named);
   } else if (f.op == "alltoall") {
-    return c.Alltoall(send, recv, count, f.dtype);
+    return c.Alltoall(send, recv, count, f.dtype, named);
   } else if (f.op == "alltoallv") {
     std::vector<size_t> sc, rc;
     UnevenCounts(c.world_size(), count, c.rank(), &sc, &rc);
-    return c.Alltoallv(send, sc, recv, rc, f.dtype);
+    return c.Alltoallv(send, sc, recv, rc, f.dtype, named);
   } else if (f.op == "broadcast") {
-    return c.Broadcast(send, recv, count, f.dtype, 0);
+    return c.Broadcast(send, recv, count, f.dtype, 0, named);
   }
-  return c.Barrier();
+  return c.Barrier(named);
 }
 
 // Host <-> device copies for --check (synchronous); false and a message on error.
