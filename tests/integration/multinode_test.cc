@@ -243,7 +243,9 @@ TEST(MultiNodeSemanticsTest, AMismatchAmongOneNodesRanksFailsEveryNodeAtOnce) {
 
 // One name submitted again and again before its earlier occurrences have
 // run (node 1 comes late, so node 0 holds all of them): every occurrence
-// runs, in submission order, with its own buffers.
+// runs, in submission order, with its own buffers. The first goes through
+// the coordinator; the later ones, small enough, run direct on both nodes
+// (their traces say so).
 TEST(MultiNodeSemanticsTest, ANameResubmittedBeforeItRanRunsEveryOccurrenceInOrder) {
   auto cluster = Cluster::Start(2);
   ASSERT_NE(cluster, nullptr);
@@ -273,6 +275,18 @@ TEST(MultiNodeSemanticsTest, ANameResubmittedBeforeItRanRunsEveryOccurrenceInOrd
     return 0;
   }, std::chrono::seconds(90));
   EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  for (int node = 0; node < 2; ++node) {
+    proto::TraceReply trace;
+    ASSERT_EQ(ReadTrace(cluster->nodes[node]->socket(), job, &trace), "") << node;
+    int direct = 0, ordered = 0;
+    for (const proto::OpTrace& op : trace.ops()) {
+      if (op.name() != "again") continue;
+      EXPECT_EQ(op.code(), 0) << op.DebugString();
+      (op.algorithm() == "direct" ? direct : ordered) += 1;
+    }
+    EXPECT_EQ(ordered, 1) << "node " << node << ": " << trace.DebugString();
+    EXPECT_EQ(direct, 5) << "node " << node << ": " << trace.DebugString();
+  }
   EXPECT_TRUE(cluster->StopAll());
 }
 
