@@ -776,7 +776,7 @@ void ClusterJob::Run() {
           if (!StartDirect(e.op, tag_base)) Done(e.op, absl::CancelledError("job closed"));
           break;
         }
-              proto::NodeEvent ready = ReadyFor(e.op);
+        proto::NodeEvent ready = ReadyFor(e.op);
         AddChannelRates(ready);
         const std::string name = e.op.name;
         // Stamped before the Ready goes: once it has, the Run may come (and
