@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "ciuic/collective_rules.h"
 #include "ciuic/peer.pb.h"
 #include "cluster/coordinator.h"
 #include "cluster/membership.h"
@@ -186,7 +187,7 @@ void ClusterJob::Submit(ClusterOp op) {
   bool direct = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const bool named = !op.name.empty() && op.name[0] != '#';
+    const bool named = !op.name.empty() && !wire::IsUnnamed(op.name);
     if (named && !op.staged && !queued_named_.count(op.name) && !held_.count(op.name) &&
         !awaiting_.count(op.name)) {
       direct = TakeNamedDirectLocked(op, &tag_base);

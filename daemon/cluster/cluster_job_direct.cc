@@ -12,7 +12,7 @@
 #include <cstring>
 #include <optional>
 
-#include "absl/strings/numbers.h"
+#include "ciuic/collective_rules.h"
 #include "absl/strings/str_cat.h"
 #include "cluster/cluster_job.h"
 #include "cluster/run_plan.h"
@@ -56,16 +56,13 @@ bool ClusterJob::DirectSignature(const ClusterOp& op) const {
 
 bool ClusterJob::IsUnnamedDirect(const ClusterOp& op, uint64_t* tag_base) const {
   uint64_t number = 0;
-  if (op.name.size() < 2 || op.name[0] != '#' || !DirectSignature(op) ||
-      !absl::SimpleAtoi(absl::string_view(op.name).substr(1), &number)) {
-    return false;
-  }
+  if (!wire::UnnamedNumber(op.name, &number) || !DirectSignature(op)) return false;
   *tag_base = DirectTagBase(number);
   return true;
 }
 
 bool ClusterJob::TakeNamedDirectLocked(const ClusterOp& op, uint64_t* tag_base) {
-  if (op.name.empty() || op.name[0] == '#') return false;
+  if (op.name.empty() || wire::IsUnnamed(op.name)) return false;
   auto it = named_slots_.find(op.name);
   if (it == named_slots_.end() || !DirectSignature(op)) return false;
   *tag_base = NamedDirectTagBase(it->second.slot, it->second.next++);
@@ -75,7 +72,7 @@ bool ClusterJob::TakeNamedDirectLocked(const ClusterOp& op, uint64_t* tag_base) 
 void ClusterJob::AssignNamedSlotsLocked(const std::vector<std::string>& names) {
   for (const std::string& name : names) {
     if (named_slots_.size() >= kMaxNamedSlots) return;
-    if (name.empty() || name[0] == '#' || named_slots_.count(name)) continue;
+    if (name.empty() || wire::IsUnnamed(name) || named_slots_.count(name)) continue;
     const auto slot = static_cast<uint32_t>(named_slots_.size());
     named_slots_.emplace(name, NamedSlot{slot, 0});
   }
@@ -88,7 +85,7 @@ bool ClusterJob::StartDirect(ClusterOp& op, uint64_t tag_base) {
   params.channel = 0;
   params.tag_base = tag_base;
   params.name = op.name;
-  params.named = op.name.empty() || op.name[0] != '#';
+  params.named = !wire::IsUnnamed(op.name);
   params.sig = op.sig;
   params.op = BetweenNodes(op.sig);
   const uint64_t key = op.key;
@@ -267,7 +264,7 @@ void ClusterJob::ExpireDirect() {
         "operation '", d.op.name, "' of job '", options_.job_id, "' timed out after ",
         d.timeout_ms, " ms: nothing came from ", from,
         " for it (its ranks have not submitted it, or submitted other operations first: ",
-        d.op.name.empty() || d.op.name[0] != '#'
+        !wire::IsUnnamed(d.op.name)
             ? "a named operation is matched by its name and occurrence)"
             : "unnamed operations are matched by submission order)"));
     spdlog::warn("job '{}': {}", options_.job_id, std::string(late.message()));

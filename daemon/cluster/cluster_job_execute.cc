@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "ciuic/collective_rules.h"
 #include "cluster/cluster_job.h"
 #include "cluster/run_plan.h"
 #include "collectives/internode/internode.h"
@@ -32,7 +33,7 @@ absl::StatusOr<const Codec*> ClusterJob::CodecNamed(const std::string& spec) {
 bool ClusterJob::KeepsFeedback(const ClusterOp& op, size_t count, const config::Tuning& tuning) {
   // Unnamed operations ("#N": the SDK's reserved prefix) never recur, so a
   // residual would only cost a fresh allocation and evict others'.
-  if (!tuning.error_feedback || (!op.name.empty() && op.name[0] == '#')) return false;
+  if (!tuning.error_feedback || wire::IsUnnamed(op.name)) return false;
   const bool float32 = op.sig.dtype == static_cast<uint32_t>(wire::DataType::kFloat32);
   const size_t cap = options_.feedback_bytes;
   if (!float32 || count <= cap / sizeof(float)) return true;

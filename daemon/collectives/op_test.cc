@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "ciuic/collective_rules.h"
 #include "cuda/gpu_info.h"
 #include "shm/session_memory.h"
 
@@ -352,6 +353,29 @@ TEST_F(ValidateTest, NonRootBroadcastNeedsNoSendBuffer) {
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_EQ(v->send, nullptr);
   EXPECT_FALSE(Check(e, 2, 0).ok());
+}
+
+// The SDK's numbering of unnamed operations and the daemon's reading of it
+// (collective_rules.h): what is unnamed, and which names carry a number.
+TEST(UnnamedNamesTest, NumberedAsTheSdkNamesThemAndNothingElse) {
+  uint64_t n = 7;
+  for (uint64_t v : {uint64_t{0}, uint64_t{1}, uint64_t{4097}, uint64_t{9999999999999999999u}}) {
+    const std::string name = wire::UnnamedName(v);
+    EXPECT_TRUE(wire::IsUnnamed(name)) << name;
+    ASSERT_TRUE(wire::UnnamedNumber(name, &n)) << name;
+    EXPECT_EQ(n, v);
+  }
+  for (const char* bad : {"", "#", "#x", "#12a", "#-1", "# 1", "12", "grad#1",
+                          "#00000000000000000000"}) {
+    n = 7;
+    EXPECT_FALSE(wire::UnnamedNumber(bad, &n)) << bad;
+    EXPECT_EQ(n, 7u) << bad;
+  }
+  EXPECT_TRUE(wire::IsUnnamed("#"));
+  EXPECT_TRUE(wire::IsUnnamed("#x"));
+  EXPECT_FALSE(wire::IsUnnamed(""));
+  EXPECT_FALSE(wire::IsUnnamed("grad"));
+  EXPECT_FALSE(wire::IsUnnamed("grad#1"));
 }
 
 }  // namespace

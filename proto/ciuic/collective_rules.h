@@ -8,10 +8,34 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 #include "ciuic/shm_layout.h"
 
 namespace ciuic::wire {
+
+// Unnamed operations: the SDK names them "#N", N counting a communicator's
+// unnamed submissions from 0, and refuses a caller's name that starts with
+// '#'. Ranks match them by submission order, named ones by name and
+// occurrence (the daemon and the fast path both decide with these).
+inline constexpr char kUnnamedPrefix = '#';
+constexpr bool IsUnnamed(std::string_view name) {
+  return !name.empty() && name[0] == kUnnamedPrefix;
+}
+// N of an unnamed operation's name "#N"; false when `name` is not the prefix
+// followed by 1 to 19 decimal digits (so N fits 64 bits).
+constexpr bool UnnamedNumber(std::string_view name, uint64_t* n) {
+  if (!IsUnnamed(name) || name.size() < 2 || name.size() > 20) return false;
+  uint64_t v = 0;
+  for (char c : name.substr(1)) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  *n = v;
+  return true;
+}
+inline std::string UnnamedName(uint64_t n) { return kUnnamedPrefix + std::to_string(n); }
 
 // An operation's timeout when neither the caller nor the daemon's
 // configuration names one (tuning key op_timeout_ms).

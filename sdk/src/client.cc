@@ -741,8 +741,8 @@ Status Communicator::Impl::MakeEntry(wire::Collective collective, DataType dtype
   std::string& name = *name_out;
   name = opts.name;
   if (name.empty()) {
-    name = "#" + std::to_string(unnamed_seq.fetch_add(1));
-  } else if (name[0] == '#') {
+    name = wire::UnnamedName(unnamed_seq.fetch_add(1));
+  } else if (wire::IsUnnamed(name)) {
     return Status(StatusCode::kInvalidArgument,
                   "operation name '" + name + "' may not start with '#' (reserved)");
   }

@@ -39,17 +39,9 @@ uint64_t MonotonicNs() {
 // cycle through 8 homes spread over the table: back-to-back operations reuse
 // slots still in cache, and many in flight spread over 8 chains.
 uint32_t HomeSlot(const std::string& name, uint32_t slot_count) {
-  if (name.size() > 1 && name[0] == '#') {
-    uint64_t n = 0;
-    bool digits = true;
-    for (size_t i = 1; i < name.size() && digits; ++i) {
-      digits = name[i] >= '0' && name[i] <= '9';
-      n = n * 10 + static_cast<uint64_t>(name[i] - '0');
-    }
-    if (digits) {
-      const uint32_t groups = std::min<uint32_t>(8, slot_count);
-      return static_cast<uint32_t>(n % groups) * (slot_count / groups);
-    }
+  if (uint64_t n = 0; wire::UnnamedNumber(name, &n)) {
+    const uint32_t groups = std::min<uint32_t>(8, slot_count);
+    return static_cast<uint32_t>(n % groups) * (slot_count / groups);
   }
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (unsigned char c : name) {
@@ -341,7 +333,7 @@ Status FastPath::Start(const std::string& name, const Signature& sig, const void
   // Unnamed operations ("#N", numbered by the SDK) never repeat a name:
   // their n is always 0 and they need no entry.
   NameState unnamed;
-  NameState& ns = !name.empty() && name[0] == '#' ? unnamed : names_[name];
+  NameState& ns = wire::IsUnnamed(name) ? unnamed : names_[name];
   // Only the fast path checks this; the daemon checks its own.
   if (auto last = ns.last.lock(); fits && last && !last->finished.load(std::memory_order_acquire) &&
                                   SlotAt(last->slot)->status.load(std::memory_order_acquire) ==
