@@ -338,6 +338,7 @@ absl::Status ClusterJob::Form() {
   for (int r : options_.local_ranks) req.add_ranks(r);
   for (const std::string& a : (*unconnected)->Addresses()) req.add_transport_addresses(a);
   req.set_channels(options_.channels);
+  req.set_protocol(kPeerProtocol);
 
   const uint32_t timeout_ms = std::max<uint32_t>(options_.tuning->Snapshot().op_timeout_ms, 10000);
   {

@@ -23,7 +23,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cluster/coordinator.h"
+#include "cluster/membership.h"
 #include "collectives/internode/in_process_transport.h"
 #include "compression/codec.h"
 #include "compression/error_feedback.h"
@@ -2347,6 +2349,7 @@ class ScriptedClient final : public CoordinatorClient {
     proto::Membership m;
     m.set_instance(1);
     m.set_channels(1);
+    m.set_protocol(kPeerProtocol);
     auto* self = m.add_nodes();
     self->set_node_name(request.node_name());
     self->add_ranks(0);
@@ -2771,6 +2774,7 @@ proto::Membership Table(const std::function<void(proto::Membership&)>& edit) {
   proto::Membership m;
   m.set_instance(1);
   m.set_channels(1);
+  m.set_protocol(kPeerProtocol);
   for (int n = 0; n < 2; ++n) {
     auto* node = m.add_nodes();
     node->set_node_name("n" + std::to_string(n));
@@ -2786,11 +2790,14 @@ proto::Membership Table(const std::function<void(proto::Membership&)>& edit) {
 // used: a missing rank, a rank on two nodes, another channel count, too few
 // transport addresses, this node absent or with other ranks, too many
 // nodes, each fails the job with DATA_LOSS naming the problem and the
-// coordinator (it never opens an ordering stream).
+// coordinator (it never opens an ordering stream). A coordinator of another
+// peer protocol (another ciuicd version) fails it with FAILED_PRECONDITION
+// naming both protocols.
 TEST(ClusterJobTest, ABadMembershipTableFailsTheJobNamingIt) {
   struct Case {
     std::string why;
     std::function<void(proto::Membership&)> edit;
+    absl::StatusCode code = absl::StatusCode::kDataLoss;
   };
   const std::vector<Case> cases = {
       {"rank 3 is on no node",
@@ -2810,6 +2817,13 @@ TEST(ClusterJobTest, ABadMembershipTableFailsTheJobNamingIt) {
          for (int i = 0; i < 3; ++i) *m.add_nodes() = m.nodes(1);
        }},
       {"0 nodes for 4 ranks", [](proto::Membership& m) { m.clear_nodes(); }},
+      {absl::StrCat("coordinator 10.0.0.9:7361 runs peer protocol ", kPeerProtocol + 1,
+                    " and node n0 runs peer protocol ", kPeerProtocol,
+                    ": the daemons of one job must speak the same protocol"),
+       [](proto::Membership& m) { m.set_protocol(kPeerProtocol + 1); },
+       absl::StatusCode::kFailedPrecondition},
+      {"coordinator 10.0.0.9:7361 runs a ciuicd that predates peer protocol numbers",
+       [](proto::Membership& m) { m.clear_protocol(); }, absl::StatusCode::kFailedPrecondition},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.why);
@@ -2854,11 +2868,13 @@ TEST(ClusterJobTest, ABadMembershipTableFailsTheJobNamingIt) {
     job->Submit(std::move(op));
     ASSERT_TRUE(ends.WaitFor(1));
     const absl::Status s = ends.ends[0].second;
-    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_EQ(s.code(), c.code) << s;
     EXPECT_NE(s.message().find(c.why), std::string::npos) << s;
-    EXPECT_NE(s.message().find("coordinator 10.0.0.9:7361 sent a bad membership table"),
-              std::string::npos)
-        << s;
+    if (c.code == absl::StatusCode::kDataLoss) {
+      EXPECT_NE(s.message().find("coordinator 10.0.0.9:7361 sent a bad membership table"),
+                std::string::npos)
+          << s;
+    }
     EXPECT_EQ(job->state(), ClusterJob::State::kFailed);
     EXPECT_EQ(streams.load(), 0);
     job.reset();

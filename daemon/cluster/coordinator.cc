@@ -210,6 +210,19 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
   }
   std::unique_lock<std::mutex> lock(mu_);
   const std::string key = absl::StrCat(r.uid(), "/", r.job_id());
+  if (absl::Status s = CheckPeerProtocol(r.protocol(), absl::StrCat("node ", r.node_name()),
+                                         absl::StrCat("the coordinator of job '", r.job_id(), "'"));
+      !s.ok()) {
+    spdlog::warn("refused a registration for job '{}': {}", r.job_id(), std::string(s.message()));
+    // The job cannot form: the nodes already waiting hear why now rather
+    // than when their registration times out.
+    auto it = jobs_.find(key);
+    if (it != jobs_.end() && !it->second->complete && it->second->failure.ok()) {
+      it->second->failure = s;
+      changed_.notify_all();
+    }
+    return s;
+  }
   auto& slot = jobs_[key];
   if (!slot) {
     slot = std::make_unique<Job>();
@@ -267,6 +280,7 @@ absl::StatusOr<proto::Membership> Coordinator::Register(const proto::RegisterNod
     job->membership.set_coordinator(id_);
     job->membership.set_ordering_port(static_cast<uint32_t>(ordering_port_.load()));
     job->membership.set_channels(job->channels);
+    job->membership.set_protocol(kPeerProtocol);
     {
       // Direct operations are never compressed: while compression is on,
       // only those that compression would leave alone go direct.

@@ -69,6 +69,7 @@ proto::RegisterNodeRequest Reg(const std::string& node, std::vector<int> ranks, 
   for (int x : ranks) r.add_ranks(x);
   for (int c = 0; c < channels; ++c) r.add_transport_addresses("addr-" + node);
   r.set_channels(channels);
+  r.set_protocol(kPeerProtocol);
   return r;
 }
 
@@ -186,6 +187,51 @@ TEST(CoordinatorTest, RegistrationsOutOfBoundsAreRefused) {
   r.set_rack(std::string(65, 'r'));
   refused(r, "rack name of 65 bytes");
   EXPECT_EQ(c.num_jobs(), 0u);
+}
+
+// Daemons that speak different peer protocols (two ciuicd versions) never
+// form a job: the registration of the odd one out is refused naming both
+// protocols, and a node already waiting hears the same at once instead of
+// when its registration times out.
+TEST(CoordinatorTest, ANodeOfAnotherPeerProtocolIsRefusedAndTheJobFailsAtOnce) {
+  Coordinator c;
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  auto older = Reg("old", {0}, 1);
+  older.clear_protocol();  // a daemon that predates the field
+  auto refused = c.Register(older, deadline);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find(
+                "node old runs a ciuicd that predates peer protocol numbers and the "
+                "coordinator of job 'job' runs peer protocol "),
+            absl::string_view::npos)
+      << refused.status();
+  EXPECT_EQ(c.num_jobs(), 0u);
+
+  const auto start = Clock::now();
+  auto waiting = std::async(std::launch::async, [&] { return c.Register(Reg("a", {0}, 2), deadline); });
+  for (int i = 0; i < 5000 && c.num_jobs() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(c.num_jobs(), 1u);
+  auto newer = Reg("b", {1}, 2);
+  newer.set_protocol(kPeerProtocol + 1);
+  auto b = c.Register(newer, deadline);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
+  EXPECT_NE(b.status().message().find(absl::StrCat("node b runs peer protocol ",
+                                                   kPeerProtocol + 1)),
+            absl::string_view::npos)
+      << b.status();
+  auto a = waiting.get();
+  EXPECT_EQ(a.status(), b.status());
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(c.num_jobs(), 0u);
+
+  // The same job id forms once every node speaks one protocol.
+  auto again = std::async(std::launch::async, [&] { return c.Register(Reg("a", {0}, 2), deadline); });
+  auto b2 = c.Register(Reg("b", {1}, 2), deadline);
+  ASSERT_TRUE(b2.ok()) << b2.status();
+  EXPECT_EQ(b2->protocol(), kPeerProtocol);
+  ASSERT_TRUE(again.get().ok());
 }
 
 // Each rank is registered once across the nodes; a node whose registration

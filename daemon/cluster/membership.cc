@@ -7,6 +7,17 @@
 
 namespace ciuic::daemon {
 
+absl::Status CheckPeerProtocol(uint32_t theirs, const std::string& who, const std::string& us) {
+  if (theirs == kPeerProtocol) return absl::OkStatus();
+  const std::string what =
+      theirs == 0 ? std::string("a ciuicd that predates peer protocol numbers")
+                  : absl::StrCat("peer protocol ", theirs);
+  return absl::FailedPreconditionError(absl::StrCat(
+      who, " runs ", what, " and ", us, " runs peer protocol ", kPeerProtocol,
+      ": the daemons of one job must speak the same protocol (run one ciuicd version on all "
+      "of the job's nodes)"));
+}
+
 absl::Status CheckRegistration(const proto::RegisterNodeRequest& r, int max_world_size) {
   if (r.node_name().empty() || r.node_name().size() > kMaxNodeNameBytes) {
     return absl::InvalidArgumentError(absl::StrCat("registration with a node name of ",
@@ -69,6 +80,11 @@ absl::Status CheckMembership(const proto::Membership& m, const std::string& coor
     return absl::DataLossError(
         absl::StrCat("coordinator ", coordinator, " sent a bad membership table: ", what));
   };
+  if (absl::Status s = CheckPeerProtocol(m.protocol(), absl::StrCat("coordinator ", coordinator),
+                                         absl::StrCat("node ", node_name));
+      !s.ok()) {
+    return s;
+  }
   if (m.nodes_size() < 1 || m.nodes_size() > world_size) {
     return bad(absl::StrCat(m.nodes_size(), " nodes for ", world_size, " ranks"));
   }

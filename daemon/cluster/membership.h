@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,20 @@ inline constexpr size_t kMaxTransportAddressBytes = size_t{64} << 10;
 inline constexpr size_t kMaxNodeNameBytes = 255;  // as the config key `node_name` allows
 inline constexpr size_t kMaxJobIdBytes = 256;     // as JoinJob allows
 inline constexpr size_t kMaxRackBytes = 64;       // as the config key `rack` allows
+
+// What this daemon speaks to the other daemons of a job: proto/ciuic/peer.proto,
+// the ordering, the direct exchanges' tags and headers (run_plan.h,
+// direct_exchange.h). Raised whenever a change would make daemons of two
+// versions misread each other; daemons that speak different ones refuse to
+// form a job together (each says both numbers) instead of timing out on
+// messages the other never matches. 0 is a daemon that predates it.
+inline constexpr uint32_t kPeerProtocol = 2;
+
+// OK when a daemon that speaks kPeerProtocol (`us`, e.g. "the coordinator
+// of job 'j'") can run a job with one that speaks `theirs` (`who`, e.g.
+// "node n1"). FAILED_PRECONDITION else, naming both, both protocols and what
+// to do.
+absl::Status CheckPeerProtocol(uint32_t theirs, const std::string& who, const std::string& us);
 
 // OK when `r` is a registration the coordinator can take for a world of at
 // most `max_world_size` ranks: sizes bounded, every rank in 0..world_size-1

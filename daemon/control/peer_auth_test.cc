@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cluster/coordinator.h"
+#include "cluster/membership.h"
 #include "control/peer_client.h"
 #include "control/peer_service.h"
 #include "control/peer_socket.h"
@@ -323,6 +324,7 @@ class PeerServiceTest : public ::testing::Test {
     r.add_ranks(0);
     r.add_transport_addresses("addr");
     r.set_channels(1);
+    r.set_protocol(kPeerProtocol);
     return GrpcCoordinatorClients(security)(address_)->Register(
         r, std::chrono::system_clock::now() + std::chrono::seconds(10));
   }

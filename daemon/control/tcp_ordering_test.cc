@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster/membership.h"
 #include "control/peer_auth.h"
 #include "control/peer_client.h"
 #include "control/peer_service.h"
@@ -34,6 +35,7 @@ proto::RegisterNodeRequest Reg(const std::string& node, int rank) {
   r.add_ranks(rank);
   r.add_transport_addresses("addr-" + node);
   r.set_channels(1);
+  r.set_protocol(kPeerProtocol);
   return r;
 }
 

@@ -126,6 +126,7 @@ proto::RegisterNodeRequest Registration(const std::string& name, const std::vect
   for (int c = 0; c < channels; ++c)
     r.add_transport_addresses("ucx:" + name + ":" + std::to_string(c));
   r.set_channels(channels);
+  r.set_protocol(cluster::kPeerProtocol);
   return r;
 }
 
@@ -151,11 +152,15 @@ void RegisterParsed(cluster::Coordinator& c, ciuic::fuzz::Input& in, int max_wor
       continue;
     }
     r.set_uid(r.uid() % kUid);  // never the job below
+    if (in.Byte() & 1) r.set_protocol(cluster::kPeerProtocol);  // else as parsed
     const absl::Status check = cluster::CheckRegistration(r, max_world_size);
     auto m = c.Register(r, Clock::now() - std::chrono::seconds(1));
     const std::string key = std::to_string(r.uid()) + "/" + r.job_id();
     if (!check.ok()) {
       FUZZ_CHECK(m.status() == check, "Register does not refuse what CheckRegistration refuses");
+    } else if (r.protocol() != cluster::kPeerProtocol) {
+      FUZZ_CHECK(m.status().code() == Code::kFailedPrecondition,
+                 "a registration of another peer protocol is not FAILED_PRECONDITION");
     } else if (formed.count(key)) {
       FUZZ_CHECK(m.status().code() == Code::kFailedPrecondition,
                  "a formed job took another registration");

@@ -75,6 +75,7 @@ bool RegistrationValid(const proto::RegisterNodeRequest& r, int max_world_size) 
 // when the table is not one this node can run with.
 int MembershipSelf(const proto::Membership& m, int world_size, const std::string& node_name,
                    const std::vector<int>& local_ranks, int channels) {
+  if (m.protocol() != cluster::kPeerProtocol) return -1;
   if (m.nodes_size() < 1 || m.nodes_size() > world_size || m.channels() != channels) return -1;
   std::multiset<int> all;
   for (const proto::NodeEntry& n : m.nodes()) {
@@ -154,6 +155,9 @@ void FuzzMembership(ciuic::fuzz::Input& in, bool structured) {
     // A table that is right but for the faults chosen below.
     m.set_instance(in.U64());
     m.set_channels(channels);
+    // Mostly this daemon's protocol; now and then another version's.
+    const uint8_t protocol = in.Byte();
+    m.set_protocol(protocol < 240 ? cluster::kPeerProtocol : protocol % 4);
     const int ws = std::clamp(world_size, 0, 64);
     const int nodes = ws == 0 ? 0 : 1 + in.Byte() % ws;
     for (int n = 0; n < nodes; ++n) {
@@ -223,9 +227,10 @@ void FuzzMembership(ciuic::fuzz::Input& in, bool structured) {
                                                   local_ranks, channels, &self);
   if (local_ranks.empty()) {
     // Not the peer's fault: this node hosts no rank to look for.
-    FUZZ_CHECK(
-        s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kDataLoss,
-        "a node with no rank is not refused");
+    FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument ||
+                   s.code() == absl::StatusCode::kDataLoss ||
+                   s.code() == absl::StatusCode::kFailedPrecondition,
+               "a node with no rank is not refused");
     FUZZ_CHECK(!s.message().empty(), "a refusal says no why");
     return;
   }
@@ -234,7 +239,12 @@ void FuzzMembership(ciuic::fuzz::Input& in, bool structured) {
   if (s.ok()) {
     FUZZ_CHECK(self == want, "*self is not this node's index");
   } else {
-    FUZZ_CHECK(s.code() == absl::StatusCode::kDataLoss, "a bad table is not DATA_LOSS");
+    // Another version's coordinator first; then a table broken otherwise.
+    FUZZ_CHECK(s.code() == (m.protocol() != cluster::kPeerProtocol
+                                ? absl::StatusCode::kFailedPrecondition
+                                : absl::StatusCode::kDataLoss),
+               "a table of another peer protocol is not FAILED_PRECONDITION, or a bad table "
+               "not DATA_LOSS");
     FUZZ_CHECK(s.message().find(kCoordinator) != absl::string_view::npos,
                "a bad table's refusal does not name the coordinator");
     FUZZ_CHECK(self == -7, "a refused table set *self");
