@@ -238,10 +238,14 @@ void Engine::Post(std::function<void()> fn) {
       return;
     }
     posted_.push_back(std::move(fn));
-    posted_count_.fetch_add(1, std::memory_order_release);
+    posted_count_.fetch_add(1);  // seq_cst: pairs with loop_blocking_ (Loop)
   }
-  uint64_t one = 1;
-  (void)!write(wake_fd_, &one, sizeof(one));
+  // A spinning loop sees posted_count_ by itself: the eventfd (a write here,
+  // a wakeup and a read there) only for one that may block in epoll_wait.
+  if (loop_blocking_.load()) {
+    uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
 }
 
 template <typename T>
@@ -760,8 +764,14 @@ void Engine::Loop() {
         }
         timeout_ms = any_pending ? 100 : -1;
       }
+      // About to block: from here Post wakes the loop. A closure posted
+      // before this store is seen below (both seq_cst), one after it writes
+      // the eventfd.
+      loop_blocking_.store(true);
+      if (posted_count_.load() != 0) timeout_ms = 0;
     }
     int n = epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
+    loop_blocking_.store(false, std::memory_order_relaxed);
     if (armed) {
       ArmDoorbellsOnLoop(false);
       armed = false;

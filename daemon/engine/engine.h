@@ -286,6 +286,8 @@ class Engine {
   // post_mu_, so a late gRPC call gets its (UNAVAILABLE) answer.
   bool loop_exited_ ABSL_GUARDED_BY(post_mu_) = false;
   std::atomic<int> posted_count_{0};  // lets the spinning loop skip the mutex
+  // The loop may be in epoll_wait with a timeout: Post writes wake_fd_.
+  std::atomic<bool> loop_blocking_{false};
 
   // Loop-thread state.
   uint64_t next_session_id_ = 1;
