@@ -717,6 +717,7 @@ void ClusterJob::Run() {
     absl::Status job_failure;
     if (e.kind == Event::kDirectEnd) {
       FinishStagedDirect();
+      StartWaitingDirect();
       continue;
     }
     if (e.kind == Event::kDirectExpired) {

@@ -178,6 +178,9 @@ class ClusterJob {
     // reduction is cut into chunks that the node's workers share. Null:
     // all on the lane's thread.
     std::function<void(size_t n, const std::function<void(size_t)>& body)> parallel;
+    // The most bytes the job's direct exchanges may hold at once
+    // (kDirectBudgetBytes; tests make it small).
+    uint64_t direct_budget_bytes = kDirectBudgetBytes;
   };
   using OpDone = std::function<void(uint64_t key, absl::Status status)>;
   using JobFailed = std::function<void(absl::Status status)>;
@@ -210,6 +213,13 @@ class ClusterJob {
   // This many such exchanges end the job: its nodes' operations are out of
   // step, and a trainer must not make the daemon hold memory without bound.
   static constexpr int kMaxStaleExchanges = 64;
+  // The most bytes a job's direct exchanges hold at once (their buffers,
+  // DirectExchange::MemoryBytes): without it a trainer could make the
+  // daemon allocate two buffers per operation in flight, up to 1024
+  // operations of direct_max_bytes each. An operation that would go past it
+  // waits, in order, until exchanges end (at most until its deadline); one
+  // always fits while none is in flight.
+  static constexpr uint64_t kDirectBudgetBytes = uint64_t{64} << 20;
   // Named operations that may run direct once the coordinator has announced
   // one occurrence of them (README.md, "Direct operations"): the first this
   // many names announced in a job get a slot; others always go through the
@@ -265,6 +275,8 @@ class ClusterJob {
   // Operations that ran between the nodes without the coordinator
   // (direct_exchange.h), and the bound the job formed with (0: none).
   uint64_t direct_ops() const { return direct_ops_.load(std::memory_order_relaxed); }
+  // Direct operations that waited for exchanges to end (kDirectBudgetBytes).
+  uint64_t direct_waited() const { return direct_waited_.load(std::memory_order_relaxed); }
   uint64_t direct_max_bytes() const { return direct_max_bytes_.load(std::memory_order_relaxed); }
 
   struct StagingCounters {
@@ -330,15 +342,20 @@ class ClusterJob {
   void AssignNamedSlotsLocked(const std::vector<std::string>& names);
   // A kSubmit of `name` left events_ (queued_named_). With mu_ held.
   void UnqueueNamedLocked(const std::string& name);
-  // Reduces the local ranks' inputs and starts the exchange; false (op
-  // untouched) when the transport is not there yet, so that the op waits
-  // for the job to form. A staged op only on the ClusterJob's thread (its
-  // device copies block).
+  // Starts `op` direct (LaunchDirect), or queues it behind the ops waiting
+  // for the budget (direct_waiting_); false (op untouched) when the
+  // transport is not there yet, so that the op waits for the job to form.
+  // A staged op only on the ClusterJob's thread (its device copies block).
   bool StartDirect(ClusterOp& op, uint64_t tag_base);
+  // Reduces the local ranks' inputs and starts the exchange, whose `bytes`
+  // (MemoryBytes) the caller has added to direct_bytes_.
+  void LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes);
+  // Starts the waiting ops that now fit, in order. On the ClusterJob's thread.
+  void StartWaitingDirect();
   // The exchange of operation `key` ended: its ranks get the result (or
   // the error), unless it was ended already (its deadline, the job's end).
   // On a transport thread; a staged op goes on through the ClusterJob's.
-  void EndDirect(uint64_t key, absl::Status status, uint8_t* result);
+  void EndDirect(uint64_t key, uint64_t bytes, absl::Status status, uint8_t* result);
   // Stores the ended staged direct ops' results on their devices and ends
   // them (staged_direct_ends_). On the ClusterJob's thread.
   void FinishStagedDirect();
@@ -346,12 +363,13 @@ class ClusterJob {
   // not see Event.
   void PushRunFailed(absl::Status status);
   void PushDirectEnd();
-  // The earliest deadline of the direct ops running (max: none).
+  // The earliest deadline of the direct ops running or waiting (max: none).
   std::chrono::steady_clock::time_point NextDirectDeadline();
   // Ends the direct ops whose deadline has passed (DEADLINE_EXCEEDED naming
-  // the node not heard from). Their exchanges stay until the job ends.
+  // the node not heard from, or the budget a waiting one waited for). Their
+  // exchanges stay until the job ends.
   void ExpireDirect();
-  // Takes every direct op still running, to be ended by the caller.
+  // Takes every direct op still running or waiting, to be ended by the caller.
   std::vector<DirectOp> TakeDirect();
   // At the job's end, before the transport goes: cuts off the transfers of
   // exchanges still in flight and waits for their last callback.
@@ -553,6 +571,17 @@ class ClusterJob {
   Transport* direct_transport_ = nullptr;
   std::map<uint64_t, DirectOp> direct_;  // guarded by direct_mu_: running, by key
   int live_exchanges_ = 0;  // guarded by direct_mu_: started, last callback not yet run
+  // guarded by direct_mu_: the bytes of those exchanges (MemoryBytes), and
+  // the ops waiting for them to fall (kDirectBudgetBytes), in the order
+  // they came.
+  uint64_t direct_bytes_ = 0;
+  struct WaitingDirect {
+    ClusterOp op;
+    uint64_t tag_base = 0;
+    uint64_t bytes = 0;
+  };
+  std::deque<WaitingDirect> direct_waiting_;
+  std::atomic<uint64_t> direct_waited_{0};
   // guarded by direct_mu_: staged direct ops whose exchange ended, with its
   // status and result, for the ClusterJob's thread (Event::kDirectEnd).
   struct StagedDirectEnd {

@@ -79,6 +79,48 @@ void ClusterJob::AssignNamedSlotsLocked(const std::vector<std::string>& names) {
 }
 
 bool ClusterJob::StartDirect(ClusterOp& op, uint64_t tag_base) {
+  const uint64_t bytes = DirectExchange::MemoryBytes(PayloadBytes(op.sig));
+  bool fits = false;
+  {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    if (direct_transport_ == nullptr) return false;
+    // In order behind those waiting; alone, whatever its size.
+    fits = direct_waiting_.empty() &&
+           (direct_bytes_ == 0 || direct_bytes_ + bytes <= options_.direct_budget_bytes);
+    if (fits) {
+      direct_bytes_ += bytes;
+    } else {
+      direct_waiting_.push_back(WaitingDirect{std::move(op), tag_base, bytes});
+      direct_waited_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  if (fits) {
+    LaunchDirect(op, tag_base, bytes);
+  } else {
+    // Its deadline may be the next one the ClusterJob's thread watches.
+    std::lock_guard<std::mutex> lock(mu_);
+    cv_.notify_all();
+  }
+  return true;
+}
+
+void ClusterJob::StartWaitingDirect() {
+  while (true) {
+    WaitingDirect w;
+    {
+      std::lock_guard<std::mutex> lock(direct_mu_);
+      if (direct_waiting_.empty() || direct_transport_ == nullptr) return;
+      const uint64_t bytes = direct_waiting_.front().bytes;
+      if (direct_bytes_ != 0 && direct_bytes_ + bytes > options_.direct_budget_bytes) return;
+      w = std::move(direct_waiting_.front());
+      direct_waiting_.pop_front();
+      direct_bytes_ += w.bytes;
+    }
+    LaunchDirect(w.op, w.tag_base, w.bytes);
+  }
+}
+
+void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) {
   const Clock::time_point now = Clock::now();
   const uint32_t timeout_ms = op.timeout_ms;
   DirectExchange::Params params;
@@ -92,37 +134,42 @@ bool ClusterJob::StartDirect(ClusterOp& op, uint64_t tag_base) {
   std::shared_ptr<DirectExchange> exchange;
   {
     std::lock_guard<std::mutex> lock(direct_mu_);
-    if (direct_transport_ == nullptr) return false;
-    params.transport = direct_transport_;
-    exchange = DirectExchange::Create(std::move(params), [this, key](absl::Status s, uint8_t* r) {
-      EndDirect(key, std::move(s), r);
-    });
-    ++live_exchanges_;
+    if (direct_transport_ != nullptr) {
+      params.transport = direct_transport_;
+      exchange = DirectExchange::Create(
+          std::move(params), [this, key, bytes](absl::Status s, uint8_t* r) {
+            EndDirect(key, bytes, std::move(s), r);
+          });
+      ++live_exchanges_;
+    } else {
+      direct_bytes_ -= bytes;  // the job closed while it waited
+    }
   }
+  if (!exchange) return Done(op, absl::CancelledError("job closed"));
   // The local phase: the node's ranks reduced into the exchange's value.
-  const size_t bytes = PayloadBytes(op.sig);
+  const size_t payload = PayloadBytes(op.sig);
   if (!op.splits_error.empty()) {
     exchange->FailLocally(absl::InvalidArgumentError(absl::StrCat(
         "operation '", op.name, "' mismatched across ranks: ", op.splits_error, " (on ",
         options_.node_name, ")")));
-  } else if (bytes > 0) {
+  } else if (payload > 0) {
     uint8_t* value = exchange->payload();
     if (op.staged) {
       staged_ops_.fetch_add(1, std::memory_order_relaxed);
       StagedNodeBuffer& device = *op.staged;
       absl::Status s = device.ReduceLocal(BetweenNodes(op.sig));
-      absl::StatusOr<uint8_t*> slot = s.ok() ? device.Slot(0, bytes) : s;
-      if (slot.ok()) s = device.Fetch(0, 0, 0, bytes);
+      absl::StatusOr<uint8_t*> slot = s.ok() ? device.Slot(0, payload) : s;
+      if (slot.ok()) s = device.Fetch(0, 0, 0, payload);
       if (slot.ok() && s.ok()) s = device.Wait(0);
       if (!slot.ok()) s = slot.status();
       if (s.ok()) {
-        std::memcpy(value, *slot, bytes);
-        staged_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+        std::memcpy(value, *slot, payload);
+        staged_bytes_.fetch_add(payload, std::memory_order_relaxed);
       } else {
         exchange->FailLocally(s);
       }
     } else if (op.parts.size() == 1) {
-      std::memcpy(value, op.parts.front().send, bytes);
+      std::memcpy(value, op.parts.front().send, payload);
     } else {
       std::vector<const void*> inputs;
       for (const auto& p : op.parts) inputs.push_back(p.send);
@@ -149,10 +196,9 @@ bool ClusterJob::StartDirect(ClusterOp& op, uint64_t tag_base) {
     std::lock_guard<std::mutex> lock(mu_);
     cv_.notify_all();
   }
-  return true;
 }
 
-void ClusterJob::EndDirect(uint64_t key, absl::Status status, uint8_t* result) {
+void ClusterJob::EndDirect(uint64_t key, uint64_t bytes, absl::Status status, uint8_t* result) {
   std::optional<DirectOp> d;
   {
     std::lock_guard<std::mutex> lock(direct_mu_);
@@ -164,22 +210,22 @@ void ClusterJob::EndDirect(uint64_t key, absl::Status status, uint8_t* result) {
   }
   if (d) {
     if (ClusterOp::Timing* t = d->op.timing.get()) t->run_end = Clock::now();
-    const size_t bytes = PayloadBytes(d->op.sig);
+    const size_t payload = PayloadBytes(d->op.sig);
     if (d->op.staged) {
       StagedDirectEnd end{std::move(d->op), status, {}};
-      if (status.ok()) end.result.assign(result, result + bytes);
+      if (status.ok()) end.result.assign(result, result + payload);
       {
         std::lock_guard<std::mutex> lock(direct_mu_);
         staged_direct_ends_.push_back(std::move(end));
       }
       PushDirectEnd();
     } else {
-      if (status.ok() && bytes > 0) {
+      if (status.ok() && payload > 0) {
         if (IsAvg(d->op.sig)) {
           DivideInPlace(static_cast<wire::DataType>(d->op.sig.dtype), result, d->op.sig.count,
                         options_.world_size);
         }
-        for (const auto& p : d->op.parts) std::memcpy(p.recv, result, bytes);
+        for (const auto& p : d->op.parts) std::memcpy(p.recv, result, payload);
       }
       Done(d->op, status);
     }
@@ -188,11 +234,16 @@ void ClusterJob::EndDirect(uint64_t key, absl::Status status, uint8_t* result) {
       PushRunFailed(status);
     }
   }
+  bool waiting = false;
   {
     std::lock_guard<std::mutex> lock(direct_mu_);
     --live_exchanges_;
+    direct_bytes_ -= bytes;
+    waiting = !direct_waiting_.empty();
   }
   direct_cv_.notify_all();
+  // The ClusterJob's thread starts what now fits (StartWaitingDirect).
+  if (waiting) PushDirectEnd();
 }
 
 void ClusterJob::FinishStagedDirect() {
@@ -231,6 +282,7 @@ Clock::time_point ClusterJob::NextDirectDeadline() {
   std::lock_guard<std::mutex> lock(direct_mu_);
   Clock::time_point next = Clock::time_point::max();
   for (const auto& [key, d] : direct_) next = std::min(next, d.deadline);
+  for (const WaitingDirect& w : direct_waiting_) next = std::min(next, w.op.deadline);
   direct_wake_ns_.store(next.time_since_epoch().count());
   return next;
 }
@@ -238,7 +290,10 @@ Clock::time_point ClusterJob::NextDirectDeadline() {
 void ClusterJob::ExpireDirect() {
   const Clock::time_point now = Clock::now();
   std::vector<DirectOp> expired;
+  std::vector<WaitingDirect> expired_waiting;
   int stale = 0;  // exchanges whose op has ended and whose transfers have not
+  int live = 0;
+  uint64_t held = 0;
   {
     std::lock_guard<std::mutex> lock(direct_mu_);
     for (auto it = direct_.begin(); it != direct_.end();) {
@@ -249,8 +304,32 @@ void ClusterJob::ExpireDirect() {
         ++it;
       }
     }
+    for (auto it = direct_waiting_.begin(); it != direct_waiting_.end();) {
+      if (it->op.deadline <= now) {
+        expired_waiting.push_back(std::move(*it));
+        it = direct_waiting_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     stale = live_exchanges_ - static_cast<int>(direct_.size());
+    live = live_exchanges_;
+    held = direct_bytes_;
   }
+  for (WaitingDirect& w : expired_waiting) {
+    absl::Status late = absl::DeadlineExceededError(absl::StrCat(
+        "operation '", w.op.name, "' of job '", options_.job_id, "' timed out after ",
+        w.op.timeout_ms, " ms waiting to start: the job's ", live,
+        " direct exchanges in flight hold ", held, " bytes of the ",
+        options_.direct_budget_bytes,
+        " they may hold at once, and wait for other nodes (operations start in order as "
+        "exchanges end)"));
+    spdlog::warn("job '{}': {}", options_.job_id, std::string(late.message()));
+    if (w.op.staged) w.op.staged->Drain().IgnoreError();
+    Done(w.op, late);
+  }
+  // A waiting op that ended may have been in the way of the next.
+  if (!expired_waiting.empty()) StartWaitingDirect();
   for (DirectOp& d : expired) {
     const int waiting = d.exchange->Waiting();
     std::string from = "the other nodes";
@@ -285,6 +364,14 @@ std::vector<ClusterJob::DirectOp> ClusterJob::TakeDirect() {
   std::lock_guard<std::mutex> lock(direct_mu_);
   for (auto& [key, d] : direct_) taken.push_back(std::move(d));
   direct_.clear();
+  for (WaitingDirect& w : direct_waiting_) {
+    DirectOp d;
+    d.deadline = w.op.deadline;
+    d.timeout_ms = w.op.timeout_ms;
+    d.op = std::move(w.op);
+    taken.push_back(std::move(d));
+  }
+  direct_waiting_.clear();
   return taken;
 }
 

@@ -99,7 +99,8 @@ class Nodes {
   // coordinator (rank 0), so its tuning decides the runs' settings.
   // `tuning`: key=value settings of every daemon before the job forms.
   explicit Nodes(int n = 2, int per_node = 1, size_t feedback_bytes = ClusterJob::kFeedbackBytes,
-                 const std::vector<std::pair<std::string, std::string>>& tuning = {})
+                 const std::vector<std::pair<std::string, std::string>>& tuning = {},
+                 uint64_t direct_budget_bytes = ClusterJob::kDirectBudgetBytes)
       : tuning_(n), coordinator_(&tuning_[0]), hub_(n, 1), ends_(n) {
     for (auto& t : tuning_) {
       for (const auto& [key, value] : tuning) EXPECT_TRUE(t.Set(key, value).ok()) << key;
@@ -115,6 +116,7 @@ class Nodes {
       o.channels = 1;
       o.tuning = &tuning_[k];
       o.feedback_bytes = feedback_bytes;
+      o.direct_budget_bytes = direct_budget_bytes;
       o.transports = [this](int) -> absl::StatusOr<std::unique_ptr<UnconnectedTransport>> {
         return std::make_unique<HubUnconnected>(&hub_);
       };
@@ -502,6 +504,84 @@ TEST(ClusterJobDirectTest, AnOperationMissingOnANodeTimesOutNamingIt) {
   EXPECT_TRUE(nodes.ends(0).ends[1].second.ok()) << nodes.ends(0).ends[1].second;
   EXPECT_EQ(out, std::vector<float>(3, 3.0f));
   EXPECT_EQ(out_b, std::vector<float>(3, 3.0f));
+}
+
+// Direct exchanges hold at most the job's budget of memory at once
+// (ClusterJob::kDirectBudgetBytes; three 1001-element exchanges here): node
+// 0 submits 40 unnamed allreduces before node 1 submits any, so most of
+// them wait, and start in order as earlier ones end. Every result is the
+// plain loop's, and every one ran direct.
+TEST(ClusterJobDirectTest, OperationsPastTheBudgetWaitTheirTurnInOrder) {
+  const size_t count = 1001;
+  const uint64_t one = DirectExchange::MemoryBytes(count * sizeof(float));
+  Nodes nodes(2, 1, ClusterJob::kFeedbackBytes, {}, 3 * one);
+  const size_t ops = 40;
+  std::vector<std::vector<float>> send(2 * ops), recv(2 * ops);
+  for (int k = 0; k < 2; ++k) {
+    for (size_t c = 0; c < ops; ++c) {
+      send[k * ops + c].resize(count);
+      for (size_t i = 0; i < count; ++i) {
+        send[k * ops + c][i] = static_cast<float>(static_cast<int>((k * 7 + c * 5 + i * 3) % 13) - 6);
+      }
+      recv[k * ops + c].assign(count, -100.0f);
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    for (size_t c = 0; c < ops; ++c) {
+      nodes.job(k).Submit(Allreduce(c, "#" + std::to_string(c), wire::DataType::kFloat32,
+                                    wire::ReduceOp::kSum, count, k, send[k * ops + c].data(),
+                                    recv[k * ops + c].data()));
+    }
+    if (k == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  nodes.ExpectEndsOk(ops);
+  for (int k = 0; k < 2; ++k) {
+    for (size_t c = 0; c < ops; ++c) {
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(recv[k * ops + c][i], send[c][i] + send[ops + c][i])
+            << "node " << k << ", op " << c << ", element " << i;
+      }
+    }
+    EXPECT_EQ(nodes.job(k).direct_ops(), ops) << "node " << k;
+  }
+  EXPECT_GE(nodes.job(0).direct_waited(), ops - 3);
+}
+
+// An operation waiting for the budget ends at its own deadline, saying what
+// it waited for: here node 1 never submits, node 0's first exchange times
+// out and stays (its transfers cannot be taken back), so the second never
+// starts.
+TEST(ClusterJobDirectTest, AnOperationWaitingForTheBudgetEndsAtItsDeadline) {
+  Nodes nodes(2, 1, ClusterJob::kFeedbackBytes, {}, /*direct_budget_bytes=*/1);
+  std::vector<float> a(3, 1.0f), out(3, 0.0f), b(3, 1.0f), out_b(3, 0.0f);
+  ClusterOp first = Allreduce(0, "#0", wire::DataType::kFloat32, wire::ReduceOp::kSum, 3, 0,
+                              a.data(), out.data());
+  first.timeout_ms = 200;
+  ClusterOp second = Allreduce(1, "#1", wire::DataType::kFloat32, wire::ReduceOp::kSum, 3, 0,
+                               b.data(), out_b.data());
+  second.timeout_ms = 400;
+  const auto start = std::chrono::steady_clock::now();
+  nodes.job(0).Submit(std::move(first));
+  nodes.job(0).Submit(std::move(second));
+  ASSERT_TRUE(nodes.ends(0).WaitFor(2));
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(took, std::chrono::milliseconds(390));
+  EXPECT_LT(took, std::chrono::milliseconds(3000));
+  const auto& ends = nodes.ends(0).ends;
+  EXPECT_EQ(ends[0].first, 0u);
+  EXPECT_EQ(ends[0].second.code(), absl::StatusCode::kDeadlineExceeded) << ends[0].second;
+  EXPECT_NE(ends[0].second.message().find("nothing came from node n1"), std::string::npos)
+      << ends[0].second;
+  EXPECT_EQ(ends[1].first, 1u);
+  EXPECT_EQ(ends[1].second.code(), absl::StatusCode::kDeadlineExceeded) << ends[1].second;
+  EXPECT_NE(ends[1].second.message().find(
+                "timed out after 400 ms waiting to start: the job's 1 direct exchanges in flight "
+                "hold"),
+            std::string::npos)
+      << ends[1].second;
+  EXPECT_EQ(nodes.job(0).direct_ops(), 1u);
+  EXPECT_EQ(nodes.job(0).direct_waited(), 1u);
+  EXPECT_EQ(out_b, std::vector<float>(3, 0.0f));
 }
 
 // Named operations: the first occurrence of a name goes through the

@@ -71,6 +71,12 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
 
   static std::shared_ptr<DirectExchange> Create(Params params, Finished finished);
 
+  // What an exchange of a `payload_bytes` value allocates: its messages,
+  // its value and, when the value travels apart, the one it receives.
+  static constexpr size_t MemoryBytes(size_t payload_bytes) {
+    return 2 * kMessageBytes + payload_bytes + (payload_bytes > kInlineBytes ? payload_bytes : 0);
+  }
+
   // The node's value, payload_bytes() long: fill it before Start().
   uint8_t* payload() { return value_.data(); }
   size_t payload_bytes() const { return payload_bytes_; }
