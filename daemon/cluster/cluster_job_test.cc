@@ -364,8 +364,8 @@ TEST(ClusterJobTest, TheLocalPhaseSharesItsChunksWithOtherThreads) {
   EXPECT_GE(nodes.parallel_threads(), 2u);
 }
 
-// Unnamed allreduces ("#N") up to the job's direct_max_bytes (64K by
-// default) run without the coordinator (direct_exchange.h): float32 sum,
+// Unnamed allreduces ("#N") up to the job's direct_max_bytes (64K here)
+// run without the coordinator (direct_exchange.h): float32 sum,
 // avg and max, sizes 0..16384 elements, and barriers, on 2 and 3 nodes of
 // 1 and 2 local ranks, every rank's result the plain loop's (small integer
 // values: exact in any order); the counter says they went direct, and one
@@ -373,7 +373,7 @@ TEST(ClusterJobTest, TheLocalPhaseSharesItsChunksWithOtherThreads) {
 TEST(ClusterJobDirectTest, UnnamedSmallOperationsGoDirectAndMatchThePlainLoop) {
   for (const auto& [n, per_node] : {std::pair{2, 1}, {2, 2}, {3, 1}, {3, 2}}) {
     SCOPED_TRACE(testing::Message() << n << " nodes x " << per_node << " ranks");
-    Nodes nodes(n, per_node);
+    Nodes nodes(n, per_node, ClusterJob::kFeedbackBytes, {{"direct_max_bytes", "64K"}});
     const int world = n * per_node;
     const std::vector<size_t> sizes = {0, 1, 7, 1001, 16384, 16385};  // the last: 64K + 4 bytes
     const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg, wire::ReduceOp::kMax};
@@ -588,7 +588,8 @@ TEST(ClusterJobDirectTest, AnOperationWaitingForTheBudgetEndsAtItsDeadline) {
 // coordinator; once it is announced, every later occurrence of that name
 // that may run direct does, numbered alike on every node. Four rounds of
 // named allreduces (sum, avg, max; 0, 1, 7, 1001 elements, and one over
-// 64K that always goes through the coordinator) and a named barrier, all
+// direct_max_bytes, 64K here, that always goes through the coordinator) and
+// a named barrier, all
 // rounds submitted at once and in opposite orders on alternate nodes: the
 // later rounds' occurrences wait behind the first one's Run, then run
 // direct side by side. Every result is the plain loop's, per round (each
@@ -596,7 +597,7 @@ TEST(ClusterJobDirectTest, AnOperationWaitingForTheBudgetEndsAtItsDeadline) {
 TEST(ClusterJobDirectTest, NamedOperationsGoDirectOnceTheCoordinatorAnnouncedThem) {
   for (const auto& [n, per_node] : {std::pair{2, 1}, {2, 2}, {3, 1}}) {
     SCOPED_TRACE(testing::Message() << n << " nodes x " << per_node << " ranks");
-    Nodes nodes(n, per_node);
+    Nodes nodes(n, per_node, ClusterJob::kFeedbackBytes, {{"direct_max_bytes", "64K"}});
     const int world = n * per_node;
     struct Case {
       size_t count;

@@ -192,8 +192,9 @@ const std::vector<Field>& Table() {
                    "fuse and order it with others (0: never wait)",
                    "microseconds", &Tuning::cycle_time_us, 0, 1000000),
       SizeField("direct_max_bytes",
-                "Unnamed allreduces and barriers up to this payload run between the nodes "
-                "without the coordinator, never compressed (0 = off; the coordinator's setting "
+                "Allreduces and barriers up to this payload run between the nodes without the "
+                "coordinator (unnamed ones always, named ones from their name's second "
+                "occurrence), never compressed (0 = off; the coordinator's setting "
                 "when the job forms decides for the job)",
                 &Tuning::direct_max_bytes, 0, kMiB),
       SizeField("staging_segment_bytes",
