@@ -76,6 +76,9 @@ struct Flags {
   std::string compression;    // OpOptions::compression; empty: the daemon's
   bool cuda = false;          // --device cuda
   bool bind_to_core = false;  // --bind-to core: rank r on CPU r mod online CPUs
+  // --bind-daemons core: the daemon of node n (started here) on the n-th
+  // CPU this process may use, mod their count.
+  bool bind_daemons = false;
   int burst = 1;              // operations submitted together per iteration
   bool named = false;         // --named: each operation named by its size and place
 };
@@ -91,8 +94,10 @@ struct Flags {
           "                   [--check] [--json] [--socket PATH] [--ciuicd PATH]\n"
           "                   [--daemon-config FILE] [--compression none|fp16|bf16|int8|topk:R]\n"
           "                   [--device cpu|cuda] [--bind-to none|core] [--burst K] [--named]\n"
+          "                   [--bind-daemons none|core]\n"
           "Without --socket it starts one ciuicd per node (--ciuicd, $CIUICD, or the build\n"
-          "tree's), with --daemon-config as their config file.\n");
+          "tree's), with --daemon-config as their config file; --bind-daemons core pins\n"
+          "node n's daemon to the n-th CPU it may use (several nodes on one host).\n");
   exit(error.empty() ? 0 : 64);
 }
 
@@ -151,6 +156,11 @@ Flags ParseFlags(int argc, char** argv) {
     else if (a == "--daemon-config") f.daemon_config = value();
     else if (a == "--burst") f.burst = integer(1, 4096);
     else if (a == "--named") f.named = true;
+    else if (a == "--bind-daemons") {
+      const std::string v = value();
+      if (v != "none" && v != "core") Usage("--bind-daemons takes none or core");
+      f.bind_daemons = v == "core";
+    }
     else if (a == "--bind-to") {
       const std::string v = value();
       if (v != "none" && v != "core") Usage("--bind-to takes none or core");
@@ -660,8 +670,9 @@ struct OwnDaemon {
   std::string socket;
   std::string peer;  // 127.0.0.1:port
 
+  // `cpu` >= 0: the daemon runs on that CPU alone (all its threads).
   bool Start(const std::string& binary, const std::string& node_name,
-             const std::string& config) {
+             const std::string& config, int cpu) {
     char tmpl[] = "/tmp/ciuic-bench-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return false;
     dir = tmpl;
@@ -669,6 +680,16 @@ struct OwnDaemon {
     peer = "127.0.0.1:" + std::to_string(FreePort());
     pid = fork();
     if (pid == 0) {
+      if (cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+          fprintf(stderr, "ciuic-bench: cannot pin the daemon to CPU %d: %s\n", cpu,
+                  strerror(errno));
+          _exit(127);
+        }
+      }
       std::vector<const char*> argv = {binary.c_str(), "--socket", socket.c_str(), "--node-name",
                                        node_name.c_str(), "--listen", peer.c_str(),
                                        "--log-level", "warn"};
@@ -740,16 +761,34 @@ int main(int argc, char** argv) {
     sockets.push_back(f.socket);
   } else {
     std::string binary = FindCiuicd(f);
+    // The CPUs this process may use, in order (--bind-daemons core).
+    std::vector<int> cpus;
+    if (f.bind_daemons) {
+      cpu_set_t mine;
+      CPU_ZERO(&mine);
+      if (sched_getaffinity(0, sizeof(mine), &mine) == 0) {
+        for (int c = 0; c < CPU_SETSIZE; ++c) {
+          if (CPU_ISSET(c, &mine)) cpus.push_back(c);
+        }
+      }
+      if (cpus.empty()) {
+        fprintf(stderr, "ciuic-bench: --bind-daemons core: cannot read this process's CPUs: %s\n",
+                strerror(errno));
+        return 1;
+      }
+    }
     for (int n = 0; n < f.nodes; ++n) {
       own.push_back(std::make_unique<OwnDaemon>());
-      if (!own.back()->Start(binary, "bench-node" + std::to_string(n), f.daemon_config)) {
+      const int cpu = cpus.empty() ? -1 : cpus[static_cast<size_t>(n) % cpus.size()];
+      if (!own.back()->Start(binary, "bench-node" + std::to_string(n), f.daemon_config, cpu)) {
         fprintf(stderr, "ciuic-bench: could not start %s (use --ciuicd PATH or --socket PATH)\n",
                 binary.c_str());
         return 1;
       }
       sockets.push_back(own.back()->socket);
-      fprintf(stderr, "ciuic-bench: started %s on %s (peer service %s)\n", binary.c_str(),
-              own.back()->socket.c_str(), own.back()->peer.c_str());
+      fprintf(stderr, "ciuic-bench: started %s on %s (peer service %s%s)\n", binary.c_str(),
+              own.back()->socket.c_str(), own.back()->peer.c_str(),
+              cpu >= 0 ? (", CPU " + std::to_string(cpu)).c_str() : "");
     }
     if (f.nodes > 1) coordinator = own[0]->peer;
   }

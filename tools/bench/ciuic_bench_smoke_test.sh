@@ -1,6 +1,7 @@
 #!/bin/bash
 # Smoke test of ciuic-bench --json: one node of 2 ranks (it starts its own
-# ciuicd) and two 2-node jobs of 1 rank, sizes 8 and 4K, checked; then
+# ciuicd) and two 2-node jobs of 1 rank (their daemons pinned, one per
+# CPU: --bind-daemons core), sizes 8 and 4K, checked; then
 # alltoall and alltoallv on 2 nodes x 2 ranks (busbw = 3/4 algbw), checked. Passes when
 # every row has 0 wrong elements and a busbw that agrees with its own time
 # (for 2 ranks busbw = algbw = bytes / time): an 8-byte row's busbw is about
@@ -15,8 +16,15 @@ export UCX_TLS=tcp UCX_WARN_UNUSED_ENV_VARS=n
     --ranks-per-node 2 >"$tmp/local.json" 2>"$tmp/local.err" ||
   { echo "FAIL: ciuic-bench (1 node x 2) exited $?" >&2; cat "$tmp/local.err" >&2; exit 1; }
 "$bench" --op allreduce --sizes 8,4K --iters 20 --warmup 2 --check --json \
-    --nodes 2 --ranks-per-node 1 >"$tmp/nodes.json" 2>"$tmp/nodes.err" ||
+    --nodes 2 --ranks-per-node 1 --bind-daemons core >"$tmp/nodes.json" 2>"$tmp/nodes.err" ||
   { echo "FAIL: ciuic-bench (2 nodes x 1) exited $?" >&2; cat "$tmp/nodes.err" >&2; exit 1; }
+# --bind-daemons core: node n's daemon on the n-th CPU this shell may use.
+cpus=($(/usr/bin/python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))'))
+for n in 0 1; do
+  want=${cpus[$((n % ${#cpus[@]}))]}
+  grep -q "started .*bench-.*, CPU $want)" "$tmp/nodes.err" ||
+    { echo "FAIL: node $n's daemon not on CPU $want" >&2; cat "$tmp/nodes.err" >&2; exit 1; }
+done
 for op in alltoall alltoallv; do
 "$bench" --op "$op" --sizes 64,64K --iters 10 --warmup 2 --check --json \
     --nodes 2 --ranks-per-node 2 >"$tmp/$op.json" 2>"$tmp/$op.err" ||

@@ -509,6 +509,8 @@ def command_for(system, args, scenario):
         cmd = [path] + common
         if args.socket:
             cmd += ["--socket", args.socket]
+        elif args.bind_daemons != "none":
+            cmd += ["--bind-daemons", args.bind_daemons]
         return cmd, None
     if system in ("mpi", "mpi_tuned"):
         path = args.mpi_bench
@@ -813,6 +815,10 @@ def parse_args(argv):
     build = os.path.join(os.getcwd(), "build", "tools", "bench")
     p.add_argument("--ciuic-bench", default=os.path.join(build, "ciuic-bench"))
     p.add_argument("--socket", help="passed to ciuic-bench as --socket")
+    p.add_argument("--bind-daemons", choices=["none", "core"], default="none",
+                   help="local/loopback: passed to ciuic-bench, which then pins the daemon of "
+                        "node n to the n-th CPU (each simulated node's daemon on a core of its "
+                        "own, as on separate hosts; trainers and MPI ranks float)")
     p.add_argument("--mpi-bench", default=os.path.join(build, "ciuic-mpi-bench"))
     p.add_argument("--ciuicd", default=os.path.join(os.getcwd(), "build", "daemon", "ciuicd"),
                    help="netns/train: the daemon started in each namespace")
