@@ -6,6 +6,7 @@
 // Flags override the config file. Trainers open sessions on PATH.session and
 // join jobs over gRPC on PATH. SIGTERM or SIGINT drains and exits 0. Under
 // systemd (Type=notify) readiness is signalled once both sockets listen.
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -253,9 +254,17 @@ int Main(int argc, char** argv) {
     spdlog::critical("{}", std::string(authorization.status().message()));
     return 78;
   }
-  int workers = cfg.worker_threads > 0
-                    ? cfg.worker_threads
-                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // worker_threads 0: one per CPU this process may run on (systemd's
+  // CPUAffinity=, taskset), not per CPU of the host.
+  int workers = cfg.worker_threads;
+  if (workers <= 0) {
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    workers = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                  ? CPU_COUNT(&allowed)
+                  : static_cast<int>(std::thread::hardware_concurrency());
+    workers = std::max(1, workers);
+  }
 
   config::TuningRegistry tuning(cfg.tuning);
   // Before the engine, whose jobs may order through it in-process.
