@@ -16,6 +16,13 @@
 //
 // Callers: the control layer (gRPC) calls Join/Status from its threads;
 // main() calls Start and Shutdown.
+//
+// Files, each readable alone: engine.cc (start, the event loop, status and
+// shutdown), engine_sessions.cc (the session acceptor), engine_jobs.cc (the
+// job table: joins, a job's ClusterJob, its end), engine_ops.cc (the
+// launcher: submissions, matching with OpMatcher, launches on the workers,
+// the GPU or the ClusterJob, completions and deadlines); engine_state.h
+// holds the state they share (Session, PendingOp, Job).
 #pragma once
 
 #include <sys/types.h>
