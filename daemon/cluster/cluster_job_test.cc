@@ -1114,9 +1114,8 @@ class FeedbackCapTest : public ::testing::TestWithParam<bool> {};
 TEST_P(FeedbackCapTest, AnOperationOverTheCapRunsWithoutItAndIsCounted) {
   const bool fused = GetParam();
   const size_t small = 4000, big = 20000;  // 16 000 and 80 000 bytes of residual
-  Nodes nodes(2, 1, 64 << 10);
-  ASSERT_TRUE(nodes.SetBoth("compression", "int8").ok());
-  ASSERT_TRUE(nodes.SetBoth("min_compress_bytes", "1K").ok());
+  // Compression on before the job forms (so no repeated name runs direct).
+  Nodes nodes(2, 1, 64 << 10, {{"compression", "int8"}, {"min_compress_bytes", "1K"}});
   // Fused: held long enough to be ordered together.
   ASSERT_TRUE(
       nodes.SetBoth(fused ? "cycle_time_us" : "fusion_threshold_bytes", fused ? "50000" : "0")
@@ -2258,9 +2257,10 @@ TEST(ClusterJobStagedTest, CompressedRunsWhereTheBufferLivesAndMatchesTheHostBit
     // results[mode][step][op][node]
     std::vector<std::vector<uint8_t>> results[3][2][3];
     for (Mode mode : {kAllHost, kCoder, kStagedWhole}) {
-      Nodes nodes(2);
-      ASSERT_TRUE(nodes.SetBoth("compression", codec).ok());
-      ASSERT_TRUE(nodes.SetBoth("chunk_bytes", "16K").ok());
+      // Compression on before the job forms: its direct_max_bytes then
+      // stays under min_compress_bytes, so the names' second occurrences
+      // (80 000 bytes and more) are compressed too, not run direct.
+      Nodes nodes(2, 1, ClusterJob::kFeedbackBytes, {{"compression", codec}, {"chunk_bytes", "16K"}});
       ErrorFeedback residuals(64 << 20);
       bool coded = false;
       size_t ahead = 0;
