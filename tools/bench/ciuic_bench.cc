@@ -218,6 +218,9 @@ Flags ParseFlags(int argc, char** argv) {
   if (f.nodes > 1 && !f.socket.empty()) {
     Usage("--socket names one daemon; with --nodes > 1 ciuic-bench starts its own daemons");
   }
+  if (f.bind_daemons && !f.socket.empty()) {
+    Usage("--bind-daemons pins the daemons ciuic-bench starts; with --socket it starts none");
+  }
   return f;
 }
 

@@ -18,6 +18,12 @@ export UCX_TLS=tcp UCX_WARN_UNUSED_ENV_VARS=n
 "$bench" --op allreduce --sizes 8,4K --iters 20 --warmup 2 --check --json \
     --nodes 2 --ranks-per-node 1 --bind-daemons core >"$tmp/nodes.json" 2>"$tmp/nodes.err" ||
   { echo "FAIL: ciuic-bench (2 nodes x 1) exited $?" >&2; cat "$tmp/nodes.err" >&2; exit 1; }
+# --bind-daemons pins only daemons it starts: with --socket it is refused.
+if "$bench" --socket "$tmp/none.sock" --bind-daemons core --sizes 8 2>"$tmp/bind.err"; then
+  echo "FAIL: --bind-daemons with --socket was not refused" >&2; exit 1
+fi
+grep -q -- "--bind-daemons pins the daemons ciuic-bench starts" "$tmp/bind.err" ||
+  { echo "FAIL: --bind-daemons with --socket: unclear refusal" >&2; cat "$tmp/bind.err" >&2; exit 1; }
 # --bind-daemons core: node n's daemon on the n-th CPU this shell may use.
 cpus=($(/usr/bin/python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))'))
 for n in 0 1; do
