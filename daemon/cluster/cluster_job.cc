@@ -476,7 +476,12 @@ void ClusterJob::FailAll(const absl::Status& why) {
 }
 
 void ClusterJob::Done(ClusterOp& op, const absl::Status& status) {
-  op.staged.reset();
+  op.staged.reset();  // its device work ends before the ranks hear
+  if (op.done) {
+    std::function<void(const absl::Status&)> done = std::move(op.done);
+    op.done = nullptr;
+    return done(status);
+  }
   op_done_(op.key, status);
 }
 

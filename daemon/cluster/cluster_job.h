@@ -141,6 +141,11 @@ struct ClusterOp {
     uint64_t model_rack_us = 0;
   };
   std::shared_ptr<Timing> timing;
+  // Called once where the operation ends, on that thread (a transport
+  // thread for a direct one, a lane, the ClusterJob's thread, Abort's
+  // caller), in place of the ClusterJob's OpDone: the engine's tells the
+  // ranks at once instead of through its loop. Unset: OpDone.
+  std::function<void(const absl::Status&)> done;
 };
 
 class ClusterJob {

@@ -782,6 +782,75 @@ TEST(ClusterJobTest, AnOperationEndsAtTheDeadlineTheEngineSet) {
   }
 }
 
+// An operation's own `done` (the engine's: it tells the ranks at once)
+// replaces OpDone wherever the operation ends: a direct exchange, a run the
+// coordinator announced, a mismatch, the job's end. It is called once, with
+// the result already in the ranks' buffers, and OpDone never for it.
+TEST(ClusterJobTest, AnOperationsOwnDoneReplacesOpDoneWhereverItEnds) {
+  Nodes nodes(2);
+  struct Told {
+    std::mutex mu;
+    std::map<uint64_t, std::vector<absl::Status>> calls;
+    std::map<uint64_t, float> first_value;  // recv[0] when told
+    std::condition_variable cv;
+    size_t count = 0;
+  };
+  Told told[2];
+  enum : uint64_t { kDirect = 1, kRun = 2, kMismatch = 3, kAborted = 4 };
+  // By key; kRun: 400 KB, past direct_max_bytes.
+  static constexpr size_t counts[] = {0, 100, 100000, 100, 10};
+  std::vector<float> send[2][5], recv[2][5];
+  for (int k = 0; k < 2; ++k) {
+    for (uint64_t key = kDirect; key <= kAborted; ++key) {
+      if (key == kAborted && k == 1) continue;  // node 1 never submits it
+      send[k][key].assign(counts[key], static_cast<float>(k + 1));
+      recv[k][key].assign(counts[key], 0.0f);
+      const size_t count = key == kMismatch && k == 1 ? counts[key] - 1 : counts[key];
+      const std::string name = key == kDirect ? "#0" : key == kMismatch ? "#1"
+                               : key == kRun ? "large" : "lonely";
+      ClusterOp op = Allreduce(key, name, wire::DataType::kFloat32, wire::ReduceOp::kSum, count, k,
+                               send[k][key].data(), recv[k][key].data());
+      op.timeout_ms = 20000;
+      op.done = [&t = told[k], key, out = recv[k][key].data()](const absl::Status& s) {
+        std::lock_guard<std::mutex> lock(t.mu);
+        t.calls[key].push_back(s);
+        if (t.calls[key].size() == 1) t.first_value[key] = counts[key] > 0 ? out[0] : 0;
+        ++t.count;
+        t.cv.notify_all();
+      };
+      nodes.job(k).Submit(std::move(op));
+    }
+  }
+  auto wait_for = [](Told& t, size_t n) {
+    std::unique_lock<std::mutex> lock(t.mu);
+    return t.cv.wait_for(lock, std::chrono::seconds(30), [&] { return t.count >= n; });
+  };
+  ASSERT_TRUE(wait_for(told[1], 3));
+  ASSERT_TRUE(wait_for(told[0], 3));
+  nodes.job(0).Abort(absl::CancelledError("the trainer left"));
+  ASSERT_TRUE(wait_for(told[0], 4));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a second call would show
+  for (int k = 0; k < 2; ++k) {
+    SCOPED_TRACE(k);
+    std::lock_guard<std::mutex> lock(told[k].mu);
+    EXPECT_EQ(told[k].count, k == 0 ? 4u : 3u);
+    for (uint64_t key : {kDirect, kRun}) {
+      ASSERT_EQ(told[k].calls[key].size(), 1u) << key;
+      EXPECT_TRUE(told[k].calls[key][0].ok()) << key << ": " << told[k].calls[key][0];
+      EXPECT_EQ(told[k].first_value[key], 3.0f) << key << ": the result came after `done`";
+      for (float v : recv[k][key]) ASSERT_EQ(v, 3.0f) << key;
+    }
+    ASSERT_EQ(told[k].calls[kMismatch].size(), 1u);
+    EXPECT_EQ(told[k].calls[kMismatch][0].code(), absl::StatusCode::kInvalidArgument)
+        << told[k].calls[kMismatch][0];
+    EXPECT_TRUE(nodes.ends(k).ends.empty()) << "OpDone was called for an operation with `done`";
+  }
+  EXPECT_EQ(nodes.job(0).direct_ops(), 2u);  // kDirect and kMismatch
+  ASSERT_EQ(told[0].calls[kAborted].size(), 1u);
+  EXPECT_EQ(told[0].calls[kAborted][0].code(), absl::StatusCode::kCancelled)
+      << told[0].calls[kAborted][0];
+}
+
 // Direct ops that time out one after another (their exchanges stay,
 // waiting): kMaxStaleExchanges of them end the job, naming why, so that a
 // trainer cannot make the daemon hold ever more memory.

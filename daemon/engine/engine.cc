@@ -134,11 +134,12 @@ bool Engine::PollSubmissionsOnLoop() {
       }
       if (!*got) break;
       worked = true;
-      if (s->outstanding >= s->cq->capacity()) {  // ciuicd's copy, not the trainer's
+      // The ring's capacity as ciuicd made it, not the trainer's copy.
+      if (s->outstanding.load(std::memory_order_relaxed) >= s->cq->capacity()) {
         CloseSessionOnLoop(s, "more operations in flight than the completion ring holds");
         break;
       }
-      ++s->outstanding;
+      s->outstanding.fetch_add(1, std::memory_order_relaxed);
       try {
         SubmitOnLoop(s, entry);
       } catch (const std::exception& e) {  // out of memory: this operation fails
@@ -202,6 +203,11 @@ void Engine::Loop() {
       ArmDoorbellsOnLoop(false);
       armed = false;
     }
+    // Posted closures before the events: the bookkeeping of a multi-node
+    // operation is posted before its ranks hear of its end (TellRanks), so
+    // it runs before the hang-up of a trainer that then exits can end the
+    // job (and the operation's record with it).
+    bool worked = RunPostedOnLoop();
     for (int i = 0; i < n; ++i) {
       const uint64_t tag = events[i].data.u64;
       const uint64_t kind = tag & 3;
@@ -226,7 +232,7 @@ void Engine::Loop() {
         }
       }
     }
-    bool worked = RunPostedOnLoop();
+    worked |= RunPostedOnLoop();
     worked |= PollSubmissionsOnLoop();
     CheckDeadlinesOnLoop();
     if (worked) last_work = Clock::now();

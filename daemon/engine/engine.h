@@ -257,6 +257,12 @@ class Engine {
   void FailJobOnLoop(Job& job, const absl::Status& status);
   void CheckDeadlinesOnLoop();
   void CompleteOnLoop(Session& session, uint64_t op_id, const absl::Status& status);
+  // Writes one completion to `session`'s ring, from any thread. A write that
+  // fails (the trainer broke its ring) is returned: the session must close.
+  static absl::Status PushCompletion(Session& session, uint64_t op_id, const absl::Status& status);
+  // Any thread: the ranks of `op`, which its ClusterJob has ended, hear of it
+  // now unless the loop has told them already (PendingOp::ranks_told).
+  void TellRanks(PendingOp& op, const absl::Status& status);
   void CloseSessionOnLoop(const std::shared_ptr<Session>& session, const std::string& why);
   void StartClusterOnLoop(Job& job);
   void ClusterDoneOnLoop(const std::string& job_key, uint64_t op_key, const absl::Status& status);

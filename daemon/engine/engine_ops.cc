@@ -65,14 +65,42 @@ absl::Status Named(const PendingOp& op, const absl::Status& s) {
 
 // ------------------------------------------------------------- operations
 
+absl::Status Engine::PushCompletion(Session& session, uint64_t op_id,
+                                    const absl::Status& status) {
+  std::lock_guard<std::mutex> lock(session.cq_mu);
+  if (session.cq_closed) return absl::OkStatus();
+  // Checked and taken under cq_mu; the loop only adds.
+  if (session.outstanding.load(std::memory_order_relaxed) > 0) {
+    session.outstanding.fetch_sub(1, std::memory_order_relaxed);
+  }
+  return session.cq->Push(op_id, static_cast<int>(status.code()), status.message());
+}
+
 void Engine::CompleteOnLoop(Session& session, uint64_t op_id, const absl::Status& status) {
   if (session.closed) return;
-  if (session.outstanding > 0) --session.outstanding;
-  absl::Status pushed =
-      session.cq->Push(op_id, static_cast<int>(status.code()), status.message());
+  absl::Status pushed = PushCompletion(session, op_id, status);
   if (!pushed.ok()) {
     auto it = sessions_.find(session.id);
     if (it != sessions_.end()) CloseSessionOnLoop(it->second, pushed.ToString());
+  }
+}
+
+void Engine::TellRanks(PendingOp& op, const absl::Status& status) {
+  std::vector<std::pair<std::shared_ptr<Session>, std::string>> broken;
+  {
+    std::lock_guard<std::mutex> lock(op.end_mu);
+    if (op.ranks_told) return;
+    op.ranks_told = true;
+    for (auto& part : op.parts) {
+      if (!part) continue;
+      absl::Status pushed = PushCompletion(*part->session, part->op.op_id, status);
+      if (!pushed.ok()) broken.emplace_back(part->session, pushed.ToString());
+    }
+  }
+  for (auto& [session, why] : broken) {
+    Post([this, session = std::move(session), why = std::move(why)] {
+      CloseSessionOnLoop(session, why);
+    });
   }
 }
 
@@ -316,6 +344,15 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
     if (part->op.timeout_ms) c.timeout_ms = part->op.timeout_ms;
   }
   c.deadline = op->deadline;  // one deadline from here on (ClusterOp::deadline)
+  // Where the operation ends (a transport thread for a direct one, a lane
+  // for a run): the loop's bookkeeping is posted first, so that whatever a
+  // rank asks the loop after its completion sees it, and then the ranks
+  // hear at once, without waiting for the loop to come round. The parts
+  // and the buffers they point to stay alive with `op`.
+  c.done = [this, key = job.key, op_key = c.key, op](const absl::Status& s) {
+    Post([this, key, op_key, s] { ClusterDoneOnLoop(key, op_key, s); });
+    TellRanks(*op, s);
+  };
   ++running_ops_;
   cluster_handoff_ = Clock::now();
   job.in_cluster[c.key] = std::move(op);
@@ -393,10 +430,20 @@ void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl:
     ++ops_failed_;
     if (job) ++job->ops_failed;
   }
-  for (auto& part : op.parts) {
+  // An operation of a multi-node job may have been told to its ranks by the
+  // thread that ended it (TellRanks), which may still be at it: end_mu.
+  std::vector<std::optional<RankPart>> parts;
+  {
+    std::lock_guard<std::mutex> lock(op.end_mu);
+    if (!op.ranks_told) {
+      op.ranks_told = true;
+      parts.swap(op.parts);
+    }
+    op.parts.clear();
+  }
+  for (auto& part : parts) {
     if (part) CompleteOnLoop(*part->session, part->op.op_id, status);
   }
-  op.parts.clear();
   op.collective.reset();
 }
 

@@ -138,6 +138,10 @@ void Engine::HandshakeOnAcceptor(int fd) {
 void Engine::CloseSessionOnLoop(const std::shared_ptr<Session>& session, const std::string& why) {
   if (session->closed) return;
   session->closed = true;
+  {
+    std::lock_guard<std::mutex> lock(session->cq_mu);
+    session->cq_closed = true;  // no thread writes its ring from here on
+  }
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->sock_fd, nullptr);
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, session->doorbell_fd, nullptr);
   sessions_.erase(session->id);

@@ -13,6 +13,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,11 +45,18 @@ struct Session {
   std::string token;
   std::shared_ptr<SessionMemory> memory;
   std::optional<SubmissionReader> sq;
-  std::optional<CompletionWriter> cq;
-  bool closed = false;
+  // The completion ring has two writers: the loop, and the thread that
+  // ends an operation of a multi-node job (Engine::TellRanks), which writes
+  // its ranks' completions at once instead of through the loop.
+  std::mutex cq_mu;
+  std::optional<CompletionWriter> cq;  // pushes under cq_mu
+  bool cq_closed = false;              // under cq_mu: the session has closed
+  bool closed = false;                 // the loop's
   std::string job_key;  // empty until joined
   int rank = -1;
-  uint32_t outstanding = 0;  // submitted, not yet completed
+  // Submitted, not yet completed: the loop adds, a completion's writer
+  // (under cq_mu) takes away.
+  std::atomic<uint32_t> outstanding{0};
   // This session's share of the uid's limits, given back when the session
   // (and so its memory) goes.
   std::unique_ptr<SessionLimits::Ticket> reserved;
@@ -89,6 +97,12 @@ struct PendingOp {
   // While running:
   std::unique_ptr<LocalCollective> collective;
   std::atomic<size_t> chunks_left{0};
+  // An operation of a multi-node job is told to its ranks either by the
+  // thread that ends it (Engine::TellRanks) or by the loop (FinishOnLoop),
+  // whichever comes first: `parts` and `ranks_told` under end_mu once the
+  // operation is in the ClusterJob.
+  std::mutex end_mu;
+  bool ranks_told = false;
 };
 
 struct Job {
