@@ -8,7 +8,13 @@
 // belong to the loop end in `OnLoop` or say so. An acceptor thread performs
 // session handshakes (they may block on a slow trainer) and posts the new
 // session to the loop. Worker threads (WorkerPool) run chunks of large
-// operations and post their completion back.
+// operations and post their completion back. The one exception: the end of
+// an operation of a multi-node job. The thread that ends it (a UCX thread
+// for a direct exchange, a lane for a run) posts the loop's bookkeeping and
+// then writes the ranks' completions itself (TellRanks), so that the
+// trainer does not wait for the loop to come round: a session's completion
+// ring has two writers, under Session::cq_mu, and PendingOp::end_mu lets
+// whichever of the two comes first tell the ranks.
 //
 // The loop polls the submission rings while there is work, keeps polling
 // for spin_us after the last work, then arms the doorbells and sleeps in

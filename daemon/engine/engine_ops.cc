@@ -90,6 +90,18 @@ void Engine::TellRanks(PendingOp& op, const absl::Status& status) {
   {
     std::lock_guard<std::mutex> lock(op.end_mu);
     if (op.ranks_told) return;
+    // A trainer asleep on its ring is left to the loop: woken from here, it
+    // would take the core of the thread that still has this exchange (and
+    // the next one's sends) to finish. Measured on 2 cores: 256K between two
+    // nodes took 403 us instead of 344 with every rank told from here, and
+    // its p99 1.6 ms instead of 0.6. A trainer that polls hears at once.
+    // (trainer_waiters is the trainer's to write: a hint only.)
+    for (auto& part : op.parts) {
+      if (part && part->session->memory->header()->trainer_waiters.load(
+                      std::memory_order_relaxed) != 0) {
+        return;
+      }
+    }
     op.ranks_told = true;
     for (auto& part : op.parts) {
       if (!part) continue;

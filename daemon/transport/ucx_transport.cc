@@ -369,7 +369,10 @@ class UcxTransport::Channel {
     pthread_setname_np(pthread_self(), name.c_str());
     IdlePolicy idle(UcxTransport::PollWindow());
     while (true) {
-      bool worked = DrainQueue();
+      // Nothing queued: no lock (the thread comes here every round while it
+      // polls, and producers take the same mutex). What a producer queues
+      // and counts (Wake) after this load is drained on the next round.
+      bool worked = pending_.load() != 0 && DrainQueue();
       if (stop_.load()) break;
       unsigned progressed = 0;
       while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
