@@ -5,15 +5,16 @@
 // Threads: an op starts on Submit's caller (the engine's loop), or on the
 // ClusterJob's thread when it came before the job formed or has GPU
 // buffers; its exchange ends on a transport thread, which writes the
-// result to the ranks' buffers (a GPU op's goes back to the ClusterJob's
-// thread to be stored). The table direct_ decides who ends an op: whoever
+// result to the ranks' buffers and ends the op there (Done: the engine's
+// ClusterOp::done tells the ranks from that thread); a GPU op's result
+// goes back to the ClusterJob's thread to be stored. The table direct_ decides who ends an op: whoever
 // takes it out (the exchange's end, its deadline, the job's failure).
 #include <algorithm>
 #include <cstring>
 #include <optional>
 
-#include "ciuic/collective_rules.h"
 #include "absl/strings/str_cat.h"
+#include "ciuic/collective_rules.h"
 #include "cluster/cluster_job.h"
 #include "cluster/run_plan.h"
 #include "reduce/reduce.h"
