@@ -257,8 +257,10 @@ class Engine {
   void LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op);
   void SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op);
   void FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status);
-  // Keeps op's record for the trace, ending with `status`.
-  void RecordOnLoop(PendingOp& op, const absl::Status& status);
+  // Keeps op's record for the trace, ending with `status` at `done` (unset:
+  // now).
+  void RecordOnLoop(PendingOp& op, const absl::Status& status,
+                    std::chrono::steady_clock::time_point done = {});
   void FailPendingOnLoop(Job& job, PendingOp& op, const absl::Status& status);
   void FailJobOnLoop(Job& job, const absl::Status& status);
   void CheckDeadlinesOnLoop();

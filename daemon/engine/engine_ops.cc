@@ -103,6 +103,7 @@ void Engine::TellRanks(PendingOp& op, const absl::Status& status) {
       }
     }
     op.ranks_told = true;
+    op.told_at = Clock::now();
     for (auto& part : op.parts) {
       if (!part) continue;
       absl::Status pushed = PushCompletion(*part->session, part->op.op_id, status);
@@ -423,9 +424,25 @@ void Engine::LaunchDeviceOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
 void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl::Status& status) {
   auto it = jobs_.find(job_key);
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
+  // An operation of a multi-node job may have been told to its ranks by the
+  // thread that ended it (TellRanks), which may still be at it: end_mu. Its
+  // end is then when they were told.
+  std::vector<std::optional<RankPart>> parts;
+  Clock::time_point ended;
+  {
+    std::lock_guard<std::mutex> lock(op.end_mu);
+    if (op.ranks_told) {
+      ended = op.told_at;
+    } else {
+      op.ranks_told = true;
+      parts.swap(op.parts);
+      ended = Clock::now();
+    }
+    op.parts.clear();
+  }
   const uint64_t bytes = op.trace.bytes;
-  const double took = std::chrono::duration<double>(Clock::now() - op.trace.submitted).count();
-  RecordOnLoop(op, status);
+  const double took = std::chrono::duration<double>(ended - op.trace.submitted).count();
+  RecordOnLoop(op, status, ended);
   if (status.ok()) {
     ++ops_completed_;
     bytes_ += bytes;
@@ -442,26 +459,15 @@ void Engine::FinishOnLoop(const std::string& job_key, PendingOp& op, const absl:
     ++ops_failed_;
     if (job) ++job->ops_failed;
   }
-  // An operation of a multi-node job may have been told to its ranks by the
-  // thread that ended it (TellRanks), which may still be at it: end_mu.
-  std::vector<std::optional<RankPart>> parts;
-  {
-    std::lock_guard<std::mutex> lock(op.end_mu);
-    if (!op.ranks_told) {
-      op.ranks_told = true;
-      parts.swap(op.parts);
-    }
-    op.parts.clear();
-  }
   for (auto& part : parts) {
     if (part) CompleteOnLoop(*part->session, part->op.op_id, status);
   }
   op.collective.reset();
 }
 
-void Engine::RecordOnLoop(PendingOp& op, const absl::Status& status) {
+void Engine::RecordOnLoop(PendingOp& op, const absl::Status& status, Clock::time_point done) {
   const uint32_t capacity = options_.tuning->Snapshot().trace_ops;
-  op.trace.done = Clock::now();
+  op.trace.done = done == Clock::time_point() ? Clock::now() : done;
   op.trace.status = status;
   trace_.Add(std::move(op.trace), capacity);
   op.trace = OpRecord();

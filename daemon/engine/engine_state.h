@@ -103,6 +103,7 @@ struct PendingOp {
   // operation is in the ClusterJob.
   std::mutex end_mu;
   bool ranks_told = false;
+  Clock::time_point told_at;  // by TellRanks: the operation's end
 };
 
 struct Job {
