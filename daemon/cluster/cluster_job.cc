@@ -185,6 +185,13 @@ void ClusterJob::Submit(ClusterOp op) {
   uint64_t tag_base = 0;
   if (!op.staged && IsUnnamedDirect(op, &tag_base) && StartDirect(op, tag_base)) return;
   bool direct = false;
+  // What the early local phase reduces, taken before the op moves on.
+  std::shared_ptr<EarlyLocal> early = EarlyLocalFor(op);
+  std::vector<const void*> inputs;
+  uint8_t* out = nullptr;
+  const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
+  const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
+  const size_t count = op.sig.count;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const bool named = !op.name.empty() && !wire::IsUnnamed(op.name);
@@ -193,6 +200,11 @@ void ClusterJob::Submit(ClusterOp op) {
       direct = TakeNamedDirectLocked(op, &tag_base);
     }
     if (!direct) {
+      if (early) {
+        op.early = early;
+        for (const auto& p : op.parts) inputs.push_back(p.send);
+        out = op.parts.front().recv;
+      }
       if (named) ++queued_named_[op.name];
       Event e{Event::kSubmit, {}, {}, {}};
       e.op = std::move(op);
@@ -201,6 +213,15 @@ void ClusterJob::Submit(ClusterOp op) {
   }
   if (!direct) {
     cv_.notify_all();
+    // The local phase while the Ready travels and the coordinator waits for
+    // the other nodes; the run waits for it (Execute) and so does the op's
+    // end (Done): the ranks' buffers are written here until Finish.
+    if (out != nullptr) {
+      ReduceLocal(dtype, requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested,
+                  inputs, out, count);
+      early->Finish();
+      early_local_ops_.fetch_add(1, std::memory_order_relaxed);
+    }
     return;
   }
   // Its occurrence is taken: it runs direct or ends here.
@@ -475,7 +496,22 @@ void ClusterJob::FailAll(const absl::Status& why) {
   for (DirectOp& d : TakeDirect()) Done(d.op, why);
 }
 
+std::shared_ptr<EarlyLocal> ClusterJob::EarlyLocalFor(const ClusterOp& op) const {
+  if (op.staged || !op.splits_error.empty() || op.parts.size() < 2 ||
+      op.sig.collective != static_cast<uint32_t>(wire::Collective::kAllreduce) ||
+      op.sig.count == 0 || op.sig.count > kEarlyLocalMaxBytes ||
+      op.sig.count * op.sig.element_bytes() > kEarlyLocalMaxBytes) {
+    return nullptr;
+  }
+  for (const auto& p : op.parts) {
+    if (p.send == nullptr || p.recv == nullptr) return nullptr;
+  }
+  return std::make_shared<EarlyLocal>();
+}
+
 void ClusterJob::Done(ClusterOp& op, const absl::Status& status) {
+  // Its early local phase may still be writing the first rank's buffer.
+  if (op.early) op.early->Wait();
   op.staged.reset();  // its device work ends before the ranks hear
   if (op.done) {
     std::function<void(const absl::Status&)> done = std::move(op.done);

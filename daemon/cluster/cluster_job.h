@@ -89,6 +89,21 @@ using TransportFactory =
 std::vector<std::pair<size_t, size_t>> NodeParts(const std::vector<int>& node_of_rank, int node,
                                                  size_t at, size_t n, size_t rank_count);
 
+// The local phase of an operation run before the coordinator's Run came
+// (ClusterJob::Submit): set once the node's ranks are reduced into the
+// first part's recv buffer. Those who would read the ranks' buffers or let
+// the ranks have them back wait for it.
+struct EarlyLocal {
+  std::atomic<bool> done{false};
+  void Wait() const {
+    while (!done.load(std::memory_order_acquire)) done.wait(false, std::memory_order_acquire);
+  }
+  void Finish() {
+    done.store(true, std::memory_order_release);
+    done.notify_all();
+  }
+};
+
 struct ClusterOp {
   uint64_t key = 0;  // the engine's, echoed in OpDone
   std::string name;
@@ -146,6 +161,9 @@ struct ClusterOp {
   // caller), in place of the ClusterJob's OpDone: the engine's tells the
   // ranks at once instead of through its loop. Unset: OpDone.
   std::function<void(const absl::Status&)> done;
+  // Set: the node's ranks are reduced (or being reduced) into parts[0].recv
+  // ahead of the run, which then takes that buffer as its only input.
+  std::shared_ptr<EarlyLocal> early;
 };
 
 class ClusterJob {
@@ -283,6 +301,8 @@ class ClusterJob {
   // Direct operations that waited for exchanges to end (kDirectBudgetBytes).
   uint64_t direct_waited() const { return direct_waited_.load(std::memory_order_relaxed); }
   uint64_t direct_max_bytes() const { return direct_max_bytes_.load(std::memory_order_relaxed); }
+  // Runs whose local phase ran before their Run came (kEarlyLocalMaxBytes).
+  uint64_t early_local_ops() const { return early_local_ops_.load(std::memory_order_relaxed); }
 
   struct StagingCounters {
     uint64_t ops = 0;    // operations whose node buffer was on a GPU (staged)
@@ -418,6 +438,13 @@ class ClusterJob {
   // (which may be one of them: element by element): in chunks of
   // kLocalChunkBytes through Options::parallel from 2 chunks up.
   static constexpr size_t kLocalChunkBytes = size_t{512} << 10;
+  // The largest allreduce whose local phase Submit runs on its caller's
+  // thread (the engine's loop, helped by the worker pool) while the Ready
+  // travels: larger ones keep the loop too long, and the round trip is a
+  // small part of their time.
+  static constexpr size_t kEarlyLocalMaxBytes = size_t{1} << 20;
+  // Submit's caller: the early local phase of `op`, when it qualifies.
+  std::shared_ptr<EarlyLocal> EarlyLocalFor(const ClusterOp& op) const;
   void ReduceLocal(wire::DataType dtype, wire::ReduceOp op, const std::vector<const void*>& inputs,
                    void* out, size_t count);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
@@ -568,6 +595,7 @@ class ClusterJob {
   std::atomic<uint64_t> fused_runs_{0};
   std::atomic<uint64_t> staged_ops_{0};
   std::atomic<uint64_t> direct_ops_{0};
+  std::atomic<uint64_t> early_local_ops_{0};
   // The job's direct_max_bytes (Membership), set once it formed.
   std::atomic<uint64_t> direct_max_bytes_{0};
   std::mutex direct_mu_;  // never held while taking mu_ or calling the transport

@@ -101,7 +101,14 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   size_t offset = 0;
   for (const ClusterOp& op : ops) {
     inputs.clear();
-    for (const auto& p : op.parts) inputs.push_back(p.send);
+    if (op.early) {
+      // Reduced before the Run came (Submit), into the first rank's buffer,
+      // which may have been its input too.
+      op.early->Wait();
+      inputs.push_back(op.parts.front().recv);
+    } else {
+      for (const auto& p : op.parts) inputs.push_back(p.send);
+    }
     ReduceLocal(dtype, wire_op, inputs, node + offset, op.sig.count);
     offset += op.sig.count * es;
   }
@@ -181,6 +188,12 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
   };
   std::vector<const void*> inputs;
   for (const auto& p : op.parts) inputs.push_back(p.send);
+  if (op.early) {
+    // An allreduce reduced before the Run came (Submit) into the node
+    // buffer, the first rank's recv: the only input left.
+    op.early->Wait();
+    inputs.assign(1, first.recv);
+  }
   switch (collective) {
     case wire::Collective::kAllreduce:
     case wire::Collective::kReduceScatter: {

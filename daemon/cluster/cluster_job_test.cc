@@ -306,6 +306,105 @@ TEST(ClusterJobTest, FusedRunsGiveTheUnfusedBitsAndCountThemselves) {
   }
 }
 
+// A several-rank allreduce of up to kEarlyLocalMaxBytes that goes through
+// the coordinator is reduced locally when it is submitted, before its Run
+// comes: 2 nodes x 2 ranks, the first rank of each node in place (the
+// early phase overwrites its input), sum, avg and max from 1 element to
+// 1 MiB, fused and unfused (the same bits), and a name submitted twice
+// before its first Run, whose second occurrence the ClusterJob's thread
+// then starts direct from the early phase's buffer. Every result is the
+// plain loop's (small integers: exact in any order).
+TEST(ClusterJobTest, TheLocalPhaseRunsBeforeTheRunAndGivesThePlainLoopsBits) {
+  Nodes nodes(2, 2);
+  ASSERT_TRUE(nodes.SetBoth("cycle_time_us", "20000").ok());
+  const std::vector<size_t> sizes = {1, 7, 1000, 5003, 65536, 262144};  // 262144: 1 MiB
+  const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg, wire::ReduceOp::kMax};
+  const size_t n_ops = sizes.size() * 3;
+  auto value = [](int rank, size_t o, size_t i) {
+    return static_cast<float>(static_cast<int>((rank * 7 + o * 5 + i * 3) % 13) - 6);
+  };
+  auto want = [&](wire::ReduceOp op, size_t o, size_t i) {
+    float w = value(0, o, i);
+    for (int r = 1; r < 4; ++r) w = op == wire::ReduceOp::kMax ? std::max(w, value(r, o, i)) : w + value(r, o, i);
+    return op == wire::ReduceOp::kAvg ? w / 4 : w;
+  };
+  // [round][rank][op]; rank 0 and 2 in place (their recv is their send).
+  std::vector<float> send[2][4][18], recv[2][4][18];
+  ASSERT_EQ(n_ops, 18u);
+  uint64_t ended = 0;
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) ASSERT_TRUE(nodes.SetBoth("fusion_threshold_bytes", "0").ok());
+    for (int k = 0; k < 2; ++k) {
+      for (size_t j = 0; j < n_ops; ++j) {
+        const size_t o = k == 0 ? j : n_ops - 1 - j;
+        const size_t count = sizes[o % sizes.size()];
+        ClusterOp op = Allreduce(round * 100 + o, "r" + std::to_string(round) + "/" + std::to_string(o),
+                                 wire::DataType::kFloat32, ops[o / sizes.size()], count, 2 * k,
+                                 nullptr, nullptr);
+        op.parts.clear();
+        for (int r = 2 * k; r < 2 * k + 2; ++r) {
+          auto& in = send[round][r][o];
+          auto& out = recv[round][r][o];
+          out.resize(count);
+          for (size_t i = 0; i < count; ++i) out[i] = value(r, o, i);
+          if (r % 2 == 1) in = out;  // apart; the first rank's recv is its send
+          const float* from = r % 2 == 1 ? in.data() : out.data();
+          op.parts.push_back(ClusterOp::Part{r, reinterpret_cast<const uint8_t*>(from),
+                                             reinterpret_cast<uint8_t*>(out.data()), {}, {}});
+        }
+        nodes.job(k).Submit(std::move(op));
+      }
+    }
+    ended += n_ops;
+    nodes.ExpectEndsOk(ended);
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (int r = 0; r < 4; ++r) {
+      for (size_t o = 0; o < n_ops; ++o) {
+        const auto& got = recv[round][r][o];
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_EQ(got[i], want(ops[o / sizes.size()], o, i))
+              << "round " << round << " rank " << r << " op " << o << " element " << i;
+        }
+        ASSERT_EQ(std::memcmp(got.data(), recv[0][r][o].data(), 4 * got.size()), 0)
+            << "rank " << r << " op " << o << ": fused and unfused results differ";
+      }
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_GT(nodes.job(k).fusion().ops, 0u) << "node " << k;
+    EXPECT_EQ(nodes.job(k).early_local_ops(), 2 * n_ops) << "node " << k;
+  }
+  // "again" twice, in place, before the first's Run: the second waits in
+  // the ClusterJob's queue and starts direct once the first has its slot.
+  ASSERT_TRUE(nodes.SetBoth("cycle_time_us", "50000").ok());
+  std::vector<float> again[2][4];
+  for (int k = 0; k < 2; ++k) {
+    for (int time = 0; time < 2; ++time) {
+      ClusterOp op = Allreduce(1000 + time, "again", wire::DataType::kFloat32,
+                               wire::ReduceOp::kSum, 100, 2 * k, nullptr, nullptr);
+      op.parts.clear();
+      for (int r = 2 * k; r < 2 * k + 2; ++r) {
+        auto& buf = again[time][r];
+        buf.assign(100, static_cast<float>(r + 10 * time));
+        op.parts.push_back(ClusterOp::Part{r, reinterpret_cast<const uint8_t*>(buf.data()),
+                                           reinterpret_cast<uint8_t*>(buf.data()), {}, {}});
+      }
+      nodes.job(k).Submit(std::move(op));
+    }
+  }
+  nodes.ExpectEndsOk(ended + 2);
+  for (int time = 0; time < 2; ++time) {
+    for (int r = 0; r < 4; ++r) {
+      for (float v : again[time][r]) ASSERT_EQ(v, 6.0f + 40 * time) << "occurrence " << time << " rank " << r;
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(nodes.job(k).early_local_ops(), 2 * n_ops + 2) << "node " << k;
+    EXPECT_EQ(nodes.job(k).direct_ops(), 1u) << "node " << k;
+  }
+}
+
 // The local phase of a node with several ranks reduces in chunks that
 // other threads share (Options::parallel): a 3 MiB float32 allreduce and
 // reduce_scatter on 2 nodes x 2 ranks, in place and out of place, each

@@ -369,6 +369,8 @@ void Engine::SubmitToClusterOnLoop(Job& job, std::shared_ptr<PendingOp> op) {
   ++running_ops_;
   cluster_handoff_ = Clock::now();
   job.in_cluster[c.key] = std::move(op);
+  // A direct op's local phase, and that of a several-rank allreduce of up
+  // to ClusterJob::kEarlyLocalMaxBytes, run in here, on the loop.
   job.cluster->Submit(std::move(c));
 }
 
