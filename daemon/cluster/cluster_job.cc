@@ -189,6 +189,7 @@ void ClusterJob::Submit(ClusterOp op) {
   std::shared_ptr<EarlyLocal> early = EarlyLocalFor(op);
   std::vector<const void*> inputs;
   uint8_t* out = nullptr;
+  std::string name;  // for its error
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
   const size_t count = op.sig.count;
@@ -204,6 +205,7 @@ void ClusterJob::Submit(ClusterOp op) {
         op.early = early;
         for (const auto& p : op.parts) inputs.push_back(p.send);
         out = op.parts.front().recv;
+        name = op.name;
       }
       if (named) ++queued_named_[op.name];
       Event e{Event::kSubmit, {}, {}, {}};
@@ -217,9 +219,16 @@ void ClusterJob::Submit(ClusterOp op) {
     // the other nodes; the run waits for it (Execute) and so does the op's
     // end (Done): the ranks' buffers are written here until Finish.
     if (out != nullptr) {
-      ReduceLocal(dtype, requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested,
-                  inputs, out, count);
-      early->Finish();
+      absl::Status reduced;
+      try {
+        ReduceLocal(dtype, requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested,
+                    inputs, out, count);
+      } catch (const std::exception& e) {  // out of memory: the run fails, nobody waits forever
+        reduced = absl::ResourceExhaustedError(absl::StrCat(
+            "the local phase of operation '", name, "' failed on ", options_.node_name, ": ",
+            e.what()));
+      }
+      early->Finish(std::move(reduced));
       early_local_ops_.fetch_add(1, std::memory_order_relaxed);
     }
     return;
@@ -511,7 +520,7 @@ std::shared_ptr<EarlyLocal> ClusterJob::EarlyLocalFor(const ClusterOp& op) const
 
 void ClusterJob::Done(ClusterOp& op, const absl::Status& status) {
   // Its early local phase may still be writing the first rank's buffer.
-  if (op.early) op.early->Wait();
+  if (op.early) op.early->Wait().IgnoreError();
   op.staged.reset();  // its device work ends before the ranks hear
   if (op.done) {
     std::function<void(const absl::Status&)> done = std::move(op.done);

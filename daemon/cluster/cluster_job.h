@@ -94,14 +94,21 @@ std::vector<std::pair<size_t, size_t>> NodeParts(const std::vector<int>& node_of
 // first part's recv buffer. Those who would read the ranks' buffers or let
 // the ranks have them back wait for it.
 struct EarlyLocal {
-  std::atomic<bool> done{false};
-  void Wait() const {
-    while (!done.load(std::memory_order_acquire)) done.wait(false, std::memory_order_acquire);
+  // Waits for the reduction's end (it always ends: Submit finishes it even
+  // when the reduction throws): OK, or why the buffer does not hold it.
+  absl::Status Wait() const {
+    while (!done_.load(std::memory_order_acquire)) done_.wait(false, std::memory_order_acquire);
+    return failure_;
   }
-  void Finish() {
-    done.store(true, std::memory_order_release);
-    done.notify_all();
+  void Finish(absl::Status failure = absl::OkStatus()) {
+    failure_ = std::move(failure);  // published by the release below
+    done_.store(true, std::memory_order_release);
+    done_.notify_all();
   }
+
+ private:
+  absl::Status failure_;
+  std::atomic<bool> done_{false};
 };
 
 struct ClusterOp {

@@ -172,8 +172,11 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
     } else if (op.early) {
       // Reduced when it was submitted, before it could be known to run
       // direct (a named occurrence the ClusterJob's thread starts).
-      op.early->Wait();
-      std::memcpy(value, op.parts.front().recv, payload);
+      if (absl::Status s = op.early->Wait(); s.ok()) {
+        std::memcpy(value, op.parts.front().recv, payload);
+      } else {
+        exchange->FailLocally(s);
+      }
     } else if (op.parts.size() == 1) {
       std::memcpy(value, op.parts.front().send, payload);
     } else {

@@ -104,7 +104,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
     if (op.early) {
       // Reduced before the Run came (Submit), into the first rank's buffer,
       // which may have been its input too.
-      op.early->Wait();
+      if (absl::Status s = op.early->Wait(); !s.ok()) return s;
       inputs.push_back(op.parts.front().recv);
     } else {
       for (const auto& p : op.parts) inputs.push_back(p.send);
@@ -191,7 +191,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
   if (op.early) {
     // An allreduce reduced before the Run came (Submit) into the node
     // buffer, the first rank's recv: the only input left.
-    op.early->Wait();
+    if (absl::Status s = op.early->Wait(); !s.ok()) return s;
     inputs.assign(1, first.recv);
   }
   switch (collective) {

@@ -405,6 +405,36 @@ TEST(ClusterJobTest, TheLocalPhaseRunsBeforeTheRunAndGivesThePlainLoopsBits) {
   }
 }
 
+// A run whose early local phase failed (Submit finishes the latch with
+// the reason, e.g. out of memory) fails on every node with that reason
+// instead of running on a buffer that does not hold the node's value, and
+// nothing waits for it forever. The latch is set by hand here: a node of
+// one rank takes no early phase of its own, so the preset one is what the
+// run finds.
+TEST(ClusterJobTest, ARunWhoseEarlyLocalPhaseFailedFailsEverywhere) {
+  Nodes nodes(2);
+  ASSERT_TRUE(nodes.SetBoth("op_timeout_ms", "20000").ok());
+  std::vector<float> send[2], recv[2];
+  for (int k = 0; k < 2; ++k) {
+    send[k].assign(300000, 1.0f);  // past direct_max_bytes: a run
+    recv[k].assign(300000, 0.0f);
+    ClusterOp op = Allreduce(1, "x", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                             send[k].size(), k, send[k].data(), recv[k].data());
+    if (k == 1) {
+      op.early = std::make_shared<EarlyLocal>();
+      op.early->Finish(absl::ResourceExhaustedError("no memory for the local phase"));
+    }
+    nodes.job(k).Submit(std::move(op));
+  }
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(nodes.ends(k).WaitFor(1)) << k;
+    const absl::Status& s = nodes.ends(k).ends[0].second;
+    EXPECT_FALSE(s.ok()) << "node " << k;
+    if (k == 1) EXPECT_NE(s.message().find("no memory for the local phase"), std::string::npos) << s;
+  }
+  EXPECT_EQ(recv[1][0], 0.0f);
+}
+
 // The local phase of a node with several ranks reduces in chunks that
 // other threads share (Options::parallel): a 3 MiB float32 allreduce and
 // reduce_scatter on 2 nodes x 2 ranks, in place and out of place, each
