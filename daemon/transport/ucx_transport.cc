@@ -45,6 +45,15 @@ constexpr uint64_t kUserTagMask = (uint64_t{1} << Transport::kTagBits) - 1;
 // daemons' CPU for 36 steps stayed 2.4 s (gaps there exceed the window).
 constexpr std::chrono::microseconds kDefaultPollWindow{300};
 
+// The largest transfer a caller posts to UCX itself instead of queueing it
+// for the channel's thread (Channel::Submit): up to the largest direct
+// operation (direct_max_bytes), whose first messages leave from the
+// engine's thread. Larger ones (a run's chunks) stay on the channel's
+// thread, where the copy into the socket does not hold up a lane or the
+// engine's loop. Measured in daemon/transport/README.md ("Posting from the
+// caller's thread").
+constexpr size_t kInlinePostMaxBytes = size_t{256} << 10;
+
 
 // The longest an idle thread sleeps: UCX does periodic work (keepalive,
 // timers) from ucp_worker_progress, so a sleeping worker wakes now and then.
@@ -118,8 +127,8 @@ struct UcxTransport::Shared {
 enum class OpKind { kSend, kRecv };
 
 // One Send or Recv, from the call until its callback. Owned by the channel's
-// queue, then by its in-flight list; touched only on the channel's thread
-// after it was queued.
+// queue, then by its in-flight list; touched only under its channel's
+// work_mu_ once queued or posted.
 struct UcxTransport::Op {
   OpKind kind;
   int peer;
@@ -196,7 +205,8 @@ struct EpContext {
 
 // ---------------------------------------------------------------------------
 // A channel: one worker, its endpoints and its progress thread. Everything
-// below "thread-owned" is touched only by the thread.
+// below "thread-owned" is touched only under work_mu_: by the thread in its
+// rounds, or by a caller that posts a small transfer itself (Submit).
 
 class UcxTransport::Channel {
  public:
@@ -209,7 +219,9 @@ class UcxTransport::Channel {
   absl::Status Init(ucp_context_h context) {
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    // One thread at a time, under work_mu_: the channel's thread, or a
+    // caller posting a small transfer itself (Submit).
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     ucs_status_t st = ucp_worker_create(context, &wp, &worker_);
     if (st != UCS_OK) {
       return absl::InternalError("ucp_worker_create for channel " + std::to_string(index_) + ": " +
@@ -245,6 +257,33 @@ class UcxTransport::Channel {
   }
 
   const std::string& address() const { return address_; }
+
+  // Any thread. A transfer of at most kInlinePostMaxBytes is posted to
+  // UCX by the caller itself when the worker is free (its thread between
+  // rounds, or asleep) and nothing queued is waiting: the caller saves the
+  // hand-off to the channel's thread and its wake-up. Its callback still
+  // runs on the channel's thread (deferred_). Anything else is queued.
+  void Submit(std::unique_ptr<Op> op) {
+    if (op->bytes <= kInlinePostMaxBytes && std::this_thread::get_id() != thread_.get_id() &&
+        pending_.load() == 0 && work_mu_.try_lock()) {
+      std::unique_lock<std::mutex> lock(work_mu_, std::adopt_lock);
+      // Re-checked under the lock: a producer's queued op goes first (one
+      // thread's transfers reach UCX in the order it made them), and a
+      // worker that shut down is gone.
+      if (worker_ != nullptr && !stop_.load() && pending_.load() == 0) {
+        posting_inline_ = true;
+        Post(std::move(op));
+        posting_inline_ = false;
+        lock.unlock();
+        // seq_cst, paired with sleeping_ in Run as Wake's: either the thread
+        // sees the post before it sleeps, or it is signalled.
+        inline_posts_.fetch_add(1);
+        if (sleeping_.load()) Signal();
+        return;
+      }
+    }
+    Enqueue(std::move(op));
+  }
 
   // Any thread.
   void Enqueue(std::unique_ptr<Op> op) {
@@ -369,16 +408,26 @@ class UcxTransport::Channel {
     pthread_setname_np(pthread_self(), name.c_str());
     IdlePolicy idle(UcxTransport::PollWindow());
     while (true) {
-      // Nothing queued: no lock (the thread comes here every round while it
-      // polls, and producers take the same mutex). What a producer queues
-      // and counts (Wake) after this load is drained on the next round.
-      bool worked = pending_.load() != 0 && DrainQueue();
-      if (stop_.load()) break;
+      bool worked = inline_posts_.exchange(0) != 0;
       unsigned progressed = 0;
-      while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
-      worked = ServiceControl() || worked;
-      ServiceLingering();
-      ReapCloseRequests();
+      {
+        // The round owns the worker; callers post between rounds (Submit).
+        std::lock_guard<std::mutex> lock(work_mu_);
+        worked = RunDeferred() || worked;
+        // Nothing queued: no queue lock (the thread comes here every round
+        // while it polls, and producers take the same mutex). What a
+        // producer queues and counts (Wake) after this load is drained on
+        // the next round.
+        worked = (pending_.load() != 0 && DrainQueue()) || worked;
+        if (stop_.load()) {
+          Shutdown();
+          return;
+        }
+        while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
+        worked = ServiceControl() || worked;
+        ServiceLingering();
+        ReapCloseRequests();
+      }
       if (worked || progressed != 0) {
         idle.Worked(Clock::now());
         continue;
@@ -392,11 +441,15 @@ class UcxTransport::Channel {
       // saw true signals the worker, which either makes arm() busy or wakes
       // the poll.
       sleeping_.store(true);
-      if (pending_.load() != 0) {
+      if (pending_.load() != 0 || inline_posts_.load() != 0) {
         sleeping_.store(false);
         continue;
       }
-      ucs_status_t st = ucp_worker_arm(worker_);
+      ucs_status_t st;
+      {
+        std::lock_guard<std::mutex> lock(work_mu_);
+        st = ucp_worker_arm(worker_);
+      }
       if (st == UCS_OK) {
         pollfd pfd{efd_, POLLIN, 0};
         poll(&pfd, 1, lingering_count_ > 0 ? kLingerPollMs : kSleepMs);
@@ -406,7 +459,16 @@ class UcxTransport::Channel {
       }
       sleeping_.store(false);
     }
-    Shutdown();
+  }
+
+  // Runs the callbacks of transfers that a caller posted and that ended
+  // inside its nbx call. Returns whether there were any.
+  bool RunDeferred() {
+    if (deferred_.empty()) return false;
+    std::vector<std::function<void()>> calls;
+    calls.swap(deferred_);
+    for (auto& call : calls) call();
+    return true;
   }
 
   // Runs queued tasks and posts queued ops. Returns whether there were any.
@@ -622,12 +684,21 @@ class UcxTransport::Channel {
     return absl::InternalError("UCX error: " + UcsError(op.ucs));
   }
 
-  // Runs the callback (exactly once per op) on this thread.
+  // Runs the callback (exactly once per op) on this thread: a caller
+  // posting inline leaves it to the thread's next round, so that no
+  // callback runs inside Send or Recv (transport.h).
   void Finish(std::unique_ptr<Op> op, const absl::Status& status) {
     TransferDone done = std::move(op->done);
     absl::Status result = status.ok() ? status : Annotate(status, op->What());
     op.reset();
-    if (done) done(std::move(result));
+    if (!done) return;
+    if (posting_inline_) {
+      deferred_.push_back([done = std::move(done), result = std::move(result)]() mutable {
+        done(std::move(result));
+      });
+      return;
+    }
+    done(std::move(result));
   }
 
   // Gives every in-flight op matching `pred` the reason `why` and cancels
@@ -952,6 +1023,13 @@ class UcxTransport::Channel {
   std::atomic<bool> stop_{false};
   std::atomic<bool> sleeping_{false};
   std::atomic<uint64_t> pending_{0};  // work queued since the last drain
+  std::atomic<uint64_t> inline_posts_{0};  // transfers callers posted since the last round
+  // Whoever touches the worker, its endpoints, its requests or anything
+  // below "thread-owned" holds it: the thread for each round of its loop
+  // (and its shutdown), a caller for one inline post (Submit).
+  std::mutex work_mu_;
+  bool posting_inline_ = false;                  // under work_mu_
+  std::vector<std::function<void()>> deferred_;  // under work_mu_
   std::mutex mu_;
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   std::vector<Op*> ops_ ABSL_GUARDED_BY(mu_);  // owned
@@ -1198,7 +1276,7 @@ void UcxTransport::Route(std::unique_ptr<Op> op) {
         absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
   }
   op->owner = channels_[channel].get();
-  channels_[channel]->Enqueue(std::move(op));
+  channels_[channel]->Submit(std::move(op));
 }
 
 void UcxTransport::Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,

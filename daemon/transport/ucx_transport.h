@@ -2,12 +2,17 @@
 //
 // One ucp context per transport; one ucp worker per channel, each owned and
 // progressed by its own thread ("ciuic-ucx<N>"). Every ucp call that touches
-// a worker, its endpoints or its requests runs on that worker's thread
-// (workers are created UCS_THREAD_MODE_SINGLE): Send, Recv, Connect,
-// FailPeer and Describe hand work to the thread through a queue and wake it
-// with ucp_worker_signal. An idle thread polls (yielding) for 300 us, then
-// arms the worker and sleeps in poll() on the worker's event fd (waking once
-// a second so that UCX's periodic work can run).
+// a worker, its endpoints or its requests is made under the channel's worker
+// lock (workers are created UCS_THREAD_MODE_SERIALIZED): the thread holds it
+// for each round of its loop. A Send or Recv of at most 256 KiB is posted
+// by the calling thread itself when the lock is free and nothing is queued
+// before it, which saves the hand-off to the channel's thread on the way to
+// the wire; its callback still runs on the channel's thread. Everything
+// else (larger transfers, Connect, FailPeer, Describe) goes to the thread
+// through a queue and wakes it with ucp_worker_signal. An idle thread polls
+// (yielding) for 300 us, then arms the worker and sleeps in poll() on the
+// worker's event fd (waking once a second so that UCX's periodic work can
+// run).
 //
 // Wire tags are 64 bits: [16 bits source peer][48 bits user tag]; a Recv
 // matches with a full mask, so (source peer, channel, tag) selects exactly

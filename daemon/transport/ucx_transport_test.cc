@@ -309,6 +309,70 @@ TEST(UcxTransportTest, TagsAreMatchedBySourcePeerAndTag) {
   EXPECT_EQ(got2, 2u);
 }
 
+
+// Small transfers are posted by the calling thread when the worker is free,
+// larger ones (and any made while something is queued) go through the
+// channel's queue. Either way one thread's messages with one tag arrive in
+// the order it sent them, and no callback runs on the caller's thread (it
+// would then run inside Send, which transport.h rules out).
+TEST(UcxTransportTest, OneThreadsMessagesArriveInOrderAndCallBackOnTheChannelsThread) {
+  UseTls("tcp");
+  Ranks r = MakeRanks(2, 1);
+  ASSERT_EQ(r.t.size(), 2u);
+  constexpr int kThreads = 3;
+  constexpr int kMessages = 120;
+  // Every third message is larger than what a caller posts itself.
+  auto bytes_of = [](int i) { return i % 3 == 2 ? size_t{300} << 10 : size_t(1 + 37 * i); };
+  auto seed_of = [](int t, int i) { return uint64_t(t) * 100000 + uint64_t(i); };
+  std::vector<std::vector<std::vector<uint8_t>>> in(kThreads), out(kThreads);
+  Completions recvs(kThreads * kMessages);
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kMessages; ++i) {
+      out[t].emplace_back(bytes_of(i));
+      Fill(out[t][i], seed_of(t, i));
+      in[t].emplace_back(bytes_of(i), 0);
+      r[1].Recv(0, 0, 100 + t, in[t][i].data(), bytes_of(i), recvs.Slot(t * kMessages + i));
+    }
+  }
+  Completions sends(kThreads * kMessages);
+  std::vector<std::thread::id> callers(kThreads);
+  std::mutex seen_mu;
+  std::vector<std::thread::id> callback_threads;
+  std::vector<std::thread> producers;
+  for (int t = 0; t < kThreads; ++t) {
+    producers.emplace_back([&, t] {
+      callers[t] = std::this_thread::get_id();
+      for (int i = 0; i < kMessages; ++i) {
+        TransferDone slot = sends.Slot(t * kMessages + i);
+        r[0].Send(1, 0, 100 + t, out[t][i].data(), out[t][i].size(),
+                  [&, slot](absl::Status s) {
+                    {
+                      std::lock_guard<std::mutex> lock(seen_mu);
+                      callback_threads.push_back(std::this_thread::get_id());
+                    }
+                    slot(std::move(s));
+                  });
+      }
+    });
+  }
+  for (auto& p : producers) p.join();
+  ASSERT_TRUE(sends.WaitAll(milliseconds(30000)));
+  ASSERT_TRUE(recvs.WaitAll(milliseconds(30000)));
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kMessages; ++i) {
+      ASSERT_TRUE(sends.status(t * kMessages + i).ok()) << sends.status(t * kMessages + i);
+      ASSERT_TRUE(recvs.status(t * kMessages + i).ok())
+          << "thread " << t << " message " << i << ": " << recvs.status(t * kMessages + i);
+      ASSERT_EQ(in[t][i], out[t][i]) << "thread " << t << " message " << i << " out of order";
+    }
+  }
+  std::lock_guard<std::mutex> lock(seen_mu);
+  ASSERT_EQ(callback_threads.size(), size_t{kThreads * kMessages});
+  for (std::thread::id id : callback_threads) {
+    EXPECT_TRUE(std::find(callers.begin(), callers.end(), id) == callers.end())
+        << "a send's callback ran on the thread that called Send";
+  }
+}
 TEST(UcxTransportTest, TruncationIsAnErrorNamingTheTransfer) {
   UseTls("tcp");
   Ranks r = MakeRanks(2, 1);
