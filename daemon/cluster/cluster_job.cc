@@ -221,7 +221,7 @@ void ClusterJob::Submit(ClusterOp op) {
     if (out != nullptr) {
       absl::Status reduced;
       try {
-        ReduceLocal(dtype, requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested,
+        ReduceLocal(dtype, wire::CombiningOp(requested),
                     inputs, out, count);
       } catch (const std::exception& e) {  // out of memory: the run fails, nobody waits forever
         reduced = absl::ResourceExhaustedError(absl::StrCat(

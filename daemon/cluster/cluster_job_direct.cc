@@ -26,8 +26,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 wire::ReduceOp BetweenNodes(const OpSignature& sig) {
-  const auto op = static_cast<wire::ReduceOp>(sig.reduce_op);
-  return op == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : op;
+  return wire::CombiningOp(static_cast<wire::ReduceOp>(sig.reduce_op));
 }
 
 bool IsAvg(const OpSignature& sig) {

@@ -82,7 +82,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   }
   const auto dtype = static_cast<wire::DataType>(head.sig.dtype);
   const auto requested = static_cast<wire::ReduceOp>(head.sig.reduce_op);
-  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+  const auto wire_op = wire::CombiningOp(requested);
   const size_t es = head.sig.element_bytes();
   size_t total = 0;
   // A fused run ends by the latest of its operations' deadlines.
@@ -199,7 +199,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
     case wire::Collective::kReduceScatter: {
       // Sum (for avg) or reduce locally, across nodes, divide once, fan out.
       const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
-      const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+      const auto wire_op = wire::CombiningOp(requested);
       const bool all = collective == wire::Collective::kAllreduce;
       const size_t count = all ? op.sig.count : op.sig.count * static_cast<size_t>(world);
       auto codec = CodecNamed(settings.codec);

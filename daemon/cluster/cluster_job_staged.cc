@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "ciuic/collective_rules.h"
 #include "cluster/cluster_job.h"
 #include "cluster/run_plan.h"
 #include "collectives/internode/internode.h"
@@ -295,7 +296,7 @@ absl::Status ClusterJob::ReduceStaged(const ClusterOp& op, const InterNodeContex
   StagedNodeBuffer& device = *op.staged;
   const auto dtype = static_cast<wire::DataType>(op.sig.dtype);
   const auto requested = static_cast<wire::ReduceOp>(op.sig.reduce_op);
-  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+  const auto wire_op = wire::CombiningOp(requested);
   const size_t es = op.sig.element_bytes();
   // A reduce_scatter reduces every rank's block (the node buffer holds
   // them all); each rank then takes its own.

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "ciuic/collective_rules.h"
 #include "ciuic/shm_layout.h"
 #include "compression/codec.h"
 #include "reduce/reduce.h"
@@ -52,7 +53,7 @@ absl::StatusOr<std::string> ResolveCodec(const std::string& op_name, const Codec
   const Codec* codec = CodecForSpec(name, &error);
   if (codec == nullptr) return error;
   const auto requested = static_cast<wire::ReduceOp>(request.reduce_op);
-  const auto wire_op = requested == wire::ReduceOp::kAvg ? wire::ReduceOp::kSum : requested;
+  const auto wire_op = wire::CombiningOp(requested);
   absl::Status supported = codec->Supports(static_cast<wire::DataType>(request.dtype));
   if (supported.ok() && wire_op != wire::ReduceOp::kSum) {
     const char* op = wire::ReduceOpName(request.reduce_op);

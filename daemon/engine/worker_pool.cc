@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -40,22 +41,43 @@ void WorkerPool::ParallelFor(const std::string& owner, int32_t priority, size_t 
   // taken index has run.
   struct State {
     std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
     const std::function<void(size_t)>* body = nullptr;
     absl::Mutex mu;
     size_t done ABSL_GUARDED_BY(mu) = 0;
+    std::exception_ptr error ABSL_GUARDED_BY(mu);
   };
   auto state = std::make_shared<State>();
   state->body = &body;
+  // Every index is taken and counted, also after a body threw (the rest
+  // are then skipped): the caller waits for the count, so no helper can
+  // touch `body` after this returns or throws.
   auto work = [state, n] {
     size_t ran = 0;
-    for (size_t i; (i = state->next.fetch_add(1)) < n; ++ran) (*state->body)(i);
+    std::exception_ptr error;
+    for (size_t i; (i = state->next.fetch_add(1)) < n; ++ran) {
+      if (state->failed.load(std::memory_order_relaxed)) continue;
+      try {
+        (*state->body)(i);
+      } catch (...) {
+        error = std::current_exception();
+        state->failed.store(true, std::memory_order_relaxed);
+      }
+    }
     if (ran > 0) {
       absl::MutexLock lock(&state->mu);
       state->done += ran;
+      if (error && !state->error) state->error = error;
     }
   };
   const size_t helpers = std::min(n - 1, threads_.size());
-  for (size_t h = 0; h < helpers; ++h) Submit(owner, priority, work);
+  for (size_t h = 0; h < helpers; ++h) {
+    try {
+      Submit(owner, priority, work);
+    } catch (...) {
+      break;  // no memory for another helper's task: fewer helpers
+    }
+  }
   work();
   std::pair<State*, size_t> all{state.get(), n};
   absl::MutexLock lock(&state->mu);
@@ -64,6 +86,7 @@ void WorkerPool::ParallelFor(const std::string& owner, int32_t priority, size_t 
         return p->first->done == p->second;
       },
       &all));
+  if (state->error) std::rethrow_exception(state->error);
 }
 
 void WorkerPool::Run() {

@@ -36,8 +36,10 @@ class WorkerPool {
   // through tasks queued for `owner` (so the job's turn in the pool is
   // kept). A worker whose task starts after every index was taken does
   // nothing, so the caller finishes alone when the pool is busy with other
-  // jobs. `body` must not throw. Not from a worker thread (its own task
-  // could be the one it waits for: harmless, but it then runs alone).
+  // jobs. If a body throws, the indices not yet begun are skipped, and the
+  // first exception is rethrown here once every helper is done with `body`.
+  // Not from a worker thread (its own task could be the one it waits for:
+  // harmless, but it then runs alone).
   void ParallelFor(const std::string& owner, int32_t priority, size_t n,
                    const std::function<void(size_t)>& body);
 

@@ -6,6 +6,7 @@
 #include <future>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -94,6 +95,39 @@ TEST(WorkerPoolTest, ParallelForRunsEveryIndexOnceWithOrWithoutFreeWorkers) {
   EXPECT_EQ(ran.load(), 50);
   EXPECT_EQ(threads, std::set<std::thread::id>{std::this_thread::get_id()});
   release.set_value();
+}
+
+// A body that throws, on the caller or on a worker, does not take the
+// process down: ParallelFor rethrows the first exception to its caller only
+// once no helper touches `body` any more (the lambda and what it captures
+// die right after), skips what had not begun, and the pool goes on.
+TEST(WorkerPoolTest, ParallelForRethrowsABodysExceptionAfterEveryHelperIsDone) {
+  WorkerPool pool(3);
+  for (int round = 0; round < 50; ++round) {
+    auto in_body = std::make_shared<std::atomic<int>>(0);
+    auto after_return = std::make_shared<std::atomic<int>>(0);
+    auto returned = std::make_shared<std::atomic<bool>>(false);
+    const size_t thrower = static_cast<size_t>(round * 7) % 200;
+    try {
+      pool.ParallelFor("job", 0, 200, [=](size_t i) {
+        if (returned->load()) after_return->fetch_add(1);
+        in_body->fetch_add(1);
+        std::this_thread::sleep_for(std::chrono::microseconds(i % 5 == 0 ? 100 : 0));
+        if (i == thrower) throw std::runtime_error("index " + std::to_string(i));
+        in_body->fetch_sub(1);
+      });
+      FAIL() << "round " << round << ": no exception";
+    } catch (const std::runtime_error& e) {
+      returned->store(true);
+      EXPECT_EQ(std::string(e.what()), "index " + std::to_string(thrower));
+    }
+    EXPECT_EQ(in_body->load(), 1) << "a body was still running when ParallelFor threw";
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_EQ(after_return->load(), 0) << "a helper ran the body after ParallelFor threw";
+  }
+  std::atomic<int> ran{0};
+  pool.ParallelFor("job", 0, 100, [&](size_t) { ++ran; });
+  EXPECT_EQ(ran.load(), 100);
 }
 
 }  // namespace

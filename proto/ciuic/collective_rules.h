@@ -37,6 +37,13 @@ constexpr bool UnnamedNumber(std::string_view name, uint64_t* n) {
 }
 inline std::string UnnamedName(uint64_t n) { return kUnnamedPrefix + std::to_string(n); }
 
+// The reduction that combines partial results of `op`: an average is summed
+// (between a node's ranks and between nodes alike) and divided by the
+// number of ranks once, at the end; every other op combines as itself.
+inline constexpr ReduceOp CombiningOp(ReduceOp op) {
+  return op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+}
+
 // An operation's timeout when neither the caller nor the daemon's
 // configuration names one (tuning key op_timeout_ms).
 inline constexpr uint32_t kDefaultOpTimeoutMs = 60000;
