@@ -179,6 +179,7 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
   // Set under mu_ below: where the value that follows goes, if one does.
   uint8_t* into = nullptr;
   size_t bulk = 0;
+  bool fold = false;  // a reducing receive: op(value_, what arrives) lands in bulk_in_
   std::shared_ptr<std::vector<uint8_t>> drain;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -203,6 +204,10 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
         bulk = their_bytes;
         if (SameSignature(theirs, params_.sig)) {
           into = bulk_in_.data();
+          // Folded as it arrives, fragment by fragment from the transport's
+          // buffers, into the other buffer: value_ may still be on its way
+          // out in this step's send. Absorb swaps the two.
+          fold = step.fold;
         } else {
           drain = std::make_shared<std::vector<uint8_t>>(bulk);  // theirs, not ours to fold
           into = drain->data();
@@ -213,14 +218,27 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
   if (into != nullptr) {
     outstanding_.fetch_add(1);
     auto self = shared_from_this();
-    params_.transport->Recv(step.recv_from, params_.channel, tag | kBulkTag, into, bulk,
-                            [self, drain](absl::Status s) {
-                              if (!s.ok()) {
-                                std::lock_guard<std::mutex> lock(self->mu_);
-                                if (self->step_error_.ok()) self->step_error_ = std::move(s);
-                              }
-                              self->Transferred();
-                            });
+    auto arrived = [self, drain](absl::Status s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        if (self->step_error_.ok()) self->step_error_ = std::move(s);
+      }
+      self->Transferred();
+    };
+    if (fold) {
+      // Every fold is op(lower node's value, higher node's value).
+      ReduceInto reduce_into;
+      reduce_into.dtype = static_cast<wire::DataType>(params_.sig.dtype);
+      reduce_into.op = params_.op;
+      reduce_into.received_first = step.recv_from < self_;
+      reduce_into.dest = into;
+      reduce_into.local = value_.data();
+      params_.transport->RecvReduce(step.recv_from, params_.channel, tag | kBulkTag, reduce_into,
+                                    bulk, std::move(arrived));
+    } else {
+      params_.transport->Recv(step.recv_from, params_.channel, tag | kBulkTag, into, bulk,
+                              std::move(arrived));
+    }
   }
   Transferred();
 }
@@ -264,8 +282,14 @@ void DirectExchange::Absorb(const Step& step) {
     failed_text_.assign(h.failed_text, std::min<size_t>(h.failed_text_bytes, kMaxFailureText));
   }
   if (mismatch_ || peer_failed_ || !transfer_error_.ok() || payload_bytes_ == 0) return;
+  if (payload_bytes_ > kInlineBytes) {
+    // bulk_in_ holds the result: folded as it arrived (HeaderArrived), or
+    // the value handed back.
+    value_.swap(bulk_in_);
+    return;
+  }
   uint8_t* mine = payload();
-  const uint8_t* got = payload_bytes_ > kInlineBytes ? bulk_in_.data() : in_.data() + kHeaderBytes;
+  const uint8_t* got = in_.data() + kHeaderBytes;
   if (!step.fold) {
     std::memcpy(mine, got, payload_bytes_);
     return;

@@ -137,7 +137,10 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   std::vector<uint8_t> value_;    // the node's value (payload_bytes_)
   std::vector<uint8_t> out_;      // the step's first message: header (+ value inline)
   std::vector<uint8_t> in_;       // the step's first message received
-  std::vector<uint8_t> bulk_in_;  // a value received apart (> kInlineBytes)
+  // A value received apart (> kInlineBytes): the fold of this node's value
+  // and the one arriving (a reducing receive), or a value handed back.
+  // Absorb swaps it with value_.
+  std::vector<uint8_t> bulk_in_;
   bool bulk_sent_ = false;        // this step sends the value apart
   std::atomic<int> outstanding_{0};
   mutable std::mutex mu_;        // the fields below, written from transport threads
