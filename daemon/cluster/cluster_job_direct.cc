@@ -173,16 +173,30 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
       // direct (a named occurrence the ClusterJob's thread starts).
       if (absl::Status s = op.early->Wait(); s.ok()) {
         std::memcpy(value, op.parts.front().recv, payload);
+        exchange->UseBuffers(nullptr, op.parts.front().recv);
       } else {
         exchange->FailLocally(s);
       }
     } else if (op.parts.size() == 1) {
-      std::memcpy(value, op.parts.front().send, payload);
+      // One rank: the exchange reads its send buffer and leaves the result
+      // in its recv buffer, with no copy in or out. In place, the value is
+      // copied first (the buffer is written while the value may still be
+      // on its way out).
+      const ClusterOp::Part& only = op.parts.front();
+      if (only.send == only.recv) {
+        std::memcpy(value, only.send, payload);
+        exchange->UseBuffers(nullptr, only.recv);
+      } else {
+        exchange->UseBuffers(only.send, only.recv);
+      }
     } else {
+      // The ranks' sends are read before the exchange starts: the first
+      // rank's recv can take the result.
       std::vector<const void*> inputs;
       for (const auto& p : op.parts) inputs.push_back(p.send);
       reduce::Reduce(static_cast<wire::DataType>(op.sig.dtype), BetweenNodes(op.sig),
                      inputs.data(), static_cast<int>(inputs.size()), value, op.sig.count);
+      exchange->UseBuffers(nullptr, op.parts.front().recv);
     }
   }
   if (ClusterOp::Timing* t = op.timing.get()) {
@@ -233,7 +247,10 @@ void ClusterJob::EndDirect(uint64_t key, uint64_t bytes, absl::Status status, ui
           DivideInPlace(static_cast<wire::DataType>(d->op.sig.dtype), result, d->op.sig.count,
                         options_.world_size);
         }
-        for (const auto& p : d->op.parts) std::memcpy(p.recv, result, payload);
+        // The result is in the first rank's recv already (UseBuffers).
+        for (const auto& p : d->op.parts) {
+          if (p.recv != result) std::memcpy(p.recv, result, payload);
+        }
       }
       Done(d->op, status);
     }

@@ -104,12 +104,42 @@ DirectExchange::DirectExchange(Params params, Finished finished)
 }
 
 void DirectExchange::Start() {
-  if (steps_.empty()) {  // one node
-    absl::Status s = Outcome();
-    finished_(s, s.ok() ? payload() : nullptr);
-    return;
+  current_ = value_.data();
+  if (input_ != nullptr && payload_bytes_ > 0) {
+    // A value sent inline is copied into the message anyway.
+    if (payload_bytes_ > kInlineBytes) {
+      current_ = input_;
+    } else {
+      std::memcpy(value_.data(), input_, payload_bytes_);
+    }
   }
+  if (steps_.empty()) return Finish();  // one node
   RunStep();
+}
+
+void DirectExchange::Finish() {
+  absl::Status s = Outcome();
+  if (!s.ok()) return finished_(s, nullptr);
+  uint8_t* result = current_ == output_                 ? output_
+                    : current_ == bulk_in_.data()       ? bulk_in_.data()
+                                                        : value_.data();
+  if (current_ != result && payload_bytes_ > 0) {
+    std::memcpy(result, current_, payload_bytes_);  // still the input (one node)
+  }
+  if (output_ != nullptr && result != output_) {
+    if (payload_bytes_ > 0) std::memcpy(output_, result, payload_bytes_);
+    result = output_;
+  }
+  finished_(s, result);
+}
+
+uint8_t* DirectExchange::LandingFor(size_t at) {
+  bool last = true;
+  for (size_t later = at + 1; later < steps_.size(); ++later) {
+    if (steps_[later].recv_from >= 0) last = false;
+  }
+  if (last && output_ != nullptr) return output_;
+  return current_ == value_.data() ? bulk_in_.data() : value_.data();
 }
 
 void DirectExchange::RunStep() {
@@ -146,7 +176,7 @@ void DirectExchange::RunStep() {
   // A failed node's messages carry no value (nobody folds it).
   bulk_sent_ = !failed && payload_bytes_ > kInlineBytes;
   if (!failed && !bulk_sent_ && payload_bytes_ > 0) {
-    std::memcpy(out_.data() + kHeaderBytes, value_.data(), payload_bytes_);
+    std::memcpy(out_.data() + kHeaderBytes, current_, payload_bytes_);
   }
   const bool sends = step.send_to >= 0;
   outstanding_.store((sends ? (bulk_sent_ ? 2 : 1) : 0) + (step.recv_from >= 0 ? 1 : 0));
@@ -169,7 +199,7 @@ void DirectExchange::RunStep() {
     };
     params_.transport->Send(step.send_to, params_.channel, tag, out_.data(), out_.size(), sent);
     if (bulk_sent_) {
-      params_.transport->Send(step.send_to, params_.channel, tag | kBulkTag, value_.data(),
+      params_.transport->Send(step.send_to, params_.channel, tag | kBulkTag, current_,
                               payload_bytes_, sent);
     }
   }
@@ -203,10 +233,11 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
       if (their_bytes > kInlineBytes && their_bytes <= kMaxBulkBytes) {
         bulk = their_bytes;
         if (SameSignature(theirs, params_.sig)) {
-          into = bulk_in_.data();
           // Folded as it arrives, fragment by fragment from the transport's
-          // buffers, into the other buffer: value_ may still be on its way
-          // out in this step's send. Absorb swaps the two.
+          // buffers, into another buffer than the current value's: that
+          // may still be on its way out in this step's send.
+          landing_ = LandingFor(step_.load());
+          into = landing_;
           fold = step.fold;
         } else {
           drain = std::make_shared<std::vector<uint8_t>>(bulk);  // theirs, not ours to fold
@@ -232,7 +263,7 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
       reduce_into.op = params_.op;
       reduce_into.received_first = step.recv_from < self_;
       reduce_into.dest = into;
-      reduce_into.local = value_.data();
+      reduce_into.local = current_;
       params_.transport->RecvReduce(step.recv_from, params_.channel, tag | kBulkTag, reduce_into,
                                     bulk, std::move(arrived));
     } else {
@@ -251,8 +282,7 @@ void DirectExchange::StepDone() {
   const Step step = steps_[step_.load()];
   if (step.recv_from >= 0) Absorb(step);
   if (step_.fetch_add(1) + 1 < steps_.size()) return RunStep();
-  absl::Status s = Outcome();
-  finished_(s, s.ok() ? payload() : nullptr);
+  Finish();
 }
 
 void DirectExchange::Absorb(const Step& step) {
@@ -283,12 +313,12 @@ void DirectExchange::Absorb(const Step& step) {
   }
   if (mismatch_ || peer_failed_ || !transfer_error_.ok() || payload_bytes_ == 0) return;
   if (payload_bytes_ > kInlineBytes) {
-    // bulk_in_ holds the result: folded as it arrived (HeaderArrived), or
-    // the value handed back.
-    value_.swap(bulk_in_);
+    // landing_ holds the new value: folded as it arrived (HeaderArrived),
+    // or the value handed back.
+    current_ = landing_;
     return;
   }
-  uint8_t* mine = payload();
+  uint8_t* mine = value_.data();
   const uint8_t* got = in_.data() + kHeaderBytes;
   if (!step.fold) {
     std::memcpy(mine, got, payload_bytes_);

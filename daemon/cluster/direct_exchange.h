@@ -77,9 +77,22 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
     return 2 * kMessageBytes + payload_bytes + (payload_bytes > kInlineBytes ? payload_bytes : 0);
   }
 
-  // The node's value, payload_bytes() long: fill it before Start().
+  // The node's value, payload_bytes() long: fill it before Start(), or
+  // name where it is with UseBuffers.
   uint8_t* payload() { return value_.data(); }
   size_t payload_bytes() const { return payload_bytes_; }
+  // Before Start(): the node's value is read from `input` instead of
+  // payload() (null: payload()), and the result is left in `output` (null:
+  // in the exchange's own memory); `result` is then `output`. Both stay
+  // valid until `finished`. `input` is only read, and must not overlap
+  // `output`. A value sent apart is sent straight from `input` and folded
+  // straight into `output` on the last step that receives, so that a
+  // node's single rank costs no copy in or out. On failure `output` may
+  // hold part of a result.
+  void UseBuffers(const uint8_t* input, uint8_t* output) {
+    input_ = input;
+    output_ = output;
+  }
   // Before Start(): this node cannot take part (its local phase failed).
   // It still runs every step, its messages flagged, so that every node
   // ends the operation at once with an error instead of waiting for it.
@@ -123,6 +136,12 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // Folds or takes the step's value. Only the thread that completed the
   // step calls it.
   void Absorb(const Step& step);
+  // Where step `at`'s value apart lands: output_ on the last step that
+  // receives, else whichever own buffer does not hold the current value.
+  uint8_t* LandingFor(size_t at);
+  // Calls `finished` with the outcome and, when OK, the result (in output_
+  // when set, else in own memory).
+  void Finish();
   absl::Status Outcome() const;
 
   Params params_;
@@ -137,10 +156,17 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   std::vector<uint8_t> value_;    // the node's value (payload_bytes_)
   std::vector<uint8_t> out_;      // the step's first message: header (+ value inline)
   std::vector<uint8_t> in_;       // the step's first message received
-  // A value received apart (> kInlineBytes): the fold of this node's value
-  // and the one arriving (a reducing receive), or a value handed back.
-  // Absorb swaps it with value_.
+  // A value received apart (> kInlineBytes) lands in the buffer that does
+  // not hold the node's current value: the fold of that value and the one
+  // arriving (a reducing receive), or a value handed back. The current
+  // value may still be on its way out in the same step.
   std::vector<uint8_t> bulk_in_;
+  const uint8_t* input_ = nullptr;  // UseBuffers
+  uint8_t* output_ = nullptr;       // UseBuffers
+  // The node's current value: input_, value_, bulk_in_ or output_. Written
+  // by the thread that completes a step, before the next is posted.
+  const uint8_t* current_ = nullptr;
+  uint8_t* landing_ = nullptr;  // under mu_: where this step's value apart lands
   bool bulk_sent_ = false;        // this step sends the value apart
   std::atomic<int> outstanding_{0};
   mutable std::mutex mu_;        // the fields below, written from transport threads

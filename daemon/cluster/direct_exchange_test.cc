@@ -67,14 +67,21 @@ struct Result {
 
 // Runs one exchange on `nodes` nodes: node k with signature sigs[k] and
 // the Value()s; fail_local[k] makes node k fail its local phase. Waits for
-// every node's end (at most 20 s) and returns them.
+// every node's end (at most 20 s) and returns them. With `buffers` >= 0,
+// node k takes its value from payload(), an input buffer, or either with
+// an output buffer (UseBuffers), by (k + buffers) % 4: the result must then
+// be in the output buffer, and the input unchanged.
 std::vector<Result> Exchange(int nodes, const std::vector<OpSignature>& sigs,
-                             const std::vector<bool>& fail_local = {}, int kill_node = -1) {
+                             const std::vector<bool>& fail_local = {}, int kill_node = -1,
+                             int buffers = -1) {
   InProcessHub hub(nodes, 1);
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Result> results(static_cast<size_t>(nodes));
   std::vector<std::shared_ptr<DirectExchange>> exchanges;
+  std::vector<std::vector<uint8_t>> inputs(static_cast<size_t>(nodes));
+  std::vector<std::vector<uint8_t>> input_copies(static_cast<size_t>(nodes));
+  std::vector<std::vector<uint8_t>> outputs(static_cast<size_t>(nodes));
   for (int k = 0; k < nodes; ++k) {
     DirectExchange::Params p;
     p.transport = hub.transport(k);
@@ -84,16 +91,31 @@ std::vector<Result> Exchange(int nodes, const std::vector<OpSignature>& sigs,
     const auto op = static_cast<ReduceOp>(p.sig.reduce_op);
     p.op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     const size_t bytes = p.sig.count * p.sig.element_bytes();
-    auto ex = DirectExchange::Create(p, [&mu, &cv, &results, k, bytes](absl::Status s, uint8_t* r) {
-      std::lock_guard<std::mutex> lock(mu);
-      Result& res = results[static_cast<size_t>(k)];
-      res.status = s;
-      if (s.ok()) res.bytes.assign(r, r + bytes);
-      res.done = true;
-      cv.notify_all();
-    });
+    const int variant = buffers < 0 ? 0 : (k + buffers) % 4;
+    std::vector<uint8_t>& input = inputs[static_cast<size_t>(k)];
+    std::vector<uint8_t>& output = outputs[static_cast<size_t>(k)];
+    if (variant & 1) input.assign(bytes + 1, 0);  // + 1: never a null data()
+    if (variant & 2) output.assign(bytes + 1, 0xAB);
+    uint8_t* want_at = (variant & 2) ? output.data() : nullptr;
+    auto ex = DirectExchange::Create(
+        p, [&mu, &cv, &results, k, bytes, want_at](absl::Status s, uint8_t* r) {
+          std::lock_guard<std::mutex> lock(mu);
+          Result& res = results[static_cast<size_t>(k)];
+          res.status = s;
+          if (s.ok()) res.bytes.assign(r, r + bytes);
+          if (s.ok() && want_at != nullptr && r != want_at) {
+            res.status = absl::InternalError("the result is not in the output buffer");
+          }
+          res.done = true;
+          cv.notify_all();
+        });
     const auto t = static_cast<DataType>(p.sig.dtype);
-    for (size_t i = 0; i < p.sig.count; ++i) PutElement(t, ex->payload(), i, Value(k, i, op, t));
+    uint8_t* value = (variant & 1) ? input.data() : ex->payload();
+    for (size_t i = 0; i < p.sig.count; ++i) PutElement(t, value, i, Value(k, i, op, t));
+    if (variant != 0) {
+      ex->UseBuffers((variant & 1) ? input.data() : nullptr, (variant & 2) ? output.data() : nullptr);
+    }
+    input_copies[static_cast<size_t>(k)] = input;
     if (static_cast<size_t>(k) < fail_local.size() && fail_local[static_cast<size_t>(k)]) {
       ex->FailLocally(absl::InternalError("device fault in the local phase"));
     }
@@ -109,6 +131,10 @@ std::vector<Result> Exchange(int nodes, const std::vector<OpSignature>& sigs,
     return true;
   });
   EXPECT_TRUE(all) << "an exchange did not end";
+  for (int k = 0; k < nodes; ++k) {
+    EXPECT_EQ(inputs[static_cast<size_t>(k)], input_copies[static_cast<size_t>(k)])
+        << "node " << k << " wrote into its input";
+  }
   return results;
 }
 
@@ -118,20 +144,25 @@ TEST(DirectExchangeTest, EveryDtypeOpSizeAndNodeCountMatchesThePlainLoop) {
       for (ReduceOp op : wire::kAllReduceOps) {
         if (op == ReduceOp::kAvg) continue;  // the caller's division (ClusterJob)
         for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1001}, size_t{16384}}) {
-          SCOPED_TRACE(testing::Message() << nodes << " nodes, " << Sig(t, op, count).ToString());
-          std::vector<OpSignature> sigs(static_cast<size_t>(nodes), Sig(t, op, count));
-          std::vector<Result> got = Exchange(nodes, sigs);
-          for (int k = 0; k < nodes; ++k) {
-            const Result& r = got[static_cast<size_t>(k)];
-            ASSERT_TRUE(r.status.ok()) << r.status;
-            ASSERT_EQ(r.bytes.size(), count * wire::DataTypeSize(static_cast<uint32_t>(t)));
-            // Every node ends with the same bits.
-            EXPECT_EQ(r.bytes, got[0].bytes) << "node " << k;
-          }
-          for (size_t i = 0; i < count; ++i) {
-            double want = Value(0, i, op, t);
-            for (int k = 1; k < nodes; ++k) want = Fold(op, want, Value(k, i, op, t));
-            ASSERT_EQ(GetElement(t, got[0].bytes.data(), i), want) << "element " << i;
+          // The value in payload() (-1), or in the caller's buffers
+          // (UseBuffers): every node in every variant.
+          for (int buffers = -1; buffers < 4; ++buffers) {
+            SCOPED_TRACE(testing::Message() << nodes << " nodes, " << Sig(t, op, count).ToString()
+                                            << ", buffers " << buffers);
+            std::vector<OpSignature> sigs(static_cast<size_t>(nodes), Sig(t, op, count));
+            std::vector<Result> got = Exchange(nodes, sigs, {}, -1, buffers);
+            for (int k = 0; k < nodes; ++k) {
+              const Result& r = got[static_cast<size_t>(k)];
+              ASSERT_TRUE(r.status.ok()) << r.status;
+              ASSERT_EQ(r.bytes.size(), count * wire::DataTypeSize(static_cast<uint32_t>(t)));
+              // Every node ends with the same bits.
+              EXPECT_EQ(r.bytes, got[0].bytes) << "node " << k;
+            }
+            for (size_t i = 0; i < count; ++i) {
+              double want = Value(0, i, op, t);
+              for (int k = 1; k < nodes; ++k) want = Fold(op, want, Value(k, i, op, t));
+              ASSERT_EQ(GetElement(t, got[0].bytes.data(), i), want) << "element " << i;
+            }
           }
         }
       }
