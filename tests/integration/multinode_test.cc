@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "ciuic/collective_rules.h"
 #include "ciuic/control.pb.h"
 #include "common.h"
 #include "control/testing/test_certs.h"
@@ -316,6 +317,75 @@ std::vector<pid_t> SpawnAllreducesUntilTheJobFails(Cluster& cluster, const std::
     }
     return 1;
   });
+}
+
+// A multi-node operation's ranks are told of its end either by the thread
+// that ended it (a UCX thread for a direct exchange, a lane for a run) or,
+// when a trainer sleeps on its ring, by the engine's loop: each rank hears
+// exactly once either way. Raw sessions on 2 nodes x 2 ranks count the
+// completion entries themselves (the SDK would drop a duplicate silently):
+// direct (8 B, 64K) and coordinator runs (512K), with the trainer_waiters
+// hint set on some operations so that both tellers take turns, and the
+// results checked against the sum.
+TEST(MultiNodeSemanticsTest, EveryRankHearsOfEachOperationExactlyOnce) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("told-once");
+  constexpr int kWorld = 4;
+  constexpr int kOps = 45;
+  auto codes = RunRanks(kWorld, [&](int rank) {
+    RawSession raw;
+    const std::string socket = cluster->nodes[rank / 2]->socket();
+    CHILD_CHECK(raw.Open(socket, 4 << 20), "open");
+    std::string msg;
+    CHILD_CHECK(raw.Join(socket, job, rank, kWorld, &msg, 2, cluster->peers[0]) == 0, "join: %s",
+                msg.c_str());
+    const uint64_t recv_offset = wire::kDataOffset + (1 << 20);
+    auto* send = reinterpret_cast<float*>(raw.base + wire::kDataOffset);
+    auto* recv = reinterpret_cast<float*>(raw.base + recv_offset);
+    for (int i = 0; i < kOps; ++i) {
+      const uint64_t count = i % 3 == 0 ? 2 : i % 3 == 1 ? (64 << 10) / 4 : (512 << 10) / 4;
+      for (uint64_t j = 0; j < count; ++j) {
+        send[j] = static_cast<float>((rank + 1) * ((j + i) % 7 + 1));
+        recv[j] = -1.0f;
+      }
+      // Some operations with the hint that this trainer sleeps: the loop
+      // tells those; the others, the thread that ends them.
+      raw.header()->trainer_waiters.store(i % 4 == 1 ? 1 : 0);
+      wire::SubmissionEntry e{};
+      e.op_id = 500 + i;
+      e.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
+      e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
+      e.reduce_op = static_cast<uint32_t>(wire::ReduceOp::kSum);
+      e.count = count;
+      e.send_offset = wire::kDataOffset;
+      e.recv_offset = recv_offset;
+      e.timeout_ms = 20000;
+      const std::string name = wire::UnnamedName(static_cast<uint64_t>(i));
+      std::memcpy(e.name, name.data(), name.size());
+      e.name_len = static_cast<uint32_t>(name.size());
+      raw.Submit(e);
+      wire::CompletionEntry done;
+      CHILD_CHECK(raw.NextCompletion(&done, 20000), "op %d: no completion", i);
+      const std::string text(done.message,
+                             std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+      CHILD_CHECK(done.op_id == e.op_id, "op %d: a completion for op %llu (a duplicate?)", i,
+                  static_cast<unsigned long long>(done.op_id));
+      CHILD_CHECK(done.status_code == 0, "op %d: code %d: %s", i, done.status_code, text.c_str());
+      for (uint64_t j = 0; j < count; ++j) {
+        const float want = static_cast<float>(10 * ((j + i) % 7 + 1));  // ranks 1+2+3+4
+        CHILD_CHECK(recv[j] == want, "op %d element %llu: %g, want %g", i,
+                    static_cast<unsigned long long>(j), recv[j], want);
+      }
+    }
+    raw.header()->trainer_waiters.store(0);
+    wire::CompletionEntry extra;
+    CHILD_CHECK(!raw.NextCompletion(&extra, 500), "a completion after the last: op %llu",
+                static_cast<unsigned long long>(extra.op_id));
+    return 0;
+  }, std::chrono::seconds(120));
+  EXPECT_EQ(codes, (std::vector<int>(kWorld, 0)));
+  EXPECT_TRUE(cluster->StopAll());
 }
 
 // A hung node (its daemon stopped with SIGSTOP mid-run, as a swapping or
