@@ -454,6 +454,9 @@ class ClusterJob {
   std::shared_ptr<EarlyLocal> EarlyLocalFor(const ClusterOp& op) const;
   void ReduceLocal(wire::DataType dtype, wire::ReduceOp op, const std::vector<const void*>& inputs,
                    void* out, size_t count);
+  // Writes a direct operation's result to every rank's recv buffer that
+  // does not hold it yet, with the worker pool when it is large.
+  void CopyOut(const ClusterOp& op, const uint8_t* result, size_t bytes);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                             const RunSettings& settings, Lane& lane);
   // An operation whose node buffer is on a GPU (op.staged; see

@@ -190,13 +190,20 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
         exchange->UseBuffers(only.send, only.recv);
       }
     } else {
-      // The ranks' sends are read before the exchange starts: the first
-      // rank's recv can take the result.
+      // In chunks shared with the worker pool (ReduceLocal). The ranks'
+      // sends are read before the exchange starts: the first rank's recv
+      // can take the result.
       std::vector<const void*> inputs;
       for (const auto& p : op.parts) inputs.push_back(p.send);
-      reduce::Reduce(static_cast<wire::DataType>(op.sig.dtype), BetweenNodes(op.sig),
-                     inputs.data(), static_cast<int>(inputs.size()), value, op.sig.count);
-      exchange->UseBuffers(nullptr, op.parts.front().recv);
+      try {
+        ReduceLocal(static_cast<wire::DataType>(op.sig.dtype), BetweenNodes(op.sig), inputs,
+                    value, op.sig.count);
+        exchange->UseBuffers(nullptr, op.parts.front().recv);
+      } catch (const std::exception& e) {  // out of memory: every node fails it at once
+        exchange->FailLocally(absl::ResourceExhaustedError(
+            absl::StrCat("the local phase of operation '", op.name, "' failed on ",
+                         options_.node_name, ": ", e.what())));
+      }
     }
   }
   if (ClusterOp::Timing* t = op.timing.get()) {
@@ -247,10 +254,7 @@ void ClusterJob::EndDirect(uint64_t key, uint64_t bytes, absl::Status status, ui
           DivideInPlace(static_cast<wire::DataType>(d->op.sig.dtype), result, d->op.sig.count,
                         options_.world_size);
         }
-        // The result is in the first rank's recv already (UseBuffers).
-        for (const auto& p : d->op.parts) {
-          if (p.recv != result) std::memcpy(p.recv, result, payload);
-        }
+        CopyOut(d->op, result, payload);
       }
       Done(d->op, status);
     }
@@ -269,6 +273,22 @@ void ClusterJob::EndDirect(uint64_t key, uint64_t bytes, absl::Status status, ui
   direct_cv_.notify_all();
   // The ClusterJob's thread starts what now fits (StartWaitingDirect).
   if (waiting) PushDirectEnd();
+}
+
+void ClusterJob::CopyOut(const ClusterOp& op, const uint8_t* result, size_t bytes) {
+  // The result is in the first rank's recv already (UseBuffers).
+  std::vector<uint8_t*> to;
+  for (const auto& p : op.parts) {
+    if (p.recv != result) to.push_back(p.recv);
+  }
+  // Several ranks' copies of a large result are shared with the worker
+  // pool: on this UCX thread alone, eight ranks of 1 MiB would hold it for
+  // about a millisecond.
+  if (!options_.parallel || to.size() < 2 || bytes * to.size() < kLocalChunkBytes) {
+    for (uint8_t* r : to) std::memcpy(r, result, bytes);
+    return;
+  }
+  options_.parallel(to.size(), [&](size_t i) { std::memcpy(to[i], result, bytes); });
 }
 
 void ClusterJob::FinishStagedDirect() {

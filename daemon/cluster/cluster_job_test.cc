@@ -571,6 +571,67 @@ TEST(ClusterJobDirectTest, UnnamedSmallOperationsGoDirectAndMatchThePlainLoop) {
   }
 }
 
+// Direct operations up to 1 MiB (the default direct_max_bytes) on nodes of
+// one and of four ranks, some in place: a node of one rank sends from its
+// buffer and folds into its recv; a node of four reduces in chunks shared
+// with the pool (Options::parallel) and writes the other ranks' results
+// with the pool too. Sum and avg against the plain loop, integers so that
+// any order of additions gives the same bits.
+TEST(ClusterJobDirectTest, DirectOperationsUpToAMegabyteMatchThePlainLoopInPlaceOrNot) {
+  for (int per_node : {1, 4}) {
+    SCOPED_TRACE(testing::Message() << "2 nodes x " << per_node << " ranks");
+    Nodes nodes(2, per_node);
+    const int world = 2 * per_node;
+    const std::vector<size_t> counts = {size_t{1} << 18, (size_t{1} << 16) + 3};  // 1 MiB, 256K + 12 B
+    const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg};
+    auto value = [](int rank, size_t c, size_t i) {
+      return static_cast<float>(static_cast<int>((rank * 5 + c * 3 + i * 7) % 17) - 8);
+    };
+    // Even ranks in place: their send is their recv.
+    auto in_place = [](int rank) { return rank % 2 == 0; };
+    std::vector<std::vector<std::vector<float>>> send(world), recv(world);
+    for (int r = 0; r < world; ++r) {
+      for (size_t c = 0; c < 4; ++c) {
+        const size_t count = counts[c % 2];
+        send[r].emplace_back(count);
+        for (size_t i = 0; i < count; ++i) send[r][c][i] = value(r, c, i);
+        recv[r].emplace_back(count, -100.0f);
+      }
+    }
+    auto buffers = [&](int r, size_t c) {
+      float* out = in_place(r) ? send[r][c].data() : recv[r][c].data();
+      return ClusterOp::Part{r, reinterpret_cast<const uint8_t*>(send[r][c].data()),
+                             reinterpret_cast<uint8_t*>(out)};
+    };
+    for (int k = 0; k < 2; ++k) {
+      for (size_t c = 0; c < 4; ++c) {
+        const int first = k * per_node;
+        ClusterOp op = Allreduce(c, "#" + std::to_string(c), wire::DataType::kFloat32, ops[c / 2],
+                                 counts[c % 2], first, nullptr, nullptr);
+        op.parts.clear();
+        for (int i = 0; i < per_node; ++i) op.parts.push_back(buffers(first + i, c));
+        nodes.job(k).Submit(std::move(op));
+      }
+    }
+    nodes.ExpectEndsOk(4);
+    for (int r = 0; r < world; ++r) {
+      for (size_t c = 0; c < 4; ++c) {
+        const std::vector<float>& got = in_place(r) ? send[r][c] : recv[r][c];
+        for (size_t i = 0; i < got.size(); ++i) {
+          float want = 0;
+          for (int q = 0; q < world; ++q) want += value(q, c, i);
+          if (ops[c / 2] == wire::ReduceOp::kAvg) want /= static_cast<float>(world);
+          ASSERT_EQ(got[i], want) << "rank " << r << ", op " << c << " element " << i;
+        }
+      }
+    }
+    for (int k = 0; k < 2; ++k) EXPECT_EQ(nodes.job(k).direct_ops(), 4u) << "node " << k;
+    // Four ranks: the 1 MiB local phases (2 chunks) and every copy-out to
+    // three ranks (768K and 3 MiB) through the pool; one rank: neither.
+    EXPECT_EQ(nodes.parallel_calls(), per_node == 1 ? 0 : 2 * (2 * 2 + 2 * 1));
+  }
+}
+
 // A direct op whose ranks disagree across nodes (another count, another
 // dtype of the same size) fails on every node with INVALID_ARGUMENT naming
 // both signatures; the job goes on, and the next operation is right.

@@ -85,13 +85,11 @@ struct Tuning {
   // have submitted it, and the exchange itself carries the signatures that
   // detect a mismatch. Never compressed. The coordinator's setting when the
   // job forms decides for the job (while its compression is on, only
-  // operations under min_compress_bytes). 0 = off. 0..1M. 256K: on 2
-  // loopback nodes direct beat the coordinator's runs at every size up to
-  // 1M (1.9x at 128K, 1.5x at 256K, 1.1-1.5x at 1M), but a direct
-  // operation's local phase runs on the engine's thread and its result is
-  // copied to the ranks on a UCX thread, which a node of many ranks would
-  // feel at 1M.
-  uint64_t direct_max_bytes = uint64_t{256} << 10;
+  // operations under min_compress_bytes). 0 = off. 0..1M. 1M: on 2
+  // loopback nodes direct beats the coordinator's runs at every size up to
+  // 1M (512K 1.6-1.8x, 1M 1.1-1.6x, with 1 and 2 ranks per node), is even
+  // at 2M and loses at 4M (daemon/cluster/README.md, "Why 1M").
+  uint64_t direct_max_bytes = uint64_t{1} << 20;
   // Multi-node operations whose buffers are in GPU memory on some node go
   // between the nodes in pieces of about this many bytes, each one an
   // operation of its own (decided by the coordinator, for every node

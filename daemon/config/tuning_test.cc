@@ -57,7 +57,7 @@ TEST(TuningTest, GetAllListsEveryKeyInStableOrder) {
                           "staging_segment_bytes",
                           "trace_ops", "heartbeat_interval_ms", "heartbeat_misses"));
   EXPECT_THAT(values, ElementsAre("1M", "256K", "50", "60000", "2", "8", "auto", "none", "64K",
-                                  "on", "off", "4K", "4M", "0", "256K", "16M", "4096", "2000", "4"));
+                                  "on", "off", "4K", "4M", "0", "1M", "16M", "4096", "2000", "4"));
   EXPECT_EQ(keys, TuningKeys());
   EXPECT_THAT((*entries)[0].description, HasSubstr("4K..1G"));
   EXPECT_THAT((*entries)[0].description, HasSubstr("default 1M"));
