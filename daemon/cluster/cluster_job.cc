@@ -421,7 +421,7 @@ absl::Status ClusterJob::Form() {
     std::lock_guard<std::mutex> direct_lock(direct_mu_);
     direct_transport_ = transport_.get();
   }
-  direct_max_bytes_.store(membership.direct_max_bytes());
+  direct_max_bytes_.store(DirectBound(membership.direct_max_bytes(), membership.nodes_size()));
   // The ordering stream, read by its own thread: in-process when this
   // daemon is the job's coordinator, else the client's (over TCP to the
   // coordinator's ordering listener where it can).

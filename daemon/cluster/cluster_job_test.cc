@@ -625,10 +625,47 @@ TEST(ClusterJobDirectTest, DirectOperationsUpToAMegabyteMatchThePlainLoopInPlace
         }
       }
     }
-    for (int k = 0; k < 2; ++k) EXPECT_EQ(nodes.job(k).direct_ops(), 4u) << "node " << k;
+    for (int k = 0; k < 2; ++k) {
+      EXPECT_EQ(nodes.job(k).direct_ops(), 4u) << "node " << k;
+      EXPECT_EQ(nodes.job(k).direct_max_bytes(), 1u << 20) << "node " << k;
+    }
     // Four ranks: the 1 MiB local phases (2 chunks) and every copy-out to
     // three ranks (768K and 3 MiB) through the pool; one rank: neither.
     EXPECT_EQ(nodes.parallel_calls(), per_node == 1 ? 0 : 2 * (2 * 2 + 2 * 1));
+  }
+}
+
+// Past two nodes a job's direct bound is at most 128K whatever the
+// coordinator's direct_max_bytes (ClusterJob::DirectBound): recursive
+// doubling would move a large value through every link log2(nodes) times.
+// Alike on every node; smaller settings stand.
+TEST(ClusterJobDirectTest, PastTwoNodesOnlyOperationsUpTo128KGoDirect) {
+  EXPECT_EQ(ClusterJob::DirectBound(1 << 20, 2), 1u << 20);
+  EXPECT_EQ(ClusterJob::DirectBound(1 << 20, 3), 128u << 10);
+  EXPECT_EQ(ClusterJob::DirectBound(64 << 10, 5), 64u << 10);
+  EXPECT_EQ(ClusterJob::DirectBound(0, 4), 0u);
+  Nodes nodes(3, 1);  // the default direct_max_bytes: 1M
+  const size_t counts[] = {size_t{32} << 10, size_t{64} << 10};  // 128K direct, 256K not
+  std::vector<std::vector<std::vector<float>>> send(3), recv(3);
+  for (int k = 0; k < 3; ++k) {
+    for (size_t c = 0; c < 2; ++c) {
+      send[k].emplace_back(counts[c]);
+      for (size_t i = 0; i < counts[c]; ++i) send[k][c][i] = static_cast<float>((k + 1) * (i % 9));
+      recv[k].emplace_back(counts[c], -1.0f);
+      nodes.job(k).Submit(Allreduce(c, "#" + std::to_string(c), wire::DataType::kFloat32,
+                                    wire::ReduceOp::kSum, counts[c], k, send[k][c].data(),
+                                    recv[k][c].data()));
+    }
+  }
+  nodes.ExpectEndsOk(2);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(nodes.job(k).direct_max_bytes(), 128u << 10) << "node " << k;
+    EXPECT_EQ(nodes.job(k).direct_ops(), 1u) << "node " << k;
+    for (size_t c = 0; c < 2; ++c) {
+      for (size_t i = 0; i < counts[c]; ++i) {
+        ASSERT_EQ(recv[k][c][i], static_cast<float>(6 * (i % 9))) << "node " << k << " op " << c;
+      }
+    }
   }
 }
 
