@@ -304,18 +304,20 @@ class ClusterJob {
   FusionCounters fusion() const;
 
   // The largest direct operation of a job of `nodes` nodes whose
-  // coordinator's direct_max_bytes is `configured`: all of it for 2 nodes,
-  // at most kDirectMaxBytesBeyondTwoNodes for more. Recursive doubling
-  // moves the whole value log2(nodes) times through each node's link
-  // (plus a fold-in and a hand-back for nodes past a power of two), the
-  // coordinator's ring 2 (nodes - 1) / nodes times: the same for 2 nodes,
-  // 1.33x for 4, 1.7x for 8. 4 network namespaces on 1 Gbit/s links
-  // (compare.py --scenario netns --nodes 4, 2026-12-07): direct 1M 32.7 ms
-  // against 13.6 through the coordinator, 512K 9.2 against 6.9, 256K 4.7
-  // against 3.6, 128K 2.59 against 2.62. Alike on every node: both come
-  // from the membership.
+  // coordinator's direct_max_bytes is `configured`: all of it when `nodes`
+  // is a power of two, at most kDirectMaxBytesBeyondTwoNodes otherwise.
+  // There each node past the power of two hands its whole value to a
+  // partner and gets the result back, so the partner's link carries the
+  // value twice more than in the ring (DirectExchange's halving carries it
+  // 2 (p - 1) / p times, as the ring does). 4 network namespaces on 1
+  // Gbit/s links (compare.py --scenario netns --nodes 4, 2026-12-07): with
+  // the halving, direct 128K 3.4 ms against 5.0 through the coordinator,
+  // 512K 7.5 against 8.3, 1M 17.0 against 16.3 (by recursive doubling of
+  // the whole value it had been 32.7 ms at 1M). Alike on every node: both
+  // come from the membership.
   static uint64_t DirectBound(uint64_t configured, int nodes) {
-    return nodes <= 2 ? configured : std::min(configured, kDirectMaxBytesBeyondTwoNodes);
+    const bool power_of_two = nodes > 0 && (nodes & (nodes - 1)) == 0;
+    return power_of_two ? configured : std::min(configured, kDirectMaxBytesBeyondTwoNodes);
   }
   static constexpr uint64_t kDirectMaxBytesBeyondTwoNodes = uint64_t{128} << 10;
 

@@ -571,17 +571,17 @@ TEST(ClusterJobDirectTest, UnnamedSmallOperationsGoDirectAndMatchThePlainLoop) {
   }
 }
 
-// Direct operations up to 1 MiB (the default direct_max_bytes) on nodes of
-// one and of four ranks, some in place: a node of one rank sends from its
-// buffer and folds into its recv; a node of four reduces in chunks shared
-// with the pool (Options::parallel) and writes the other ranks' results
-// with the pool too. Sum and avg against the plain loop, integers so that
+// Direct operations up to 1 MiB (the default direct_max_bytes) on 2 nodes
+// of one and of four ranks and on 4 nodes (by halving), some in place: a
+// node of one rank sends from its buffer and folds into its recv; a node
+// of four reduces in chunks shared with the pool (Options::parallel) and
+// writes the other ranks' results with the pool too. Sum and avg against the plain loop, integers so that
 // any order of additions gives the same bits.
 TEST(ClusterJobDirectTest, DirectOperationsUpToAMegabyteMatchThePlainLoopInPlaceOrNot) {
-  for (int per_node : {1, 4}) {
-    SCOPED_TRACE(testing::Message() << "2 nodes x " << per_node << " ranks");
-    Nodes nodes(2, per_node);
-    const int world = 2 * per_node;
+  for (const auto& [n, per_node] : {std::pair{2, 1}, {2, 4}, {4, 1}}) {
+    SCOPED_TRACE(testing::Message() << n << " nodes x " << per_node << " ranks");
+    Nodes nodes(n, per_node);
+    const int world = n * per_node;
     const std::vector<size_t> counts = {size_t{1} << 18, (size_t{1} << 16) + 3};  // 1 MiB, 256K + 12 B
     const wire::ReduceOp ops[] = {wire::ReduceOp::kSum, wire::ReduceOp::kAvg};
     auto value = [](int rank, size_t c, size_t i) {
@@ -603,7 +603,7 @@ TEST(ClusterJobDirectTest, DirectOperationsUpToAMegabyteMatchThePlainLoopInPlace
       return ClusterOp::Part{r, reinterpret_cast<const uint8_t*>(send[r][c].data()),
                              reinterpret_cast<uint8_t*>(out)};
     };
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < n; ++k) {
       for (size_t c = 0; c < 4; ++c) {
         const int first = k * per_node;
         ClusterOp op = Allreduce(c, "#" + std::to_string(c), wire::DataType::kFloat32, ops[c / 2],
@@ -625,7 +625,7 @@ TEST(ClusterJobDirectTest, DirectOperationsUpToAMegabyteMatchThePlainLoopInPlace
         }
       }
     }
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < n; ++k) {
       EXPECT_EQ(nodes.job(k).direct_ops(), 4u) << "node " << k;
       EXPECT_EQ(nodes.job(k).direct_max_bytes(), 1u << 20) << "node " << k;
     }
@@ -635,13 +635,16 @@ TEST(ClusterJobDirectTest, DirectOperationsUpToAMegabyteMatchThePlainLoopInPlace
   }
 }
 
-// Past two nodes a job's direct bound is at most 128K whatever the
-// coordinator's direct_max_bytes (ClusterJob::DirectBound): recursive
-// doubling would move a large value through every link log2(nodes) times.
-// Alike on every node; smaller settings stand.
-TEST(ClusterJobDirectTest, PastTwoNodesOnlyOperationsUpTo128KGoDirect) {
+// A job of a node count that is not a power of two takes direct operations
+// of at most 128K whatever the coordinator's direct_max_bytes
+// (ClusterJob::DirectBound): its extra nodes' fold-in and hand-back move a
+// large value through their partners' links twice more. Alike on every
+// node; smaller settings stand.
+TEST(ClusterJobDirectTest, OnNodeCountsNotAPowerOfTwoOnlyOperationsUpTo128KGoDirect) {
   EXPECT_EQ(ClusterJob::DirectBound(1 << 20, 2), 1u << 20);
+  EXPECT_EQ(ClusterJob::DirectBound(1 << 20, 4), 1u << 20);
   EXPECT_EQ(ClusterJob::DirectBound(1 << 20, 3), 128u << 10);
+  EXPECT_EQ(ClusterJob::DirectBound(1 << 20, 6), 128u << 10);
   EXPECT_EQ(ClusterJob::DirectBound(64 << 10, 5), 64u << 10);
   EXPECT_EQ(ClusterJob::DirectBound(0, 4), 0u);
   Nodes nodes(3, 1);  // the default direct_max_bytes: 1M

@@ -84,23 +84,87 @@ DirectExchange::DirectExchange(Params params, Finished finished)
   out_.assign(kMessageBytes, 0);
   in_.assign(kMessageBytes, 0);
   if (payload_bytes_ > kInlineBytes) bulk_in_.assign(payload_bytes_, 0);
+  element_bytes_ = payload_bytes_ == 0 ? 1 : params_.sig.element_bytes();
+  const uint64_t count = payload_bytes_ == 0 ? 0 : params_.sig.count;
+  steps_ = Schedule(nodes_, self_, count, element_bytes_);
+  halving_ = std::any_of(steps_.begin(), steps_.end(), [](const Step& s) { return s.gather; });
+}
+
+std::vector<DirectExchange::Step> DirectExchange::Schedule(int nodes, int self, uint64_t count,
+                                                           size_t element_bytes) {
+  std::vector<Step> steps;
   int p = 1;
-  while (p * 2 <= nodes_) p *= 2;
-  const int extra = nodes_ - p;
+  while (p * 2 <= nodes) p *= 2;
+  const int extra = nodes - p;
   int rounds = 0;
   while ((1 << rounds) < p) ++rounds;
-  const uint64_t hand_back = static_cast<uint64_t>(rounds) + 1;
-  if (self_ >= p) {
-    steps_.push_back(Step{self_ - p, -1, false, 0});
-    steps_.push_back(Step{-1, self_ - p, false, hand_back});
-    return;
+  auto whole = [count](int send_to, int recv_from, bool fold, uint64_t tag) {
+    Step s{send_to, recv_from, fold, tag};
+    s.send_hi = s.recv_hi = count;
+    return s;
+  };
+  if (self >= p) {
+    steps.push_back(whole(self - p, -1, false, 0));
+    steps.push_back(whole(-1, self - p, false, kHandBackTag));
+    return steps;
   }
-  if (self_ < extra) steps_.push_back(Step{-1, self_ + p, true, 0});
-  for (int r = 0; r < rounds; ++r) {
-    const int partner = self_ ^ (1 << r);
-    steps_.push_back(Step{partner, partner, true, static_cast<uint64_t>(r) + 1});
+  if (self < extra) steps.push_back(whole(-1, self + p, true, 0));
+  if (!Halving(p, count * element_bytes)) {
+    for (int r = 0; r < rounds; ++r) {
+      const int partner = self ^ (1 << r);
+      steps.push_back(whole(partner, partner, true, static_cast<uint64_t>(r) + 1));
+    }
+  } else {
+    // Round r splits the part both partners hold ([lo, hi), alike for
+    // both: it depends on the lower bits only): the lower node keeps the
+    // lower half and folds the partner's copy of it in, the higher node
+    // the upper half. The allgather retraces the rounds backwards.
+    uint64_t lo = 0, hi = count;
+    std::vector<std::pair<uint64_t, uint64_t>> before;
+    for (int r = 0; r < rounds; ++r) {
+      const int partner = self ^ (1 << r);
+      const uint64_t mid = lo + (hi - lo) / 2;
+      before.emplace_back(lo, hi);
+      Step s{partner, partner, true, static_cast<uint64_t>(r) + 1};
+      if (((self >> r) & 1) == 0) {
+        s.send_lo = mid, s.send_hi = hi, s.recv_lo = lo, s.recv_hi = mid;
+        hi = mid;
+      } else {
+        s.send_lo = lo, s.send_hi = mid, s.recv_lo = mid, s.recv_hi = hi;
+        lo = mid;
+      }
+      steps.push_back(s);
+    }
+    for (int r = rounds - 1; r >= 0; --r) {
+      const int partner = self ^ (1 << r);
+      const auto [parent_lo, parent_hi] = before[static_cast<size_t>(r)];
+      Step s{partner, partner, false, static_cast<uint64_t>(2 * rounds - r)};
+      s.gather = true;
+      s.send_lo = lo, s.send_hi = hi;
+      if (lo == parent_lo) {
+        s.recv_lo = hi, s.recv_hi = parent_hi;
+      } else {
+        s.recv_lo = parent_lo, s.recv_hi = lo;
+      }
+      lo = parent_lo, hi = parent_hi;
+      steps.push_back(s);
+    }
   }
-  if (self_ < extra) steps_.push_back(Step{self_ + p, -1, false, hand_back});
+  if (self < extra) steps.push_back(whole(self + p, -1, false, kHandBackTag));
+  return steps;
+}
+
+size_t DirectExchange::BytesSent(int nodes, int sender, int receiver, uint64_t tag,
+                                 const OpSignature& sig) {
+  if (sig.collective == static_cast<uint32_t>(wire::Collective::kBarrier)) return 0;
+  // Bounded before it is multiplied: no direct operation is larger.
+  if (sig.count > kMaxBulkBytes || sender < 0 || sender >= nodes) return 0;
+  const size_t element_bytes = wire::DataTypeSize(sig.dtype);
+  if (element_bytes == 0 || sig.count * element_bytes > kMaxBulkBytes) return 0;
+  for (const Step& s : Schedule(nodes, sender, sig.count, element_bytes)) {
+    if (s.tag == tag && s.send_to == receiver) return (s.send_hi - s.send_lo) * element_bytes;
+  }
+  return 0;
 }
 
 void DirectExchange::Start() {
@@ -133,13 +197,36 @@ void DirectExchange::Finish() {
   finished_(s, result);
 }
 
+uint8_t* DirectExchange::Writable(const uint8_t* p) {
+  if (p == nullptr) return nullptr;
+  if (p == value_.data()) return value_.data();
+  if (p == bulk_in_.data()) return bulk_in_.data();
+  if (p == output_) return output_;
+  return nullptr;
+}
+
 uint8_t* DirectExchange::LandingFor(size_t at) {
+  const Step& step = steps_[at];
+  const size_t bytes = (step.recv_hi - step.recv_lo) * element_bytes_;
+  const bool rounds = step.tag != 0 && step.tag != kHandBackTag;
+  if (halving_ && rounds) {
+    if (step.gather) return Writable(current_);
+    const bool last = at + 1 < steps_.size() && steps_[at + 1].gather;
+    return last && output_ != nullptr ? output_ : value_.data();
+  }
   bool last = true;
   for (size_t later = at + 1; later < steps_.size(); ++later) {
     if (steps_[later].recv_from >= 0) last = false;
   }
   if (last && output_ != nullptr) return output_;
+  // A value that travels inline was copied into the message: folded in place.
+  if (bytes <= kInlineBytes && Writable(current_) != nullptr) return Writable(current_);
   return current_ == value_.data() ? bulk_in_.data() : value_.data();
+}
+
+bool DirectExchange::MismatchKnown() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mismatch_;
 }
 
 void DirectExchange::RunStep() {
@@ -174,9 +261,11 @@ void DirectExchange::RunStep() {
     std::memcpy(out_.data(), &h, sizeof(h));
   }
   // A failed node's messages carry no value (nobody folds it).
-  bulk_sent_ = !failed && payload_bytes_ > kInlineBytes;
-  if (!failed && !bulk_sent_ && payload_bytes_ > 0) {
-    std::memcpy(out_.data() + kHeaderBytes, current_, payload_bytes_);
+  const uint8_t* part = current_ + step.send_lo * element_bytes_;
+  const size_t part_bytes = (step.send_hi - step.send_lo) * element_bytes_;
+  bulk_sent_ = !failed && part_bytes > kInlineBytes;
+  if (!failed && !bulk_sent_ && part_bytes > 0) {
+    std::memcpy(out_.data() + kHeaderBytes, part, part_bytes);
   }
   const bool sends = step.send_to >= 0;
   outstanding_.store((sends ? (bulk_sent_ ? 2 : 1) : 0) + (step.recv_from >= 0 ? 1 : 0));
@@ -199,8 +288,8 @@ void DirectExchange::RunStep() {
     };
     params_.transport->Send(step.send_to, params_.channel, tag, out_.data(), out_.size(), sent);
     if (bulk_sent_) {
-      params_.transport->Send(step.send_to, params_.channel, tag | kBulkTag, current_,
-                              payload_bytes_, sent);
+      params_.transport->Send(step.send_to, params_.channel, tag | kBulkTag, part, part_bytes,
+                              sent);
     }
   }
 }
@@ -221,23 +310,19 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
       step_error_ = absl::DataLossError(absl::StrCat(
           "node ", step.recv_from, " sent a message that is not a direct exchange's"));
     } else if (!(h.flags & kFlagFailed)) {
-      // The value that follows: as the sender's signature says (bounded
-      // before it is multiplied; larger than any direct operation: left
-      // unreceived, the operation fails on the mismatch anyway).
+      // The value that follows: as the sender's signature says
+      // (BytesSent bounds it: a value larger than any direct operation is
+      // left unreceived, and the operation fails on the mismatch anyway).
       const OpSignature theirs = FromWire(h.own);
-      const bool barrier = theirs.collective == static_cast<uint32_t>(wire::Collective::kBarrier);
-      const size_t their_bytes = barrier || theirs.count > kMaxBulkBytes
-                                     ? 0
-                                     : static_cast<size_t>(theirs.count) *
-                                           wire::DataTypeSize(theirs.dtype);
+      const size_t their_bytes = BytesSent(nodes_, step.recv_from, self_, step.tag, theirs);
       if (their_bytes > kInlineBytes && their_bytes <= kMaxBulkBytes) {
         bulk = their_bytes;
         if (SameSignature(theirs, params_.sig)) {
           // Folded as it arrives, fragment by fragment from the transport's
-          // buffers, into another buffer than the current value's: that
-          // may still be on its way out in this step's send.
+          // buffers (LandingFor: never into what may still be on its way
+          // out in this step's send).
           landing_ = LandingFor(step_.load());
-          into = landing_;
+          into = landing_ + step.recv_lo * element_bytes_;
           fold = step.fold;
         } else {
           drain = std::make_shared<std::vector<uint8_t>>(bulk);  // theirs, not ours to fold
@@ -263,7 +348,7 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
       reduce_into.op = params_.op;
       reduce_into.received_first = step.recv_from < self_;
       reduce_into.dest = into;
-      reduce_into.local = current_;
+      reduce_into.local = current_ + step.recv_lo * element_bytes_;
       params_.transport->RecvReduce(step.recv_from, params_.channel, tag | kBulkTag, reduce_into,
                                     bulk, std::move(arrived));
     } else {
@@ -279,9 +364,18 @@ void DirectExchange::Transferred() {
 }
 
 void DirectExchange::StepDone() {
-  const Step step = steps_[step_.load()];
+  const size_t at = step_.load();
+  const Step step = steps_[at];
   if (step.recv_from >= 0) Absorb(step);
-  if (step_.fetch_add(1) + 1 < steps_.size()) return RunStep();
+  size_t next = at + 1;
+  // A mismatch is known to every node of the rounds once the reduce-scatter
+  // is over (each has heard from all): nobody gathers a result that will
+  // not be given. (A node whose size chose the doubling has no such rounds.)
+  if (next < steps_.size() && steps_[next].gather && MismatchKnown()) {
+    while (next < steps_.size() && steps_[next].gather) ++next;
+  }
+  step_.store(next);
+  if (next < steps_.size()) return RunStep();
   Finish();
 }
 
@@ -312,23 +406,27 @@ void DirectExchange::Absorb(const Step& step) {
     failed_text_.assign(h.failed_text, std::min<size_t>(h.failed_text_bytes, kMaxFailureText));
   }
   if (mismatch_ || peer_failed_ || !transfer_error_.ok() || payload_bytes_ == 0) return;
-  if (payload_bytes_ > kInlineBytes) {
-    // landing_ holds the new value: folded as it arrived (HeaderArrived),
-    // or the value handed back.
+  const size_t count = step.recv_hi - step.recv_lo;
+  const size_t bytes = count * element_bytes_;
+  if (bytes > kInlineBytes) {
+    // Folded as it arrived (HeaderArrived), or landed there.
     current_ = landing_;
     return;
   }
-  uint8_t* mine = value_.data();
+  uint8_t* land = LandingFor(step_.load());
+  const size_t at = step.recv_lo * element_bytes_;
   const uint8_t* got = in_.data() + kHeaderBytes;
-  if (!step.fold) {
-    std::memcpy(mine, got, payload_bytes_);
-    return;
+  if (step.fold) {
+    const void* inputs[2];
+    const uint8_t* mine = current_ + at;
+    inputs[0] = step.recv_from < self_ ? static_cast<const void*>(got) : mine;
+    inputs[1] = step.recv_from < self_ ? static_cast<const void*>(mine) : got;
+    reduce::Reduce(static_cast<wire::DataType>(params_.sig.dtype), params_.op, inputs, 2,
+                   land + at, count);
+  } else if (bytes > 0) {
+    std::memcpy(land + at, got, bytes);
   }
-  const void* inputs[2];
-  inputs[0] = step.recv_from < self_ ? static_cast<const void*>(got) : mine;
-  inputs[1] = step.recv_from < self_ ? static_cast<const void*>(mine) : got;
-  reduce::Reduce(static_cast<wire::DataType>(params_.sig.dtype), params_.op, inputs, 2, mine,
-                 params_.sig.count);
+  current_ = land;
 }
 
 absl::Status DirectExchange::Outcome() const {

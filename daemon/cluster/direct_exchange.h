@@ -2,19 +2,29 @@
 // coordinator: a "direct operation" (README.md, "Direct operations").
 //
 // Each node starts its DirectExchange as soon as its own ranks have
-// submitted the operation, with the node's reduced value in payload(). The
-// nodes then run recursive doubling over the job's transport: with P the
-// largest power of two <= N nodes, node P + i first hands its value to node
-// i (i < N - P), which folds it in; nodes 0..P-1 exchange their whole value
-// with node self ^ d for d = 1, 2, .. P/2, each folding what it gets; node i
-// finally sends the result to node P + i. Every fold is op(lower node's
-// value, higher node's value), so every node ends with the same bits.
+// submitted the operation, with the node's reduced value in payload() (or
+// in the caller's buffer, UseBuffers). With P the largest power of two <= N
+// nodes, node P + i first hands its value to node i (i < N - P), which
+// folds it in; nodes 0..P-1 then run rounds with node self ^ d for d = 1,
+// 2, .. P/2; node i finally sends the result to node P + i. In the rounds
+// a small value (and any value on 2 or 3 nodes) goes by recursive
+// doubling: each node exchanges its whole value and folds what it gets. A
+// value of kHalvingMinBytes and more on 4 nodes and more goes by halving
+// (Halving): each round a node sends the half of its part that the partner
+// keeps and folds the partner's copy of its own half in, so after log2(P)
+// rounds node k holds the final 1/P of the value; then the rounds run
+// backwards, each node sending what it holds and receiving its partner's,
+// until every node has all of it. The value crosses each link
+// 2 (P - 1) / P times instead of log2(P) times. Every fold is op(lower
+// node's value, higher node's value), and with the halving each element is
+// folded on one node only, so every node ends with the same bits.
 //
 // Each step's message is kMessageBytes long whatever the operation: a
-// DirectHeader, then the value itself when it fits (kInlineBytes), so that
-// an 8-byte allreduce costs one message per step. A larger value follows as
-// a second message whose size the header announces (the sender's own
-// signature); the receiver posts its receive once it has read the header,
+// DirectHeader, then the step's part of the value itself when it fits
+// (kInlineBytes), so that an 8-byte allreduce costs one message per step. A
+// larger part follows as a second message whose size the header announces
+// (the sender's own signature, from which the receiver computes the
+// sender's steps: BytesSent); the receiver posts its receive once it has read the header,
 // so no receive ever disagrees with its send in size, even between nodes
 // whose operations differ (a transport receive of the wrong size fails, and
 // UCX over TCP was seen to drop the connection after one). The header also
@@ -24,7 +34,11 @@
 // heard, directly or through others, from every node, so a mismatch or
 // failure anywhere ends the operation on every node with the same kind of
 // error (INVALID_ARGUMENT naming both signatures or the failing node's
-// words, or UNAVAILABLE), never with a partial result. A node whose
+// words, or UNAVAILABLE), never with a partial result. Nodes whose
+// signatures disagree may run different algorithms (by their sizes): the
+// halving's first rounds have the doubling's partners and phases, so every
+// node knows of the mismatch after them, and no node runs the halving's
+// gathering rounds then (StepDone). A node whose
 // transfer fails still sends its later steps (flagged), so that the
 // others' receives complete instead of waiting for a deadline.
 //
@@ -102,10 +116,24 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // for a deadline's error message.
   int Waiting() const;
 
-  // The low bits of the transport tag that are the exchange's: its steps
-  // (at most 2 + log2 of the nodes, 17 for Transport's 2^15) and the bit
-  // of a value sent apart.
+  // Whether nodes whose power-of-two part is `p` exchange a value of
+  // `payload_bytes` by halving: a reduce-scatter by recursive halving, then
+  // an allgather by recursive doubling (each node's link carries the value
+  // 2 (p - 1) / p times in 2 log2(p) rounds), instead of recursive
+  // doubling of the whole value (log2(p) times in log2(p) rounds). From 4
+  // nodes and kHalvingMinBytes: for 2 nodes both carry it once, and the
+  // doubling has half the rounds.
+  static constexpr size_t kHalvingMinBytes = size_t{64} << 10;
+  static bool Halving(int p, size_t payload_bytes) {
+    return p >= 4 && payload_bytes >= kHalvingMinBytes;
+  }
+  bool halving() const { return halving_; }
+
+  // The low bits of the transport tag that are the exchange's: its phases
+  // (0, the rounds up to 2 log2 of the nodes, 30 for Transport's 2^15, and
+  // kHandBackTag) and the bit of a value sent apart.
   static constexpr int kTagBits = 8;
+  static constexpr uint64_t kHandBackTag = (uint64_t{1} << (kTagBits - 1)) - 1;
   static constexpr size_t kHeaderBytes = 256;
   static constexpr size_t kInlineBytes = 1024;
   static constexpr size_t kMessageBytes = kHeaderBytes + kInlineBytes;
@@ -120,8 +148,21 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
     int send_to = -1;    // -1: none
     int recv_from = -1;  // -1: none
     bool fold = false;   // fold what arrives into the value (else: it is the result)
-    uint64_t tag = 0;    // the phase, alike on both ends: 0 fold-in, 1.. doubling, last hand-back
+    // The phase, alike on both ends: 0 fold-in, 1.. the rounds,
+    // kHandBackTag the hand-back.
+    uint64_t tag = 0;
+    // Elements [lo, hi) of the value that this step sends and that it
+    // receives: all of it, except in the halving algorithm's rounds.
+    uint64_t send_lo = 0, send_hi = 0, recv_lo = 0, recv_hi = 0;
+    bool gather = false;  // an allgather round (halving): skipped on a mismatch
   };
+  // The steps of node `self` of `nodes` for a value of `count` elements of
+  // `element_bytes` (what every node computes alike for every other node's
+  // signature too, to know what size a message from it has).
+  static std::vector<Step> Schedule(int nodes, int self, uint64_t count, size_t element_bytes);
+  // The bytes `sender` sends to `receiver` in phase `tag` for a value of
+  // signature `sig` (0: none, or none that fits kMaxBulkBytes).
+  static size_t BytesSent(int nodes, int sender, int receiver, uint64_t tag, const OpSignature& sig);
 
   DirectExchange(Params params, Finished finished);
   void RunStep();
@@ -136,9 +177,17 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // Folds or takes the step's value. Only the thread that completed the
   // step calls it.
   void Absorb(const Step& step);
-  // Where step `at`'s value apart lands: output_ on the last step that
-  // receives, else whichever own buffer does not hold the current value.
+  // Where step `at`'s value lands (at the offset of its range): with
+  // doubling, output_ on the last step that receives, else whichever own
+  // buffer does not hold the current value (which may be on its way out
+  // in the same step); in the halving rounds, value_ (output_ on the last
+  // reduce-scatter round), folded in place beside the half on its way out,
+  // and the allgather in the buffer that holds the node's part.
   uint8_t* LandingFor(size_t at);
+  // current_ as a writable buffer of the exchange's or the caller's
+  // output, or null when it is the caller's input.
+  uint8_t* Writable(const uint8_t* p);
+  bool MismatchKnown() const;
   // Calls `finished` with the outcome and, when OK, the result (in output_
   // when set, else in own memory).
   void Finish();
@@ -149,6 +198,8 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   int nodes_ = 0;
   int self_ = 0;
   size_t payload_bytes_ = 0;
+  size_t element_bytes_ = 1;
+  bool halving_ = false;
   std::vector<Step> steps_;
   // The step in progress: written by the thread that completes the one
   // before (each step's completion happens after its posting).

@@ -143,7 +143,10 @@ TEST(DirectExchangeTest, EveryDtypeOpSizeAndNodeCountMatchesThePlainLoop) {
     for (DataType t : wire::kAllDataTypes) {
       for (ReduceOp op : wire::kAllReduceOps) {
         if (op == ReduceOp::kAvg) continue;  // the caller's division (ClusterJob)
-        for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1001}, size_t{16384}}) {
+        // 16384 and 40001 elements of 4 bytes and more go by halving from 4
+        // nodes (40001: halves of uneven length).
+        for (size_t count :
+             {size_t{0}, size_t{1}, size_t{7}, size_t{1001}, size_t{16384}, size_t{40001}}) {
           // The value in payload() (-1), or in the caller's buffers
           // (UseBuffers): every node in every variant.
           for (int buffers = -1; buffers < 4; ++buffers) {
@@ -171,34 +174,43 @@ TEST(DirectExchangeTest, EveryDtypeOpSizeAndNodeCountMatchesThePlainLoop) {
 }
 
 TEST(DirectExchangeTest, AMismatchFailsEveryNodeNamingBothSignatures) {
-  const OpSignature base = Sig(DataType::kFloat32, ReduceOp::kSum, 6);
-  OpSignature bigger = base;
-  bigger.count = 9;
-  OpSignature smaller = base;
-  smaller.count = 2;
-  OpSignature other_type = base;
-  other_type.dtype = static_cast<uint32_t>(DataType::kInt32);  // same bytes
-  OpSignature other_op = base;
-  other_op.reduce_op = static_cast<uint32_t>(ReduceOp::kMax);
-  OpSignature large = base;  // its value goes apart from the header
-  large.count = 5000;
-  for (int nodes : {2, 3, 4, 5}) {
-    for (const OpSignature& odd : {bigger, smaller, other_type, other_op, large}) {
-      for (int at = 0; at < nodes; ++at) {
-        SCOPED_TRACE(testing::Message() << nodes << " nodes, node " << at << " submits "
-                                        << odd.ToString());
-        std::vector<OpSignature> sigs(static_cast<size_t>(nodes), base);
-        sigs[static_cast<size_t>(at)] = odd;
-        std::vector<Result> got = Exchange(nodes, sigs);
-        for (int k = 0; k < nodes; ++k) {
-          const absl::Status& s = got[static_cast<size_t>(k)].status;
-          EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "node " << k << ": " << s;
-          const std::string msg(s.message());
-          EXPECT_NE(msg.find("operation '#5' mismatched across nodes"), std::string::npos) << msg;
-          EXPECT_NE(msg.find(sigs[static_cast<size_t>(k)].ToString()), std::string::npos) << msg;
-          // Every node read the other signature (headers are never cut).
-          EXPECT_NE(msg.find(base.ToString()), std::string::npos) << msg;
-          EXPECT_NE(msg.find(odd.ToString()), std::string::npos) << msg;
+  // Small values (doubling) and values of 4 nodes and more that go by
+  // halving; odd ones of either kind among them, so that nodes whose
+  // signatures disagree may run different algorithms.
+  const OpSignature small_base = Sig(DataType::kFloat32, ReduceOp::kSum, 6);
+  const OpSignature large_base = Sig(DataType::kFloat32, ReduceOp::kSum, 20000);
+  for (const OpSignature& base : {small_base, large_base}) {
+    OpSignature bigger = base;
+    bigger.count = base.count + 3;
+    OpSignature smaller = base;
+    smaller.count = 2;
+    OpSignature other_type = base;
+    other_type.dtype = static_cast<uint32_t>(DataType::kInt32);  // same bytes
+    OpSignature other_op = base;
+    other_op.reduce_op = static_cast<uint32_t>(ReduceOp::kMax);
+    OpSignature large = base;  // its value goes apart from the header
+    large.count = 5000;
+    OpSignature halving = base;  // by halving from 4 nodes
+    halving.count = 30001;
+    for (int nodes : {2, 3, 4, 5}) {
+      for (const OpSignature& odd : {bigger, smaller, other_type, other_op, large, halving}) {
+        if (odd == base) continue;
+        for (int at = 0; at < nodes; ++at) {
+          SCOPED_TRACE(testing::Message() << nodes << " nodes of " << base.ToString() << ", node "
+                                          << at << " submits " << odd.ToString());
+          std::vector<OpSignature> sigs(static_cast<size_t>(nodes), base);
+          sigs[static_cast<size_t>(at)] = odd;
+          std::vector<Result> got = Exchange(nodes, sigs);
+          for (int k = 0; k < nodes; ++k) {
+            const absl::Status& s = got[static_cast<size_t>(k)].status;
+            EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "node " << k << ": " << s;
+            const std::string msg(s.message());
+            EXPECT_NE(msg.find("operation '#5' mismatched across nodes"), std::string::npos) << msg;
+            EXPECT_NE(msg.find(sigs[static_cast<size_t>(k)].ToString()), std::string::npos) << msg;
+            // Every node read the other signature (headers are never cut).
+            EXPECT_NE(msg.find(base.ToString()), std::string::npos) << msg;
+            EXPECT_NE(msg.find(odd.ToString()), std::string::npos) << msg;
+          }
         }
       }
     }

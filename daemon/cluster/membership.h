@@ -34,7 +34,7 @@ inline constexpr size_t kMaxRackBytes = 64;       // as the config key `rack` al
 // versions misread each other; daemons that speak different ones refuse to
 // form a job together (each says both numbers) instead of timing out on
 // messages the other never matches. 0 is a daemon that predates it.
-inline constexpr uint32_t kPeerProtocol = 2;
+inline constexpr uint32_t kPeerProtocol = 3;
 
 // OK when a daemon that speaks kPeerProtocol (`us`, e.g. "the coordinator
 // of job 'j'") can run a job with one that speaks `theirs` (`who`, e.g.

@@ -195,7 +195,8 @@ const std::vector<Field>& Table() {
                 "Allreduces and barriers up to this payload run between the nodes without the "
                 "coordinator (unnamed ones always, named ones from their name's second "
                 "occurrence), never compressed (0 = off; the coordinator's setting "
-                "when the job forms decides for the job, at most 128K past two nodes)",
+                "when the job forms decides for the job, at most 128K on node counts that are not a "
+                "power of two)",
                 &Tuning::direct_max_bytes, 0, kMiB),
       SizeField("staging_segment_bytes",
                 "Multi-node operations on GPU buffers cross the network in pieces of this size, "
