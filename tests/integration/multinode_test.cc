@@ -319,6 +319,57 @@ std::vector<pid_t> SpawnAllreducesUntilTheJobFails(Cluster& cluster, const std::
   });
 }
 
+// Four nodes run unnamed allreduces of 64K and more directly by halving (a
+// reduce-scatter, then an allgather) over UCX: sum, avg and max against the
+// plain loop, in place and not, up to 1 MiB; then one rank submits another
+// count, and every rank gets INVALID_ARGUMENT at once, although the nodes'
+// sizes chose different algorithms.
+TEST(MultiNodeSemanticsTest, FourNodesHalveLargeDirectOperations) {
+  auto cluster = Cluster::Start(4);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("halving");
+  auto codes = RunRanks(4, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 4, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    auto value = [](int r, size_t i) { return static_cast<float>((r + 1) * (static_cast<int>(i % 13) - 6)); };
+    int step = 0;
+    for (size_t count : {size_t{16385}, size_t{100003}, size_t{262144}}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+        const bool in_place = (step++ % 2) == 1;
+        std::vector<float> send(count), recv(count, -1.0f);
+        for (size_t i = 0; i < count; ++i) send[i] = value(rank, i);
+        float* out = in_place ? send.data() : recv.data();
+        OpOptions o;
+        o.timeout_ms = 20000;
+        Status s = comm->Allreduce(send.data(), out, count, DataType::kFloat32, op, o).Wait();
+        CHILD_CHECK(s.ok(), "count %zu: %s", count, s.ToString().c_str());
+        for (size_t i = 0; i < count; ++i) {
+          float want = value(0, i);
+          for (int r = 1; r < 4; ++r) {
+            want = op == ReduceOp::kMax ? std::max(want, value(r, i)) : want + value(r, i);
+          }
+          if (op == ReduceOp::kAvg) want /= 4.0f;
+          CHILD_CHECK(out[i] == want, "count %zu element %zu: %g, want %g", count, i, out[i], want);
+        }
+      }
+    }
+    // Rank 3 submits 100 elements (doubling), the others 100003 (halving).
+    const size_t count = rank == 3 ? 100 : 100003;
+    std::vector<float> v(count, 1.0f);
+    OpOptions o;
+    o.timeout_ms = 20000;
+    const auto start = std::chrono::steady_clock::now();
+    Status s = comm->Allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    CHILD_CHECK(s.code() == StatusCode::kInvalidArgument && Contains(s.message(), "mismatched"),
+                "%s", s.ToString().c_str());
+    CHILD_CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
+                "the mismatch took until the deadline");
+    return 0;
+  }, std::chrono::seconds(120));
+  EXPECT_EQ(codes, (std::vector<int>(4, 0)));
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 // A multi-node operation's ranks are told of its end either by the thread
 // that ended it (a UCX thread for a direct exchange, a lane for a run) or,
 // when a trainer sleeps on its ring, by the engine's loop: each rank hears
