@@ -210,7 +210,9 @@ uint8_t* DirectExchange::LandingFor(size_t at) {
   const size_t bytes = (step.recv_hi - step.recv_lo) * element_bytes_;
   const bool rounds = step.tag != 0 && step.tag != kHandBackTag;
   if (halving_ && rounds) {
-    if (step.gather) return Writable(current_);
+    // The part this node holds; still the caller's input only when an
+    // earlier round failed here (what lands is then never used).
+    if (step.gather) return Writable(current_) != nullptr ? Writable(current_) : value_.data();
     const bool last = at + 1 < steps_.size() && steps_[at + 1].gather;
     return last && output_ != nullptr ? output_ : value_.data();
   }
