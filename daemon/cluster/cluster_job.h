@@ -305,7 +305,7 @@ class ClusterJob {
 
   // The largest direct operation of a job of `nodes` nodes whose
   // coordinator's direct_max_bytes is `configured`: all of it when `nodes`
-  // is a power of two, at most kDirectMaxBytesBeyondTwoNodes otherwise.
+  // is a power of two, at most kDirectMaxBytesOtherNodeCounts otherwise.
   // There each node past the power of two hands its whole value to a
   // partner and gets the result back, so the partner's link carries the
   // value twice more than in the ring (DirectExchange's halving carries it
@@ -317,9 +317,9 @@ class ClusterJob {
   // come from the membership.
   static uint64_t DirectBound(uint64_t configured, int nodes) {
     const bool power_of_two = nodes > 0 && (nodes & (nodes - 1)) == 0;
-    return power_of_two ? configured : std::min(configured, kDirectMaxBytesBeyondTwoNodes);
+    return power_of_two ? configured : std::min(configured, kDirectMaxBytesOtherNodeCounts);
   }
-  static constexpr uint64_t kDirectMaxBytesBeyondTwoNodes = uint64_t{128} << 10;
+  static constexpr uint64_t kDirectMaxBytesOtherNodeCounts = uint64_t{128} << 10;
 
   // Operations that ran between the nodes without the coordinator
   // (direct_exchange.h), and the bound the job formed with (0: none;

@@ -127,7 +127,6 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   static bool Halving(int p, size_t payload_bytes) {
     return p >= 4 && payload_bytes >= kHalvingMinBytes;
   }
-  bool halving() const { return halving_; }
 
   // The low bits of the transport tag that are the exchange's: its phases
   // (0, the rounds up to 2 log2 of the nodes, 30 for Transport's 2^15, and
