@@ -59,6 +59,7 @@
 #include "cluster/run_settings.h"
 #include "collectives/internode/internode.h"
 #include "collectives/internode/scratch.h"
+#include "collectives/local.h"
 #include "collectives/op.h"
 #include "collectives/staged_buffer.h"
 #include "compression/codec.h"
@@ -208,7 +209,7 @@ class ClusterJob {
     // have run (the engine's WorkerPool::ParallelFor): the local phase's
     // reduction is cut into chunks that the node's workers share. Null:
     // all on the lane's thread.
-    std::function<void(size_t n, const std::function<void(size_t)>& body)> parallel;
+    ParallelChunks parallel;
     // The most bytes the job's direct exchanges may hold at once
     // (kDirectBudgetBytes; tests make it small).
     uint64_t direct_budget_bytes = kDirectBudgetBytes;
@@ -461,9 +462,12 @@ class ClusterJob {
   void CloseWrites();
   absl::Status Execute(const ClusterOp& op, uint64_t seq, const RunSettings& settings,
                        Lane& lane);
-  // The local phase's reduction of the node's ranks' `inputs` into `out`
-  // (which may be one of them: element by element): in chunks of
-  // kLocalChunkBytes through Options::parallel from 2 chunks up.
+  // The host local phase, as a single-node job's (LocalCollective, in
+  // chunks of kLocalChunkBytes through Options::parallel from 2 chunks up,
+  // RunChunks): ReduceLocal reduces the node's ranks' `inputs` into `out`
+  // (which may be one of them: element by element); FanOut writes a result
+  // to every rank's recv buffer of `op` that does not hold it already (in
+  // chunks that write about kLocalChunkBytes each, to all those ranks).
   static constexpr size_t kLocalChunkBytes = size_t{512} << 10;
   // The largest allreduce whose local phase Submit runs on its caller's
   // thread (the engine's loop, helped by the worker pool) while the Ready
@@ -474,9 +478,7 @@ class ClusterJob {
   std::shared_ptr<EarlyLocal> EarlyLocalFor(const ClusterOp& op) const;
   void ReduceLocal(wire::DataType dtype, wire::ReduceOp op, const std::vector<const void*>& inputs,
                    void* out, size_t count);
-  // Writes a direct operation's result to every rank's recv buffer that
-  // does not hold it yet, with the worker pool when it is large.
-  void CopyOut(const ClusterOp& op, const uint8_t* result, size_t bytes);
+  void FanOut(const ClusterOp& op, const uint8_t* result, size_t bytes);
   absl::Status ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
                             const RunSettings& settings, Lane& lane);
   // An operation whose node buffer is on a GPU (op.staged; see

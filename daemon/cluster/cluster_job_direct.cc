@@ -254,7 +254,7 @@ void ClusterJob::EndDirect(uint64_t key, uint64_t bytes, absl::Status status, ui
           DivideInPlace(static_cast<wire::DataType>(d->op.sig.dtype), result, d->op.sig.count,
                         options_.world_size);
         }
-        CopyOut(d->op, result, payload);
+        FanOut(d->op, result, payload);
       }
       Done(d->op, status);
     }
@@ -273,22 +273,6 @@ void ClusterJob::EndDirect(uint64_t key, uint64_t bytes, absl::Status status, ui
   direct_cv_.notify_all();
   // The ClusterJob's thread starts what now fits (StartWaitingDirect).
   if (waiting) PushDirectEnd();
-}
-
-void ClusterJob::CopyOut(const ClusterOp& op, const uint8_t* result, size_t bytes) {
-  // The result is in the first rank's recv already (UseBuffers).
-  std::vector<uint8_t*> to;
-  for (const auto& p : op.parts) {
-    if (p.recv != result) to.push_back(p.recv);
-  }
-  // Several ranks' copies of a large result are shared with the worker
-  // pool: on this UCX thread alone, eight ranks of 1 MiB would hold it for
-  // about a millisecond.
-  if (!options_.parallel || to.size() < 2 || bytes * to.size() < kLocalChunkBytes) {
-    for (uint8_t* r : to) std::memcpy(r, result, bytes);
-    return;
-  }
-  options_.parallel(to.size(), [&](size_t i) { std::memcpy(to[i], result, bytes); });
 }
 
 void ClusterJob::FinishStagedDirect() {

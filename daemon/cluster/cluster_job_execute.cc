@@ -51,22 +51,31 @@ bool ClusterJob::KeepsFeedback(const ClusterOp& op, size_t count, const config::
 
 void ClusterJob::ReduceLocal(wire::DataType dtype, wire::ReduceOp op,
                              const std::vector<const void*>& inputs, void* out, size_t count) {
-  const size_t es = wire::DataTypeSize(static_cast<uint32_t>(dtype));
-  const size_t per = std::max<size_t>(1, kLocalChunkBytes / es);
-  const size_t chunks = (count + per - 1) / per;
-  if (!options_.parallel || chunks < 2) {
-    Reduce(dtype, op, inputs.data(), static_cast<int>(inputs.size()), out, count);
-    return;
+  OpSignature sig;
+  sig.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
+  sig.dtype = static_cast<uint32_t>(dtype);
+  sig.reduce_op = static_cast<uint32_t>(op);
+  sig.count = count;
+  std::vector<const uint8_t*> send;
+  send.reserve(inputs.size());
+  for (const void* in : inputs) send.push_back(static_cast<const uint8_t*>(in));
+  RunChunks(LocalCollective(sig, std::move(send), {static_cast<uint8_t*>(out)}, kLocalChunkBytes),
+            options_.parallel);
+}
+
+void ClusterJob::FanOut(const ClusterOp& op, const uint8_t* result, size_t bytes) {
+  OpSignature sig;
+  sig.collective = static_cast<uint32_t>(wire::Collective::kBroadcast);
+  sig.dtype = static_cast<uint32_t>(wire::DataType::kUInt8);
+  sig.count = bytes;
+  std::vector<uint8_t*> recv;
+  for (const auto& p : op.parts) {
+    if (p.recv != result) recv.push_back(p.recv);
   }
-  options_.parallel(chunks, [&](size_t c) {
-    const size_t at = c * per, n = std::min(per, count - at);
-    std::vector<const void*> from(inputs.size());
-    for (size_t k = 0; k < inputs.size(); ++k) {
-      from[k] = static_cast<const uint8_t*>(inputs[k]) + at * es;
-    }
-    Reduce(dtype, op, from.data(), static_cast<int>(from.size()),
-           static_cast<uint8_t*>(out) + at * es, n);
-  });
+  if (recv.empty()) return;
+  // A chunk writes every destination: about kLocalChunkBytes in all.
+  const size_t chunk = kLocalChunkBytes / recv.size();
+  RunChunks(LocalCollective(sig, {result}, std::move(recv), chunk), options_.parallel);
 }
 
 absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_t seq,
@@ -145,7 +154,7 @@ absl::Status ClusterJob::ExecuteFused(const std::vector<ClusterOp>& ops, uint64_
   offset = 0;
   for (const ClusterOp& op : ops) {
     const size_t bytes = op.sig.count * es;
-    for (const auto& p : op.parts) CopyBytes(p.recv, node + offset, bytes);
+    FanOut(op, node + offset, bytes);
     offset += bytes;
   }
   fused_ops_.fetch_add(ops.size(), std::memory_order_relaxed);
@@ -181,11 +190,6 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
   // big enough (it lives in that rank's shared memory): no staging copy,
   // and that rank needs no fan-out copy either.
   const ClusterOp::Part& first = op.parts.front();
-  auto fan_out = [&](const uint8_t* node_buffer, size_t bytes) {
-    for (const auto& p : op.parts) {
-      if (p.recv != node_buffer) CopyBytes(p.recv, node_buffer, bytes);
-    }
-  };
   std::vector<const void*> inputs;
   for (const auto& p : op.parts) inputs.push_back(p.send);
   if (op.early) {
@@ -252,7 +256,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       if (!s.ok()) return s;
       if (requested == wire::ReduceOp::kAvg) DivideInPlace(dtype, node, count, world);
       if (all) {
-        fan_out(node, block);
+        FanOut(op, node, block);
       } else {
         for (const auto& p : op.parts) {
           CopyBytes(p.recv, node + static_cast<size_t>(p.rank) * block, block);
@@ -269,7 +273,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       }
       absl::Status s = MoveInSegments(ctx, seq, settings, op, node);
       if (!s.ok()) return s;
-      fan_out(node, all);
+      FanOut(op, node, all);
       return absl::OkStatus();
     }
     case wire::Collective::kBroadcast: {
@@ -279,7 +283,7 @@ absl::Status ClusterJob::Execute(const ClusterOp& op, uint64_t seq, const RunSet
       }
       absl::Status s = MoveInSegments(ctx, seq, settings, op, node);
       if (!s.ok()) return s;
-      fan_out(node, block);
+      FanOut(op, node, block);
       return absl::OkStatus();
     }
     case wire::Collective::kAlltoall:

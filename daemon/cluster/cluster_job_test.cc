@@ -488,8 +488,10 @@ TEST(ClusterJobTest, TheLocalPhaseSharesItsChunksWithOtherThreads) {
     }
     for (size_t i = 0; i < 1000; ++i) ASSERT_EQ(small[r][i], 6.0f) << "small, rank " << r;
   }
-  // The allreduce and the reduce_scatter on each node; not the small one.
-  EXPECT_EQ(nodes.parallel_calls(), 4);
+  // On each node the allreduce's local phase and its fan-out to the other
+  // rank (LocalCollective's chunks, RunChunks) and the reduce_scatter's
+  // local phase; not the small one.
+  EXPECT_EQ(nodes.parallel_calls(), 6);
   EXPECT_GE(nodes.parallel_threads(), 2u);
 }
 
@@ -629,7 +631,7 @@ TEST(ClusterJobDirectTest, DirectOperationsUpToAMegabyteMatchThePlainLoopInPlace
       EXPECT_EQ(nodes.job(k).direct_ops(), 4u) << "node " << k;
       EXPECT_EQ(nodes.job(k).direct_max_bytes(), 1u << 20) << "node " << k;
     }
-    // Four ranks: the 1 MiB local phases (2 chunks) and every copy-out to
+    // Four ranks: the 1 MiB local phases (2 chunks) and every fan-out to
     // three ranks (768K and 3 MiB) through the pool; one rank: neither.
     EXPECT_EQ(nodes.parallel_calls(), per_node == 1 ? 0 : 2 * (2 * 2 + 2 * 1));
   }

@@ -99,16 +99,16 @@ void LocalCollective::RunChunk(size_t index) const {
   const uint64_t elems = std::min(chunk_elems_, sig_.count - first);
   const uint64_t step = std::max<uint64_t>(1, kCacheBlockBytes / es);
 
-  std::vector<const void*> inputs(static_cast<size_t>(ranks_));
+  std::vector<const void*> inputs(send_.size());
   for (uint64_t done = 0; done < elems; done += step) {
     const uint64_t n = std::min(step, elems - done);
     const uint64_t off = (first + done) * es;
     switch (c) {
       case wire::Collective::kAllreduce: {
-        for (int r = 0; r < ranks_; ++r) inputs[r] = send_[r] + off;
+        for (size_t r = 0; r < send_.size(); ++r) inputs[r] = send_[r] + off;
         uint8_t* out = recv_[0] + off;
         Reduce(static_cast<wire::DataType>(sig_.dtype), static_cast<wire::ReduceOp>(sig_.reduce_op),
-               inputs.data(), ranks_, out, n);
+               inputs.data(), static_cast<int>(send_.size()), out, n);
         for (int r = 1; r < ranks_; ++r) std::memcpy(recv_[r] + off, out, n * es);
         break;
       }
@@ -148,6 +148,15 @@ void LocalCollective::RunChunk(size_t index) const {
         break;
     }
   }
+}
+
+void RunChunks(const LocalCollective& collective, const ParallelChunks& parallel) {
+  const size_t chunks = collective.num_chunks();
+  if (!parallel || chunks < 2) {
+    for (size_t i = 0; i < chunks; ++i) collective.RunChunk(i);
+    return;
+  }
+  parallel(chunks, [&collective](size_t i) { collective.RunChunk(i); });
 }
 
 absl::Status AlltoallvMismatch(const std::vector<int>& ranks,

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -29,7 +30,11 @@ namespace ciuic::daemon {
 class LocalCollective {
  public:
   // send[r] / recv[r] are rank r's buffers (nullptr where ValidatedOp has
-  // none); they stay valid until the last chunk has run. alltoallv:
+  // none); they stay valid until the last chunk has run. An allreduce may
+  // have fewer recv buffers than send buffers (at least one): it reduces
+  // every send buffer into recv[0] and copies the result to the others (a
+  // multi-node job's local phase reduces its ranks into one node buffer).
+  // A broadcast's send needs only the root's entry. alltoallv:
   // send_counts[r] is rank r's (elements for each rank; the receivers'
   // counts agree, AlltoallvMismatch), empty for every other collective.
   LocalCollective(const OpSignature& sig, std::vector<const uint8_t*> send,
@@ -58,6 +63,17 @@ class LocalCollective {
   std::vector<Piece> pieces_;
   uint64_t v_payload_bytes_ = 0;
 };
+
+// Runs `body(i)` for every i in [0, n), on the caller and on whichever
+// helper threads join (WorkerPool::ParallelFor); returns once all ran.
+using ParallelChunks = std::function<void(size_t n, const std::function<void(size_t)>& body)>;
+
+// Runs every chunk of `collective`: through `parallel` from two chunks up
+// (and when it is set), else on the caller. The one way a multi-node job's
+// host local phase runs (ClusterJob::ReduceLocal, FanOut); a single-node
+// job's chunks go to the worker pool one task each, with the operation's
+// priority (Engine::LaunchOnLoop).
+void RunChunks(const LocalCollective& collective, const ParallelChunks& parallel);
 
 // alltoallv: OK when every send_counts[i][j] equals recv_counts[j][i] among
 // `ranks` (indices into both), else INVALID_ARGUMENT naming the first pair

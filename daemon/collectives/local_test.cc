@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 namespace ciuic::daemon {
@@ -51,6 +52,65 @@ TEST_P(LocalCollectiveTest, AllreduceSumInt32AndInPlace) {
         for (int k = 0; k < ranks; ++k) want += Value(k, i);
         ASSERT_EQ(out[i], want) << "rank " << r << " i " << i << " in_place " << in_place;
       }
+    }
+  }
+}
+
+// A multi-node job's host local phase (ClusterJob::ReduceLocal, FanOut):
+// every rank's input reduced into one node buffer, then that buffer
+// broadcast to the ranks' outputs (the first rank's output may be the node
+// buffer itself), through RunChunks with a runner that counts its calls.
+TEST_P(LocalCollectiveTest, ReduceIntoOneBufferThenFanOutThroughRunChunks) {
+  const auto [ranks, count, chunk] = GetParam();
+  for (bool node_is_first_output : {false, true}) {
+    std::vector<std::vector<int32_t>> send(ranks), recv(ranks);
+    std::vector<const uint8_t*> sp(ranks);
+    for (int r = 0; r < ranks; ++r) {
+      send[r].resize(count);
+      recv[r].assign(count, -7);
+      for (uint64_t i = 0; i < count; ++i) send[r][i] = Value(r, i);
+      sp[r] = reinterpret_cast<const uint8_t*>(send[r].data());
+    }
+    std::vector<int32_t> staging(count, -9);
+    uint8_t* node = node_is_first_output ? reinterpret_cast<uint8_t*>(recv[0].data())
+                                         : reinterpret_cast<uint8_t*>(staging.data());
+    int calls = 0;
+    size_t chunks_run = 0;
+    ParallelChunks parallel = [&](size_t n, const std::function<void(size_t)>& body) {
+      ++calls;
+      for (size_t i = n; i-- > 0;) body(i);  // any order
+      chunks_run += n;
+    };
+    OpSignature sum{static_cast<uint32_t>(wire::Collective::kAllreduce),
+                    static_cast<uint32_t>(wire::DataType::kInt32),
+                    static_cast<uint32_t>(wire::ReduceOp::kSum), 0, count};
+    LocalCollective reduce(sum, sp, {node}, chunk);
+    RunChunks(reduce, parallel);
+    std::vector<uint8_t*> outputs;
+    for (int r = 0; r < ranks; ++r) {
+      uint8_t* out = reinterpret_cast<uint8_t*>(recv[r].data());
+      if (out != node) outputs.push_back(out);
+    }
+    OpSignature copy{static_cast<uint32_t>(wire::Collective::kBroadcast),
+                     static_cast<uint32_t>(wire::DataType::kUInt8), 0, 0, count * 4};
+    LocalCollective fan_out(copy, {node}, outputs, chunk);
+    RunChunks(fan_out, parallel);
+    // Through the runner from two chunks up, on the caller below.
+    const int want_calls = (reduce.num_chunks() >= 2) + (fan_out.num_chunks() >= 2);
+    EXPECT_EQ(calls, want_calls);
+    EXPECT_EQ(chunks_run, (reduce.num_chunks() >= 2 ? reduce.num_chunks() : 0) +
+                              (fan_out.num_chunks() >= 2 ? fan_out.num_chunks() : 0));
+    for (int r = 0; r < ranks; ++r) {
+      for (uint64_t i = 0; i < count; ++i) {
+        int32_t want = 0;
+        for (int k = 0; k < ranks; ++k) want += Value(k, i);
+        ASSERT_EQ(recv[r][i], want) << "rank " << r << " i " << i << " node buffer is rank 0's "
+                                    << node_is_first_output;
+      }
+    }
+    // Inputs untouched.
+    for (int r = 0; r < ranks; ++r) {
+      for (uint64_t i = 0; i < count; ++i) ASSERT_EQ(send[r][i], Value(r, i));
     }
   }
 }
