@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/local.h"
@@ -49,8 +50,10 @@ struct Session {
   // ends an operation of a multi-node job (Engine::TellRanks), which writes
   // its ranks' completions at once instead of through the loop.
   std::mutex cq_mu;
-  std::optional<CompletionWriter> cq;  // pushes under cq_mu
-  bool cq_closed = false;              // under cq_mu: the session has closed
+  // Made when the session joins, before another thread sees it; its pushes
+  // under cq_mu (its capacity is fixed).
+  std::optional<CompletionWriter> cq;
+  bool cq_closed ABSL_GUARDED_BY(cq_mu) = false;  // the session has closed
   bool closed = false;                 // the loop's
   std::string job_key;  // empty until joined
   int rank = -1;
@@ -102,8 +105,8 @@ struct PendingOp {
   // whichever comes first: `parts` and `ranks_told` under end_mu once the
   // operation is in the ClusterJob.
   std::mutex end_mu;
-  bool ranks_told = false;
-  Clock::time_point told_at;  // by TellRanks: the operation's end
+  bool ranks_told ABSL_GUARDED_BY(end_mu) = false;
+  Clock::time_point told_at ABSL_GUARDED_BY(end_mu);  // by TellRanks: the operation's end
 };
 
 struct Job {
