@@ -139,4 +139,25 @@ bool RawSession::HungUp(int ms) {
   return recv(sock, &b, 1, MSG_DONTWAIT) == 0 || (p.revents & POLLHUP);
 }
 
+wire::SubmissionEntry Entry(uint64_t op_id, wire::Collective collective, wire::DataType dtype,
+                            wire::ReduceOp op, uint64_t count, uint64_t send_offset,
+                            uint64_t recv_offset, std::string_view name) {
+  wire::SubmissionEntry e{};
+  e.op_id = op_id;
+  e.collective = static_cast<uint32_t>(collective);
+  e.dtype = static_cast<uint32_t>(dtype);
+  e.reduce_op = static_cast<uint32_t>(op);
+  e.count = count;
+  e.send_offset = send_offset;
+  e.recv_offset = recv_offset;
+  const size_t n = std::min(name.size(), sizeof(e.name));
+  std::memcpy(e.name, name.data(), n);
+  e.name_len = static_cast<uint32_t>(n);
+  return e;
+}
+
+std::string MessageOf(const wire::CompletionEntry& done) {
+  return std::string(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+}
+
 }  // namespace ciuic::testing

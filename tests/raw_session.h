@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "ciuic/shm_layout.h"
 
@@ -40,5 +41,17 @@ struct RawSession {
   uint32_t sq_tail_ = 0;
   uint32_t cq_head_ = 0;
 };
+
+// A submission: `collective` of `count` elements of `dtype`, reduced with
+// `op`, named `name`, its buffers at arena offsets `send_offset` and
+// `recv_offset`; every other field zero (flags, timeout, root: the
+// caller's).
+wire::SubmissionEntry Entry(uint64_t op_id, wire::Collective collective, wire::DataType dtype,
+                            wire::ReduceOp op, uint64_t count, uint64_t send_offset,
+                            uint64_t recv_offset, std::string_view name);
+
+// A completion's message (at most kMaxMessage bytes, whatever its length
+// field says).
+std::string MessageOf(const wire::CompletionEntry& done);
 
 }  // namespace ciuic::testing

@@ -1010,22 +1010,14 @@ TEST(DeviceBuffersTest, ForgedDescriptorsGetClearErrorsAndTheDaemonGoesOn) {
       const uint64_t at = wire::kDataOffset + 4096 * (1 + 2 * i);
       std::memcpy(raw.base + at, &c.send, sizeof(c.send));
       std::memcpy(raw.base + at + 4096, &c.recv, sizeof(c.recv));
-      wire::SubmissionEntry e{};
-      e.op_id = 1 + i;
-      e.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
-      e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
-      e.reduce_op = static_cast<uint32_t>(wire::ReduceOp::kSum);
-      e.count = kCount;
+      wire::SubmissionEntry e =
+          Entry(1 + i, wire::Collective::kAllreduce, wire::DataType::kFloat32,
+                wire::ReduceOp::kSum, kCount, at, at + 4096, "forged" + std::to_string(i));
       e.flags = wire::kSubmitFlagDeviceBuffers;
-      e.send_offset = at;
-      e.recv_offset = at + 4096;
-      const std::string name = "forged" + std::to_string(i);
-      std::memcpy(e.name, name.data(), name.size());
-      e.name_len = static_cast<uint32_t>(name.size());
       raw.Submit(e);
       wire::CompletionEntry done;
       CHILD_CHECK(raw.NextCompletion(&done, 10000), "%s: no completion", c.what);
-      const std::string text(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+      const std::string text = MessageOf(done);
       fprintf(stderr, "%s: code %d: %s\n", c.what, done.status_code, text.c_str());
       CHILD_CHECK(done.op_id == e.op_id, "%s: completion of op %llu", c.what,
                   static_cast<unsigned long long>(done.op_id));
@@ -1055,17 +1047,9 @@ bool RawDeviceAllreduce(RawSession& raw, const wire::DeviceBufferDescriptor& sen
   const uint64_t at = wire::kDataOffset + 8192 * op_id;
   std::memcpy(raw.base + at, &send, sizeof(send));
   std::memcpy(raw.base + at + 4096, &recv, sizeof(recv));
-  wire::SubmissionEntry e{};
-  e.op_id = op_id;
-  e.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
-  e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
-  e.reduce_op = static_cast<uint32_t>(wire::ReduceOp::kSum);
-  e.count = count;
+  wire::SubmissionEntry e = Entry(op_id, wire::Collective::kAllreduce, wire::DataType::kFloat32,
+                                  wire::ReduceOp::kSum, count, at, at + 4096, name);
   e.flags = wire::kSubmitFlagDeviceBuffers;
-  e.send_offset = at;
-  e.recv_offset = at + 4096;
-  std::memcpy(e.name, name.data(), name.size());
-  e.name_len = static_cast<uint32_t>(name.size());
   raw.Submit(e);
   return raw.NextCompletion(done, 10000) && done->op_id == op_id;
 }
@@ -1123,7 +1107,7 @@ TEST(DeviceBuffersTest, AnotherUsersSessionNeverReachesAMappedAllocation) {
     wire::DeviceBufferDescriptor out = theirs;  // would write into the owner's memory
     out.offset = kBytes / 2;
     const bool completed = RawDeviceAllreduce(raw, theirs, out, kCount, 1, "steal", &done);
-    const std::string text(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+    const std::string text = MessageOf(done);
     fprintf(stderr, "the other user's attempt: code %d: %s\n", done.status_code, text.c_str());
     CHILD_CHECK(write(done_pipe[1], "d", 1) == 1, "pipe");
     CHILD_CHECK(completed && done.status_code != 0, "another uid used the owner's mapping");

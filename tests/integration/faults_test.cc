@@ -112,15 +112,8 @@ TEST(FaultsTest, GarbageDescriptorsAndRingIndicesNeverHurtTheDaemon) {
     // Targeted garbage: each must come back as INVALID_ARGUMENT naming the
     // problem (device buffers: FAILED_PRECONDITION saying why not).
     auto base = [] {
-      wire::SubmissionEntry e{};
-      e.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
-      e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
-      e.reduce_op = static_cast<uint32_t>(wire::ReduceOp::kSum);
-      e.count = 16;
-      e.send_offset = e.recv_offset = wire::kDataOffset;
-      std::memcpy(e.name, "g", 1);
-      e.name_len = 1;
-      return e;
+      return Entry(0, wire::Collective::kAllreduce, wire::DataType::kFloat32,
+                   wire::ReduceOp::kSum, 16, wire::kDataOffset, wire::kDataOffset, "g");
     };
     struct Case {
       wire::SubmissionEntry e;
@@ -195,7 +188,7 @@ TEST(FaultsTest, GarbageDescriptorsAndRingIndicesNeverHurtTheDaemon) {
     for (size_t i = 0; i < cases.size(); ++i) {
       wire::CompletionEntry done;
       CHILD_CHECK(raw.NextCompletion(&done, 5000), "no completion for case %zu", i);
-      std::string text(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+      std::string text = MessageOf(done);
       CHILD_CHECK(done.op_id == cases[done.op_id - 1000].e.op_id, "op id");
       CHILD_CHECK(done.status_code == cases[done.op_id - 1000].code &&
                       Contains(text, cases[done.op_id - 1000].words),

@@ -403,23 +403,15 @@ TEST(MultiNodeSemanticsTest, EveryRankHearsOfEachOperationExactlyOnce) {
       // Some operations with the hint that this trainer sleeps: the loop
       // tells those; the others, the thread that ends them.
       raw.header()->trainer_waiters.store(i % 4 == 1 ? 1 : 0);
-      wire::SubmissionEntry e{};
-      e.op_id = 500 + i;
-      e.collective = static_cast<uint32_t>(wire::Collective::kAllreduce);
-      e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
-      e.reduce_op = static_cast<uint32_t>(wire::ReduceOp::kSum);
-      e.count = count;
-      e.send_offset = wire::kDataOffset;
-      e.recv_offset = recv_offset;
+      wire::SubmissionEntry e =
+          Entry(500 + i, wire::Collective::kAllreduce, wire::DataType::kFloat32,
+                wire::ReduceOp::kSum, count, wire::kDataOffset, recv_offset,
+                wire::UnnamedName(static_cast<uint64_t>(i)));
       e.timeout_ms = 20000;
-      const std::string name = wire::UnnamedName(static_cast<uint64_t>(i));
-      std::memcpy(e.name, name.data(), name.size());
-      e.name_len = static_cast<uint32_t>(name.size());
       raw.Submit(e);
       wire::CompletionEntry done;
       CHILD_CHECK(raw.NextCompletion(&done, 20000), "op %d: no completion", i);
-      const std::string text(done.message,
-                             std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+      const std::string text = MessageOf(done);
       CHILD_CHECK(done.op_id == e.op_id, "op %d: a completion for op %llu (a duplicate?)", i,
                   static_cast<unsigned long long>(done.op_id));
       CHILD_CHECK(done.status_code == 0, "op %d: code %d: %s", i, done.status_code, text.c_str());
@@ -708,20 +700,14 @@ TEST(MultiNodeFaultsTest, DeviceAlltoallAcrossNodesIsCheckedAtOnce) {
     std::string msg;
     CHILD_CHECK(raw.Join(cluster->nodes[0]->socket(), job, 0, 2, &msg, 1, cluster->peers[0]) == 0,
                 "join: %s", msg.c_str());
-    wire::SubmissionEntry e{};
-    e.op_id = 7;
-    e.collective = static_cast<uint32_t>(wire::Collective::kAlltoall);
-    e.dtype = static_cast<uint32_t>(wire::DataType::kFloat32);
-    e.count = 4;
+    wire::SubmissionEntry e = Entry(7, wire::Collective::kAlltoall, wire::DataType::kFloat32,
+                                    wire::ReduceOp{}, 4, wire::kDataOffset,
+                                    wire::kDataOffset + 4096, "a2a");
     e.flags = wire::kSubmitFlagDeviceBuffers;
-    e.send_offset = wire::kDataOffset;
-    e.recv_offset = wire::kDataOffset + 4096;
-    std::memcpy(e.name, "a2a", 3);
-    e.name_len = 3;
     raw.Submit(e);
     wire::CompletionEntry done;
     CHILD_CHECK(raw.NextCompletion(&done, 5000), "no completion");
-    const std::string text(done.message, std::min<uint32_t>(done.message_len, wire::kMaxMessage));
+    const std::string text = MessageOf(done);
     const bool no_gpu = done.status_code == 9 && Contains(text, "operation 'a2a'") &&
                         Contains(text, "device (CUDA) buffers");
     const bool bad_handle = done.status_code == 3 && Contains(text, "device");
