@@ -109,6 +109,12 @@ struct UcxTransport::Shared {
   std::string tls;  // UCX_TLS as configured, for Describe
 
   std::atomic<bool> shutting_down{false};
+  // Send/Recv/RecvReduce/FailPeer calls in progress (CallerScope). A call's
+  // last lines (signalling the channel's thread) may run after the
+  // transfer's callback, and that callback may be what lets the owner
+  // destroy the transport: the destructor waits for this to fall to 0
+  // before the channels go.
+  std::atomic<int> callers{0};
 
   // Peer failure: sticky. `failed` lets the data path skip the mutex.
   mutable std::mutex mu;
@@ -125,6 +131,18 @@ struct UcxTransport::Shared {
 };
 
 enum class OpKind { kSend, kRecv };
+
+// Counts a caller in UcxTransport::Shared::callers for its scope.
+class CallerScope {
+ public:
+  explicit CallerScope(std::atomic<int>& callers) : callers_(callers) { callers_.fetch_add(1); }
+  ~CallerScope() { callers_.fetch_sub(1, std::memory_order_release); }
+  CallerScope(const CallerScope&) = delete;
+  CallerScope& operator=(const CallerScope&) = delete;
+
+ private:
+  std::atomic<int>& callers_;
+};
 
 // One Send or Recv, from the call until its callback. Owned by the channel's
 // queue, then by its in-flight list; touched only under its channel's
@@ -1196,6 +1214,20 @@ UcxTransport::~UcxTransport() {
     channel->Join();
     channel->DestroyUnstarted();
   }
+  // Another thread may still be in the last lines of a Send or FailPeer
+  // whose callbacks have all run (Shared::callers): a few instructions,
+  // bounded anyway.
+  const auto until = Clock::now() + kShutdownGrace;
+  while (shared_->callers.load(std::memory_order_acquire) != 0 && Clock::now() < until) {
+    std::this_thread::yield();
+  }
+  if (const int left = shared_->callers.load(std::memory_order_acquire); left != 0) {
+    spdlog::error("ucx transport: {} call(s) from other threads still inside the transport {} s "
+                  "after its threads stopped; its channels and contexts are left allocated",
+                  left, std::chrono::duration_cast<std::chrono::seconds>(kShutdownGrace).count());
+    for (auto& channel : channels_) (void)channel.release();  // NOLINT: deliberately leaked
+    return;
+  }
   channels_.clear();
   for (ucp_context_h context : shared_->contexts) ucp_cleanup(context);
   if (shared_->has_reducer_dt) ucp_dt_destroy(shared_->reducer_dt);
@@ -1276,6 +1308,7 @@ void UcxTransport::Route(std::unique_ptr<Op> op) {
         absl::InvalidArgumentError(num_peers_ == 0 ? "transport not connected" : "no such peer");
   }
   op->owner = channels_[channel].get();
+  CallerScope scope(shared_->callers);
   channels_[channel]->Submit(std::move(op));
 }
 
@@ -1315,6 +1348,7 @@ void UcxTransport::FailPeer(int peer, const absl::Status& why) {
 }
 
 void UcxTransport::MarkPeerFailed(int peer, absl::Status why, bool warn) {
+  CallerScope scope(shared_->callers);
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     if (shared_->failed[peer].load()) return;  // sticky: the first reason wins
