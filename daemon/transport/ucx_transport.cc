@@ -132,6 +132,14 @@ struct UcxTransport::Shared {
 
 enum class OpKind { kSend, kRecv };
 
+namespace {
+
+std::atomic<void (*)()> caller_tail_hook{nullptr};  // SetCallerTailHookForTesting
+
+void RunCallerTailHook() {
+  if (void (*hook)() = caller_tail_hook.load(std::memory_order_relaxed)) hook();
+}
+
 // Counts a caller in UcxTransport::Shared::callers for its scope.
 class CallerScope {
  public:
@@ -143,6 +151,8 @@ class CallerScope {
  private:
   std::atomic<int>& callers_;
 };
+
+}  // namespace
 
 // One Send or Recv, from the call until its callback. Owned by the channel's
 // queue, then by its in-flight list; touched only under its channel's
@@ -293,6 +303,7 @@ class UcxTransport::Channel {
         Post(std::move(op));
         posting_inline_ = false;
         lock.unlock();
+        RunCallerTailHook();
         // seq_cst, paired with sleeping_ in Run as Wake's: either the thread
         // sees the post before it sleeps, or it is signalled.
         inline_posts_.fetch_add(1);
@@ -309,6 +320,7 @@ class UcxTransport::Channel {
       std::lock_guard<std::mutex> lock(mu_);
       ops_.push_back(op.release());
     }
+    RunCallerTailHook();
     Wake();
   }
 
@@ -1225,13 +1237,18 @@ UcxTransport::~UcxTransport() {
     spdlog::error("ucx transport: {} call(s) from other threads still inside the transport {} s "
                   "after its threads stopped; its channels and contexts are left allocated",
                   left, std::chrono::duration_cast<std::chrono::seconds>(kShutdownGrace).count());
+    // The callers still decrement Shared::callers and read the channels:
+    // both stay allocated.
     for (auto& channel : channels_) (void)channel.release();  // NOLINT: deliberately leaked
+    (void)shared_.release();                                  // NOLINT: deliberately leaked
     return;
   }
   channels_.clear();
   for (ucp_context_h context : shared_->contexts) ucp_cleanup(context);
   if (shared_->has_reducer_dt) ucp_dt_destroy(shared_->reducer_dt);
 }
+
+void UcxTransport::SetCallerTailHookForTesting(void (*hook)()) { caller_tail_hook.store(hook); }
 
 std::vector<std::string> UcxTransport::WorkerAddresses() const { return addresses_; }
 

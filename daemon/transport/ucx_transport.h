@@ -61,8 +61,16 @@ class UcxTransport final : public Transport {
   // Fails every queued and pending transfer with UNAVAILABLE "transport shut
   // down", force-closes the endpoints, stops the threads and destroys the
   // workers and the context. Bounded: gives UCX at most a few seconds.
-  // Must not race with Send/Recv from other threads.
+  // No call may start once destruction has begun. A Send/Recv/RecvReduce
+  // or FailPeer whose transfers have all called back may still be returning
+  // on another thread (a callback may be what lets the owner destroy the
+  // transport): the destructor waits for such calls to leave.
   ~UcxTransport() override;
+
+  // Tests only: `hook` runs on the calling thread inside Send/Recv/
+  // RecvReduce, after the transfer is in its channel's hands and before the
+  // call's last lines touch the channel. nullptr (the default) for none.
+  static void SetCallerTailHookForTesting(void (*hook)());
 
   UcxTransport(const UcxTransport&) = delete;
   UcxTransport& operator=(const UcxTransport&) = delete;

@@ -611,6 +611,72 @@ TEST(UcxTransportTest, DestroyFailsPendingTransfersAndReturns) {
   std::printf("survivor: %s\n", survivor.status(0).ToString().c_str());
 }
 
+// The transfer's callback may be what lets the owner destroy the transport
+// (the last exchange of a direct op ended) while the calling thread is still
+// in the call's last lines, signalling the channel's thread. The hook holds
+// the caller there until the callback ran and a second thread has started
+// the destructor: the destructor must wait for the caller to leave.
+struct CallerTail {
+  std::atomic<bool> armed{false};
+  std::atomic<bool> destroying{false};
+  std::atomic<bool> destroyed{false};
+  std::atomic<bool> destroy_began_inside{false};
+  std::atomic<bool> destroyed_while_inside{false};
+};
+CallerTail caller_tail;
+
+void HoldTheCallerInside() {
+  if (!caller_tail.armed.exchange(false)) return;
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  while (!caller_tail.destroying.load() && Clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  caller_tail.destroy_began_inside = caller_tail.destroying.load();
+  // Time for a destructor that does not wait to finish (its peer is gone
+  // already, so it need not wait for a farewell).
+  const auto grace = Clock::now() + std::chrono::seconds(2);
+  while (!caller_tail.destroyed.load() && Clock::now() < grace) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  caller_tail.destroyed_while_inside = caller_tail.destroyed.load();
+}
+
+TEST(UcxTransportTest, DestroyWaitsForACallerStillReturning) {
+  UseTls("tcp");
+  // An 8-byte send is usually posted by the caller and completes inside the
+  // call; when the channel's thread holds the worker it is queued instead,
+  // and its callback may come only after the hook. Tried until the
+  // destructor starts while the caller is held.
+  for (int attempt = 0; attempt < 5 && !caller_tail.destroy_began_inside; ++attempt) {
+    Ranks r = MakeRanks(2, 1);
+    ASSERT_EQ(r.t.size(), 2u);
+    uint64_t out = 42, in = 0;
+    Completions got(1), sent(1);
+    r[1].Recv(0, 0, 7, &in, sizeof(in), got.Slot(0));
+    caller_tail.destroying = false;
+    caller_tail.destroyed = false;
+    caller_tail.destroyed_while_inside = false;
+    caller_tail.armed = true;
+    UcxTransport::SetCallerTailHookForTesting(&HoldTheCallerInside);
+    std::thread destroyer([&] {
+      if (!sent.Wait(0, milliseconds(10000)) || !got.Wait(0, milliseconds(10000))) return;
+      r.t[1].reset();
+      caller_tail.destroying = true;
+      r.t[0].reset();
+      caller_tail.destroyed = true;
+    });
+    r[0].Send(1, 0, 7, &out, sizeof(out), sent.Slot(0));
+    UcxTransport::SetCallerTailHookForTesting(nullptr);
+    destroyer.join();
+    EXPECT_TRUE(caller_tail.destroyed.load());
+    EXPECT_FALSE(caller_tail.destroyed_while_inside.load())
+        << "the transport was destroyed while a Send was still returning";
+    EXPECT_EQ(got.calls(0), 1);
+    EXPECT_EQ(in, out);
+  }
+  EXPECT_TRUE(caller_tail.destroy_began_inside.load());
+}
+
 // A peer whose endpoints all close while nothing is in flight here (it
 // ended its job first): each channel's endpoint fails on its own, and later
 // transfers on every channel fail at once naming the lost peer.
