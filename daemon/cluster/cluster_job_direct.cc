@@ -153,7 +153,9 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
         "operation '", op.name, "' mismatched across ranks: ", op.splits_error, " (on ",
         options_.node_name, ")")));
   } else if (payload > 0) {
-    uint8_t* value = exchange->payload();
+    // The exchange allocates its own value on first use only: a rank's
+    // buffers used in place of it cost no allocation.
+    auto value = [&exchange] { return exchange->payload(); };
     if (op.staged) {
       staged_ops_.fetch_add(1, std::memory_order_relaxed);
       StagedNodeBuffer& device = *op.staged;
@@ -163,7 +165,7 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
       if (slot.ok() && s.ok()) s = device.Wait(0);
       if (!slot.ok()) s = slot.status();
       if (s.ok()) {
-        std::memcpy(value, *slot, payload);
+        std::memcpy(value(), *slot, payload);
         staged_bytes_.fetch_add(payload, std::memory_order_relaxed);
       } else {
         exchange->FailLocally(s);
@@ -172,7 +174,7 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
       // Reduced when it was submitted, before it could be known to run
       // direct (a named occurrence the ClusterJob's thread starts).
       if (absl::Status s = op.early->Wait(); s.ok()) {
-        std::memcpy(value, op.parts.front().recv, payload);
+        std::memcpy(value(), op.parts.front().recv, payload);
         exchange->UseBuffers(nullptr, op.parts.front().recv);
       } else {
         exchange->FailLocally(s);
@@ -184,7 +186,7 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
       // on its way out).
       const ClusterOp::Part& only = op.parts.front();
       if (only.send == only.recv) {
-        std::memcpy(value, only.send, payload);
+        std::memcpy(value(), only.send, payload);
         exchange->UseBuffers(nullptr, only.recv);
       } else {
         exchange->UseBuffers(only.send, only.recv);
@@ -197,7 +199,7 @@ void ClusterJob::LaunchDirect(ClusterOp& op, uint64_t tag_base, uint64_t bytes) 
       for (const auto& p : op.parts) inputs.push_back(p.send);
       try {
         ReduceLocal(static_cast<wire::DataType>(op.sig.dtype), BetweenNodes(op.sig), inputs,
-                    value, op.sig.count);
+                    value(), op.sig.count);
         exchange->UseBuffers(nullptr, op.parts.front().recv);
       } catch (const std::exception& e) {  // out of memory: every node fails it at once
         exchange->FailLocally(absl::ResourceExhaustedError(

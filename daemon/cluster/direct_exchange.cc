@@ -80,10 +80,8 @@ DirectExchange::DirectExchange(Params params, Finished finished)
   if (params_.sig.collective == static_cast<uint32_t>(wire::Collective::kBarrier)) {
     payload_bytes_ = 0;
   }
-  value_.assign(payload_bytes_, 0);
   out_.assign(kMessageBytes, 0);
   in_.assign(kMessageBytes, 0);
-  if (payload_bytes_ > kInlineBytes) bulk_in_.assign(payload_bytes_, 0);
   element_bytes_ = payload_bytes_ == 0 ? 1 : params_.sig.element_bytes();
   const uint64_t count = payload_bytes_ == 0 ? 0 : params_.sig.count;
   steps_ = Schedule(nodes_, self_, count, element_bytes_);
@@ -167,15 +165,27 @@ size_t DirectExchange::BytesSent(int nodes, int sender, int receiver, uint64_t t
   return 0;
 }
 
+uint8_t* DirectExchange::Value() {
+  if (value_ == nullptr && payload_bytes_ > 0) {
+    value_ = std::make_unique_for_overwrite<uint8_t[]>(payload_bytes_);
+  }
+  return value_.get();
+}
+
+uint8_t* DirectExchange::BulkIn() {
+  if (bulk_in_ == nullptr && payload_bytes_ > 0) {
+    bulk_in_ = std::make_unique_for_overwrite<uint8_t[]>(payload_bytes_);
+  }
+  return bulk_in_.get();
+}
+
 void DirectExchange::Start() {
-  current_ = value_.data();
-  if (input_ != nullptr && payload_bytes_ > 0) {
+  if (input_ != nullptr && payload_bytes_ > kInlineBytes) {
+    current_ = input_;
+  } else {
+    current_ = Value();
     // A value sent inline is copied into the message anyway.
-    if (payload_bytes_ > kInlineBytes) {
-      current_ = input_;
-    } else {
-      std::memcpy(value_.data(), input_, payload_bytes_);
-    }
+    if (input_ != nullptr && payload_bytes_ > 0) std::memcpy(Value(), input_, payload_bytes_);
   }
   if (steps_.empty()) return Finish();  // one node
   RunStep();
@@ -184,9 +194,9 @@ void DirectExchange::Start() {
 void DirectExchange::Finish() {
   absl::Status s = Outcome();
   if (!s.ok()) return finished_(s, nullptr);
-  uint8_t* result = current_ == output_                 ? output_
-                    : current_ == bulk_in_.data()       ? bulk_in_.data()
-                                                        : value_.data();
+  uint8_t* result = current_ == output_                          ? output_
+                    : current_ != nullptr && current_ == bulk_in_.get() ? bulk_in_.get()
+                                                                     : Value();
   if (current_ != result && payload_bytes_ > 0) {
     std::memcpy(result, current_, payload_bytes_);  // still the input (one node)
   }
@@ -199,8 +209,8 @@ void DirectExchange::Finish() {
 
 uint8_t* DirectExchange::Writable(const uint8_t* p) {
   if (p == nullptr) return nullptr;
-  if (p == value_.data()) return value_.data();
-  if (p == bulk_in_.data()) return bulk_in_.data();
+  if (p == value_.get()) return value_.get();
+  if (p == bulk_in_.get()) return bulk_in_.get();
   if (p == output_) return output_;
   return nullptr;
 }
@@ -212,9 +222,9 @@ uint8_t* DirectExchange::LandingFor(size_t at) {
   if (halving_ && rounds) {
     // The part this node holds; still the caller's input only when an
     // earlier round failed here (what lands is then never used).
-    if (step.gather) return Writable(current_) != nullptr ? Writable(current_) : value_.data();
+    if (step.gather) return Writable(current_) != nullptr ? Writable(current_) : Value();
     const bool last = at + 1 < steps_.size() && steps_[at + 1].gather;
-    return last && output_ != nullptr ? output_ : value_.data();
+    return last && output_ != nullptr ? output_ : Value();
   }
   bool last = true;
   for (size_t later = at + 1; later < steps_.size(); ++later) {
@@ -223,7 +233,7 @@ uint8_t* DirectExchange::LandingFor(size_t at) {
   if (last && output_ != nullptr) return output_;
   // A value that travels inline was copied into the message: folded in place.
   if (bytes <= kInlineBytes && Writable(current_) != nullptr) return Writable(current_);
-  return current_ == value_.data() ? bulk_in_.data() : value_.data();
+  return current_ != nullptr && current_ == value_.get() ? BulkIn() : Value();
 }
 
 bool DirectExchange::MismatchKnown() const {

@@ -93,7 +93,7 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
 
   // The node's value, payload_bytes() long: fill it before Start(), or
   // name where it is with UseBuffers.
-  uint8_t* payload() { return value_.data(); }
+  uint8_t* payload() { return Value(); }
   size_t payload_bytes() const { return payload_bytes_; }
   // Before Start(): the node's value is read from `input` instead of
   // payload() (null: payload()), and the result is left in `output` (null:
@@ -203,14 +203,24 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // The step in progress: written by the thread that completes the one
   // before (each step's completion happens after its posting).
   std::atomic<size_t> step_{0};
-  std::vector<uint8_t> value_;    // the node's value (payload_bytes_)
-  std::vector<uint8_t> out_;      // the step's first message: header (+ value inline)
-  std::vector<uint8_t> in_;       // the step's first message received
+  // value_ and bulk_in_ (payload_bytes_ each) are allocated on first use,
+  // and not zeroed: every byte is written before it is read or sent. A
+  // node of one rank on 2 nodes uses neither (it sends from its rank's
+  // buffer and folds into its rank's), and a megabyte allocated and
+  // cleared per operation costs tens of microseconds and evicts the data
+  // of the operation from the cache. First use is in payload() or Start()
+  // (before any transfer), under mu_ (LandingFor), or in Finish (after
+  // the last transfer).
+  uint8_t* Value();
+  uint8_t* BulkIn();
+  std::unique_ptr<uint8_t[]> value_;  // the node's value
+  std::vector<uint8_t> out_;          // the step's first message: header (+ value inline)
+  std::vector<uint8_t> in_;           // the step's first message received
   // A value received apart (> kInlineBytes) lands in the buffer that does
   // not hold the node's current value: the fold of that value and the one
   // arriving (a reducing receive), or a value handed back. The current
   // value may still be on its way out in the same step.
-  std::vector<uint8_t> bulk_in_;
+  std::unique_ptr<uint8_t[]> bulk_in_;
   const uint8_t* input_ = nullptr;  // UseBuffers
   uint8_t* output_ = nullptr;       // UseBuffers
   // The node's current value: input_, value_, bulk_in_ or output_. Written
