@@ -333,6 +333,14 @@ int RunDeviceMatrix(const std::string& socket, const std::string& job, int rank,
                                             std::string::npos &&
                              s.message().find("in CUDA device memory") != std::string::npos),
               "mixed host/device: %s", s.ToString().c_str());
+  // Nobody leaves before every rank has had its answer for 'mixed': a rank
+  // that leaves fails the job, and a rank that submits 'mixed' after that
+  // gets the job's failure instead of the mismatch. (The mismatch fails
+  // the operation, not the job.)
+  float y = 1;
+  s = comm->Allreduce(&y, &y, 1, DataType::kFloat32, ReduceOp::kSum).Wait();
+  CHILD_CHECK(s.ok() && y == world, "host allreduce after the mismatch: %s",
+              s.ToString().c_str());
   if (FreeDeviceMemory(&mem) != 0) return 1;
   CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
