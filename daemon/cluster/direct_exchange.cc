@@ -180,6 +180,16 @@ uint8_t* DirectExchange::BulkIn() {
 }
 
 void DirectExchange::Start() {
+  // Whatever own memory the steps may land in is allocated here, on the
+  // caller's thread (where a failed allocation fails the operation), not
+  // in a transport callback. A single receive into the caller's output
+  // needs none.
+  const auto receives = std::count_if(steps_.begin(), steps_.end(),
+                                      [](const Step& step) { return step.recv_from >= 0; });
+  if (output_ == nullptr || halving_ || receives > 1) {
+    Value();
+    BulkIn();
+  }
   if (input_ != nullptr && payload_bytes_ > kInlineBytes) {
     current_ = input_;
   } else {
@@ -194,9 +204,9 @@ void DirectExchange::Start() {
 void DirectExchange::Finish() {
   absl::Status s = Outcome();
   if (!s.ok()) return finished_(s, nullptr);
-  uint8_t* result = current_ == output_                          ? output_
+  uint8_t* result = current_ == output_                                 ? output_
                     : current_ != nullptr && current_ == bulk_in_.get() ? bulk_in_.get()
-                                                                     : Value();
+                                                                        : Value();
   if (current_ != result && payload_bytes_ > 0) {
     std::memcpy(result, current_, payload_bytes_);  // still the input (one node)
   }

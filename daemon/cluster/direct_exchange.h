@@ -208,9 +208,8 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // node of one rank on 2 nodes uses neither (it sends from its rank's
   // buffer and folds into its rank's), and a megabyte allocated and
   // cleared per operation costs tens of microseconds and evicts the data
-  // of the operation from the cache. First use is in payload() or Start()
-  // (before any transfer), under mu_ (LandingFor), or in Finish (after
-  // the last transfer).
+  // of the operation from the cache. Both are allocated by payload() or
+  // Start(), before any transfer; LandingFor and Finish only find them.
   uint8_t* Value();
   uint8_t* BulkIn();
   std::unique_ptr<uint8_t[]> value_;  // the node's value
