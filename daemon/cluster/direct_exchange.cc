@@ -204,16 +204,12 @@ void DirectExchange::Start() {
 void DirectExchange::Finish() {
   absl::Status s = Outcome();
   if (!s.ok()) return finished_(s, nullptr);
-  uint8_t* result = current_ == output_                                 ? output_
+  // The result goes to the caller's output if there is one, else stays
+  // where the last step left it (the input of one node is copied once).
+  uint8_t* result = output_ != nullptr                                  ? output_
                     : current_ != nullptr && current_ == bulk_in_.get() ? bulk_in_.get()
                                                                         : Value();
-  if (current_ != result && payload_bytes_ > 0) {
-    std::memcpy(result, current_, payload_bytes_);  // still the input (one node)
-  }
-  if (output_ != nullptr && result != output_) {
-    if (payload_bytes_ > 0) std::memcpy(output_, result, payload_bytes_);
-    result = output_;
-  }
+  if (current_ != result && payload_bytes_ > 0) std::memcpy(result, current_, payload_bytes_);
   finished_(s, result);
 }
 

@@ -107,6 +107,12 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
     input_ = input;
     output_ = output;
   }
+  // The bytes of values the exchange holds in its own memory (0 while it
+  // works in the caller's buffers alone): a node's single rank on two nodes
+  // costs no allocation beyond the messages.
+  size_t own_payload_bytes() const {
+    return (value_ != nullptr ? payload_bytes_ : 0) + (bulk_in_ != nullptr ? payload_bytes_ : 0);
+  }
   // Before Start(): this node cannot take part (its local phase failed).
   // It still runs every step, its messages flagged, so that every node
   // ends the operation at once with an error instead of waiting for it.

@@ -63,6 +63,7 @@ struct Result {
   absl::Status status;
   std::vector<uint8_t> bytes;
   bool done = false;
+  size_t own_bytes = 0;  // the exchange's own_payload_bytes() at its end
 };
 
 // Runs one exchange on `nodes` nodes: node k with signature sigs[k] and
@@ -131,6 +132,9 @@ std::vector<Result> Exchange(int nodes, const std::vector<OpSignature>& sigs,
     return true;
   });
   EXPECT_TRUE(all) << "an exchange did not end";
+  for (int k = 0; k < nodes; ++k) {
+    results[static_cast<size_t>(k)].own_bytes = exchanges[static_cast<size_t>(k)]->own_payload_bytes();
+  }
   for (int k = 0; k < nodes; ++k) {
     EXPECT_EQ(inputs[static_cast<size_t>(k)], input_copies[static_cast<size_t>(k)])
         << "node " << k << " wrote into its input";
@@ -287,6 +291,43 @@ TEST(DirectExchangeTest, ALostNodeEndsTheOthersExchangesWithAnError) {
             if (k == lost) continue;
             EXPECT_FALSE(got[static_cast<size_t>(k)].status.ok())
                 << nodes << " nodes, count " << count << ", node " << k << " (lost " << lost << ")";
+          }
+        }
+      }
+    }
+  }
+}
+
+// A node's single rank on two nodes (the caller's input and output, a
+// value sent apart): the value is sent from the input and folded into the
+// output, and the exchange allocates no value of its own. With its value in
+// payload(), or on more nodes (several receives), it does.
+TEST(DirectExchangeTest, OneRankOnTwoNodesAllocatesNoValue) {
+  for (int nodes = 1; nodes <= 3; ++nodes) {
+    for (size_t count : {size_t{200}, size_t{40001}}) {  // inline, and sent apart
+      for (int buffers : {-1, 3}) {  // payload(); input and output on every node
+        SCOPED_TRACE(testing::Message() << nodes << " nodes, " << count << " floats, buffers "
+                                        << buffers);
+        const OpSignature sig = Sig(DataType::kFloat32, ReduceOp::kSum, count);
+        std::vector<Result> got =
+            Exchange(nodes, std::vector<OpSignature>(nodes, sig), {}, -1, buffers);
+        const size_t bytes = count * sizeof(float);
+        for (int k = 0; k < nodes; ++k) {
+          const Result& r = got[static_cast<size_t>(k)];
+          ASSERT_TRUE(r.status.ok()) << r.status;
+          for (size_t i = 0; i < count; ++i) {
+            double want = 0;
+            for (int n = 0; n < nodes; ++n) want += Value(n, i, ReduceOp::kSum, DataType::kFloat32);
+            ASSERT_EQ(GetElement(DataType::kFloat32, r.bytes.data(), i), want) << "element " << i;
+          }
+          // Exchange() gives node k the variant (k + buffers) % 4: with 3,
+          // node 0 has both buffers, node 1 neither, node 2 the input alone.
+          const int variant = buffers < 0 ? 0 : (k + buffers) % 4;
+          const bool none = nodes <= 2 && variant == 3 && bytes > DirectExchange::kInlineBytes;
+          if (none) {
+            EXPECT_EQ(r.own_bytes, 0u) << "node " << k;
+          } else if (variant == 0) {
+            EXPECT_GE(r.own_bytes, bytes) << "node " << k;
           }
         }
       }

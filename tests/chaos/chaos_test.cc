@@ -472,8 +472,12 @@ TEST_P(ChaosTest, EveryRankHearsWithinTheBoundAndTheDaemonsServeAndDoNotLeak) {
   for (int rep = 0; rep < kRepetitions; ++rep) {
     double took = 0;
     std::string heard;
+    const size_t logged[2] = {daemons_[0]->Log().size(), daemons_[1]->Log().size()};
     const std::string why = RunOnce(spec, rng, rep, &took, &heard);
-    EXPECT_EQ(why, "") << spec.name << ", repetition " << rep;
+    // A failed repetition shows what both daemons logged during it.
+    EXPECT_EQ(why, "") << spec.name << ", repetition " << rep << "\nhost0 during it:\n"
+                       << daemons_[0]->Log().substr(logged[0]) << "\nhost1 during it:\n"
+                       << daemons_[1]->Log().substr(logged[1]);
     if (why.empty()) {
       ++passed;
       times.push_back(took);
