@@ -394,7 +394,6 @@ class UcxTransport::Channel {
   void FailPeerOnThread(int peer) {
     absl::Status why = owner_->shared_->PeerStatus(peer);
     const bool busy = BusyWith(peer);
-    CancelInFlight([peer](const Op& op) { return op.peer == peer; }, why);
     // (Before Connect there is no endpoint, and nothing to say farewell on.)
     if (!busy && static_cast<size_t>(peer) < eps_.size() && BidFarewell(peer)) {
       if (!lingering_[peer]) ++lingering_count_;
@@ -402,7 +401,7 @@ class UcxTransport::Channel {
       linger_until_[peer] = Clock::now() + kFarewellGrace;
       return;
     }
-    ClosePeerEndpoint(peer);
+    CutOff(peer, why);
   }
 
   std::string DescribeOnThread() {
@@ -625,17 +624,13 @@ class UcxTransport::Channel {
           ": it ended its part of the job and closed its endpoint (channel " +
           std::to_string(self->index_) + ")");
       if (self->ep_failed_[peer].ok()) self->ep_failed_[peer] = gone;
-      self->RunOnThread([self, peer, gone] {
-        self->CancelInFlight([peer](const Op& op) { return op.peer == peer; }, gone);
-        self->ClosePeerEndpoint(peer);
-      });
+      self->RunOnThread([self, peer, gone] { self->CutOff(peer, gone); });
       return;
     }
     // With transfers in flight the loss cuts them off: a warning. With none,
     // the peer has most likely ended its job and closed its endpoints before
     // the control plane told us; that plane says whether it was a failure.
-    const bool cut_off = std::any_of(self->in_flight_.begin(), self->in_flight_.end(),
-                                     [peer](const Op* op) { return op->peer == peer; });
+    const bool cut_off = self->BusyWith(peer);
     spdlog::log(cut_off ? spdlog::level::warn : spdlog::level::info,
                 "ucx channel {}: endpoint to peer {} failed: {}{}", self->index_, peer,
                 UcsError(status), cut_off ? "" : " (nothing in flight)");
@@ -662,22 +657,28 @@ class UcxTransport::Channel {
 
   // The op's ucp part is over: free the request and run the callback.
   void Complete(Op* op) {
-    if (op->abandoned) return;  // its callback already ran at the shutdown deadline
+    // Its callback already ran (its peer was cut off, or the shutdown
+    // deadline passed); Shutdown gives its request back.
+    if (op->abandoned) return;
     in_flight_.erase(op->pos);
     if (op->request != nullptr) ucp_request_free(op->request);
     op->request = nullptr;
     std::unique_ptr<Op> owned(op);
     absl::Status result = ResultOf(*op);
-    if (op->timed) {
-      if (result.ok()) sent_bytes_.fetch_add(op->bytes, std::memory_order_relaxed);
-      if (--sends_in_flight_ == 0) {
-        busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               std::chrono::steady_clock::now() - busy_since_)
-                               .count(),
-                           std::memory_order_relaxed);
-      }
-    }
+    if (op->timed) EndTimedSend(result.ok(), op->bytes);
     Finish(std::move(owned), result);
+  }
+
+  // A timed send's end: its bytes count if it succeeded; the busy time
+  // ends with the last one in flight.
+  void EndTimedSend(bool ok, size_t bytes) {
+    if (ok) sent_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+    if (--sends_in_flight_ == 0) {
+      busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now() - busy_since_)
+                             .count(),
+                         std::memory_order_relaxed);
+    }
   }
 
   absl::Status ResultOf(const Op& op) {
@@ -721,6 +722,10 @@ class UcxTransport::Channel {
     TransferDone done = std::move(op->done);
     absl::Status result = status.ok() ? status : Annotate(status, op->What());
     op.reset();
+    Call(std::move(done), std::move(result));
+  }
+
+  void Call(TransferDone done, absl::Status result) {
     if (!done) return;
     if (posting_inline_) {
       deferred_.push_back([done = std::move(done), result = std::move(result)]() mutable {
@@ -766,6 +771,34 @@ class UcxTransport::Channel {
     param.flags = busy ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &param);
     if (req != nullptr && !UCS_PTR_IS_ERR(req)) close_requests_.push_back(req);
+  }
+
+  // Ends everything this channel has in flight with `peer`, now: receives
+  // not yet matched are cancelled, the endpoint closes (forced), and what
+  // UCX still holds after that gets its callback with `why` at once. That
+  // is a receive UCX has matched to a rendezvous whose sender stopped
+  // mid-transfer: ucp_request_cancel cannot cancel it, and the forced close
+  // does not complete it, so that it would end only when the stopped peer
+  // runs again (never, if it does not), holding its operation meanwhile.
+  // Such an op is abandoned: it stays in in_flight_ with its request, which
+  // Shutdown gives back to UCX before the worker goes. Nothing reaches its
+  // buffer any more: its data could only come through the closed endpoint.
+  void CutOff(int peer, const absl::Status& why) {
+    CancelInFlight([peer](const Op& op) { return op.peer == peer; }, why);
+    ClosePeerEndpoint(peer);
+    std::vector<Op*> stuck;
+    for (Op* op : in_flight_) {
+      if (op->peer == peer && !op->abandoned) stuck.push_back(op);
+    }
+    for (Op* op : stuck) {
+      op->abandoned = true;
+      if (op->timed) EndTimedSend(/*ok=*/false, op->bytes);
+      Call(std::move(op->done), Annotate(op->override.ok() ? why : op->override, op->What()));
+    }
+    if (!stuck.empty()) {
+      spdlog::info("ucx channel {}: {} transfer(s) with peer {} cut off in UCX's hands (first: {})",
+                   index_, stuck.size(), peer, stuck.front()->What());
+    }
   }
 
   // --- the farewell ---
@@ -961,7 +994,11 @@ class UcxTransport::Channel {
     CancelInFlight([](const Op&) { return true; }, down);
     for (size_t peer = 0; peer < eps_.size(); ++peer) ClosePeerEndpoint(static_cast<int>(peer));
     const auto deadline = Clock::now() + kShutdownGrace;
-    while ((!in_flight_.empty() || !close_requests_.empty()) && Clock::now() < deadline) {
+    const auto unfinished = [this] {
+      return std::any_of(in_flight_.begin(), in_flight_.end(),
+                         [](const Op* op) { return !op->abandoned; });
+    };
+    while ((unfinished() || !close_requests_.empty()) && Clock::now() < deadline) {
       DrainQueue();  // callbacks may have queued more: they fail at once
       ucp_worker_progress(worker_);
       ReapCloseRequests();
@@ -969,15 +1006,19 @@ class UcxTransport::Channel {
     DrainQueue();
     // Whatever UCX did not finish in time still gets its one callback; the
     // op stays allocated until the worker (which may still call back) is gone.
+    // (Those cut off with their peer had theirs already.)
     std::vector<Op*> abandoned(in_flight_.begin(), in_flight_.end());
+    size_t unanswered = 0;
     for (Op* op : abandoned) {
+      if (op->abandoned) continue;
+      ++unanswered;
       TransferDone done = std::move(op->done);
       op->abandoned = true;
       if (done) done(Annotate(down, op->What()));
     }
-    if (!abandoned.empty() || !close_requests_.empty()) {
+    if (unanswered != 0 || !close_requests_.empty()) {
       spdlog::warn("ucx channel {}: {} transfers and {} endpoint closes unfinished at shutdown",
-                   index_, abandoned.size(), close_requests_.size());
+                   index_, unanswered, close_requests_.size());
     }
     // Every request still in progress (a peer that is stopped or gone never
     // acknowledges a flush or a transfer) goes back to UCX before the worker
