@@ -633,8 +633,10 @@ void HoldTheCallerInside() {
   }
   caller_tail.destroy_began_inside = caller_tail.destroying.load();
   // Time for a destructor that does not wait to finish (its peer is gone
-  // already, so it need not wait for a farewell).
-  const auto grace = Clock::now() + std::chrono::seconds(2);
+  // already, so it need not wait for a farewell): well under the 2 s that
+  // one that does wait gives a caller before it leaks instead (a loaded
+  // machine must not make the caller outstay that).
+  const auto grace = Clock::now() + milliseconds(500);
   while (!caller_tail.destroyed.load() && Clock::now() < grace) {
     std::this_thread::sleep_for(milliseconds(1));
   }
