@@ -992,6 +992,11 @@ InterNodeContext ClusterJob::ContextFor(uint64_t seq, Clock::time_point deadline
   ctx.channel_table = ChannelTable(settings.channel_shares);
   // Rack by rack (internode.h): the run's algorithm says so.
   if (settings.algorithm == config::Algorithm::kRack) ctx.racks = racks_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ctx.node_names.reserve(peers_.size());
+    for (const PeerRow& p : peers_) ctx.node_names.push_back(p.node_name);
+  }
   if (!settings.channel_shares.empty()) {
     std::lock_guard<std::mutex> lock(channels_mu_);
     channel_shares_ = settings.channel_shares;

@@ -507,7 +507,8 @@ absl::Status Pipeline::CheckHeader(const RecvItem& r, uint64_t* encoded) const {
   std::memcpy(encoded, RecvSlot(r.slot), kHeader);
   const size_t max = codec_.MaxEncodedBytes(dtype_, m);
   if (*encoded > max) {
-    return absl::DataLossError(absl::StrCat(kWhat, ": node ", r.peer, " announced ", *encoded,
+    return absl::DataLossError(absl::StrCat(kWhat, ": ", internode_internal::NodeLabel(ctx_.node_names, r.peer),
+                                            " announced ", *encoded,
                                             " bytes for chunk ", r.chunk, " (phase ", r.phase,
                                             "), at most ", max, " possible"));
   }
@@ -528,7 +529,8 @@ void Pipeline::Apply(Event& e) {
     if (!e.status.ok()) {
       Fail(absl::Status(e.status.code(),
                         absl::StrCat(kWhat, ": send of chunk ", s.chunk, " (phase ", s.phase,
-                                     ") to node ", e.peer, " failed: ", e.status.message())));
+                                     ") to ", internode_internal::NodeLabel(ctx_.node_names, e.peer),
+                                     " failed: ", e.status.message())));
     }
     // Free once every destination was sent to and every send completed.
     if (--s.pending == 0 && s.dests == (s.phase == 0 ? 1 : n_ - 1)) free_send_.push_back(s.slot);
@@ -539,7 +541,8 @@ void Pipeline::Apply(Event& e) {
   if (!e.status.ok()) {
     Fail(absl::Status(e.status.code(),
                       absl::StrCat(kWhat, ": receive of chunk ", r.chunk, " (phase ", r.phase,
-                                   ") from node ", r.peer, " failed: ", e.status.message())));
+                                   ") from ", internode_internal::NodeLabel(ctx_.node_names, r.peer),
+                                   " failed: ", e.status.message())));
   }
   if (!error_.ok()) {
     if (r.pending == 0) {
@@ -576,8 +579,9 @@ void Pipeline::Apply(Event& e) {
     absl::Status s = DecodeChunk(RecvSlot(r.slot) + kHeader, encoded, ChunkLen(r.peer, r.chunk),
                                  ChunkPtr(r.peer, r.chunk), false);
     if (!s.ok()) {
-      Fail(absl::Status(s.code(), absl::StrCat(kWhat, ": chunk ", r.chunk, " from node ", r.peer,
-                                               ": ", s.message())));
+      Fail(absl::Status(s.code(), absl::StrCat(kWhat, ": chunk ", r.chunk, " from ",
+                                               internode_internal::NodeLabel(ctx_.node_names, r.peer), ": ",
+                                               s.message())));
     }
     r.done = true;
     free_recv_.push_back(r.slot);
@@ -601,8 +605,9 @@ bool Pipeline::AddReady() {
         r.done = true;
         free_recv_.push_back(r.slot);
         if (!s.ok()) {
-          Fail(absl::Status(s.code(), absl::StrCat(kWhat, ": chunk ", c, " from node ", r.peer,
-                                                   ": ", s.message())));
+          Fail(absl::Status(s.code(), absl::StrCat(kWhat, ": chunk ", c, " from ",
+                                                   internode_internal::NodeLabel(ctx_.node_names, r.peer), ": ",
+                                                   s.message())));
           return true;
         }
       }
@@ -624,7 +629,8 @@ void Pipeline::Cancel() {
       if (per_peer_outstanding_[p] > 0) first = p;
     }
     error_ = absl::DeadlineExceededError(
-        first >= 0 ? absl::StrCat(kWhat, ": deadline exceeded waiting for node ", first)
+        first >= 0 ? absl::StrCat(kWhat, ": deadline exceeded waiting for ",
+                                  internode_internal::NodeLabel(ctx_.node_names, first))
                    : absl::StrCat(kWhat, ": deadline exceeded"));
   }
   for (int p = 0; p < n_; ++p) {

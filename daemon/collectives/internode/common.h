@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -61,6 +62,15 @@ struct Mailbox {
     return true;
   }
 };
+
+// "node 2 (gpu-07)", or "node 2" where `names` does not name it.
+inline std::string NodeLabel(const std::vector<std::string>& names, int node) {
+  if (node >= 0 && static_cast<size_t>(node) < names.size() &&
+      !names[static_cast<size_t>(node)].empty()) {
+    return absl::StrCat("node ", node, " (", names[static_cast<size_t>(node)], ")");
+  }
+  return absl::StrCat("node ", node);
+}
 
 // Peer index arithmetic on a ring of n.
 inline int Mod(long long a, int n) { return static_cast<int>(((a % n) + n) % n); }

@@ -79,6 +79,9 @@ struct InterNodeContext {
   // run their Racks forms, and Allreduce with kRack uses it (empty: one
   // rack). Empty: flat.
   std::vector<int> racks = {};
+  // Node k's name (its daemon's node name), for error messages: "node 2
+  // (gpu-07)". Empty: node indices alone.
+  std::vector<std::string> node_names = {};
 };
 
 // A byte range of `data` that node `owner` holds before an allgather, or

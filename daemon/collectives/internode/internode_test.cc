@@ -1634,6 +1634,41 @@ TEST(FaultTest, MismatchedCountsFailEverywhere) {
   }
 }
 
+// With the nodes' names in the context (a daemon's cluster job gives them),
+// errors name the node by index and name; inside a rack's phase, by its
+// index there and its own name.
+TEST(FaultTest, ErrorsNameTheAwaitedNodeByItsName) {
+  Cluster cluster(3, 1);
+  std::vector<std::vector<float>> data(3, std::vector<float>(1000, 1.0f));
+  const std::vector<std::string> names = {"gpu-a", "gpu-b", "gpu-c", "gpu-d"};
+  std::vector<absl::Status> st = cluster.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k == 2) return absl::OkStatus();  // never takes part
+        InterNodeContext c = ctx;
+        c.node_names.assign(names.begin(), names.begin() + 3);
+        return AllreduceRing(c, DataType::kFloat32, ReduceOp::kSum, data[k].data(), 1000);
+      },
+      256, 4, milliseconds(300));
+  EXPECT_EQ(st[0].code(), absl::StatusCode::kDeadlineExceeded) << st[0].ToString();
+  EXPECT_NE(st[0].message().find("node 2 (gpu-c)"), std::string::npos) << st[0].ToString();
+
+  Cluster racked(4, 1);
+  racked.set_racks({0, 0, 1, 1});
+  std::vector<std::vector<float>> more(4, std::vector<float>(1000, 1.0f));
+  st = racked.Run(
+      [&](int k, const InterNodeContext& ctx) {
+        if (k == 3) return absl::OkStatus();
+        InterNodeContext c = ctx;
+        c.node_names = names;
+        return Allreduce(c, InterNodeAlgorithm::kRack, DataType::kFloat32, ReduceOp::kSum,
+                         more[k].data(), 1000);
+      },
+      256, 4, milliseconds(300));
+  EXPECT_EQ(st[2].code(), absl::StatusCode::kDeadlineExceeded) << st[2];
+  // Node 3 is node 1 of its rack's phase.
+  EXPECT_NE(st[2].message().find("node 1 (gpu-d)"), std::string::npos) << st[2];
+}
+
 TEST(FaultTest, AbsentNodeGivesDeadlineNamingTheAwaitedNode) {
   Cluster cluster(3, 1);
   std::vector<std::vector<float>> data(3, std::vector<float>(1000, 1.0f));

@@ -83,9 +83,17 @@ int IndexOf(const std::vector<int>& nodes, int k) {
   return it == nodes.end() ? -1 : static_cast<int>(it - nodes.begin());
 }
 
-InterNodeContext PhaseContext(const InterNodeContext& ctx, Transport* sub, uint64_t phase) {
+InterNodeContext PhaseContext(const InterNodeContext& ctx, SubTransport* sub, uint64_t phase) {
   InterNodeContext c = ctx;
   c.transport = sub;
+  if (!ctx.node_names.empty()) {
+    c.node_names.clear();
+    for (int m : sub->members()) {
+      c.node_names.push_back(static_cast<size_t>(m) < ctx.node_names.size()
+                                 ? ctx.node_names[static_cast<size_t>(m)]
+                                 : std::string());
+    }
+  }
   c.tag_bits = ctx.tag_bits - 2;
   c.tag_base = ctx.tag_base | (phase << c.tag_bits);
   return c;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/internode/common.h"
 #include "reduce/reduce.h"
 
 namespace ciuic::daemon::internode_internal {
@@ -282,8 +283,9 @@ absl::Status Runner::Named(const absl::Status& s, uint32_t step, bool is_send,
                            size_t chunk) const {
   const Step& st = s_.steps[step];
   return absl::Status(
-      s.code(), absl::StrCat(s_.name, ": ", is_send ? "send to node " : "receive from node ",
-                             is_send ? st.send.peer : st.recv.peer, " (step ", st.tag_step,
+      s.code(), absl::StrCat(s_.name, ": ", is_send ? "send to " : "receive from ",
+                             NodeLabel(ctx_.node_names, is_send ? st.send.peer : st.recv.peer),
+                             " (step ", st.tag_step,
                              ", chunk ", chunk, ") failed: ", s.message()));
 }
 
@@ -490,7 +492,7 @@ void Runner::Cancel() {
       const int peer = sends ? s_.steps[i].send.peer : s_.steps[i].recv.peer;
       if (!named) {
         error_ = absl::DeadlineExceededError(absl::StrCat(
-            s_.name, ": deadline exceeded waiting for node ", peer, " (",
+            s_.name, ": deadline exceeded waiting for ", NodeLabel(ctx_.node_names, peer), " (",
             sends ? "send" : "receive", ", step ", s_.steps[i].tag_step, ", chunk ",
             it - st.begin(), ")"));
         named = true;

@@ -30,6 +30,8 @@ class SubTransport : public Transport {
   // -1 if the inner transport's self is not a member.
   int self() const override { return self_; }
   int num_peers() const override { return static_cast<int>(members_.size()); }
+  // Peer i here is peer members()[i] of the inner transport.
+  const std::vector<int>& members() const { return members_; }
   int num_channels() const override { return inner_->num_channels(); }
   void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
             TransferDone done) override {
