@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -50,10 +51,37 @@ def ciuicd_binary():
     return path
 
 
+_given_ports = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now for a listener that binds it a little later.
+
+    Not a port the kernel hands out itself (bind to 0, or the local end of
+    an outgoing connection): between this call and the listener's bind,
+    another test's connection could take such a port (seen in CI: torch's
+    TCPStore "failed to bind ... Address already in use", its other ranks
+    then waiting 90 s). So from below the ephemeral range, each port once
+    per session.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        if port in _given_ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given_ports.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 class Daemon:

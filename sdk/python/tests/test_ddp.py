@@ -1,14 +1,7 @@
 """The DDP communication hook against plain DDP over gloo, 2 ranks."""
 
-import socket
-
 import ranks
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 def test_hook_matches_gloo(pool):
