@@ -498,17 +498,18 @@ TEST_P(AllreduceTest, YieldingKeepsOneSendInFlight) {
   }
 }
 
-// Holds every send on channel 1 until this node has completed `release_after`
-// sends on channel 0. With one window for all channels, channel 1's held
-// chunks would fill it and channel 0 would stop too (the run would end at
-// its deadline); with a window per channel, channel 0 goes on.
+// Holds every send on channel `held` (of 2) until this node has completed
+// `release_after` sends on the other channel. With one window for all
+// channels, channel 1's held chunks would fill it and channel 0 would stop
+// too (the run would end at its deadline); with a window per channel,
+// channel 0 goes on.
 class HoldsChannelOne final : public ForwardingTransport {
  public:
-  HoldsChannelOne(Transport* inner, int release_after)
-      : ForwardingTransport(inner), release_after_(release_after) {}
+  HoldsChannelOne(Transport* inner, int release_after, int held = 1)
+      : ForwardingTransport(inner), release_after_(release_after), held_channel_(held) {}
   void Send(int peer, int channel, uint64_t tag, const void* data, size_t bytes,
             TransferDone done) override {
-    if (channel == 1) {
+    if (channel == held_channel_) {
       std::lock_guard<std::mutex> lock(mu_);
       if (!released_) {
         held_.push_back([=, done = std::move(done)]() mutable {
@@ -551,8 +552,9 @@ class HoldsChannelOne final : public ForwardingTransport {
 
  private:
   const int release_after_;
+  const int held_channel_;
   std::mutex mu_;
-  int channel0_done_ = 0;
+  int channel0_done_ = 0;  // sends done on the channel not held
   bool released_ = false;
   std::vector<std::function<void()>> held_;
 };
@@ -591,6 +593,46 @@ TEST(ChannelWindowTest, ASlowChannelNeverHoldsBackAnotherOne) {
       EXPECT_TRUE(held[k]->released()) << "node " << k;
       EXPECT_EQ(data[k], ref) << "node " << k;
     }
+  }
+}
+
+// Scratch slots are each channel's own. Node 0's sends on channel 0 are held
+// until its channel 1 has completed 3 windows of sends: meanwhile the chunks
+// node 0 receives on channel 0 wait in scratch for node 0's own sends of
+// them (write after send), and its channel-0 cursor posts receives as they
+// arrive. With one pool of slots for both channels they took every slot,
+// node 0 could post no receive on channel 1, node 1's channel-1 sends and
+// so node 0's stopped, and the run ended at its deadline (as a 5-node
+// yielding run once did in CI); with slots per channel, channel 1 goes on.
+TEST(ChannelWindowTest, ChunksWaitingOnOneChannelNeverTakeAnotherOnesScratch) {
+  for (InterNodeAlgorithm algo : {InterNodeAlgorithm::kRing, InterNodeAlgorithm::kHalvingDoubling}) {
+    constexpr int kNodes = 2, kWindow = 4;
+    InProcessHub hub(kNodes, 2);
+    HoldsChannelOne held(hub.transport(0), 3 * kWindow, /*held=*/0);
+    std::vector<ScratchBuffer> scratch(kNodes);
+    const size_t count = 20011;
+    std::vector<std::vector<int32_t>> data(kNodes, std::vector<int32_t>(count));
+    std::vector<int32_t> ref(count, 0);
+    for (int k = 0; k < kNodes; ++k) {
+      for (size_t i = 0; i < count; ++i) {
+        data[k][i] = static_cast<int32_t>(i * 5 + k);
+        ref[i] += data[k][i];
+      }
+    }
+    std::vector<absl::Status> result(kNodes);
+    std::vector<std::thread> threads;
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    for (int k = 0; k < kNodes; ++k) {
+      threads.emplace_back([&, k] {
+        Transport* t = k == 0 ? static_cast<Transport*>(&held) : hub.transport(k);
+        InterNodeContext ctx{t, uint64_t{1} << 24, 400, kWindow, deadline, &scratch[k]};
+        result[k] = Allreduce(ctx, algo, DataType::kInt32, ReduceOp::kSum, data[k].data(), count);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ExpectAllOk(result, std::string("node 0's channel 0 held back, ") + AlgoName(algo));
+    EXPECT_TRUE(held.released());
+    for (int k = 0; k < kNodes; ++k) EXPECT_EQ(data[k], ref) << "node " << k;
   }
 }
 

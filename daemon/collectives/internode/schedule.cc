@@ -208,7 +208,18 @@ class Runner {
   std::vector<Arrived> arrived_;  // received into scratch, not yet reduced
   uint8_t* scratch_ = nullptr;
   size_t slot_bytes_ = 0;
-  std::vector<int> free_slots_;
+  // Per channel: channel c's slots are c * max_inflight_ .. + max_inflight_
+  // - 1. A pool shared by the channels deadlocked (seen once in CI: 5 nodes,
+  // 2 channels, yielding): one channel's chunks, received ahead and waiting
+  // for this node's own sends of them, held every slot, so that the other
+  // channel's earliest receive could not be posted, and the peer's send of
+  // it, which the peer's slots in turn waited for, never completed. With
+  // slots of its own each channel is a pipeline in the global order of its
+  // own, whose earliest unfinished transfer can always proceed.
+  std::vector<std::vector<int>> free_slots_;
+  void FreeSlot(int slot) {
+    free_slots_[static_cast<size_t>(slot / max_inflight_)].push_back(slot);
+  }
   absl::Status error_;
   bool cancelled_ = false;
 };
@@ -267,14 +278,15 @@ absl::Status Runner::Prepare() {
       return absl::InvalidArgumentError(absl::StrCat(s_.name, ": no scratch buffer"));
     }
     slot_bytes_ = (reduce_chunk + 63) / 64 * 64;
-    // A window of receives per channel.
+    // A window of receives per channel, each channel's its own.
     const int slots = max_inflight_ * num_channels_;
     scratch_ = ctx_.scratch->Get(slot_bytes_ * slots);
     if (scratch_ == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(
           s_.name, ": cannot map ", slot_bytes_ * slots, " bytes of scratch space"));
     }
-    for (int i = slots - 1; i >= 0; --i) free_slots_.push_back(i);
+    free_slots_.resize(static_cast<size_t>(num_channels_));
+    for (int i = slots - 1; i >= 0; --i) FreeSlot(i);
   }
   return absl::OkStatus();
 }
@@ -398,9 +410,10 @@ bool Runner::PostRecvs() {
         continue;
       }
       if (st.reduce) {
-        if (free_slots_.empty()) break;
-        slot = free_slots_.back();
-        free_slots_.pop_back();
+        std::vector<int>& free = free_slots_[static_cast<size_t>(c)];
+        if (free.empty()) break;
+        slot = free.back();
+        free.pop_back();
         into = scratch_ + static_cast<size_t>(slot) * slot_bytes_;
       } else if (st.write_after_send_step >= 0 &&
                  state_[st.write_after_send_step].send[cur.chunk] != kDone) {
@@ -435,7 +448,7 @@ bool Runner::ReduceArrived() {
     Reduce(s_.dtype, s_.op, inputs, 2, r.ptr, r.bytes / elem_);
     state_[a.step].recv[a.chunk] = kDone;
     ++state_[a.step].recvs_done;
-    free_slots_.push_back(a.slot);
+    FreeSlot(a.slot);
     arrived_[i] = arrived_.back();
     arrived_.pop_back();
     reduced = true;
@@ -453,7 +466,7 @@ void Runner::Apply(Event& e) {
     --recvs_[channel].in_flight;
     --recvs_in_flight_;
     if (!e.status.ok() || !error_.ok()) {
-      if (e.slot >= 0) free_slots_.push_back(e.slot);
+      if (e.slot >= 0) FreeSlot(e.slot);
       state_[e.step].recv[e.chunk] = kArrived;  // not written, not outstanding
     } else if (e.slot >= 0) {
       state_[e.step].recv[e.chunk] = kArrived;
@@ -514,7 +527,7 @@ bool Runner::Advance(std::vector<Event>& events, bool deadline_passed) {
     while (ReduceArrived() | PostSends() | PostRecvs()) {
     }
   } else {
-    for (const Arrived& a : arrived_) free_slots_.push_back(a.slot);
+    for (const Arrived& a : arrived_) FreeSlot(a.slot);
     arrived_.clear();
   }
   const bool idle = sends_in_flight_ == 0 && recvs_in_flight_ == 0;

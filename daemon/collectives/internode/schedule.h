@@ -11,12 +11,15 @@
 // Window: up to max_inflight sends, or one while ctx.yield says a
 // higher-priority operation runs beside this one (re-read before each send).
 //
-// Ordering. Sends are posted in (step, chunk) order, and so are receives;
-// a send or receive that must wait (for a dependency, a free window place or
-// a scratch slot) holds back the ones after it. Since every node posts in the
-// same global order and every dependency points to an earlier (step, chunk),
-// the earliest unfinished transfer of the whole job can always proceed: no
-// deadlock, even over a transport whose sends complete only once received.
+// Ordering. Per channel, sends are posted in (step, chunk) order, and so
+// are receives; a send or receive that must wait (for a dependency, a free
+// window place or a scratch slot of its channel's own) holds back the ones
+// after it on its channel. Since every node posts in the same global order,
+// every dependency points to an earlier (step, chunk) of the same channel
+// (below: a chunk keeps its channel from step to step), and no channel
+// holds another's slots, the earliest unfinished transfer of each channel
+// can always proceed: no deadlock, even over a transport whose sends
+// complete only once received.
 //
 // Dependencies, chunk by chunk where the two sides have the same ranges (so
 // the same chunking), for the whole step otherwise:
