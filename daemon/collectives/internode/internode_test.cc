@@ -559,40 +559,44 @@ class HoldsChannelOne final : public ForwardingTransport {
   std::vector<std::function<void()>> held_;
 };
 
+// An allreduce of 20011 int32 in 400-byte chunks on two nodes, node k
+// through transports[k], with a window of `window` and a 5 s deadline:
+// every node must end well with the plain sum.
+void AllreduceTwoNodesThrough(const std::vector<Transport*>& transports, InterNodeAlgorithm algo,
+                              int window, const std::string& what) {
+  constexpr int kNodes = 2;
+  std::vector<ScratchBuffer> scratch(kNodes);
+  const size_t count = 20011;
+  std::vector<std::vector<int32_t>> data(kNodes, std::vector<int32_t>(count));
+  std::vector<int32_t> ref(count, 0);
+  for (int k = 0; k < kNodes; ++k) {
+    for (size_t i = 0; i < count; ++i) {
+      data[k][i] = static_cast<int32_t>(i * 7 + k);
+      ref[i] += data[k][i];
+    }
+  }
+  std::vector<absl::Status> result(kNodes);
+  std::vector<std::thread> threads;
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  for (int k = 0; k < kNodes; ++k) {
+    threads.emplace_back([&, k] {
+      InterNodeContext ctx{transports[k], uint64_t{1} << 24, 400, window, deadline, &scratch[k]};
+      result[k] = Allreduce(ctx, algo, DataType::kInt32, ReduceOp::kSum, data[k].data(), count);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ExpectAllOk(result, what + ", " + AlgoName(algo));
+  for (int k = 0; k < kNodes; ++k) EXPECT_EQ(data[k], ref) << "node " << k;
+}
+
 TEST(ChannelWindowTest, ASlowChannelNeverHoldsBackAnotherOne) {
   for (InterNodeAlgorithm algo : {InterNodeAlgorithm::kRing, InterNodeAlgorithm::kHalvingDoubling}) {
-    constexpr int kNodes = 2, kWindow = 4;
-    InProcessHub hub(kNodes, 2);
-    std::vector<std::unique_ptr<HoldsChannelOne>> held;
-    for (int k = 0; k < kNodes; ++k) {
-      held.push_back(std::make_unique<HoldsChannelOne>(hub.transport(k), 3 * kWindow));
-    }
-    std::vector<ScratchBuffer> scratch(kNodes);
-    const size_t count = 20011;
-    std::vector<std::vector<int32_t>> data(kNodes, std::vector<int32_t>(count));
-    std::vector<int32_t> ref(count, 0);
-    for (int k = 0; k < kNodes; ++k) {
-      for (size_t i = 0; i < count; ++i) {
-        data[k][i] = static_cast<int32_t>(i * 7 + k);
-        ref[i] += data[k][i];
-      }
-    }
-    std::vector<absl::Status> result(kNodes);
-    std::vector<std::thread> threads;
-    const auto deadline = Clock::now() + std::chrono::seconds(5);
-    for (int k = 0; k < kNodes; ++k) {
-      threads.emplace_back([&, k] {
-        InterNodeContext ctx{held[k].get(), uint64_t{1} << 24, 400, kWindow, deadline,
-                             &scratch[k]};
-        result[k] = Allreduce(ctx, algo, DataType::kInt32, ReduceOp::kSum, data[k].data(), count);
-      });
-    }
-    for (auto& t : threads) t.join();
-    ExpectAllOk(result, "channel 1 held back");
-    for (int k = 0; k < kNodes; ++k) {
-      EXPECT_TRUE(held[k]->released()) << "node " << k;
-      EXPECT_EQ(data[k], ref) << "node " << k;
-    }
+    constexpr int kWindow = 4;
+    InProcessHub hub(2, 2);
+    HoldsChannelOne held0(hub.transport(0), 3 * kWindow), held1(hub.transport(1), 3 * kWindow);
+    AllreduceTwoNodesThrough({&held0, &held1}, algo, kWindow, "channel 1 held back");
+    EXPECT_TRUE(held0.released());
+    EXPECT_TRUE(held1.released());
   }
 }
 
@@ -606,33 +610,12 @@ TEST(ChannelWindowTest, ASlowChannelNeverHoldsBackAnotherOne) {
 // yielding run once did in CI); with slots per channel, channel 1 goes on.
 TEST(ChannelWindowTest, ChunksWaitingOnOneChannelNeverTakeAnotherOnesScratch) {
   for (InterNodeAlgorithm algo : {InterNodeAlgorithm::kRing, InterNodeAlgorithm::kHalvingDoubling}) {
-    constexpr int kNodes = 2, kWindow = 4;
-    InProcessHub hub(kNodes, 2);
+    constexpr int kWindow = 4;
+    InProcessHub hub(2, 2);
     HoldsChannelOne held(hub.transport(0), 3 * kWindow, /*held=*/0);
-    std::vector<ScratchBuffer> scratch(kNodes);
-    const size_t count = 20011;
-    std::vector<std::vector<int32_t>> data(kNodes, std::vector<int32_t>(count));
-    std::vector<int32_t> ref(count, 0);
-    for (int k = 0; k < kNodes; ++k) {
-      for (size_t i = 0; i < count; ++i) {
-        data[k][i] = static_cast<int32_t>(i * 5 + k);
-        ref[i] += data[k][i];
-      }
-    }
-    std::vector<absl::Status> result(kNodes);
-    std::vector<std::thread> threads;
-    const auto deadline = Clock::now() + std::chrono::seconds(5);
-    for (int k = 0; k < kNodes; ++k) {
-      threads.emplace_back([&, k] {
-        Transport* t = k == 0 ? static_cast<Transport*>(&held) : hub.transport(k);
-        InterNodeContext ctx{t, uint64_t{1} << 24, 400, kWindow, deadline, &scratch[k]};
-        result[k] = Allreduce(ctx, algo, DataType::kInt32, ReduceOp::kSum, data[k].data(), count);
-      });
-    }
-    for (auto& t : threads) t.join();
-    ExpectAllOk(result, std::string("node 0's channel 0 held back, ") + AlgoName(algo));
+    AllreduceTwoNodesThrough({&held, hub.transport(1)}, algo, kWindow,
+                             "node 0's channel 0 held back");
     EXPECT_TRUE(held.released());
-    for (int k = 0; k < kNodes; ++k) EXPECT_EQ(data[k], ref) << "node " << k;
   }
 }
 
