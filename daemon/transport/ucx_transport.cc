@@ -776,13 +776,18 @@ class UcxTransport::Channel {
   // Ends everything this channel has in flight with `peer`, now: receives
   // not yet matched are cancelled, the endpoint closes (forced), and what
   // UCX still holds after that gets its callback with `why` at once. That
-  // is a receive UCX has matched to a rendezvous whose sender stopped
-  // mid-transfer: ucp_request_cancel cannot cancel it, and the forced close
-  // does not complete it, so that it would end only when the stopped peer
-  // runs again (never, if it does not), holding its operation meanwhile.
-  // Such an op is abandoned: it stays in in_flight_ with its request, which
-  // Shutdown gives back to UCX before the worker goes. Nothing reaches its
-  // buffer any more: its data could only come through the closed endpoint.
+  // is a receive UCX has matched and partly filled when its sender stopped
+  // mid-message: ucp_request_cancel cannot cancel it, and the forced close
+  // does not complete it (openucx/ucx#10873, #11154), so that it would end
+  // only when the stopped peer runs again (never, if it does not), holding
+  // its operation meanwhile. Such an op is abandoned: it stays in
+  // in_flight_ with its request, which Shutdown gives back to UCX before
+  // the worker goes. UCX may still write the rest of the message into its
+  // buffer if the peer runs again before that (seen: the data arrives on
+  // the peer's own socket, which the close of our endpoint leaves to the
+  // interface): so the op keeps its callback, and with it whatever the
+  // callback holds (a direct exchange keeps its buffers so), until the
+  // worker is destroyed; the callback is called through a copy.
   void CutOff(int peer, const absl::Status& why) {
     CancelInFlight([peer](const Op& op) { return op.peer == peer; }, why);
     ClosePeerEndpoint(peer);
@@ -793,7 +798,8 @@ class UcxTransport::Channel {
     for (Op* op : stuck) {
       op->abandoned = true;
       if (op->timed) EndTimedSend(/*ok=*/false, op->bytes);
-      Call(std::move(op->done), Annotate(op->override.ok() ? why : op->override, op->What()));
+      TransferDone done = op->done;
+      Call(std::move(done), Annotate(op->override.ok() ? why : op->override, op->What()));
     }
     if (!stuck.empty()) {
       spdlog::info("ucx channel {}: {} transfer(s) with peer {} cut off in UCX's hands (first: {})",
