@@ -447,6 +447,14 @@ class ClusterJob {
   // it comes, becomes the verdict (code and message) with this node's own
   // reason after it. From a lane.
   absl::Status WithVerdict(absl::Status run_status);
+  // A run cut off by the job's own end (a rank here left, the coordinator
+  // failed the job) fails with the transport's words around that end's
+  // reason ("AllreduceRing: receive from node 1 (n1) (step 1, chunk 1)
+  // failed: lost peer 1: <reason>"), and the other nodes get this node's
+  // message inside theirs: the reason ends up past the wire::kMaxMessage
+  // bytes a trainer hears. Such a run fails with the job's failure itself,
+  // its code and message; any other status stays. From a lane.
+  absl::Status EndedByTheJob(absl::Status run_status);
   void StopLanes();
   // Before a job failure from the coordinator or its stream is acted on:
   // runs announced before it still run to their end, everywhere (a node

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "absl/strings/match.h"
 #include "cluster/cluster_job.h"
 #include "spdlog/spdlog.h"
 
@@ -44,7 +45,16 @@ void ClusterJob::LaneLoop(Lane& lane) {
     absl::Status s = run.ops.size() == 1
                          ? Execute(run.ops.front(), run.seq, run.settings, lane)
                          : ExecuteFused(run.ops, run.seq, run.settings, lane);
-    if (s.code() == absl::StatusCode::kUnavailable) s = WithVerdict(std::move(s));
+    if (!s.ok() && s.code() != absl::StatusCode::kInvalidArgument) {
+      absl::Status ended = EndedByTheJob(s);
+      if (ended != s) {
+        spdlog::debug("run {} of job '{}' ended with the job: {}", run.seq, options_.job_id,
+                      std::string(s.message()));
+        s = std::move(ended);
+      } else if (s.code() == absl::StatusCode::kUnavailable) {
+        s = WithVerdict(std::move(s));
+      }
+    }
     const auto end = std::chrono::steady_clock::now();
     for (const auto& op : run.ops) {
       if (op.timing) {
@@ -96,6 +106,20 @@ absl::Status ClusterJob::WithVerdict(absl::Status run_status) {
   if (verdict_.ok()) return run_status;
   return absl::Status(verdict_.code(),
                       absl::StrCat(verdict_.message(), " (here: ", run_status.message(), ")"));
+}
+
+absl::Status ClusterJob::EndedByTheJob(absl::Status run_status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // failure_: this node's own end (Abort, the job failed as this node
+  // heard it); verdict_: the coordinator's word, which may reach the reader
+  // thread before the main thread has taken it as failure_.
+  for (const absl::Status* job : {&failure_, &verdict_}) {
+    if (!job->ok() && !job->message().empty() &&
+        absl::StrContains(run_status.message(), job->message())) {
+      return *job;
+    }
+  }
+  return run_status;
 }
 
 void ClusterJob::WaitForAnnouncedRuns() {

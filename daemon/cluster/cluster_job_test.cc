@@ -2692,6 +2692,14 @@ class ScriptedStream final : public OrderingStream {
     to_read_.push_back(std::move(e));
     cv_.notify_all();
   }
+  // The message of the Done the node wrote for run `seq` (none: not written).
+  std::optional<std::string> DoneMessage(uint64_t seq) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& e : written_) {
+      if (e.has_done() && e.done().seq() == seq) return e.done().message();
+    }
+    return std::nullopt;
+  }
   // Whether the node has written a Ready for `name` by now.
   bool Readied(const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -3035,6 +3043,41 @@ TEST(ClusterJobProtocolTest, ARunCutOffByAPeerEndsWithTheCoordinatorsVerdict) {
       EXPECT_GE(took, ClusterJob::kVerdictGrace) << "ended before the grace was over";
     }
     EXPECT_LT(took, std::chrono::seconds(5));
+  }
+}
+
+// A run cut off by the job's own end fails with that end's reason alone,
+// not wrapped in the transport's words ("AllreduceRing: receive from node 1
+// ... failed: lost peer 1: <reason>"): a trainer hears wire::kMaxMessage
+// bytes, and with the other nodes' messages nested in front the reason fell
+// past them. Its end here (a rank left: Abort) and the coordinator's
+// (JobFailed); the Done the node writes, if it still writes one, says the
+// same.
+TEST(ClusterJobProtocolTest, ARunCutOffByTheJobsEndFailsWithItsReasonAlone) {
+  for (const bool here : {true, false}) {
+    SCOPED_TRACE(here ? "a rank here left" : "the coordinator failed the job");
+    ScriptedNode node;
+    std::vector<float> data(1000, 1.0f);
+    node.job().Submit(Allreduce(1, "a", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                                data.size(), 0, data.data(), data.data()));
+    ASSERT_TRUE(node.stream().WaitForReady("a"));
+    node.stream().Send(ScriptedNode::Run("a", 0));  // waits for the other node, which is silent
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const std::string why =
+        here ? "rank 0 (pid 7) of job 'job' left: trainer disconnected"
+             : "node other (rank 1) failed run 0 of job 'job': rank 1 (pid 8) of job 'job' left: "
+               "trainer disconnected";
+    if (here) {
+      node.job().Abort(absl::AbortedError(why));
+    } else {
+      node.stream().Send(ScriptedNode::JobFailed(absl::StatusCode::kAborted, why));
+    }
+    ASSERT_TRUE(node.ends().WaitFor(1));
+    const absl::Status s = node.EndOf(1);
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+    EXPECT_EQ(std::string(s.message()), why);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (auto done = node.stream().DoneMessage(0)) EXPECT_EQ(*done, why);
   }
 }
 

@@ -91,8 +91,8 @@ size_t ReadyGate::Poll(Clock::time_point now) {
             std::chrono::duration_cast<std::chrono::milliseconds>(now - h.entry.added).count();
         verdict = absl::DeadlineExceededError(About(
             h.entry.what,
-            // What matters first: a trainer hears at most wire::kMaxMessage
-            // bytes of it.
+            // What matters first: a trainer hears the first wire::kMessageHead
+            // bytes of a long message (wire::ClipMessage).
             absl::StrCat("nothing of the operation ran: timed out after ", ms, " ms waiting for ",
                          Late(h.entry.waits, h.next_wait),
                          " to reach the submission (the work queued before it on that stream "

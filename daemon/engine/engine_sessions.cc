@@ -46,9 +46,9 @@ void Engine::HandshakeOnAcceptor(int fd) {
   auto refuse = [&](absl::Status s) {
     spdlog::warn("session refused: {}", s.ToString());
     reply.status_code = static_cast<int>(s.code());
-    const size_t n = std::min(s.message().size(), wire::kMaxMessage);
-    std::memcpy(reply.message, s.message().data(), n);
-    reply.message_len = static_cast<uint32_t>(n);
+    reply.message_len =
+        static_cast<uint32_t>(wire::ClipMessage(s.message().data(), s.message().size(),
+                                                reply.message));
     (void)SendWithFds(fd, &reply, sizeof(reply), nullptr, 0);
     close(fd);
   };

@@ -73,9 +73,8 @@ void FastPathSegment::Abort(const absl::Status& status) {
   if (aborted_) return;
   aborted_ = true;
   wire::FastPathHeader* h = header();
-  const size_t n = std::min(status.message().size(), wire::kMaxMessage);
-  std::memcpy(h->abort_message, status.message().data(), n);
-  h->abort_message_len = static_cast<uint32_t>(n);
+  h->abort_message_len = static_cast<uint32_t>(
+      wire::ClipMessage(status.message().data(), status.message().size(), h->abort_message));
   h->abort_code = status.ok() ? static_cast<int32_t>(absl::StatusCode::kAborted)
                               : static_cast<int32_t>(status.code());
   h->aborted.store(1, std::memory_order_seq_cst);

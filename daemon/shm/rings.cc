@@ -41,11 +41,7 @@ absl::Status CompletionWriter::Push(uint64_t op_id, int status_code, absl::strin
   wire::CompletionEntry& e = ring_[tail_ & (capacity_ - 1)];
   e.op_id = op_id;
   e.status_code = status_code;
-  const size_t n = std::min(message.size(), wire::kMaxMessage);
-  // An OK status's message is an empty view with no data: memcpy from null
-  // is undefined even for 0 bytes.
-  if (n > 0) std::memcpy(e.message, message.data(), n);
-  e.message_len = static_cast<uint32_t>(n);
+  e.message_len = static_cast<uint32_t>(wire::ClipMessage(message.data(), message.size(), e.message));
   timespec now{};
   clock_gettime(CLOCK_MONOTONIC, &now);
   e.completed_ns = static_cast<uint64_t>(now.tv_sec) * 1000000000ULL +

@@ -103,5 +103,36 @@ TEST_F(RingsTest, FullCompletionRingIsAnErrorNotAnOverwrite) {
   EXPECT_EQ(writer.Push(101, 0, "").code(), absl::StatusCode::kDataLoss);
 }
 
+// A message past kMaxMessage keeps its head and its tail, where a nested
+// error's root cause is; cuts never split a UTF-8 character; shorter
+// messages pass whole.
+TEST(ClipMessageTest, KeepsTheHeadAndTheRootCauseAndWholeCharacters) {
+  char out[wire::kMaxMessage];
+  auto clip = [&](const std::string& m) {
+    return std::string(out, wire::ClipMessage(m.data(), m.size(), out));
+  };
+  EXPECT_EQ(clip(""), "");
+  const std::string fits(wire::kMaxMessage, 'a');
+  EXPECT_EQ(clip(fits), fits);
+  const std::string head = "AllreduceRing: receive from node 1 (host1) failed: lost peer 1: ";
+  const std::string cause = "rank 3 (pid 24680) left: trainer disconnected";
+  const std::string m = head + std::string(300, 'm') + cause;
+  const std::string got = clip(m);
+  EXPECT_EQ(got.size(), wire::kMaxMessage);
+  EXPECT_EQ(got.find(head), 0u) << got;
+  EXPECT_EQ(got.substr(wire::kMessageHead, 5), " ... ") << got;
+  EXPECT_EQ(got.substr(got.size() - cause.size()), cause) << got;
+  // Two-byte characters (U+00E9) across both cuts: the head ends before the
+  // character the cut would split, the tail starts after it.
+  for (size_t shift : {0, 1}) {
+    std::string wide(shift, 'x');
+    while (wide.size() < 400) wide += "\xc3\xa9";
+    const std::string w = clip(wide);
+    EXPECT_LE(w.size(), wire::kMaxMessage);
+    EXPECT_TRUE(wire::IsValidUtf8(w.data(), w.size())) << shift;
+    EXPECT_NE(w.find(" ... "), std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace ciuic::daemon

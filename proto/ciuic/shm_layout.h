@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace ciuic::wire {
 
@@ -167,6 +168,34 @@ inline bool IsValidUtf8(const char* p, size_t n) {
   return true;
 }
 inline constexpr size_t kMaxMessage = 232;
+
+// What a trainer hears of an error message longer than kMaxMessage: its
+// first kMessageHead bytes (the operation and what happened to it), " ... ",
+// and its last bytes (a nested error's root cause comes last: "ring failed:
+// lost peer 1: node n1 failed run 5: rank 3 left"). Cuts fall between UTF-8
+// characters. Writes into `out`, returns the bytes used.
+inline constexpr size_t kMessageHead = 150;
+inline size_t ClipMessage(const char* message, size_t n, char (&out)[kMaxMessage]) {
+  if (n <= kMaxMessage) {
+    // An OK status's message may be a null pointer with n == 0: memcpy from
+    // null is undefined even for 0 bytes.
+    if (n > 0) std::memcpy(out, message, n);
+    return n;
+  }
+  const auto continuation = [&](size_t i) {
+    return (static_cast<unsigned char>(message[i]) & 0xC0) == 0x80;
+  };
+  static constexpr char kGap[] = " ... ";
+  static constexpr size_t kGapBytes = sizeof(kGap) - 1;
+  size_t head = kMessageHead;
+  while (head > 0 && continuation(head)) --head;  // message[head] starts a character
+  size_t tail = n - (kMaxMessage - kMessageHead - kGapBytes);
+  while (tail < n && continuation(tail)) ++tail;
+  std::memcpy(out, message, head);
+  std::memcpy(out + head, kGap, kGapBytes);
+  std::memcpy(out + head + kGapBytes, message + tail, n - tail);
+  return head + kGapBytes + (n - tail);
+}
 
 // Buffers per collective (count is in elements; W is the job's world size):
 //   allreduce       send: count        recv: count (may be the send buffer)

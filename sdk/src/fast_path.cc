@@ -226,9 +226,7 @@ void FastPath::FailSlotLocked(wire::FastSlot& s, StatusCode code, const std::str
   if (s.status.load(std::memory_order_acquire) != static_cast<uint32_t>(wire::FastOpStatus::kPending)) {
     return;
   }
-  const size_t n = std::min(message.size(), wire::kMaxMessage);
-  std::memcpy(s.error, message.data(), n);
-  s.error_len = static_cast<uint32_t>(n);
+  s.error_len = static_cast<uint32_t>(wire::ClipMessage(message.data(), message.size(), s.error));
   s.error_code = static_cast<int32_t>(code);
   uint32_t expected = static_cast<uint32_t>(wire::FastOpStatus::kPending);
   if (s.status.compare_exchange_strong(expected, static_cast<uint32_t>(wire::FastOpStatus::kFailed),
