@@ -175,6 +175,7 @@ class Nodes {
     }
   }
   Ends& ends(int k) { return ends_[k]; }
+  InProcessHub& hub() { return hub_; }
   int client_streams() const { return client_streams_.load(); }
   // The local phases that went through Options::parallel, and the threads
   // that ran their chunks.
@@ -1338,6 +1339,10 @@ TEST(ClusterJobTest, RunSettingsComeFromTheCoordinatorsDaemon) {
 void LargeThenSmallUrgent(TwoNodes& nodes, std::vector<float> (&large)[2]) {
   std::vector<float> small[2];
   for (int k = 0; k < 2; ++k) small[k].assign(64, static_cast<float>(10 * (k + 1)));
+  // The large run's chunks stay undelivered until the small run has ended
+  // (its 256 bytes pass): a small run queued behind the large one would
+  // never end, whatever the machine's load.
+  nodes.hub().HoldTransfersOver(4096);
   for (int k = 0; k < 2; ++k) {
     nodes.job(k).Submit(Allreduce(1, "large", wire::DataType::kFloat32, wire::ReduceOp::kSum,
                                   large[k].size(), k, large[k].data(), large[k].data(), 0));
@@ -1347,6 +1352,14 @@ void LargeThenSmallUrgent(TwoNodes& nodes, std::vector<float> (&large)[2]) {
     nodes.job(k).Submit(Allreduce(2, "small", wire::DataType::kFloat32, wire::ReduceOp::kSum, 64,
                                   k, small[k].data(), small[k].data(), 9));
   }
+  for (int k = 0; k < 2; ++k) {
+    const bool ended = nodes.ends(k).WaitFor(1);
+    if (!ended) nodes.hub().ReleaseHeld();  // the large run ends before the nodes go
+    ASSERT_TRUE(ended) << "node " << k << ": the small run did not end beside the held large one";
+    std::lock_guard<std::mutex> lock(nodes.ends(k).mu);
+    EXPECT_EQ(nodes.ends(k).ends[0].first, 2u) << "node " << k;
+  }
+  nodes.hub().ReleaseHeld();
   for (int k = 0; k < 2; ++k) {
     ASSERT_TRUE(nodes.ends(k).WaitFor(2));
     const auto& ends = nodes.ends(k).ends;

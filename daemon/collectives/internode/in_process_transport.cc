@@ -54,6 +54,7 @@ InProcessHub::~InProcessHub() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    ReleaseHeldLocked();
     FailPendingLocked([](const Key&, int) { return true; },
                       absl::CancelledError("in-process transport shutting down"));
     cv_.notify_all();
@@ -124,7 +125,8 @@ void InProcessHub::Post(bool is_send, int self, int peer, int channel, uint64_t 
   ++matched_transfers_;
   matched_bytes_ += send.bytes;
   const int src = std::get<0>(key), dst = std::get<1>(key);
-  Deliver([send = std::move(send), recv = std::move(recv), src, dst] {
+  const bool hold = send.bytes > hold_over_;
+  auto deliver = [send = std::move(send), recv = std::move(recv), src, dst] {
     if (send.bytes == recv.bytes && recv.reducer != nullptr) {
       const size_t n = send.bytes;
       const auto* src = static_cast<const uint8_t*>(send.data);
@@ -149,7 +151,12 @@ void InProcessHub::Post(bool is_send, int self, int peer, int channel, uint64_t 
         absl::StrCat(": sizes disagree (send ", send.bytes, " bytes, receive ", recv.bytes, ")");
     send.done(absl::DataLossError(absl::StrCat("node ", dst, sizes)));
     recv.done(absl::DataLossError(absl::StrCat("node ", src, sizes)));
-  });
+  };
+  if (hold) {
+    held_.push_back(std::move(deliver));
+  } else {
+    Deliver(std::move(deliver));
+  }
   for (int node : {src, dst}) {
     if (kill_after_[node] > 0 && --kill_after_[node] == 0) KillLocked(node);
   }
@@ -186,6 +193,7 @@ void InProcessHub::FailPeerOf(int self, int peer, const absl::Status& why) {
         absl::StrCat("node ", peer, " failed: ", why.message()));
   }
   const absl::Status status = failed_[self][peer];
+  ReleaseHeldLocked();
   FailPendingLocked(
       [self, peer](const Key& key, int owner) {
         return owner == self && (std::get<0>(key) == peer || std::get<1>(key) == peer);
@@ -193,7 +201,24 @@ void InProcessHub::FailPeerOf(int self, int peer, const absl::Status& why) {
       status);
 }
 
+void InProcessHub::HoldTransfersOver(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hold_over_ = bytes;
+}
+
+void InProcessHub::ReleaseHeld() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ReleaseHeldLocked();
+}
+
+void InProcessHub::ReleaseHeldLocked() {
+  hold_over_ = SIZE_MAX;
+  for (auto& job : held_) Deliver(std::move(job));
+  held_.clear();
+}
+
 void InProcessHub::KillLocked(int node) {
+  ReleaseHeldLocked();
   if (!killed_[node].ok()) return;
   killed_[node] = Killed(node);
   kill_after_[node] = -1;

@@ -17,7 +17,10 @@
 // KillNode(k) fails every pending and future transfer that involves node k,
 // on every transport, as when a daemon dies and the control plane tells
 // everyone; KillNodeAfter(k, n) does so once n more transfers involving k
-// have been matched (a deterministic "mid-operation"). Destroying the hub
+// have been matched (a deterministic "mid-operation"). HoldTransfersOver(b)
+// keeps every matched transfer of more than b bytes undelivered until
+// ReleaseHeld (a fault, FailPeer or KillNode, releases them too): a large
+// operation that cannot end while a test looks at what else runs. Destroying the hub
 // fails whatever is still pending with CANCELLED and runs those callbacks
 // before it returns.
 //
@@ -77,6 +80,8 @@ class InProcessHub {
 
   void KillNode(int node);
   void KillNodeAfter(int node, uint64_t matches);
+  void HoldTransfersOver(size_t bytes);
+  void ReleaseHeld();
 
   // Transfers matched so far (for tests that check traffic).
   uint64_t matched_transfers() const;
@@ -105,6 +110,7 @@ class InProcessHub {
                          const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void KillLocked(int node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Deliver(std::function<void()> job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseHeldLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeliveryLoop();
 
   const int num_channels_;
@@ -118,6 +124,8 @@ class InProcessHub {
   std::vector<absl::Status> killed_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> kill_after_ ABSL_GUARDED_BY(mu_);  // -1: none
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
+  size_t hold_over_ ABSL_GUARDED_BY(mu_) = SIZE_MAX;  // HoldTransfersOver
+  std::deque<std::function<void()>> held_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t matched_transfers_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t matched_bytes_ ABSL_GUARDED_BY(mu_) = 0;
