@@ -783,14 +783,20 @@ class UcxTransport::Channel {
   // its operation meanwhile. Such an op is abandoned: it stays in
   // in_flight_ with its request, which Shutdown gives back to UCX before
   // the worker goes. UCX may still write the rest of the message into its
-  // buffer if the peer runs again before that (seen: the data arrives on
-  // the peer's own socket, which the close of our endpoint leaves to the
+  // buffer if the peer runs again before that (the data arrives on the
+  // peer's own socket, which the close of our endpoint leaves to the
   // interface): so the op keeps its callback, and with it whatever the
   // callback holds (a direct exchange keeps its buffers so), until the
   // worker is destroyed; the callback is called through a copy.
   void CutOff(int peer, const absl::Status& why) {
     CancelInFlight([peer](const Op& op) { return op.peer == peer; }, why);
     ClosePeerEndpoint(peer);
+    // The forced close and the cancellations complete most requests on the
+    // worker's next rounds (their callbacks then end the ops as usual);
+    // only what UCX still holds after them is abandoned. From a task, not
+    // from inside a progress call.
+    for (int round = 0; round < 64 && ucp_worker_progress(worker_) != 0; ++round) {
+    }
     std::vector<Op*> stuck;
     for (Op* op : in_flight_) {
       if (op->peer == peer && !op->abandoned) stuck.push_back(op);
@@ -814,7 +820,7 @@ class UcxTransport::Channel {
   // side's endpoint close on one socket before it has read the data sent on
   // another, and its endpoint then fails with "Endpoint timeout", taking
   // that data with it. An acknowledgement sent on reading a farewell does
-  // not help (it may overtake data on another lane: seen in CI). What does
+  // not help (it may overtake data on another lane). What does
   // is knowing that the peer needs nothing more: a closing channel tells
   // every peer it exchanged anything with (kFarewell: "I need nothing more
   // from you") and, before closing, waits at most kFarewellGrace for the

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <cstring>
 #include <future>
 #include <memory>
@@ -46,6 +47,29 @@ void UseTls(const char* tls) {
     setenv("UCX_TLS", tls, 1);
   }
 }
+
+// Sets an environment variable for a scope: what was there before comes
+// back however the test ends.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 // Counts callbacks; remembers the last status of each slot. The state is
 // shared with the callbacks, so a callback that runs after the test gave up
@@ -1045,7 +1069,7 @@ TEST(UcxTransportTest, KilledPeerFailsPendingAndLaterTransfersDefault) { PeerDea
 // the transport goes cleanly.
 TEST(UcxTransportTest, FailPeerEndsTransfersWithAPeerStoppedMidTransfer) {
   UseTls("tcp");
-  setenv("UCX_RNDV_THRESH", "8m", 1);
+  const ScopedEnv eager("UCX_RNDV_THRESH", "8m");
   ChildPeer c;
   StartChildPeer(&c);
   if (HasFatalFailure()) return;
@@ -1105,7 +1129,6 @@ TEST(UcxTransportTest, FailPeerEndsTransfersWithAPeerStoppedMidTransfer) {
   c.parent.reset();
   EXPECT_TRUE(held_weak.expired()) << "the destroyed transport still holds a callback";
   EXPECT_EQ(pending.total(), 2 * kPieces);
-  unsetenv("UCX_RNDV_THRESH");
 }
 
 // ---------------------------------------------------------------------------

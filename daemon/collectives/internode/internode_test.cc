@@ -606,8 +606,8 @@ TEST(ChannelWindowTest, ASlowChannelNeverHoldsBackAnotherOne) {
 // them (write after send), and its channel-0 cursor posts receives as they
 // arrive. With one pool of slots for both channels they took every slot,
 // node 0 could post no receive on channel 1, node 1's channel-1 sends and
-// so node 0's stopped, and the run ended at its deadline (as a 5-node
-// yielding run once did in CI); with slots per channel, channel 1 goes on.
+// so node 0's stopped, and the run ended at its deadline; with slots per
+// channel, channel 1 goes on.
 TEST(ChannelWindowTest, ChunksWaitingOnOneChannelNeverTakeAnotherOnesScratch) {
   for (InterNodeAlgorithm algo : {InterNodeAlgorithm::kRing, InterNodeAlgorithm::kHalvingDoubling}) {
     constexpr int kWindow = 4;

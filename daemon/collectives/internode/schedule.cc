@@ -209,11 +209,11 @@ class Runner {
   uint8_t* scratch_ = nullptr;
   size_t slot_bytes_ = 0;
   // Per channel: channel c's slots are c * max_inflight_ .. + max_inflight_
-  // - 1. A pool shared by the channels deadlocked (seen once in CI: 5 nodes,
-  // 2 channels, yielding): one channel's chunks, received ahead and waiting
-  // for this node's own sends of them, held every slot, so that the other
-  // channel's earliest receive could not be posted, and the peer's send of
-  // it, which the peer's slots in turn waited for, never completed. With
+  // - 1. A pool shared by the channels can deadlock: one channel's chunks,
+  // received ahead and waiting for this node's own sends of them, hold
+  // every slot, so that the other channel's earliest receive cannot be
+  // posted, and the peer's send of it, which the peer's slots in turn wait
+  // for, never completes. With
   // slots of its own each channel is a pipeline in the global order of its
   // own, whose earliest unfinished transfer can always proceed.
   std::vector<std::vector<int>> free_slots_;
