@@ -1205,12 +1205,13 @@ class CudaDeviceRunner final : public DeviceRunner {
           "(freed, corrupted, or not one), or ciuicd could not map it"));
     }
     if (e != cudaSuccess) {
-      return Cuda(e, absl::StrCat("opening ", who, " (cudaIpcOpenMemHandle)",
+      // What it means first: a trainer hears at most wire::kMaxMessage bytes.
+      return Cuda(e, absl::StrCat("opening ", who,
                                   e == cudaErrorAlreadyMapped
-                                      ? ": memory of a freed allocation at the same address is "
-                                        "still in use by an operation here, or the allocation "
-                                        "is mapped for another user's sessions"
-                                      : ""));
+                                      ? ": mapped for another user's sessions, or a freed "
+                                        "allocation at its address is still in use here"
+                                      : "",
+                                  " (cudaIpcOpenMemHandle)"));
     }
     auto m = std::make_shared<Mapping>();
     m->opened = p;

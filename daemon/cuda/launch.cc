@@ -41,7 +41,8 @@ absl::Status CudaStatus(int error, absl::string_view what) {
       return absl::FailedPreconditionError(failed);
     // A device fault: the process's CUDA context is broken, every later
     // call returns the same error, whatever it is about. Said first (a
-    // trainer hears at most wire::kMaxMessage bytes), not blamed on `what`.
+    // trainer hears the first wire::kMessageHead bytes of a long message), not
+    // blamed on `what`.
     case cudaErrorIllegalAddress:
     case cudaErrorLaunchFailure:
     case cudaErrorLaunchTimeout:
