@@ -3021,6 +3021,16 @@ TEST(ClusterJobProtocolTest, HeldOccurrencesEndWithTheJob) {
   EXPECT_EQ(node.EndOf(2).code(), absl::StatusCode::kUnavailable);
 }
 
+// Submits allreduce "a" (key 1) of `data` on `node` and has the coordinator
+// announce it (run 0): it then waits for the other node, which is silent.
+void RunWaitingForTheSilentNode(ScriptedNode& node, std::vector<float>& data) {
+  node.job().Submit(Allreduce(1, "a", wire::DataType::kFloat32, wire::ReduceOp::kSum, data.size(),
+                              0, data.data(), data.data()));
+  ASSERT_TRUE(node.stream().WaitForReady("a"));
+  node.stream().Send(ScriptedNode::Run("a", 0));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
+
 // A run cut off by its peer (the transport's UNAVAILABLE: here the other
 // node's transfers fail, as when a node whose job failed closes its
 // endpoints) ends with the coordinator's verdict when that follows within
@@ -3032,11 +3042,8 @@ TEST(ClusterJobProtocolTest, ARunCutOffByAPeerEndsWithTheCoordinatorsVerdict) {
     SCOPED_TRACE(verdict ? "with a verdict" : "without one");
     ScriptedNode node;
     std::vector<float> data(1000, 1.0f);
-    node.job().Submit(Allreduce(1, "a", wire::DataType::kFloat32, wire::ReduceOp::kSum,
-                                data.size(), 0, data.data(), data.data()));
-    ASSERT_TRUE(node.stream().WaitForReady("a"));
-    node.stream().Send(ScriptedNode::Run("a", 0));  // waits for the other node, which is silent
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    RunWaitingForTheSilentNode(node, data);
+    if (HasFatalFailure()) return;
     const auto cut = std::chrono::steady_clock::now();
     node.hub().KillNode(1);
     if (verdict) {
@@ -3071,11 +3078,8 @@ TEST(ClusterJobProtocolTest, ARunCutOffByTheJobsEndFailsWithItsReasonAlone) {
     SCOPED_TRACE(here ? "a rank here left" : "the coordinator failed the job");
     ScriptedNode node;
     std::vector<float> data(1000, 1.0f);
-    node.job().Submit(Allreduce(1, "a", wire::DataType::kFloat32, wire::ReduceOp::kSum,
-                                data.size(), 0, data.data(), data.data()));
-    ASSERT_TRUE(node.stream().WaitForReady("a"));
-    node.stream().Send(ScriptedNode::Run("a", 0));  // waits for the other node, which is silent
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    RunWaitingForTheSilentNode(node, data);
+    if (HasFatalFailure()) return;
     const std::string why =
         here ? "rank 0 (pid 7) of job 'job' left: trainer disconnected"
              : "node other (rank 1) failed run 0 of job 'job': rank 1 (pid 8) of job 'job' left: "

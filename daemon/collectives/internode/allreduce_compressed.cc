@@ -165,8 +165,14 @@ class Pipeline {
   uint64_t Tag(int phase, size_t chunk, bool overflow) const {
     return ctx_.tag_base | (phase ? kPhaseBit : 0) | (overflow ? kOverflowBit : 0) | chunk;
   }
+  // Chunk c of owner o's segment: channel_table[(c + o) mod size] (the
+  // run's shares of the channels), or (c + o) mod channels. The same on
+  // every node: sender and receiver name one channel.
   int Channel(size_t chunk, int owner) const {
-    return static_cast<int>((chunk + static_cast<size_t>(owner)) % channels_);
+    const size_t i = chunk + static_cast<size_t>(owner);
+    const std::vector<uint8_t>& table = ctx_.channel_table;
+    if (!table.empty()) return table[i % table.size()];
+    return static_cast<int>(i % channels_);
   }
 
   absl::Status Prepare();
@@ -242,6 +248,10 @@ class Pipeline {
 };
 
 absl::Status Pipeline::Prepare() {
+  if (absl::Status s = internode_internal::CheckChannelTable(ctx_.channel_table, channels_, kWhat);
+      !s.ok()) {
+    return s;
+  }
   // Chunk size: whole elements, whole int8 blocks when more than one block,
   // and few enough chunks per segment for the tag's chunk field.
   elems_ = std::max<size_t>(1, std::min<uint64_t>(ctx_.chunk_bytes, kMaxChunkBytes) / es_);

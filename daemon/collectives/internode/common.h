@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -70,6 +71,19 @@ inline std::string NodeLabel(const std::vector<std::string>& names, int node) {
     return absl::StrCat("node ", node, " (", names[static_cast<size_t>(node)], ")");
   }
   return absl::StrCat("node ", node);
+}
+
+// A run's channel table (InterNodeContext::channel_table) may name only
+// channels the transport has: one past them is a bug of whoever built it.
+inline absl::Status CheckChannelTable(const std::vector<uint8_t>& table, int channels,
+                                      absl::string_view what) {
+  for (int c : table) {
+    if (c >= channels) {
+      return absl::InternalError(
+          absl::StrCat(what, ": channel table names channel ", c, " of ", channels));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Peer index arithmetic on a ring of n.

@@ -67,7 +67,8 @@ struct InterNodeContext {
   const std::atomic<int>* yield = nullptr;
   // Chunk i of a step travels on channel channel_table[i mod size] (each
   // entry < the transport's channels; cluster/channel_weights.h); empty:
-  // on channel i mod channels. The compressed allreduce keeps equal shares.
+  // on channel i mod channels. The compressed allreduce: chunk c of node
+  // o's segment on channel_table[(c + o) mod size].
   std::vector<uint8_t> channel_table = {};
   // The low bits of the tag that are the algorithm's (16..24): fewer when
   // an algorithm runs as a phase of another (the rack-hierarchical one

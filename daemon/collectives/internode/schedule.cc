@@ -240,11 +240,10 @@ absl::Status Runner::Prepare() {
                                  std::max(2, (max_inflight_ * slots[c] + most - 1) / most));
     }
   }
-  for (int c : ctx_.channel_table) {
-    if (c >= num_channels_) {
-      return absl::InternalError(
-          absl::StrCat(s_.name, ": channel table names channel ", c, " of ", num_channels_));
-    }
+  if (absl::Status s = internode_internal::CheckChannelTable(ctx_.channel_table, num_channels_,
+                                                              s_.name);
+      !s.ok()) {
+    return s;
   }
   size_t reduce_chunk = 0;
   for (size_t i = 0; i < s_.steps.size(); ++i) {
