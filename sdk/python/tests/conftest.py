@@ -59,10 +59,10 @@ def free_port():
 
     Not a port the kernel hands out itself (bind to 0, or the local end of
     an outgoing connection): between this call and the listener's bind,
-    another test's connection could take such a port (seen in CI: torch's
-    TCPStore "failed to bind ... Address already in use", its other ranks
-    then waiting 90 s). So from below the ephemeral range, each port once
-    per session.
+    another test's connection could take such a port (torch's TCPStore
+    then fails to bind with "Address already in use" and its other ranks
+    wait 90 s). So from below the ephemeral range, each port once per
+    session.
     """
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
