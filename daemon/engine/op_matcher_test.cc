@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "ciuic/shm_layout.h"
+
 namespace ciuic::daemon {
 namespace {
 
@@ -136,6 +138,25 @@ TEST_F(OpMatcherTest, DtypeMismatchNamesBothSignatures) {
   ASSERT_EQ(bad.kind, Kind::kMismatch);
   EXPECT_EQ(bad.other_rank, 2);
   EXPECT_NE(bad.status.message().find(Sig(8, 2).ToString()), std::string::npos);
+}
+
+// What a trainer hears of a mismatch (the message clipped to a completion's
+// wire::kMaxMessage bytes) names both signatures also when the operation's
+// name is as long as a trainer may give (wire::kMaxOpName).
+TEST_F(OpMatcherTest, AMismatchOfALongNameStillShowsBothSignatures) {
+  const std::string name(wire::kMaxOpName, 'n');
+  OpSignature a = Sig(1048576, 1), b = Sig(1048577, 2);
+  a.codec = b.codec = 4;
+  Submit(2, name, a);
+  auto bad = Submit(0, name, b);
+  ASSERT_EQ(bad.kind, Kind::kMismatch);
+  const std::string full(bad.status.message());
+  ASSERT_GT(full.size(), wire::kMaxMessage);
+  char out[wire::kMaxMessage];
+  const std::string heard(out, wire::ClipMessage(full.data(), full.size(), out));
+  EXPECT_NE(heard.find("rank 2 submitted " + a.ToString()), std::string::npos) << heard;
+  EXPECT_NE(heard.find("rank 0 submitted " + b.ToString()), std::string::npos) << heard;
+  EXPECT_EQ(heard.find("operation '" + name.substr(0, wire::kNameHead) + "..."), 0u) << heard;
 }
 
 TEST_F(OpMatcherTest, ExpiredNamesTheRanksItWaitsFor) {

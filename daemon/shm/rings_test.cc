@@ -134,5 +134,71 @@ TEST(ClipMessageTest, KeepsTheHeadAndTheRootCauseAndWholeCharacters) {
   }
 }
 
+// A long message's quoted names (operation names, job ids) are shortened
+// first, so that what surrounds them fits: a mismatch of an operation with
+// a name of kMaxOpName bytes, in a job with a 256-byte id, keeps both
+// ranks' signatures whole and the start and end of each name. Quoted text
+// with spaces is never shortened, names fit to kNameKeep bytes stay whole,
+// shortening cuts between characters, and a message that fits is left as
+// it is whatever its names.
+TEST(ClipMessageTest, ShortensLongQuotedNamesBeforeCuttingTheMiddle) {
+  char out[wire::kMaxMessage];
+  auto clip = [&](const std::string& m) {
+    return std::string(out, wire::ClipMessage(m.data(), m.size(), out));
+  };
+  std::string name = "grads.layer";
+  while (name.size() < wire::kMaxOpName) name += static_cast<char>('a' + name.size() % 26);
+  const std::string sig0 = "allreduce float32 count=1048576 op=sum compression=int8";
+  const std::string sig1 = "allreduce bfloat16 count=1048577 op=avg compression=int8";
+  const std::string m = "operation '" + name + "' mismatched across ranks: rank 0 submitted " +
+                        sig0 + ", rank 3 submitted " + sig1;
+  ASSERT_GT(m.size(), wire::kMaxMessage);
+  const std::string got = clip(m);
+  EXPECT_LE(got.size(), wire::kMaxMessage);
+  EXPECT_EQ(got.find(" ... "), std::string::npos) << got;  // nothing cut from the middle
+  EXPECT_NE(got.find("rank 0 submitted " + sig0 + ", rank 3 submitted " + sig1), std::string::npos)
+      << got;
+  const std::string short_name =
+      name.substr(0, wire::kNameHead) + "..." + name.substr(name.size() - wire::kNameTail);
+  EXPECT_EQ(got.find("operation '" + short_name + "' mismatched"), 0u) << got;
+  // A job id of 256 bytes and the rank that left, whole.
+  const std::string job = "train-" + std::string(250, 'j');
+  const std::string left = "node host1 (ranks 2,3) left job '" + job +
+                           "': rank 3 (pid 24680) of job '" + job + "' left: trainer disconnected";
+  const std::string left_got = clip(left);
+  const std::string short_job = job.substr(0, wire::kNameHead) + "..." + std::string(8, 'j');
+  EXPECT_EQ(left_got, "node host1 (ranks 2,3) left job '" + short_job +
+                          "': rank 3 (pid 24680) of job '" + short_job +
+                          "' left: trainer disconnected");
+
+  // Quoted text with a space stays whole (then the middle is cut); a name
+  // of kNameKeep bytes stays whole.
+  const std::string spaced =
+      "operation '" + std::string(150, 'x') + " " + std::string(150, 'y') + "' failed: rank 3 left";
+  const std::string spaced_got = clip(spaced);
+  EXPECT_EQ(spaced_got.find("operation '" + std::string(139, 'x') + " ... "), 0u) << spaced_got;
+  EXPECT_EQ(spaced_got.substr(spaced_got.size() - 21), "' failed: rank 3 left") << spaced_got;
+  const std::string keep(wire::kNameKeep, 'k');
+  const std::string with_keep = "operation '" + keep + "' failed: " + std::string(300, 'r');
+  EXPECT_EQ(clip(with_keep).find("operation '" + keep + "' failed: "), 0u);
+
+  // Two-byte characters (U+00E9) in a name: the shortened name is whole
+  // characters, at either alignment.
+  for (size_t shift : {0, 1}) {
+    std::string wide(shift, 'x');
+    while (wide.size() < wire::kMaxOpName) wide += "\xc3\xa9";
+    const std::string w = clip("operation '" + wide + "': " + std::string(300, 'e'));
+    EXPECT_TRUE(wire::IsValidUtf8(w.data(), w.size())) << shift;
+    const size_t dots = w.find("...");
+    ASSERT_NE(dots, std::string::npos) << w;
+    EXPECT_EQ(w.find("': "), dots + 3 + wire::kNameTail) << w;
+    EXPECT_EQ(dots, std::string("operation '").size() + wire::kNameHead - shift) << w;
+  }
+  // A message that fits keeps its names whole.
+  const std::string fits = "operation '" + name + "' failed";
+  ASSERT_LE(fits.size(), wire::kMaxMessage);
+  EXPECT_EQ(clip(fits), fits);
+}
+
 }  // namespace
 }  // namespace ciuic::daemon

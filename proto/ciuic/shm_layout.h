@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace ciuic::wire {
 
@@ -169,12 +170,82 @@ inline bool IsValidUtf8(const char* p, size_t n) {
 }
 inline constexpr size_t kMaxMessage = 232;
 
-// What a trainer hears of an error message longer than kMaxMessage: its
-// first kMessageHead bytes (the operation and what happened to it), " ... ",
-// and its last bytes (a nested error's root cause comes last: "ring failed:
-// lost peer 1: node n1 failed run 5: rank 3 left"). Cuts fall between UTF-8
-// characters. Writes into `out`, returns the bytes used.
+// What a trainer hears of an error message longer than kMaxMessage.
+// First, quoted names ('...' without a space: operation names up to
+// kMaxOpName bytes, job ids up to 256) longer than kNameKeep bytes keep
+// their first kNameHead and last kNameTail bytes around "...": a mismatch
+// then still shows both ranks' signatures, and a nested error its
+// explanation, whatever the names' lengths. If that is still too long: its
+// first kMessageHead bytes (the operation and what happened to it),
+// " ... ", and its last bytes (a nested error's root cause comes last:
+// "ring failed: lost peer 1: node n1 failed run 5: rank 3 left"). Cuts fall
+// between UTF-8 characters. Writes into `out`, returns the bytes used.
 inline constexpr size_t kMessageHead = 150;
+inline constexpr size_t kNameHead = 24;
+inline constexpr size_t kNameTail = 8;
+inline constexpr size_t kNameKeep = kNameHead + 3 + kNameTail;
+
+namespace internal {
+
+inline bool Utf8Continuation(const char* s, size_t i) {
+  return (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80;
+}
+
+// `message` (n > kMaxMessage bytes) cut to kMaxMessage: its first
+// kMessageHead bytes, " ... ", its last bytes, cuts between characters.
+inline size_t CutMiddle(const char* message, size_t n, char (&out)[kMaxMessage]) {
+  static constexpr char kGap[] = " ... ";
+  static constexpr size_t kGapBytes = sizeof(kGap) - 1;
+  size_t head = kMessageHead;
+  while (head > 0 && Utf8Continuation(message, head)) --head;  // message[head] starts a character
+  size_t tail = n - (kMaxMessage - kMessageHead - kGapBytes);
+  while (tail < n && Utf8Continuation(message, tail)) ++tail;
+  std::memcpy(out, message, head);
+  std::memcpy(out + head, kGap, kGapBytes);
+  std::memcpy(out + head + kGapBytes, message + tail, n - tail);
+  return head + kGapBytes + (n - tail);
+}
+
+}  // namespace internal
+
+// `message` with its long quoted names shortened (see ClipMessage).
+inline std::string ShortenQuotedNames(const char* message, size_t n) {
+  std::string out;
+  out.reserve(n);
+  size_t i = 0;
+  while (i < n) {
+    const void* q = std::memchr(message + i, '\'', n - i);
+    if (q == nullptr) {
+      out.append(message + i, n - i);
+      break;
+    }
+    const size_t open = static_cast<size_t>(static_cast<const char*>(q) - message);
+    out.append(message + i, open + 1 - i);  // through the opening quote
+    const size_t first = open + 1;
+    const void* e = first < n ? std::memchr(message + first, '\'', n - first) : nullptr;
+    if (e == nullptr) {
+      out.append(message + first, n - first);
+      break;
+    }
+    const size_t close = static_cast<size_t>(static_cast<const char*>(e) - message);
+    const size_t len = close - first;
+    if (len > kNameKeep && std::memchr(message + first, ' ', len) == nullptr) {
+      size_t head = first + kNameHead;
+      while (head > first && internal::Utf8Continuation(message, head)) --head;
+      size_t tail = close - kNameTail;
+      while (tail < close && internal::Utf8Continuation(message, tail)) ++tail;
+      out.append(message + first, head - first);
+      out += "...";
+      out.append(message + tail, close - tail);
+    } else {
+      out.append(message + first, len);
+    }
+    out += '\'';
+    i = close + 1;
+  }
+  return out;
+}
+
 inline size_t ClipMessage(const char* message, size_t n, char (&out)[kMaxMessage]) {
   if (n <= kMaxMessage) {
     // An OK status's message may be a null pointer with n == 0: memcpy from
@@ -182,19 +253,12 @@ inline size_t ClipMessage(const char* message, size_t n, char (&out)[kMaxMessage
     if (n > 0) std::memcpy(out, message, n);
     return n;
   }
-  const auto continuation = [&](size_t i) {
-    return (static_cast<unsigned char>(message[i]) & 0xC0) == 0x80;
-  };
-  static constexpr char kGap[] = " ... ";
-  static constexpr size_t kGapBytes = sizeof(kGap) - 1;
-  size_t head = kMessageHead;
-  while (head > 0 && continuation(head)) --head;  // message[head] starts a character
-  size_t tail = n - (kMaxMessage - kMessageHead - kGapBytes);
-  while (tail < n && continuation(tail)) ++tail;
-  std::memcpy(out, message, head);
-  std::memcpy(out + head, kGap, kGapBytes);
-  std::memcpy(out + head + kGapBytes, message + tail, n - tail);
-  return head + kGapBytes + (n - tail);
+  const std::string shorter = ShortenQuotedNames(message, n);
+  if (shorter.size() <= kMaxMessage) {
+    std::memcpy(out, shorter.data(), shorter.size());
+    return shorter.size();
+  }
+  return internal::CutMiddle(shorter.data(), shorter.size(), out);
 }
 
 // Buffers per collective (count is in elements; W is the job's world size):
