@@ -10,7 +10,7 @@
 # --seconds: per target (default 60, or $CIUIC_FUZZ_SECONDS). --seed:
 # libFuzzer's seed (default: a random one, printed). Targets: codec_fuzz,
 # config_fuzz, submission_fuzz, fragment_reducer_fuzz, membership_fuzz,
-# coordinator_fuzz, ordering_frame_fuzz (default: all).
+# coordinator_fuzz, ordering_frame_fuzz, message_fuzz (default: all).
 # Each target's corpus grows in build-fuzz/corpus/TARGET across runs,
 # seeded from tests/fuzz/corpus/TARGET. An input that breaks a property or
 # that a sanitizer objects to is saved in build-fuzz/crashes/ and the script
@@ -25,7 +25,7 @@ seed=""
 json=0
 targets=()
 all_targets=(codec_fuzz config_fuzz submission_fuzz fragment_reducer_fuzz membership_fuzz
-  coordinator_fuzz ordering_frame_fuzz)
+  coordinator_fuzz ordering_frame_fuzz message_fuzz)
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds=$2; shift 2 ;;
