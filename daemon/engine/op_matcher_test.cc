@@ -146,7 +146,7 @@ TEST_F(OpMatcherTest, DtypeMismatchNamesBothSignatures) {
 TEST_F(OpMatcherTest, AMismatchOfALongNameStillShowsBothSignatures) {
   const std::string name(wire::kMaxOpName, 'n');
   OpSignature a = Sig(1048576, 1), b = Sig(1048577, 2);
-  a.codec = b.codec = 4;
+  a.codec = b.codec = static_cast<uint32_t>(wire::Codec::kInt8);
   Submit(2, name, a);
   auto bad = Submit(0, name, b);
   ASSERT_EQ(bad.kind, Kind::kMismatch);

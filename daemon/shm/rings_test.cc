@@ -136,9 +136,10 @@ TEST(ClipMessageTest, KeepsTheHeadAndTheRootCauseAndWholeCharacters) {
 
 // A long message's quoted names (operation names, job ids) are shortened
 // first, so that what surrounds them fits: a mismatch of an operation with
-// a name of kMaxOpName bytes, in a job with a 256-byte id, keeps both
-// ranks' signatures whole and the start and end of each name. Quoted text
-// with spaces is never shortened, names fit to kNameKeep bytes stay whole,
+// a name of kMaxOpName bytes keeps both ranks' signatures whole and the
+// start and end of the name, and a lost node's message with a 256-byte job
+// id twice keeps the rank that left. Quoted text with a space is never
+// shortened (the middle is cut instead), names of kNameKeep bytes stay whole,
 // shortening cuts between characters, and a message that fits is left as
 // it is whatever its names.
 TEST(ClipMessageTest, ShortensLongQuotedNamesBeforeCuttingTheMiddle) {
@@ -171,7 +172,7 @@ TEST(ClipMessageTest, ShortensLongQuotedNamesBeforeCuttingTheMiddle) {
                           "': rank 3 (pid 24680) of job '" + short_job +
                           "' left: trainer disconnected");
 
-  // Quoted text with a space stays whole (then the middle is cut); a name
+  // Quoted text with a space is not shortened: the middle is cut. A name
   // of kNameKeep bytes stays whole.
   const std::string spaced =
       "operation '" + std::string(150, 'x') + " " + std::string(150, 'y') + "' failed: rank 3 left";

@@ -206,8 +206,6 @@ inline size_t CutMiddle(const char* message, size_t n, char (&out)[kMaxMessage])
   return head + kGapBytes + (n - tail);
 }
 
-}  // namespace internal
-
 // `message` with its long quoted names shortened (see ClipMessage).
 inline std::string ShortenQuotedNames(const char* message, size_t n) {
   std::string out;
@@ -231,9 +229,9 @@ inline std::string ShortenQuotedNames(const char* message, size_t n) {
     const size_t len = close - first;
     if (len > kNameKeep && std::memchr(message + first, ' ', len) == nullptr) {
       size_t head = first + kNameHead;
-      while (head > first && internal::Utf8Continuation(message, head)) --head;
+      while (head > first && Utf8Continuation(message, head)) --head;
       size_t tail = close - kNameTail;
-      while (tail < close && internal::Utf8Continuation(message, tail)) ++tail;
+      while (tail < close && Utf8Continuation(message, tail)) ++tail;
       out.append(message + first, head - first);
       out += "...";
       out.append(message + tail, close - tail);
@@ -246,6 +244,8 @@ inline std::string ShortenQuotedNames(const char* message, size_t n) {
   return out;
 }
 
+}  // namespace internal
+
 inline size_t ClipMessage(const char* message, size_t n, char (&out)[kMaxMessage]) {
   if (n <= kMaxMessage) {
     // An OK status's message may be a null pointer with n == 0: memcpy from
@@ -253,7 +253,7 @@ inline size_t ClipMessage(const char* message, size_t n, char (&out)[kMaxMessage
     if (n > 0) std::memcpy(out, message, n);
     return n;
   }
-  const std::string shorter = ShortenQuotedNames(message, n);
+  const std::string shorter = internal::ShortenQuotedNames(message, n);
   if (shorter.size() <= kMaxMessage) {
     std::memcpy(out, shorter.data(), shorter.size());
     return shorter.size();
