@@ -502,7 +502,10 @@ void ClusterJob::FailAll(const absl::Status& why) {
   for (auto& a : unstarted) {
     for (auto& op : a.ops) Done(op, why);
   }
-  for (DirectOp& d : TakeDirect()) Done(d.op, why);
+  // Their ranks hear once the exchanges have let go of their buffers: at
+  // once, or when the transport's transfers in them end (the job's end
+  // cuts them off).
+  for (DirectOp& d : TakeDirect()) AbandonDirect(std::move(d), why);
 }
 
 std::shared_ptr<EarlyLocal> ClusterJob::EarlyLocalFor(const ClusterOp& op) const {

@@ -424,6 +424,11 @@ class ClusterJob {
   void ExpireDirect();
   // Takes every direct op still running or waiting, to be ended by the caller.
   std::vector<DirectOp> TakeDirect();
+  // Ends a direct operation taken out of direct_ with `why`: its exchange
+  // lets go of the ranks' buffers (DirectExchange::Abandon), and Done runs
+  // once it has, at once (true) or from the transport thread that ends
+  // the last transfer in them (false).
+  bool AbandonDirect(DirectOp d, const absl::Status& why);
   // At the job's end, before the transport goes: cuts off the transfers of
   // exchanges still in flight and waits for their last callback.
   void CloseDirect();

@@ -379,7 +379,18 @@ void ClusterJob::ExpireDirect() {
             : "unnamed operations are matched by submission order)"));
     spdlog::warn("job '{}': {}", options_.job_id, std::string(late.message()));
     if (d.op.staged) d.op.staged->Drain().IgnoreError();
-    Done(d.op, late);
+    // The exchange stays (its receives cannot be taken back) but lets go
+    // of the ranks' buffers before they hear. One that the transport
+    // still reads or writes (a value sent from the rank's buffer that
+    // the other node never took, a value arriving into it) ends the job:
+    // the job's end cuts those transfers off, and the ranks hear then.
+    const std::string name = d.op.name;
+    if (!AbandonDirect(std::move(d), late)) {
+      PushRunFailed(absl::DeadlineExceededError(absl::StrCat(
+          "operation '", name, "' of job '", options_.job_id,
+          "' timed out while the transport was still moving its ranks' buffers to or from ",
+          from, "; such a transfer cannot be taken back, so the job ends")));
+    }
   }
   if (!expired.empty() && stale >= kMaxStaleExchanges) {
     PushRunFailed(absl::DeadlineExceededError(absl::StrCat(
@@ -388,6 +399,17 @@ void ClusterJob::ExpireDirect() {
         "out of step, and the job ends (each such exchange holds memory until "
         "it does)")));
   }
+}
+
+bool ClusterJob::AbandonDirect(DirectOp d, const absl::Status& why) {
+  if (d.exchange == nullptr) {  // waited for the budget: never started
+    Done(d.op, why);
+    return true;
+  }
+  auto op = std::make_shared<ClusterOp>(std::move(d.op));
+  // `released` runs before the exchange's `finished` (EndDirect), which
+  // CloseDirect waits for: the ClusterJob is still there.
+  return d.exchange->Abandon(why, [this, op, why] { Done(*op, why); });
 }
 
 std::vector<ClusterJob::DirectOp> ClusterJob::TakeDirect() {

@@ -739,6 +739,88 @@ TEST(ClusterJobDirectTest, AnOperationMissingOnANodeTimesOutNamingIt) {
   EXPECT_EQ(out_b, std::vector<float>(3, 3.0f));
 }
 
+// An operation that timed out on a node leaves its ranks' buffers alone
+// once they have heard: node 1 submits it only after node 0's deadline,
+// and what node 1 sends then reaches node 0's exchange, which neither
+// folds it into node 0's rank's recv buffer nor writes its result there
+// (that buffer holds the rank's next data by then). 3 floats (inline in
+// the header) and 2000 floats in place (a value sent apart, which node 0
+// sent from its own copy: nothing of the rank's buffers was in flight at
+// the deadline, so the job goes on). Node 1 completes it with the values
+// both nodes' ranks submitted (node 0's left in its first message).
+TEST(ClusterJobDirectTest, AnOperationThatTimedOutNeverWritesItsRanksBuffersAfter) {
+  Nodes nodes(2);
+  for (size_t count : {size_t{3}, size_t{2000}}) {
+    SCOPED_TRACE(count);
+    const uint64_t base = count == 3 ? 0 : 10;
+    std::vector<float> mine(count, 1.0f), theirs(count, 2.0f), out_b(count, 0.0f);
+    ClusterOp lonely = Allreduce(base, "#" + std::to_string(base), wire::DataType::kFloat32,
+                                 wire::ReduceOp::kSum, count, 0, mine.data(), mine.data());
+    lonely.timeout_ms = 200;
+    nodes.job(0).Submit(std::move(lonely));
+    ASSERT_TRUE(nodes.ends(0).WaitFor(base == 0 ? 1 : 3));
+    EXPECT_EQ(nodes.ends(0).ends.back().second.code(), absl::StatusCode::kDeadlineExceeded)
+        << nodes.ends(0).ends.back().second;
+    // The rank has heard: its buffer holds something else now.
+    std::fill(mine.begin(), mine.end(), 42.0f);
+    nodes.job(1).Submit(Allreduce(base, "#" + std::to_string(base), wire::DataType::kFloat32,
+                                  wire::ReduceOp::kSum, count, 1, theirs.data(), out_b.data()));
+    ASSERT_TRUE(nodes.ends(1).WaitFor(base == 0 ? 1 : 3));
+    EXPECT_TRUE(nodes.ends(1).ends.back().second.ok()) << nodes.ends(1).ends.back().second;
+    EXPECT_EQ(out_b, std::vector<float>(count, 3.0f));
+    // Node 0's exchange has ended by now (node 1's only step came from
+    // it); give its thread a moment, then look at the rank's buffer.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(mine, std::vector<float>(count, 42.0f));
+    EXPECT_EQ(nodes.job(0).state(), ClusterJob::State::kRunning);
+    // The job goes on: the next operation on both nodes.
+    std::vector<float> a(count, 1.0f), b(count, 2.0f), out_a(count, 0.0f);
+    for (int k = 0; k < 2; ++k) {
+      nodes.job(k).Submit(Allreduce(base + 1, "#" + std::to_string(base + 1),
+                                    wire::DataType::kFloat32, wire::ReduceOp::kSum, count, k,
+                                    k == 0 ? a.data() : b.data(),
+                                    k == 0 ? out_a.data() : out_b.data()));
+    }
+    ASSERT_TRUE(nodes.ends(0).WaitFor(base == 0 ? 2 : 4));
+    ASSERT_TRUE(nodes.ends(1).WaitFor(base == 0 ? 2 : 4));
+    EXPECT_TRUE(nodes.ends(0).ends.back().second.ok()) << nodes.ends(0).ends.back().second;
+    EXPECT_EQ(out_a, std::vector<float>(count, 3.0f));
+    EXPECT_EQ(out_b, std::vector<float>(count, 3.0f));
+  }
+}
+
+// A value sent apart straight from a node's single rank's send buffer is
+// still in the transport when the operation times out (the other node
+// never took it: the hub's sends complete when matched, as a rendezvous
+// does), and a transport cannot take a send back. The job ends, saying
+// why, and the rank hears of its operation only once the job's failure
+// has cut the transfer off (it fails its peers in the transport while it
+// sets its state): never while its buffer may still be read.
+TEST(ClusterJobDirectTest, ATimeoutWithTheRanksBufferInFlightEndsTheJobBeforeTheRankHears) {
+  Nodes nodes(2);
+  std::vector<float> mine(2000, 1.0f), out(2000, 0.0f);
+  std::atomic<int> state_at_end{-1};
+  nodes.ends(0).on_end = [&](uint64_t) {
+    state_at_end = static_cast<int>(nodes.job(0).state());
+  };
+  ClusterOp lonely = Allreduce(0, "#0", wire::DataType::kFloat32, wire::ReduceOp::kSum,
+                               mine.size(), 0, mine.data(), out.data());
+  lonely.timeout_ms = 200;
+  nodes.job(0).Submit(std::move(lonely));
+  ASSERT_TRUE(nodes.ends(0).WaitFor(1));
+  EXPECT_EQ(state_at_end.load(), static_cast<int>(ClusterJob::State::kFailed))
+      << "the rank heard while its buffer was in flight";
+  EXPECT_NE(nodes.job(0).StateText().find("cannot be taken back, so the job ends"),
+            std::string::npos)
+      << nodes.job(0).StateText();
+  const absl::Status& s = nodes.ends(0).ends[0].second;
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("timed out after 200 ms: nothing came from node n1"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(out, std::vector<float>(2000, 0.0f));
+}
+
 // Direct exchanges hold at most the job's budget of memory at once
 // (ClusterJob::kDirectBudgetBytes; three 1001-element exchanges here): node
 // 0 submits 40 unnamed allreduces before node 1 submits any, so most of

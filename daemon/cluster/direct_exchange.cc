@@ -190,27 +190,71 @@ void DirectExchange::Start() {
     Value();
     BulkIn();
   }
-  if (input_ != nullptr && payload_bytes_ > kInlineBytes) {
-    current_ = input_;
-  } else {
-    current_ = Value();
-    // A value sent inline is copied into the message anyway.
-    if (input_ != nullptr && payload_bytes_ > 0) std::memcpy(Value(), input_, payload_bytes_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (input_ != nullptr && payload_bytes_ > kInlineBytes && !abandoned_) {
+      current_ = input_;
+    } else {
+      current_ = Value();
+      // A value sent inline is copied into the message anyway. (Abandoned
+      // already: nothing is sent, and the rank's buffer is not read.)
+      if (input_ != nullptr && payload_bytes_ > 0 && !abandoned_) {
+        std::memcpy(Value(), input_, payload_bytes_);
+      }
+    }
   }
   if (steps_.empty()) return Finish();  // one node
   RunStep();
 }
 
 void DirectExchange::Finish() {
-  absl::Status s = Outcome();
-  if (!s.ok()) return finished_(s, nullptr);
-  // The result goes to the caller's output if there is one, else stays
-  // where the last step left it (the input of one node is copied once).
-  uint8_t* result = output_ != nullptr                                  ? output_
-                    : current_ != nullptr && current_ == bulk_in_.get() ? bulk_in_.get()
-                                                                        : Value();
-  if (current_ != result && payload_bytes_ > 0) std::memcpy(result, current_, payload_bytes_);
+  absl::Status s;
+  uint8_t* result = nullptr;
+  {
+    // Under mu_: the caller's output is written before Abandon returns, or
+    // not at all (Abandon fails the outcome).
+    std::lock_guard<std::mutex> lock(mu_);
+    s = OutcomeLocked();
+    if (s.ok()) {
+      // The result goes to the caller's output if there is one, else stays
+      // where the last step left it (the input of one node is copied once).
+      result = output_ != nullptr                                  ? output_
+               : current_ != nullptr && current_ == bulk_in_.get() ? bulk_in_.get()
+                                                                   : Value();
+      if (current_ != result && payload_bytes_ > 0) std::memcpy(result, current_, payload_bytes_);
+    }
+  }
   finished_(s, result);
+}
+
+bool DirectExchange::InCallerBuffers(const uint8_t* p) const {
+  auto within = [this, p](const uint8_t* base) {
+    return base != nullptr && p >= base && p < base + payload_bytes_;
+  };
+  return within(input_) || within(output_);
+}
+
+bool DirectExchange::Abandon(absl::Status why, std::function<void()> released) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    abandoned_ = true;
+    if (transfer_error_.ok()) transfer_error_ = std::move(why);
+    if (caller_transfers_ > 0) {
+      released_ = std::move(released);
+      return false;
+    }
+  }
+  released();
+  return true;
+}
+
+void DirectExchange::CallerTransferEnded() {
+  std::function<void()> released;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--caller_transfers_ == 0 && released_) released.swap(released_);
+  }
+  if (released) released();
 }
 
 uint8_t* DirectExchange::Writable(const uint8_t* p) {
@@ -251,6 +295,10 @@ void DirectExchange::RunStep() {
   const size_t at = step_.load();
   const Step step = steps_[at];
   bool failed = false;
+  const uint8_t* part = current_ + step.send_lo * element_bytes_;
+  const size_t part_bytes = (step.send_hi - step.send_lo) * element_bytes_;
+  const bool sends = step.send_to >= 0;
+  bool caller_send = false;  // the value apart goes from the caller's buffers
   {
     std::lock_guard<std::mutex> lock(mu_);
     step_error_ = absl::OkStatus();
@@ -277,15 +325,16 @@ void DirectExchange::RunStep() {
       h.other = ToWire(other_);
     }
     std::memcpy(out_.data(), &h, sizeof(h));
+    // A failed node's messages carry no value (nobody folds it). What is
+    // read of the caller's buffers is read here, under mu_, or counted as
+    // a transfer in them before Abandon can return.
+    bulk_sent_ = !failed && part_bytes > kInlineBytes;
+    if (!failed && !bulk_sent_ && part_bytes > 0 && sends) {
+      std::memcpy(out_.data() + kHeaderBytes, part, part_bytes);
+    }
+    caller_send = sends && bulk_sent_ && InCallerBuffers(part);
+    if (caller_send) ++caller_transfers_;
   }
-  // A failed node's messages carry no value (nobody folds it).
-  const uint8_t* part = current_ + step.send_lo * element_bytes_;
-  const size_t part_bytes = (step.send_hi - step.send_lo) * element_bytes_;
-  bulk_sent_ = !failed && part_bytes > kInlineBytes;
-  if (!failed && !bulk_sent_ && part_bytes > 0) {
-    std::memcpy(out_.data() + kHeaderBytes, part, part_bytes);
-  }
-  const bool sends = step.send_to >= 0;
   outstanding_.store((sends ? (bulk_sent_ ? 2 : 1) : 0) + (step.recv_from >= 0 ? 1 : 0));
   auto self = shared_from_this();
   const uint64_t tag = params_.tag_base | step.tag;
@@ -307,7 +356,10 @@ void DirectExchange::RunStep() {
     params_.transport->Send(step.send_to, params_.channel, tag, out_.data(), out_.size(), sent);
     if (bulk_sent_) {
       params_.transport->Send(step.send_to, params_.channel, tag | kBulkTag, part, part_bytes,
-                              sent);
+                              [self, sent, caller_send](absl::Status s) {
+                                if (caller_send) self->CallerTransferEnded();
+                                sent(std::move(s));
+                              });
     }
   }
 }
@@ -317,6 +369,7 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
   uint8_t* into = nullptr;
   size_t bulk = 0;
   bool fold = false;  // a reducing receive: op(value_, what arrives) lands in bulk_in_
+  bool caller = false;  // the receive writes, or its fold reads, the caller's buffers
   std::shared_ptr<std::vector<uint8_t>> drain;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -335,15 +388,19 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
       const size_t their_bytes = BytesSent(nodes_, step.recv_from, self_, step.tag, theirs);
       if (their_bytes > kInlineBytes && their_bytes <= kMaxBulkBytes) {
         bulk = their_bytes;
-        if (SameSignature(theirs, params_.sig)) {
+        if (SameSignature(theirs, params_.sig) && !abandoned_) {
           // Folded as it arrives, fragment by fragment from the transport's
           // buffers (LandingFor: never into what may still be on its way
           // out in this step's send).
           landing_ = LandingFor(step_.load());
           into = landing_ + step.recv_lo * element_bytes_;
           fold = step.fold;
+          caller = InCallerBuffers(into) ||
+                   (fold && InCallerBuffers(current_ + step.recv_lo * element_bytes_));
+          if (caller) ++caller_transfers_;
         } else {
-          drain = std::make_shared<std::vector<uint8_t>>(bulk);  // theirs, not ours to fold
+          // Theirs, not ours to fold; or the operation has ended here.
+          drain = std::make_shared<std::vector<uint8_t>>(bulk);
           into = drain->data();
         }
       }
@@ -352,7 +409,8 @@ void DirectExchange::HeaderArrived(const Step& step, uint64_t tag, absl::Status 
   if (into != nullptr) {
     outstanding_.fetch_add(1);
     auto self = shared_from_this();
-    auto arrived = [self, drain](absl::Status s) {
+    auto arrived = [self, drain, caller](absl::Status s) {
+      if (caller) self->CallerTransferEnded();
       if (!s.ok()) {
         std::lock_guard<std::mutex> lock(self->mu_);
         if (self->step_error_.ok()) self->step_error_ = std::move(s);
@@ -447,8 +505,7 @@ void DirectExchange::Absorb(const Step& step) {
   current_ = land;
 }
 
-absl::Status DirectExchange::Outcome() const {
-  std::lock_guard<std::mutex> lock(mu_);
+absl::Status DirectExchange::OutcomeLocked() const {
   if (mismatch_) {
     const std::string who =
         other_node_ >= 0 ? absl::StrCat("node ", other_node_) : std::string("another node");

@@ -118,6 +118,18 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // ends the operation at once with an error instead of waiting for it.
   void FailLocally(absl::Status why);
   void Start();
+  // The operation has ended without the exchange (its deadline, or its
+  // job's end) and its ranks are about to hear of it: from now on the
+  // exchange neither reads nor writes the caller's buffers (UseBuffers).
+  // Its remaining steps still run, their messages flagged with `why`, so
+  // that the other nodes' receives complete and they fail the operation
+  // too; values that arrive land in memory of the exchange's own. A
+  // transfer that the transport already holds from or into the caller's
+  // buffers cannot be taken back: `released` runs once none is in flight,
+  // at once on this thread when none is (Abandon then returns true), else
+  // on the transport thread that ends the last one (false), before the
+  // exchange's `finished`. The ranks must not hear before it has run.
+  bool Abandon(absl::Status why, std::function<void()> released);
   // The node whose message of the current step has not arrived (-1: none),
   // for a deadline's error message.
   int Waiting() const;
@@ -196,7 +208,11 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   // Calls `finished` with the outcome and, when OK, the result (in output_
   // when set, else in own memory).
   void Finish();
-  absl::Status Outcome() const;
+  absl::Status OutcomeLocked() const;  // under mu_
+  // Whether `p` points into the caller's buffers (input_ or output_).
+  bool InCallerBuffers(const uint8_t* p) const;
+  // A transfer from or into the caller's buffers has ended (Abandon).
+  void CallerTransferEnded();
 
   Params params_;
   Finished finished_;
@@ -244,6 +260,12 @@ class DirectExchange : public std::enable_shared_from_this<DirectExchange> {
   int failed_node_ = -1;
   int failed_code_ = 0;      // its status code and message, as its header said
   std::string failed_text_;
+  // Abandon: the caller's buffers are no longer the exchange's, once the
+  // transfers the transport holds in them (caller_transfers_) have ended;
+  // then released_ runs.
+  bool abandoned_ = false;
+  int caller_transfers_ = 0;
+  std::function<void()> released_;
 };
 
 }  // namespace ciuic::daemon

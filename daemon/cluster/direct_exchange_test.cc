@@ -12,6 +12,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/internode/in_process_transport.h"
@@ -302,6 +303,108 @@ TEST(DirectExchangeTest, ALostNodeEndsTheOthersExchangesWithAnError) {
 // value sent apart): the value is sent from the input and folded into the
 // output, and the exchange allocates no value of its own. With its value in
 // payload(), or on more nodes (several receives), it does.
+// An exchange abandoned by its node (its operation timed out there) lets go
+// of the caller's buffers: on 3 nodes node 0 waits for node 2's value when
+// it abandons; node 2's value then arrives and is not folded into node 0's
+// output, node 0's later messages say it failed, and nodes 1 and 2 fail
+// the operation with node 0's words instead of completing it. Nothing of
+// node 0's buffers was in the transport: `released` runs at once. 2000
+// floats (a value sent apart) and 3 (inline).
+TEST(DirectExchangeTest, AnAbandonedExchangeLeavesTheCallersBuffersAndFailsEveryNode) {
+  for (size_t count : {size_t{3}, size_t{2000}}) {
+    SCOPED_TRACE(count);
+    InProcessHub hub(3, 1);
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<Result> results(3);
+    std::vector<std::shared_ptr<DirectExchange>> ex;
+    std::vector<float> input(count, 1.0f), output(count, -7.0f);
+    for (int k = 0; k < 3; ++k) {
+      DirectExchange::Params p;
+      p.transport = hub.transport(k);
+      p.tag_base = uint64_t{5} << 24;
+      p.name = "#5";
+      p.sig = Sig(DataType::kFloat32, ReduceOp::kSum, count);
+      ex.push_back(DirectExchange::Create(p, [&, k](absl::Status s, uint8_t*) {
+        std::lock_guard<std::mutex> lock(mu);
+        results[static_cast<size_t>(k)].status = s;
+        results[static_cast<size_t>(k)].done = true;
+        cv.notify_all();
+      }));
+      if (k == 0) {
+        ex[0]->UseBuffers(reinterpret_cast<const uint8_t*>(input.data()),
+                          reinterpret_cast<uint8_t*>(output.data()));
+      } else {
+        std::memset(ex.back()->payload(), 0, count * sizeof(float));
+      }
+    }
+    ex[0]->Start();
+    ex[1]->Start();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // node 0 waits for node 2
+    bool released = false;
+    EXPECT_TRUE(ex[0]->Abandon(absl::DeadlineExceededError("operation '#5' timed out here"),
+                               [&released] { released = true; }));
+    EXPECT_TRUE(released);
+    std::fill(input.begin(), input.end(), 42.0f);  // the rank's buffers are its own again
+    std::fill(output.begin(), output.end(), 42.0f);
+    ex[2]->Start();
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] {
+      return results[0].done && results[1].done && results[2].done;
+    }));
+    EXPECT_EQ(results[0].status.code(), absl::StatusCode::kDeadlineExceeded) << results[0].status;
+    for (int k = 1; k < 3; ++k) {
+      const absl::Status& s = results[static_cast<size_t>(k)].status;
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << "node " << k << ": " << s;
+      EXPECT_NE(s.message().find("node 0 could not take part in it: operation '#5' timed out here"),
+                std::string::npos)
+          << "node " << k << ": " << s;
+    }
+    EXPECT_EQ(input, std::vector<float>(count, 42.0f));
+    EXPECT_EQ(output, std::vector<float>(count, 42.0f));
+  }
+}
+
+// A value sent apart from the caller's input is in the transport until the
+// other node takes it (the hub's sends complete when matched): Abandon
+// cannot let go of it, `released` waits for the transfer to end (here: the
+// peer cut off), and runs before the exchange's `finished`.
+TEST(DirectExchangeTest, AbandonWaitsForATransferOfTheCallersBuffers) {
+  InProcessHub hub(2, 1);
+  std::vector<float> input(2000, 1.0f), output(2000, 0.0f);
+  DirectExchange::Params p;
+  p.transport = hub.transport(0);
+  p.tag_base = uint64_t{5} << 24;
+  p.name = "#5";
+  p.sig = Sig(DataType::kFloat32, ReduceOp::kSum, input.size());
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> events;
+  auto note = [&](std::string what) {
+    std::lock_guard<std::mutex> lock(mu);
+    events.push_back(std::move(what));
+    cv.notify_all();
+  };
+  auto ex = DirectExchange::Create(p, [&](absl::Status s, uint8_t*) {
+    note(s.ok() ? "finished ok" : "finished failed");
+  });
+  ex->UseBuffers(reinterpret_cast<const uint8_t*>(input.data()),
+                 reinterpret_cast<uint8_t*>(output.data()));
+  ex->Start();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(ex->Abandon(absl::DeadlineExceededError("timed out"), [&] { note("released"); }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_TRUE(events.empty()) << events.front();
+  }
+  hub.transport(0)->FailPeer(1, absl::UnavailableError("cut off"));
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return events.size() == 2; }));
+  EXPECT_EQ(events, (std::vector<std::string>{"released", "finished failed"}));
+  EXPECT_EQ(output, std::vector<float>(2000, 0.0f));
+}
+
 TEST(DirectExchangeTest, OneRankOnTwoNodesAllocatesNoValue) {
   for (int nodes = 1; nodes <= 3; ++nodes) {
     for (size_t count : {size_t{200}, size_t{40001}}) {  // inline, and sent apart
