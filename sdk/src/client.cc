@@ -20,12 +20,14 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
 #include "arena.h"
 #include "fast_path.h"
 #include "device.h"
+#include "wait_policy.h"
 #include "ciuic/ciuic.h"
 #include "ciuic/control.grpc.pb.h"
 #include "ciuic/collective_rules.h"
@@ -68,6 +70,8 @@ std::string CoordinatorFromEnv() {
   return std::string(addr) + ":" + (port && port[0] ? port : "7361");
 }
 
+// CIUIC_SPIN_US: how long a waiter polls before it sleeps (default 50;
+// between nodes only for small operations: wait_policy.h).
 uint32_t SpinMicrosFromEnv() {
   const char* env = std::getenv("CIUIC_SPIN_US");
   if (env == nullptr || env[0] == '\0') return 50;
@@ -126,6 +130,7 @@ struct Handle::State {
   std::atomic<bool> done{false};
   Status status;  // written before done is set
   std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
+  uint32_t poll_us = 0;  // how long Wait() polls before it sleeps (wait_policy.h)
   std::atomic<bool> timed{false};  // its timing is recorded (Core::RecordTiming)
   // Staging for buffers outside shared memory: copied out at completion.
   Buffer staging;      // send (or send and recv, when they overlap)
@@ -275,10 +280,12 @@ struct Core {
     CheckDaemon();
   }
 
-  // Waits until `pred()` or `until`; spins briefly first, then sleeps.
+  // Waits until `pred()` or `until`; spins briefly first (`poll_us`, else
+  // spin_us), then sleeps.
   template <typename Pred>
-  bool WaitUntil(Pred pred, Clock::time_point until) {
-    const Clock::time_point spin_end = Clock::now() + std::chrono::microseconds(spin_us);
+  bool WaitUntil(Pred pred, Clock::time_point until, std::optional<uint32_t> poll_us = {}) {
+    const Clock::time_point spin_end =
+        Clock::now() + std::chrono::microseconds(poll_us.value_or(spin_us));
     while (true) {
       Reap();
       if (pred()) return true;
@@ -344,7 +351,7 @@ static Status WaitState(Handle::State* st, Clock::time_point until) {
   }
   if (!st->done.load(std::memory_order_acquire)) {
     bool done = st->core->WaitUntil([st] { return st->done.load(std::memory_order_acquire); },
-                                    std::min(until, st->give_up));
+                                    std::min(until, st->give_up), st->poll_us);
     if (!done) {
       if (until > st->give_up) return GaveUp(*st);
       return Status(StatusCode::kDeadlineExceeded, "operation still in progress");
@@ -894,6 +901,10 @@ Handle Communicator::Impl::Publish(const std::shared_ptr<Handle::State>& st,
     }
     st->op_id = c.next_op_id.fetch_add(1);
     e.op_id = st->op_id;
+    st->poll_us = internal::PollMicros(
+        c.spin_us, static_cast<wire::Collective>(e.collective),
+        e.count * wire::DataTypeSize(e.dtype), options.world_size, options.local_size,
+        options.rank);
     c.inflight.emplace(st->op_id, st);
     c.inflight_count.fetch_add(1);
   }
