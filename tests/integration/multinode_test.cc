@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -753,6 +754,114 @@ TEST(MultiNodeFaultsTest, DaemonWithoutTheClusterTokenCannotJoin) {
 // job's other node never comes) ends with a clear DEADLINE_EXCEEDED naming
 // the forming job, and never runs later; the daemon goes on (a second one
 // ends the same way).
+// An unnamed direct operation that times out on node 0 (node 1's rank
+// submits it only later) leaves rank 0's buffer alone once rank 0 has
+// heard of it: what node 1 sends then lands in the daemon's own memory
+// (in place in shared memory: 3 floats, inline in the message, and 2000,
+// a value sent apart). Node 1's rank completes it with both ranks' values,
+// and the job goes on.
+TEST(MultiNodeFaultsTest, ADirectOperationThatTimedOutLeavesTheRanksBufferAlone) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("abandon");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    for (size_t count : {size_t{3}, size_t{2000}}) {
+      Buffer buf;
+      CHILD_CHECK(comm->Allocate(count * sizeof(float), &buf).ok(), "allocate");
+      float* v = static_cast<float*>(buf.data());
+      std::fill(v, v + count, rank == 0 ? 1.0f : 2.0f);
+      if (rank == 0) {
+        OpOptions o;
+        o.timeout_ms = 300;
+        Status s = comm->Allreduce(v, v, count, DataType::kFloat32, ReduceOp::kSum, o).Wait();
+        CHILD_CHECK(s.code() == StatusCode::kDeadlineExceeded &&
+                        Contains(s.message(), "nothing came from node"),
+                    "%zu: %s", count, s.ToString().c_str());
+        std::fill(v, v + count, 42.0f);  // the buffer is the rank's again
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // past rank 0's deadline
+        Status s = comm->Allreduce(v, v, count, DataType::kFloat32, ReduceOp::kSum).Wait();
+        CHILD_CHECK(s.ok() && v[0] == 3.0f && v[count - 1] == 3.0f, "%zu late: %s (%f)", count,
+                    s.ToString().c_str(), v[0]);
+      }
+      // The next operation: on node 0 it ends after node 1's message for
+      // the first has reached node 0's daemon (one channel, in order).
+      std::vector<float> w(count, rank == 0 ? 1.0f : 2.0f);
+      Status s = comm->Allreduce(w.data(), w.data(), count, DataType::kFloat32, ReduceOp::kSum)
+                     .Wait();
+      CHILD_CHECK(s.ok() && w[0] == 3.0f && w[count - 1] == 3.0f, "%zu next: %s", count,
+                  s.ToString().c_str());
+      if (rank == 0) {
+        for (size_t i = 0; i < count; ++i) {
+          CHILD_CHECK(v[i] == 42.0f, "%zu: element %zu of the timed-out operation's buffer "
+                      "was written after it failed: %f", count, i, v[i]);
+        }
+      }
+    }
+    return 0;
+  }, std::chrono::seconds(120));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  EXPECT_TRUE(cluster->StopAll());
+}
+
+// A 1 MiB unnamed allreduce that times out on node 0 while node 0's
+// daemon is still sending it straight from rank 0's send buffer (UCX's
+// rendezvous: the data moves only once node 1 asks for it, and a send
+// cannot be taken back): the job ends, saying why, and rank 0 hears of its
+// operation once the job's end has cut the send off, at its deadline.
+// Node 1's rank, late, gets an error, not a result read from a buffer
+// that rank 0 may have reused; both daemons serve a new job after.
+TEST(MultiNodeFaultsTest, ATimeoutWhileTheRanksBufferIsBeingSentEndsTheJob) {
+  auto cluster = Cluster::Start(2);
+  ASSERT_NE(cluster, nullptr);
+  const std::string job = UniqueJobId("abandonsend");
+  auto codes = RunRanks(2, [&](int rank) {
+    auto comm = cluster->Join(job, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    const size_t count = 262144;
+    Buffer in, out;
+    CHILD_CHECK(comm->Allocate(count * sizeof(float), &in).ok(), "allocate");
+    CHILD_CHECK(comm->Allocate(count * sizeof(float), &out).ok(), "allocate");
+    float* v = static_cast<float*>(in.data());
+    std::fill(v, v + count, rank == 0 ? 1.0f : 2.0f);
+    OpOptions o;
+    o.timeout_ms = rank == 0 ? 300 : 3000;
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    const auto t0 = Clock::now();
+    Status s = comm->Allreduce(v, out.data(), count, DataType::kFloat32, ReduceOp::kSum, o).Wait();
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (rank == 0) {
+      CHILD_CHECK(s.code() == StatusCode::kDeadlineExceeded &&
+                      Contains(s.message(), "nothing came from node"),
+                  "%s", s.ToString().c_str());
+      CHILD_CHECK(took < 5, "heard after %.2f s", took);
+      std::vector<float> w(8, 1.0f);
+      s = comm->Allreduce(w.data(), w.data(), w.size(), DataType::kFloat32, ReduceOp::kSum, o)
+              .Wait();
+      CHILD_CHECK(Contains(s.message(), "cannot be taken back, so the job ends"), "next: %s",
+                  s.ToString().c_str());
+    } else {
+      CHILD_CHECK(!s.ok(), "the late rank completed an operation its peer had given up");
+    }
+    return 0;
+  }, std::chrono::seconds(120));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  const std::string next = UniqueJobId("abandonsend-after");
+  codes = RunRanks(2, [&](int rank) {
+    auto comm = cluster->Join(next, rank, 2, 1);
+    CHILD_CHECK(comm != nullptr, "join");
+    std::vector<float> w(262144, 1.0f);
+    Status s = comm->Allreduce(w.data(), w.data(), w.size(), DataType::kFloat32, ReduceOp::kSum)
+                   .Wait();
+    CHILD_CHECK(s.ok() && w[0] == 2.0f && w.back() == 2.0f, "%s", s.ToString().c_str());
+    return 0;
+  }, std::chrono::seconds(60));
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  EXPECT_TRUE(cluster->StopAll());
+}
+
 TEST(MultiNodeFaultsTest, AnOperationTimesOutClearlyWhileTheJobForms) {
   auto cluster = Cluster::Start(1);
   ASSERT_NE(cluster, nullptr);
