@@ -37,10 +37,12 @@ struct ClusterJob::Event {
   // kHeartbeat: time to tell the coordinator this node is alive.
   // kDirectEnd: a staged direct op's exchange ended (staged_direct_ends_),
   // its result to be stored on its device. kDirectExpired: a direct op's
-  // deadline passed.
+  // deadline passed. kGiveUp: this node ends the job for a reason of its
+  // own (its direct operations out of step with the other nodes'), which
+  // it tells the coordinator in its Leave so that the other nodes hear it.
   enum Kind {
     kSubmit, kCoordinator, kBroken, kRunFailed, kAbort, kReadyHeld, kHeartbeat, kDirectEnd,
-    kDirectExpired
+    kDirectExpired, kGiveUp
   } kind;
   ClusterOp op;
   proto::CoordinatorEvent coordinator;
@@ -168,6 +170,10 @@ void ClusterJob::Push(Event e) {
 
 void ClusterJob::PushRunFailed(absl::Status status) {
   Push(Event{Event::kRunFailed, {}, {}, std::move(status)});
+}
+
+void ClusterJob::PushGiveUp(absl::Status status) {
+  Push(Event{Event::kGiveUp, {}, {}, std::move(status)});
 }
 
 void ClusterJob::PushDirectEnd() { Push(Event{Event::kDirectEnd, {}, {}, {}}); }
@@ -768,6 +774,7 @@ void ClusterJob::Run() {
       events_->pop_front();
     }
     absl::Status job_failure;
+    bool give_up = false;  // job_failure is this node's own reason (kGiveUp)
     if (e.kind == Event::kDirectEnd) {
       FinishStagedDirect();
       StartWaitingDirect();
@@ -908,6 +915,10 @@ void ClusterJob::Run() {
       case Event::kRunFailed:
         job_failure = e.status;
         break;
+      case Event::kGiveUp:
+        job_failure = e.status;
+        give_up = true;
+        break;
       case Event::kAbort: {
         if (!left) {
           proto::NodeEvent leave;
@@ -938,6 +949,15 @@ void ClusterJob::Run() {
       }
       FailAll(job_failure);
       job_failed_(job_failure);
+      if (give_up) {
+        proto::NodeEvent leave;
+        leave.mutable_leave()->set_reason(std::string(job_failure.message()));
+        // After the Dones of runs whose operations have completed (as an
+        // Abort's Leave); the runs still going were cut off above.
+        std::unique_lock<std::mutex> lock(write_mu_);
+        dones_cv_.wait_for(lock, kDirectGrace, [&] { return dones_pending_ == 0; });
+        if (!writes_closed_ && stream_) stream_->Write(leave);
+      }
       CloseWrites();
     }
     if (left && e.kind == Event::kAbort) break;

@@ -415,6 +415,9 @@ class ClusterJob {
   // Push() of a kRunFailed and of a kDirectEnd event, for the files that do
   // not see Event.
   void PushRunFailed(absl::Status status);
+  // Ends the job for a reason of this node's own, which the other nodes
+  // hear (the Leave carries it).
+  void PushGiveUp(absl::Status status);
   void PushDirectEnd();
   // The earliest deadline of the direct ops running or waiting (max: none).
   std::chrono::steady_clock::time_point NextDirectDeadline();

@@ -386,14 +386,14 @@ void ClusterJob::ExpireDirect() {
     // the job's end cuts those transfers off, and the ranks hear then.
     const std::string name = d.op.name;
     if (!AbandonDirect(std::move(d), late)) {
-      PushRunFailed(absl::DeadlineExceededError(absl::StrCat(
+      PushGiveUp(absl::DeadlineExceededError(absl::StrCat(
           "operation '", name, "' of job '", options_.job_id,
           "' timed out while the transport was still moving its ranks' buffers to or from ",
           from, "; such a transfer cannot be taken back, so the job ends")));
     }
   }
   if (!expired.empty() && stale >= kMaxStaleExchanges) {
-    PushRunFailed(absl::DeadlineExceededError(absl::StrCat(
+    PushGiveUp(absl::DeadlineExceededError(absl::StrCat(
         stale, " direct operations of job '", options_.job_id,
         "' have timed out with other nodes never sending their part: the nodes' operations are "
         "out of step, and the job ends (each such exchange holds memory until "
