@@ -388,8 +388,8 @@ void ClusterJob::ExpireDirect() {
     if (!AbandonDirect(std::move(d), late)) {
       PushGiveUp(absl::DeadlineExceededError(absl::StrCat(
           "operation '", name, "' of job '", options_.job_id,
-          "' timed out while the transport was still moving its ranks' buffers to or from ",
-          from, "; such a transfer cannot be taken back, so the job ends")));
+          "' timed out while the transport was still moving its ranks' buffers to or from ", from,
+          "; such a transfer cannot be taken back, so the job ends")));
     }
   }
   if (!expired.empty() && stale >= kMaxStaleExchanges) {

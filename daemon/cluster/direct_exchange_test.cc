@@ -349,9 +349,8 @@ TEST(DirectExchangeTest, AnAbandonedExchangeLeavesTheCallersBuffersAndFailsEvery
     std::fill(output.begin(), output.end(), 42.0f);
     ex[2]->Start();
     std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] {
-      return results[0].done && results[1].done && results[2].done;
-    }));
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20),
+                            [&] { return results[0].done && results[1].done && results[2].done; }));
     EXPECT_EQ(results[0].status.code(), absl::StatusCode::kDeadlineExceeded) << results[0].status;
     for (int k = 1; k < 3; ++k) {
       const absl::Status& s = results[static_cast<size_t>(k)].status;
@@ -385,9 +384,8 @@ TEST(DirectExchangeTest, AbandonWaitsForATransferOfTheCallersBuffers) {
     events.push_back(std::move(what));
     cv.notify_all();
   };
-  auto ex = DirectExchange::Create(p, [&](absl::Status s, uint8_t*) {
-    note(s.ok() ? "finished ok" : "finished failed");
-  });
+  auto ex = DirectExchange::Create(
+      p, [&](absl::Status s, uint8_t*) { note(s.ok() ? "finished ok" : "finished failed"); });
   ex->UseBuffers(reinterpret_cast<const uint8_t*>(input.data()),
                  reinterpret_cast<uint8_t*>(output.data()));
   ex->Start();

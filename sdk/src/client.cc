@@ -903,8 +903,7 @@ Handle Communicator::Impl::Publish(const std::shared_ptr<Handle::State>& st,
     e.op_id = st->op_id;
     st->poll_us = internal::PollMicros(
         c.spin_us, static_cast<wire::Collective>(e.collective),
-        e.count * wire::DataTypeSize(e.dtype), options.world_size, options.local_size,
-        options.rank);
+        e.count * wire::DataTypeSize(e.dtype), options.world_size, options.local_size);
     c.inflight.emplace(st->op_id, st);
     c.inflight_count.fetch_add(1);
   }

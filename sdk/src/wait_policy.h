@@ -27,10 +27,11 @@ inline constexpr uint64_t kPollMaxBytesBetweenNodes = uint64_t{64} << 10;
 // (CIUIC_SPIN_US, default 50). Jobs on one node always poll: there the
 // daemon's part is short and the wake-up a large share of it. Alltoallv's
 // sizes are its splits', not known here: it polls.
-inline uint32_t PollMicros(uint32_t spin_us, wire::Collective collective, uint64_t block,
-                           int world, int local, int rank) {
+inline uint32_t PollMicros(uint32_t spin_us, wire::Collective collective, uint64_t block, int world,
+                           int local) {
   if (local >= world) return spin_us;
-  const wire::RankBytes bytes = wire::RankBytesOf(collective, block, world, rank, 0);
+  // The larger of send and recv: which rank is the root does not matter.
+  const wire::RankBytes bytes = wire::RankBytesOf(collective, block, world, 0, 0);
   return std::max(bytes.send, bytes.recv) > kPollMaxBytesBetweenNodes ? 0 : spin_us;
 }
 
